@@ -1,0 +1,406 @@
+"""Exact fast MLR attention: one fused attention call per level group, merged by log-sum-exp.
+
+For a query in finest block F the keys split into at most L contiguous groups (DESIGN.md §2): its own
+finest block (all r dims), and for each coarser depth d the part of its level-d block outside its
+level-(d+1) block (the first ``c_d = r_1 + ... + r_d`` dims). Each group is an ordinary attention problem,
+so the op is a handful of fused attention calls whose (output, log-sum-exp) pairs are merged. The T x T
+score matrix is never materialised.
+
+Three backends share the same group plan:
+  * ``fused`` (CPU): ``aten._scaled_dot_product_flash_attention_for_cpu`` per group, with a custom
+    backward that calls the fused backward once per group with the *global* output and LSE (that is exactly
+    flash backward with ``P = exp(S_g - LSE)``). The op needs equal q/k/v widths, so truncated q is
+    zero-padded (scales folded into q, ``scale=1``).
+  * ``math`` (any device): reduced-width matmuls per group with plain autograd. Used when the additive bias
+    needs a gradient (T5's learned relative bias) and on devices without a fused op.
+  * ``triton`` (CUDA): the kernel in ``structattn_triton`` when Triton is installed.
+"""
+
+import math
+from typing import Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+
+from .structattn_geometry import (
+    MASK_VALUE,
+    depth_scale_vector,
+    level_prefix_widths,
+    resolve_level_scales,
+    validate_mlr_geometry,
+)
+from .structattn_reference import mlr_attention_reference
+
+try:
+    from .structattn_triton import TRITON_AVAILABLE, mlr_attention_triton
+except ImportError:  # the kernel file is optional in the payload
+    TRITON_AVAILABLE = False
+    mlr_attention_triton = None
+
+IMPLEMENTATIONS = ("auto", "fused", "math", "triton", "reference")
+
+_cpu_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_cpu_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+class _Group:
+    """One level group on the canonical layout (token index == position - base, length Tc).
+
+    The sequence is viewed as ``n_parents`` parents of ``n_children`` children of ``child`` tokens;
+    queries in child i attend keys in child ``i - offset`` of the same parent. The finest group is
+    ``n_children == 1, offset == 0`` (own block, causal inside when causal).
+    """
+
+    def __init__(self, depth: int, parent: int, child: int, offset: int, length: int):
+        self.depth = depth
+        self.parent = parent
+        self.child = child
+        self.offset = offset
+        self.n_parents = length // parent
+        self.n_children = parent // child
+        self.count = self.n_children - abs(offset)
+        self.query_children = slice(max(offset, 0), self.n_children + min(offset, 0))
+        self.key_children = slice(max(-offset, 0), self.n_children - max(offset, 0))
+
+    @property
+    def is_own_block(self) -> bool:
+        return self.offset == 0
+
+    def view(self, x: torch.Tensor, children: slice) -> torch.Tensor:
+        """x (B, H, Tc, E) -> (B, H, n_parents, count, child, E) view of the selected children."""
+        batch, heads, _, width = x.shape
+        return x.view(batch, heads, self.n_parents, self.n_children, self.child, width)[:, :, :, children]
+
+    def flat(self, x: torch.Tensor, children: slice) -> torch.Tensor:
+        """x (B, H, Tc, E) -> (B, H * n_parents * count, child, E) (a view when possible)."""
+        batch, heads, _, width = x.shape
+        return self.view(x, children).reshape(batch, heads * self.n_parents * self.count, self.child, width)
+
+    def queries(self, x):
+        return self.flat(x, self.query_children)
+
+    def keys(self, x):
+        return self.flat(x, self.key_children)
+
+    def rows(self, lse: torch.Tensor) -> torch.Tensor:
+        """lse (B, H, Tc) -> (B, H, n_parents, count, child) view of the query rows."""
+        return self.view(lse[..., None], self.query_children)[..., 0]
+
+    def additive_mask(self, key_valid: Optional[torch.Tensor], bias: Optional[torch.Tensor], heads: int,
+                      dtype: torch.dtype) -> Optional[torch.Tensor]:
+        """Additive mask (B, H*N, 1|child, child) for this group from the canonical key validity (B, Tc) and
+        bias (Bb, Hb, Tc, Tc), or None."""
+        result = None
+        if key_valid is not None:
+            batch = key_valid.shape[0]
+            valid = key_valid.view(batch, 1, self.n_parents, self.n_children, 1, self.child)[:, :, :, self.key_children]
+            valid = valid.expand(batch, heads, self.n_parents, self.count, 1, self.child)
+            valid = valid.reshape(batch, heads * self.n_parents * self.count, 1, self.child)
+            result = torch.zeros(valid.shape, dtype=dtype, device=valid.device).masked_fill_(~valid, MASK_VALUE)
+        if bias is not None:
+            bias_batch, bias_heads, length, _ = bias.shape
+            blocks = bias.view(bias_batch, bias_heads, self.n_parents, self.parent, self.n_parents, self.parent)
+            blocks = blocks.diagonal(dim1=2, dim2=4).permute(0, 1, 4, 2, 3)  # (Bb, Hb, nP, P, P)
+            blocks = blocks.reshape(bias_batch, bias_heads, self.n_parents, self.n_children, self.child,
+                                    self.n_children, self.child)
+            blocks = blocks.diagonal(offset=-self.offset, dim1=3, dim2=5).permute(0, 1, 2, 5, 3, 4)
+            batch = key_valid.shape[0] if key_valid is not None else bias_batch
+            blocks = blocks.expand(batch, heads, self.n_parents, self.count, self.child, self.child)
+            blocks = blocks.reshape(batch, heads * self.n_parents * self.count, self.child, self.child).to(dtype)
+            result = blocks if result is None else result + blocks
+        return result
+
+
+class _Plan:
+    """Groups of one call: built from the canonical length and the levels that are not shared by all tokens."""
+
+    def __init__(self, ranks: Sequence[int], block_sizes: Sequence[int], first_depth: int, length: int, causal: bool):
+        self.groups = []
+        num_levels = len(ranks)
+        finest = block_sizes[-1] if first_depth < num_levels else length  # first_depth == L: one dense group
+        self.groups.append(_Group(num_levels, finest, finest, 0, length))
+        for depth in range(num_levels - 1, first_depth - 1, -1):
+            parent = length if depth == first_depth else block_sizes[depth - 2]
+            child = block_sizes[depth - 1]
+            n_children = parent // child
+            offsets = list(range(1, n_children)) + ([] if causal else list(range(-(n_children - 1), 0)))
+            for offset in offsets:
+                self.groups.append(_Group(depth, parent, child, offset, length))
+        self.prefix_widths = level_prefix_widths(ranks)
+
+
+def _flash_group(q, k, v, mask, is_causal):
+    out, lse = _cpu_flash(q, k, v, 0.0, is_causal, attn_mask=mask, scale=1.0)
+    return out, lse
+
+
+def _merge_into(out_view, lse_view, group_out, group_lse):
+    """In-place log-sum-exp merge of one group's (out, lse) into the running (out, lse) views."""
+    merged = torch.logaddexp(lse_view, group_lse)
+    out_view.mul_(torch.exp(lse_view - merged)[..., None]).add_(group_out * torch.exp(group_lse - merged)[..., None])
+    lse_view.copy_(merged)
+
+
+class _FusedMLRFunction(torch.autograd.Function):
+    """Exact MLR attention on the canonical layout using the fused CPU flash kernel per group."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, key_valid, bias, plan, scale_vectors, causal):
+        batch, heads, length, _ = q.shape
+        value_dim = v.shape[-1]
+        width = max(q.shape[-1], value_dim)
+        q_pad, k_pad, v_pad = (F.pad(t, (0, width - t.shape[-1])) if t.shape[-1] < width else t for t in (q, k, v))
+        acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        scale_vectors = {depth: F.pad(vec, (0, width - vec.shape[0])) for depth, vec in scale_vectors.items()}
+        out = lse = None
+        for group in plan.groups:
+            scaled_q = q_pad * scale_vectors[group.depth]
+            mask = group.additive_mask(key_valid, bias, heads, q.dtype)
+            group_out, group_lse = _flash_group(group.queries(scaled_q), group.keys(k_pad), group.keys(v_pad), mask,
+                                                causal and group.is_own_block)
+            group_out = group_out[..., :value_dim].to(acc_dtype)
+            group_lse = group_lse.to(acc_dtype)
+            if out is None:  # the own-block group covers every query row
+                out = group_out.reshape(batch, heads, length, value_dim).contiguous()
+                lse = group_lse.reshape(batch, heads, length).contiguous()
+                continue
+            shape = group.rows(lse).shape
+            _merge_into(group.view(out, group.query_children), group.rows(lse),
+                        group_out.reshape(*shape, value_dim), group_lse.reshape(shape))
+        result = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, key_valid, bias, result, lse)
+        ctx.plan, ctx.scale_vectors, ctx.causal = plan, scale_vectors, causal
+        return result
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, key_valid, bias, out, lse = ctx.saved_tensors
+        plan, scale_vectors, causal = ctx.plan, ctx.scale_vectors, ctx.causal
+        heads = q.shape[1]
+        head_dim, value_dim = q.shape[-1], v.shape[-1]
+        width = max(head_dim, value_dim)
+        q_pad, k_pad, v_pad, out_pad, grad_pad = (
+            F.pad(t, (0, width - t.shape[-1])) if t.shape[-1] < width else t
+            for t in (q, k, v, out, grad_out.contiguous())
+        )
+        lse = lse.to(torch.float32) if q.dtype != torch.float64 else lse
+        acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        scale_vectors = {depth: F.pad(vec, (0, width - vec.shape[0])) for depth, vec in scale_vectors.items()}
+        grad_q = torch.zeros(q_pad.shape, dtype=acc_dtype, device=q.device)
+        grad_k = torch.zeros(k_pad.shape, dtype=acc_dtype, device=q.device)
+        grad_v = torch.zeros(v_pad.shape, dtype=acc_dtype, device=q.device)
+        for group in plan.groups:
+            scale = scale_vectors[group.depth]
+            mask = group.additive_mask(key_valid, bias, heads, q.dtype)
+            group_lse = group.rows(lse).reshape(grad_pad.shape[0], -1, group.child)
+            dq, dk, dv = _cpu_flash_backward(
+                group.queries(grad_pad), group.queries(q_pad * scale), group.keys(k_pad), group.keys(v_pad),
+                group.queries(out_pad), group_lse.contiguous(), 0.0, causal and group.is_own_block,
+                attn_mask=mask, scale=1.0)
+            query_rows = group.view(grad_q, group.query_children)
+            query_rows.add_((dq * scale).reshape(query_rows.shape))
+            key_rows = group.view(grad_k, group.key_children)
+            key_rows.add_(dk.reshape(key_rows.shape))
+            value_rows = group.view(grad_v, group.key_children)
+            value_rows.add_(dv.reshape(value_rows.shape))
+        return (grad_q[..., :head_dim].to(q.dtype), grad_k[..., :head_dim].to(k.dtype),
+                grad_v[..., :value_dim].to(v.dtype), None, None, None, None, None)
+
+
+def _math_attention(q, k, v, key_valid, bias, plan: _Plan, scale_vectors, causal):
+    """Same group plan with reduced-width matmuls and plain autograd (any device, bias gradients)."""
+    batch, heads, length, _ = q.shape
+    value_dim = v.shape[-1]
+    outs, lses, slots = [], [], []
+    for group in plan.groups:
+        width = plan.prefix_widths[group.depth - 1]
+        scaled_q = (q * scale_vectors[group.depth])[..., :width]
+        scores = group.queries(scaled_q) @ group.keys(k[..., :width]).transpose(-1, -2)
+        mask = group.additive_mask(key_valid, bias, heads, scores.dtype)
+        if mask is not None:
+            scores = scores + mask
+        if causal and group.is_own_block:
+            future = torch.ones(group.child, group.child, dtype=torch.bool, device=q.device).triu_(1)
+            scores = scores.masked_fill(future, MASK_VALUE)
+        group_lse = torch.logsumexp(scores, dim=-1)
+        group_out = torch.softmax(scores, dim=-1) @ group.keys(v)
+        outs.append(group_out)
+        lses.append(group_lse)
+        slots.append(group)
+    # Place every group's rows into full-length (B, H, Tc) layouts, then merge all groups at once.
+    lse_stack, out_stack = [], []
+    for group, group_out, group_lse in zip(slots, outs, lses):
+        full_lse = torch.full((batch, heads, length), MASK_VALUE, dtype=group_lse.dtype, device=q.device)
+        full_out = torch.zeros(batch, heads, length, value_dim, dtype=group_out.dtype, device=q.device)
+        rows = group.rows(full_lse)
+        rows.copy_(group_lse.reshape(rows.shape))
+        values = group.view(full_out, group.query_children)
+        values.copy_(group_out.reshape(values.shape))
+        lse_stack.append(full_lse)
+        out_stack.append(full_out)
+    lse_all = torch.stack(lse_stack)  # (G, B, H, Tc)
+    weights = torch.softmax(lse_all, dim=0)
+    return (weights[..., None] * torch.stack(out_stack)).sum(0)
+
+
+def _row_offsets(positions: torch.Tensor, valid: torch.Tensor):
+    """Per-row constant ``position - index`` over valid tokens, or None if some row is not contiguous."""
+    length = positions.shape[1]
+    delta = positions - torch.arange(length, device=positions.device)
+    big = torch.iinfo(torch.long).max
+    low = torch.where(valid, delta, torch.full_like(delta, big)).amin(1)
+    high = torch.where(valid, delta, torch.full_like(delta, -big)).amax(1)
+    has_tokens = valid.any(1)
+    if bool(((low != high) & has_tokens).any()):
+        return None
+    return torch.where(has_tokens, low, torch.zeros_like(low))
+
+
+def mlr_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ranks: Sequence[int],
+                  block_sizes: Sequence[int], causal: bool = True,
+                  scales: Union[None, str, float, Sequence[float]] = None, positions: Optional[torch.Tensor] = None,
+                  attention_mask: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
+                  average_levels: bool = False, implementation: str = "auto") -> torch.Tensor:
+    """Exact multi-level low-rank attention (paper §3.4) without materialising the T x T scores.
+
+    Args:
+        q, k: (B, H, T, r) queries and keys; level slices are contiguous prefixes ``[q_1 | q_2 | ...]``.
+        v: (B, H, T, dv).
+        ranks: (r_1, ..., r_L) summing to r.
+        block_sizes: (b_2, ..., b_L) nested block sizes of levels 2..L (level 1 is global). These come from
+            the training length, never from T.
+        causal: causal (key position <= query position) or bidirectional.
+        scales: per-level logit multipliers: None/"standard" = 1/sqrt(r), "mup" = 1/r_l, a float, or a list.
+        positions: (B, T) absolute positions (default ``arange(T)``); blocks are aligned to them.
+        attention_mask: (B, T), 1 = keep (padding mask over keys).
+        bias: additive score bias broadcastable to (B, H, T, T) (e.g. T5's relative position bias), added in
+            every level group.
+        average_levels: divide each score by the number of levels the pair shares.
+        implementation: "auto", "fused" (CPU), "math", "triton" (CUDA) or "reference" (naive, for tests).
+
+    Returns:
+        (B, H, T, dv). Rows whose keys are all masked hold an unspecified finite value.
+    """
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation={implementation!r} is not one of {IMPLEMENTATIONS}")
+    if q.dim() != 4 or k.shape != q.shape or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"expected q, k of shape (B, H, T, r) and v of shape (B, H, T, dv); got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    validate_mlr_geometry(ranks, block_sizes, q.shape[-1])
+    level_scales = resolve_level_scales(ranks, scales)
+    batch, heads, length, _ = q.shape
+    if implementation == "reference":
+        return mlr_attention_reference(q, k, v, ranks=ranks, block_sizes=block_sizes, causal=causal,
+                                       scales=level_scales, positions=positions, attention_mask=attention_mask,
+                                       bias=bias, average_levels=average_levels)
+
+    valid = None if attention_mask is None else attention_mask.to(device=q.device).bool().expand(batch, length)
+    if positions is None:
+        offsets, uniform = None, True
+    else:
+        positions = positions.to(device=q.device, dtype=torch.long).expand(batch, length)
+        offsets = _row_offsets(positions, valid if valid is not None else torch.ones_like(positions, dtype=torch.bool))
+        if offsets is None:  # non-contiguous positions (e.g. packed sequences): only the naive path is exact
+            return mlr_attention_reference(q, k, v, ranks=ranks, block_sizes=block_sizes, causal=causal,
+                                           scales=level_scales, positions=positions, attention_mask=attention_mask,
+                                           bias=bias, average_levels=average_levels)
+        uniform = bool((offsets == offsets[0]).all())
+
+    # Range of positions that carry real tokens decides which levels every pair shares.
+    if uniform:
+        base_offset = 0 if offsets is None else int(offsets[0])
+        low, high = base_offset, base_offset + length - 1
+    else:
+        token_positions = positions.masked_fill(~valid, -1) if valid is not None else positions
+        high = int(token_positions.max())
+        low = int(positions.masked_fill(~valid, high).min()) if valid is not None else int(positions.min())
+    if low < 0:
+        raise ValueError(f"positions must be non-negative for MLR attention (blocks are aligned to position 0), "
+                         f"got {low}")
+    first_depth = 1
+    for size in block_sizes:
+        if low // size != high // size:
+            break
+        first_depth += 1
+    num_levels = len(ranks)
+    if first_depth < num_levels:
+        granule = block_sizes[first_depth - 1]
+        base = (low // granule) * granule
+        canonical_length = -(-(high + 1 - base) // granule) * granule
+    else:
+        base, canonical_length = low, high + 1 - low
+
+    if uniform:
+        left = base_offset - base
+        right = canonical_length - left - length
+        pad = (lambda t: F.pad(t, (0, 0, left, right))) if (left or right) else (lambda t: t)
+        q_c, k_c, v_c = pad(q), pad(k), pad(v)
+        key_valid = None
+        if left or right or valid is not None:
+            key_valid = torch.zeros(batch, canonical_length, dtype=torch.bool, device=q.device)
+            key_valid[:, left:left + length] = True if valid is None else valid
+        bias_c = None
+        if bias is not None:
+            bias_c = bias if bias.dim() == 4 else bias.view((1,) * (4 - bias.dim()) + tuple(bias.shape))
+            bias_c = bias_c.expand(bias_c.shape[0], bias_c.shape[1], length, length)
+            if left or right:
+                bias_c = F.pad(bias_c, (left, right, left, right))
+    else:
+        index = (positions - base).masked_fill(~valid, canonical_length)  # invalid tokens go to a dump slot
+        gather_index = index[:, None, :, None]
+
+        def to_canonical(t):
+            shape = (batch, t.shape[1], canonical_length + 1, t.shape[-1])
+            return t.new_zeros(shape).scatter(2, gather_index.expand_as(t), t)[:, :, :canonical_length]
+
+        q_c, k_c, v_c = to_canonical(q), to_canonical(k), to_canonical(v)
+        key_valid = torch.zeros(batch, canonical_length + 1, dtype=torch.bool, device=q.device)
+        key_valid.scatter_(1, index, valid)
+        key_valid = key_valid[:, :canonical_length]
+        bias_c = None
+        if bias is not None:
+            full_bias = bias if bias.dim() == 4 else bias.view((1,) * (4 - bias.dim()) + tuple(bias.shape))
+            full_bias = full_bias.expand(batch, full_bias.shape[1], length, length)
+            rows = full_bias.new_zeros(batch, full_bias.shape[1], canonical_length + 1, length)
+            rows = rows.scatter(2, index[:, None, :, None].expand_as(full_bias), full_bias)
+            cols = full_bias.new_zeros(batch, full_bias.shape[1], canonical_length + 1, canonical_length + 1)
+            bias_c = cols.scatter(3, index[:, None, None, :].expand_as(rows), rows)[
+                :, :, :canonical_length, :canonical_length]
+
+    plan = _Plan(ranks, block_sizes, first_depth, canonical_length, causal)
+    depths = {group.depth for group in plan.groups}
+    scale_vectors = {depth: depth_scale_vector(ranks, level_scales, depth, average_levels, q.dtype, q.device)
+                     for depth in depths}
+
+    backend = implementation
+    if backend == "auto":
+        if q.device.type == "cpu" and not (bias_c is not None and bias_c.requires_grad):
+            backend = "fused"
+        elif q.device.type == "cuda" and TRITON_AVAILABLE:
+            backend = "triton"
+        else:
+            backend = "math"
+    if backend == "fused":
+        if q.device.type != "cpu":
+            raise ValueError(f"implementation='fused' needs CPU tensors, got device {q.device}")
+        if bias_c is not None and bias_c.requires_grad:
+            raise ValueError("implementation='fused' cannot differentiate the bias; use 'math' or 'auto'")
+        out_c = _FusedMLRFunction.apply(q_c, k_c, v_c, key_valid, bias_c, plan, scale_vectors, causal)
+    elif backend == "triton":
+        if not TRITON_AVAILABLE:
+            raise ValueError("implementation='triton' needs the triton package")
+        # The kernel aligns blocks to index 0; levels shared by every token get blocks covering the whole
+        # canonical range (still nested) because the canonical base is only aligned to the finer levels.
+        kernel_blocks = [canonical_length * 2 ** (first_depth - level) if level <= first_depth else size
+                         for level, size in enumerate(block_sizes, start=2)]
+        out_c = mlr_attention_triton(q_c, k_c, v_c, ranks=ranks, block_sizes=kernel_blocks, causal=causal,
+                                     level_scales=level_scales, average_levels=average_levels,
+                                     key_padding_mask=key_valid, bias=bias_c)
+    else:
+        out_c = _math_attention(q_c, k_c, v_c, key_valid, bias_c, plan, scale_vectors, causal)
+
+    if uniform:
+        return out_c[:, :, left:left + length] if (left or right) else out_c
+    safe_index = index.clamp(max=canonical_length - 1)
+    out = out_c.gather(2, safe_index[:, None, :, None].expand(batch, heads, length, out_c.shape[-1]))
+    return out.masked_fill(~valid[:, None, :, None], 0.0)
