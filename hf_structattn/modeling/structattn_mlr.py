@@ -154,10 +154,9 @@ class _FusedMLRFunction(torch.autograd.Function):
         scale_vectors = {depth: F.pad(vec, (0, width - vec.shape[0])) for depth, vec in scale_vectors.items()}
         out = lse = None
         for group in plan.groups:
-            scaled_q = q_pad * scale_vectors[group.depth]
             mask = group.additive_mask(key_valid, bias, heads, q.dtype)
-            group_out, group_lse = _flash_group(group.queries(scaled_q), group.keys(k_pad), group.keys(v_pad), mask,
-                                                causal and group.is_own_block)
+            group_out, group_lse = _flash_group(group.queries(q_pad) * scale_vectors[group.depth], group.keys(k_pad),
+                                                group.keys(v_pad), mask, causal and group.is_own_block)
             group_out = group_out[..., :value_dim].to(acc_dtype)
             group_lse = group_lse.to(acc_dtype)
             if out is None:  # the own-block group covers every query row
@@ -186,19 +185,22 @@ class _FusedMLRFunction(torch.autograd.Function):
         lse = lse.to(torch.float32) if q.dtype != torch.float64 else lse
         acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         scale_vectors = {depth: F.pad(vec, (0, width - vec.shape[0])) for depth, vec in scale_vectors.items()}
-        grad_q = torch.zeros(q_pad.shape, dtype=acc_dtype, device=q.device)
-        grad_k = torch.zeros(k_pad.shape, dtype=acc_dtype, device=q.device)
-        grad_v = torch.zeros(v_pad.shape, dtype=acc_dtype, device=q.device)
+        grad_q = grad_k = grad_v = None
         for group in plan.groups:
             scale = scale_vectors[group.depth]
             mask = group.additive_mask(key_valid, bias, heads, q.dtype)
             group_lse = group.rows(lse).reshape(grad_pad.shape[0], -1, group.child)
             dq, dk, dv = _cpu_flash_backward(
-                group.queries(grad_pad), group.queries(q_pad * scale), group.keys(k_pad), group.keys(v_pad),
+                group.queries(grad_pad), group.queries(q_pad) * scale, group.keys(k_pad), group.keys(v_pad),
                 group.queries(out_pad), group_lse.contiguous(), 0.0, causal and group.is_own_block,
                 attn_mask=mask, scale=1.0)
+            if grad_q is None:  # the own-block group touches every query and key row: start from it
+                grad_q = (dq * scale).to(acc_dtype).reshape(q_pad.shape)
+                grad_k = dk.to(acc_dtype).reshape(k_pad.shape)
+                grad_v = dv.to(acc_dtype).reshape(v_pad.shape)
+                continue
             query_rows = group.view(grad_q, group.query_children)
-            query_rows.add_((dq * scale).reshape(query_rows.shape))
+            query_rows.addcmul_(dq.reshape(query_rows.shape), scale)
             key_rows = group.view(grad_k, group.key_children)
             key_rows.add_(dk.reshape(key_rows.shape))
             value_rows = group.view(grad_v, group.key_children)

@@ -1,0 +1,650 @@
+"""Compute and memory accounting for every attention variant of DESIGN.md §2 (paper §3.4 and App. D).
+
+Pure Python integer arithmetic: no tensors are built, so any sequence length is cheap and every count is exact.
+
+Units and conventions (unless a function says otherwise):
+  * ``*_macs`` functions count multiply-accumulates (MACs) for **batch 1, one head, one layer**.
+  * FLOPs = 2 x MACs. Only the report and :func:`flops_per_token` speak in FLOPs, and they say so.
+  * ``seq_len`` = T query positions ``0..T-1`` attending to keys at the same positions (a full forward pass,
+    e.g. training or prefill). ``causal=True`` keeps pairs with ``j <= i``; otherwise every pair counts.
+  * Score MACs count the ``T x T`` contraction only (``Q K^T`` or its structured equivalent). The q/k projections
+    are weight matmuls, already inside the ``2 x params`` term of :func:`flops_per_token`; pass
+    ``include_projections=True`` to add them and get the per-head totals of the paper's App. D tables.
+  * PV MACs = scored pairs x value width ``dv``. ``dv`` is the head dim r for dense / mlr / swa and ``D/H``
+    for the bilinear variants (their query/key width differs from the value width).
+
+Geometry keywords shared by :func:`score_macs`, :func:`pv_macs` and :func:`attention_pairs` (so one dict can be
+splatted into all of them):
+  * ``head_dim`` r (dense, swa; for mlr optional, then checked against ``sum(ranks)``);
+  * ``ranks`` (r_1..r_L): MLR level ranks for ``mlr``, bilinear level ranks for ``bilinear_mlr``;
+  * ``block_sizes`` (b_2..b_L) for ``mlr``: nested, absolute-position aligned; or ``n_positions`` to derive the
+    dyadic defaults ``b_l = n_positions / 2^(l-1)`` (never derived from ``seq_len``: DESIGN.md §2);
+  * ``window`` w for ``swa`` (causal: ``0 <= i - j < w``; otherwise ``|i - j| < w``);
+  * ``n_embd`` D and ``n_head`` H for the bilinear variants and for ``include_projections``;
+  * ``btt_rank`` s and ``btt_factors`` (a, b, c, d) with ``D = a*b = c*d`` for ``bilinear_btt``;
+  * ``value_dim`` to override dv.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping, Optional, Sequence
+
+VARIANTS = ("dense", "mlr", "bilinear_mlr", "bilinear_btt", "swa")
+
+__all__ = [
+    "VARIANTS",
+    "AttentionCostReport",
+    "attention_cost_report",
+    "attention_pairs",
+    "default_btt_factors",
+    "dyadic_block_sizes",
+    "flops_per_token",
+    "key_cache_bytes",
+    "key_cache_elements",
+    "kv_cache_bytes",
+    "mlr_pairs_per_depth",
+    "nonembedding_matmul_params",
+    "pv_macs",
+    "qk_projection_macs",
+    "score_macs",
+    "value_cache_elements",
+]
+
+
+# ----------------------------------------------------------------------------------------------- validation
+
+
+def _check_int(field: str, value: Any, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{field} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _check_variant(variant: Any, field: str = "variant") -> str:
+    if variant not in VARIANTS:
+        raise ValueError(f"{field}={variant!r} is not a known attention variant; expected one of {VARIANTS}")
+    return variant
+
+
+def _check_ranks(ranks: Any, field: str) -> list[int]:
+    if ranks is None:
+        raise ValueError(f"{field} is required for this variant, got None")
+    if isinstance(ranks, (str, bytes)) or not hasattr(ranks, "__iter__"):
+        raise ValueError(f"{field} must be a sequence of positive integers, got {ranks!r}")
+    ranks = list(ranks)
+    if not ranks:
+        raise ValueError(f"{field} must name at least one level, got {ranks!r}")
+    for rank in ranks:
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
+            raise ValueError(f"{field} must be positive integers, got {ranks!r}")
+    return ranks
+
+
+def _check_block_sizes(block_sizes: Any, num_levels: int, field: str, ranks_field: str) -> list[int]:
+    if isinstance(block_sizes, (str, bytes)) or not hasattr(block_sizes, "__iter__"):
+        raise ValueError(f"{field} must be a sequence of positive integers, got {block_sizes!r}")
+    block_sizes = list(block_sizes)
+    if len(block_sizes) != num_levels - 1:
+        raise ValueError(f"{field}={block_sizes} must give one block size per level 2..L "
+                         f"({num_levels - 1} values for the {num_levels} levels of {ranks_field})")
+    for size in block_sizes:
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+            raise ValueError(f"{field} must be positive integers, got {block_sizes!r}")
+    # Same rule as modeling/structattn_geometry.py: the group decomposition needs strictly nested blocks.
+    for coarse, fine in zip(block_sizes, block_sizes[1:]):
+        if fine >= coarse or coarse % fine:
+            raise ValueError(f"{field}={block_sizes} are not nested: each block size must be a proper divisor "
+                             f"of the previous one ({fine} vs {coarse})")
+    return block_sizes
+
+
+def dyadic_block_sizes(n_positions: int, num_levels: int, field: str = "n_positions") -> list[int]:
+    """Default MLR blocks ``b_l = n_positions / 2^(l-1)`` for levels 2..L (token counts)."""
+    _check_int(field, n_positions)
+    _check_int("num_levels", num_levels)
+    divisor = 2 ** (num_levels - 1)
+    if n_positions % divisor:
+        raise ValueError(f"{field}={n_positions} is not divisible by 2^{num_levels - 1}={divisor}, which the "
+                         f"default dyadic block sizes of {num_levels} levels need; pass the block sizes explicitly")
+    return [n_positions // 2 ** (level - 1) for level in range(2, num_levels + 1)]
+
+
+def default_btt_factors(n_embd: int) -> tuple[int, int, int, int]:
+    """``(a, b, c, d)`` with ``a = c`` the largest divisor of D that is <= sqrt(D) and ``b = d = D / a``:
+    the most balanced split (the same as ``modeling/structattn_bilinear.py``); key cost ``T*D*s*(b + c)``."""
+    _check_int("n_embd", n_embd)
+    a = max(k for k in range(1, math.isqrt(n_embd) + 1) if n_embd % k == 0)
+    return a, n_embd // a, a, n_embd // a
+
+
+def _check_btt_factors(btt_factors: Any, n_embd: int, field: str = "btt_factors") -> tuple[int, int, int, int]:
+    if btt_factors is None:
+        return default_btt_factors(n_embd)
+    if isinstance(btt_factors, (str, bytes)) or not hasattr(btt_factors, "__iter__"):
+        raise ValueError(f"{field} must be four positive integers (a, b, c, d), got {btt_factors!r}")
+    factors = tuple(btt_factors)
+    if len(factors) != 4 or any(isinstance(f, bool) or not isinstance(f, int) or f <= 0 for f in factors):
+        raise ValueError(f"{field} must be four positive integers (a, b, c, d), got {btt_factors!r}")
+    a, b, c, d = factors
+    if a * b != n_embd or c * d != n_embd:
+        raise ValueError(f"{field}={factors} must satisfy a*b = c*d = n_embd={n_embd} "
+                         f"(got a*b={a * b}, c*d={c * d})")
+    return factors
+
+
+def _dtype_bytes(dtype_bytes: Any) -> int:
+    # Duck-typed so torch stays an optional import: torch.dtype exposes .itemsize.
+    itemsize = getattr(dtype_bytes, "itemsize", None)
+    if itemsize is not None and not isinstance(dtype_bytes, int):
+        return int(itemsize)
+    return _check_int("dtype_bytes", dtype_bytes)
+
+
+# ------------------------------------------------------------------------------------------ head geometry
+
+
+@dataclass(frozen=True)
+class _Head:
+    """Resolved per-head geometry. ``key_width``: per-pair score MACs at full depth (the query/key width)."""
+
+    variant: str
+    key_width: int
+    value_dim: int
+    ranks: tuple = ()
+    block_sizes: tuple = ()
+    window: Optional[int] = None
+    n_embd: Optional[int] = None
+    btt_rank: Optional[int] = None
+    btt_factors: Optional[tuple] = None
+
+
+def _resolve_head(variant: str, *, head_dim: Optional[int] = None, ranks: Optional[Sequence[int]] = None,
+                  block_sizes: Optional[Sequence[int]] = None, n_positions: Optional[int] = None,
+                  window: Optional[int] = None, n_embd: Optional[int] = None, n_head: Optional[int] = None,
+                  btt_rank: Optional[int] = None, btt_factors: Optional[Sequence[int]] = None,
+                  value_dim: Optional[int] = None, fields: Optional[Mapping[str, str]] = None) -> _Head:
+    # ``fields`` maps parameter names to the caller's names (config fields) so errors name what the user wrote.
+    name = dict(fields or {}).get
+    _check_variant(variant, name("variant", "variant"))
+    if n_embd is not None:
+        _check_int(name("n_embd", "n_embd"), n_embd)
+    if n_head is not None:
+        _check_int(name("n_head", "n_head"), n_head)
+        if n_embd is not None and n_embd % n_head:
+            raise ValueError(f"{name('n_embd', 'n_embd')}={n_embd} is not divisible by "
+                             f"{name('n_head', 'n_head')}={n_head}")
+    if value_dim is not None:
+        _check_int(name("value_dim", "value_dim"), value_dim)
+    if head_dim is not None:
+        _check_int(name("head_dim", "head_dim"), head_dim)
+
+    def split_width() -> Optional[int]:
+        return n_embd // n_head if n_embd is not None and n_head is not None else None
+
+    if variant in ("dense", "swa", "mlr"):
+        if variant == "mlr":
+            level_ranks = _check_ranks(ranks, name("ranks", "ranks"))
+            if head_dim is None:
+                head_dim = split_width()
+            if head_dim is not None and sum(level_ranks) != head_dim:
+                raise ValueError(f"{name('ranks', 'ranks')}={level_ranks} sums to {sum(level_ranks)}, but the head "
+                                 f"dim is {head_dim}")
+            head_dim = sum(level_ranks)
+        elif head_dim is None:
+            head_dim = sum(_check_ranks(ranks, name("ranks", "ranks"))) if ranks is not None else split_width()
+        if head_dim is None:
+            raise ValueError(f"{name('head_dim', 'head_dim')} is required for variant {variant!r} "
+                             f"(or n_embd and n_head), got None")
+        if split_width() is not None and split_width() != head_dim:
+            raise ValueError(f"{name('head_dim', 'head_dim')}={head_dim} does not match "
+                             f"n_embd/n_head={split_width()}")
+        dv = value_dim if value_dim is not None else head_dim
+        if variant == "dense":
+            return _Head(variant, head_dim, dv)
+        if variant == "swa":
+            if window is None:
+                raise ValueError(f"{name('window', 'window')} is required for variant 'swa', got None")
+            return _Head(variant, head_dim, dv, window=_check_int(name("window", "window"), window))
+        if block_sizes is None:
+            if n_positions is None:
+                raise ValueError(f"{name('block_sizes', 'block_sizes')} is required for variant 'mlr' (or "
+                                 f"n_positions for the dyadic defaults), got None")
+            block_sizes = dyadic_block_sizes(n_positions, len(level_ranks), name("n_positions", "n_positions"))
+        blocks = _check_block_sizes(block_sizes, len(level_ranks), name("block_sizes", "block_sizes"),
+                                    name("ranks", "ranks"))
+        return _Head(variant, head_dim, dv, ranks=tuple(level_ranks), block_sizes=tuple(blocks))
+
+    if n_embd is None:
+        raise ValueError(f"{name('n_embd', 'n_embd')} is required for variant {variant!r}, got None")
+    dv = value_dim if value_dim is not None else head_dim if head_dim is not None else split_width()
+    if dv is None:
+        raise ValueError(f"{name('n_head', 'n_head')} (or value_dim) is required for variant {variant!r} to fix the "
+                         f"value width D/H, got None")
+    if variant == "bilinear_mlr":
+        level_ranks = _check_ranks(ranks, name("ranks", "ranks"))
+        chunks = 2 ** (len(level_ranks) - 1)
+        if n_embd % chunks:
+            raise ValueError(f"{name('n_embd', 'n_embd')}={n_embd} is not divisible by 2^(L-1)={chunks}, the "
+                             f"number of feature chunks of the finest of the {len(level_ranks)} levels of "
+                             f"{name('ranks', 'ranks')}={level_ranks}")
+        width = sum(2 ** level * rank for level, rank in enumerate(level_ranks))
+        return _Head(variant, width, dv, ranks=tuple(level_ranks), n_embd=n_embd)
+    if btt_rank is None:
+        raise ValueError(f"{name('btt_rank', 'btt_rank')} is required for variant 'bilinear_btt', got None")
+    _check_int(name("btt_rank", "btt_rank"), btt_rank)
+    factors = _check_btt_factors(btt_factors, n_embd, name("btt_factors", "btt_factors"))
+    return _Head(variant, n_embd, dv, n_embd=n_embd, btt_rank=btt_rank, btt_factors=factors)
+
+
+# ---------------------------------------------------------------------------------------------- pair counts
+
+
+def _blocked_pairs(seq_len: int, block: int, causal: bool) -> int:
+    """Pairs (i, j), 0 <= i, j < T, with ``i // block == j // block`` (and ``j <= i`` when causal)."""
+    full, rest = divmod(seq_len, block)
+    if causal:
+        return full * block * (block + 1) // 2 + rest * (rest + 1) // 2
+    return full * block * block + rest * rest
+
+
+def _all_pairs(seq_len: int, causal: bool) -> int:
+    return seq_len * (seq_len + 1) // 2 if causal else seq_len * seq_len
+
+
+def mlr_pairs_per_depth(seq_len: int, block_sizes: Sequence[int], causal: bool = False) -> list[int]:
+    """Number of (query, key) pairs of each depth d = 1..L (levels shared), positions ``0..T-1``.
+
+    A depth-d pair costs ``c_d = r_1 + ... + r_d`` score MACs. Exact for any T (partial trailing blocks
+    included, so also beyond the training length). Returns a list of L = len(block_sizes) + 1 ints summing to
+    ``T^2`` (or ``T(T+1)/2`` when causal).
+    """
+    _check_int("seq_len", seq_len, minimum=0)
+    blocks = _check_block_sizes(block_sizes, len(block_sizes) + 1, "block_sizes", "block_sizes")
+    # Pairs sharing level l are a superset of those sharing l+1 (nested blocks), so depth counts are differences.
+    sharing = [_all_pairs(seq_len, causal)] + [_blocked_pairs(seq_len, b, causal) for b in blocks] + [0]
+    return [sharing[d] - sharing[d + 1] for d in range(len(blocks) + 1)]
+
+
+def _pairs(head: _Head, seq_len: int, causal: bool) -> int:
+    if head.variant == "swa":
+        w = head.window
+        # Causal row i sees min(i + 1, w) keys; the two-sided window double-counts only the diagonal.
+        one_sided = seq_len * (seq_len + 1) // 2 if seq_len <= w else w * (w + 1) // 2 + (seq_len - w) * w
+        return one_sided if causal else 2 * one_sided - seq_len
+    return _all_pairs(seq_len, causal)
+
+
+def attention_pairs(variant: str, seq_len: int, *, causal: bool = False, **geometry) -> int:
+    """Number of (query, key) pairs that get a score and a softmax weight, per head (dimensionless count).
+
+    ``T^2`` (``T(T+1)/2`` causal) for every variant except ``swa`` (window pairs only). Geometry keywords: see
+    the module docstring.
+    """
+    _check_int("seq_len", seq_len, minimum=0)
+    return _pairs(_resolve_head(variant, **geometry), seq_len, causal)
+
+
+# ------------------------------------------------------------------------------------------- MAC counts
+
+
+def _projection_macs(head: _Head, seq_len: int, n_embd: Optional[int]) -> int:
+    if head.variant == "bilinear_btt":
+        a, b, c, d = head.btt_factors
+        s = head.btt_rank
+        # Query is x itself; key = M_h x: right factor (c blocks of (b*s) x d) then left (b blocks of a x (c*s)).
+        return seq_len * (c * d * b * s + b * a * c * s)
+    if n_embd is None:
+        raise ValueError("n_embd is required for include_projections=True, got None")
+    if head.variant == "bilinear_mlr":
+        # Level l: p_l chunks of D/p_l features, each projected to r_l dims, for q and for k: 2*T*D*r_l.
+        return 2 * seq_len * n_embd * sum(head.ranks)
+    return 2 * seq_len * n_embd * head.key_width
+
+
+def qk_projection_macs(variant: str, seq_len: int, **geometry) -> int:
+    """MACs (batch 1, one head) to form the query and key of T tokens from the D-dim inputs.
+
+    dense/mlr/swa: ``2*T*D*r``; bilinear_mlr: ``2*T*D*sum(r_l)`` (App. D.1); bilinear_btt: the key ``M_h x``
+    only, ``T*(c*d*b*s + b*a*c*s)`` = ``2*s*T*D^{3/2}`` for ``a=b=c=d`` (App. D.2), the query being x itself.
+    Requires ``n_embd`` (also for dense / mlr / swa).
+    """
+    _check_int("seq_len", seq_len, minimum=0)
+    return _projection_macs(_resolve_head(variant, **geometry), seq_len, geometry.get("n_embd"))
+
+
+def score_macs(variant: str, seq_len: int, *, causal: bool = False, include_projections: bool = False,
+               **geometry) -> int:
+    """Score MACs (batch 1, one head, one layer; FLOPs = 2 x MACs) for a full pass over T positions.
+
+    * dense: ``pairs * r`` with pairs = ``T^2`` or ``T(T+1)/2`` (causal);
+    * mlr: ``sum_d n_d * (r_1 + ... + r_d)`` with n_d the pairs of depth d (:func:`mlr_pairs_per_depth`);
+      ``T^2 * sum_l r_l / 2^(l-1)`` for non-causal dyadic blocks at T = training length (paper §3.4);
+    * bilinear_mlr: ``pairs * sum_l 2^(l-1) r_l``; bilinear_btt: ``pairs * D``; swa: window pairs ``* r``.
+
+    ``include_projections`` adds :func:`qk_projection_macs`, giving App. D's per-head totals
+    (``2TDr + T^2 sum_l 2^(l-1) r_l`` for bilinear MLR, ``T^2 D + 2sTD^{3/2}`` for bilinear BTT).
+    """
+    _check_int("seq_len", seq_len, minimum=0)
+    head = _resolve_head(variant, **geometry)
+    if head.variant == "mlr":
+        # Each level l adds r_l MACs to every pair that shares it; summing per level equals sum_d n_d c_d.
+        sharing = [_all_pairs(seq_len, causal)] + [_blocked_pairs(seq_len, b, causal) for b in head.block_sizes]
+        macs = sum(pairs * rank for pairs, rank in zip(sharing, head.ranks))
+    else:
+        macs = _pairs(head, seq_len, causal) * head.key_width
+    if include_projections:
+        macs += _projection_macs(head, seq_len, geometry.get("n_embd"))
+    return macs
+
+
+def pv_macs(variant: str, seq_len: int, *, causal: bool = False, include_projections: bool = False,
+            **geometry) -> int:
+    """Softmax-weights-times-values MACs (batch 1, one head, one layer; FLOPs = 2 x MACs): ``pairs * dv``.
+
+    dv = r for dense / mlr / swa (MLR values keep the full head dim), ``D/H`` for the bilinear variants (or
+    ``value_dim``). ``include_projections`` is accepted (and ignored) so one keyword set serves both counters.
+    """
+    del include_projections
+    _check_int("seq_len", seq_len, minimum=0)
+    head = _resolve_head(variant, **geometry)
+    return _pairs(head, seq_len, causal) * head.value_dim
+
+
+# ------------------------------------------------------------------------------------------------- caches
+
+
+def key_cache_elements(variant: str, context_len: int, ranks: Optional[Sequence[int]] = None,
+                       block_sizes: Optional[Sequence[int]] = None, head_dim: Optional[int] = None, *,
+                       window: Optional[int] = None, n_embd: Optional[int] = None,
+                       n_positions: Optional[int] = None) -> int:
+    """Key-cache entries (scalars) of one head, one layer, one sequence holding ``context_len`` = T tokens.
+
+    dense: ``T*r``; swa: ``min(T, w)*r``; mlr: ``T*r_1 + sum_{l>=2} min(b_l, T)*r_l`` (level l keeps only the
+    current level-l block, DESIGN.md §2). Each level is counted at its peak over a generation of T tokens,
+    ``min(b_l, T)`` positions: what a preallocated cache holds, and the paper's count at T = training length.
+    Right after token T a level holds ``(T - 1) % b_l + 1`` positions, never more;
+    bilinear_mlr: ``T * sum_l 2^(l-1) r_l`` (``ranks`` = bilinear ranks); bilinear_btt: ``T*D``
+    (``n_embd`` = D). Multiply by H and the layer count for a model.
+    """
+    _check_int("context_len", context_len, minimum=0)
+    _check_variant(variant)
+    # value_dim / btt_rank placeholders: the key width alone does not depend on them.
+    head = _resolve_head(variant, ranks=ranks, block_sizes=block_sizes, head_dim=head_dim, window=window,
+                         n_embd=n_embd, n_positions=n_positions, value_dim=1 if variant.startswith("bilinear")
+                         else None, btt_rank=1)
+    if head.variant == "mlr":
+        return context_len * head.ranks[0] + sum(min(b, context_len) * r
+                                                 for b, r in zip(head.block_sizes, head.ranks[1:]))
+    if head.variant == "swa":
+        return min(context_len, head.window) * head.key_width
+    return context_len * head.key_width
+
+
+def value_cache_elements(variant: str, context_len: int, head_dim: Optional[int] = None, *,
+                         ranks: Optional[Sequence[int]] = None, window: Optional[int] = None,
+                         n_embd: Optional[int] = None, n_head: Optional[int] = None,
+                         value_dim: Optional[int] = None) -> int:
+    """Value-cache entries of one head, one layer, one sequence of T tokens: ``T*dv`` (``min(T, w)*dv`` for swa).
+
+    dv = ``value_dim`` if given, else ``head_dim`` (or ``sum(ranks)``), else ``n_embd // n_head``.
+    """
+    _check_int("context_len", context_len, minimum=0)
+    _check_variant(variant)
+    if value_dim is None:
+        if head_dim is None and ranks is not None and not variant.startswith("bilinear"):
+            head_dim = sum(_check_ranks(ranks, "ranks"))
+        if head_dim is not None:
+            value_dim = head_dim
+        elif n_embd is not None and n_head is not None:
+            _check_int("n_embd", n_embd)
+            _check_int("n_head", n_head)
+            if n_embd % n_head:
+                raise ValueError(f"n_embd={n_embd} is not divisible by n_head={n_head}")
+            value_dim = n_embd // n_head
+        else:
+            raise ValueError("value_dim (or head_dim, or n_embd and n_head) is required, got None")
+    _check_int("value_dim", value_dim)
+    if variant == "swa":
+        if window is None:
+            raise ValueError("window is required for variant 'swa', got None")
+        return min(context_len, _check_int("window", window)) * value_dim
+    return context_len * value_dim
+
+
+def key_cache_bytes(variant: str, context_len: int, ranks: Optional[Sequence[int]] = None,
+                    block_sizes: Optional[Sequence[int]] = None, head_dim: Optional[int] = None, *,
+                    dtype_bytes: Any = 2, **kwargs) -> int:
+    """Bytes of :func:`key_cache_elements` (one head, one layer); ``dtype_bytes`` is an int or a torch dtype."""
+    return key_cache_elements(variant, context_len, ranks, block_sizes, head_dim, **kwargs) * _dtype_bytes(dtype_bytes)
+
+
+def kv_cache_bytes(variant: str, context_len: int, ranks: Optional[Sequence[int]] = None,
+                   block_sizes: Optional[Sequence[int]] = None, head_dim: Optional[int] = None, *,
+                   window: Optional[int] = None, n_embd: Optional[int] = None, n_head: Optional[int] = None,
+                   value_dim: Optional[int] = None, n_positions: Optional[int] = None, dtype_bytes: Any = 2) -> int:
+    """Bytes of keys + values cached for one head, one layer, one sequence of T tokens.
+
+    ``dtype_bytes``: bytes per element (int, default 2 for fp16/bf16) or a torch dtype (its ``itemsize``).
+    """
+    keys = key_cache_elements(variant, context_len, ranks, block_sizes, head_dim, window=window, n_embd=n_embd,
+                              n_positions=n_positions)
+    values = value_cache_elements(variant, context_len, head_dim, ranks=ranks, window=window, n_embd=n_embd,
+                                  n_head=n_head, value_dim=value_dim)
+    return (keys + values) * _dtype_bytes(dtype_bytes)
+
+
+# ------------------------------------------------------------------------------------------ config level
+
+_MISSING = object()
+
+
+def _field(config: Any, name: str, default: Any = _MISSING) -> Any:
+    if isinstance(config, Mapping):
+        value = config.get(name, default)
+    else:
+        value = getattr(config, name, default)
+    if value is _MISSING:
+        raise ValueError(f"config field {name} is required, but the config has none")
+    return value
+
+
+_CONFIG_FIELDS = {"variant": "attention", "ranks": "mlr_ranks", "block_sizes": "mlr_block_sizes",
+                  "window": "sliding_window", "btt_factors": "btt_factors", "btt_rank": "btt_rank",
+                  "n_positions": "n_positions", "n_embd": "n_embd", "n_head": "n_head", "head_dim": "head_dim"}
+
+
+def _config_geometry(config: Any) -> tuple[str, dict, dict]:
+    """(variant, geometry keywords of the config's attention, geometry of the dense baseline)."""
+    variant = _check_variant(_field(config, "attention", "dense"), "attention")
+    n_embd = _check_int("n_embd", _field(config, "n_embd"))
+    n_head = _check_int("n_head", _field(config, "n_head"))
+    n_positions = _check_int("n_positions", _field(config, "n_positions"))
+    if n_embd % n_head:
+        raise ValueError(f"n_embd={n_embd} is not divisible by n_head={n_head}")
+    base = {"n_embd": n_embd, "n_head": n_head}
+    fields = dict(_CONFIG_FIELDS)
+    if variant == "mlr":
+        geometry = {"ranks": _field(config, "mlr_ranks", None), "block_sizes": _field(config, "mlr_block_sizes", None),
+                    "n_positions": n_positions}
+    elif variant == "bilinear_mlr":
+        geometry = {"ranks": _field(config, "bilinear_mlr_ranks", None)}
+        fields["ranks"] = "bilinear_mlr_ranks"
+    elif variant == "bilinear_btt":
+        geometry = {"btt_rank": _field(config, "btt_rank", None), "btt_factors": _field(config, "btt_factors", None)}
+    elif variant == "swa":
+        geometry = {"window": _field(config, "sliding_window", None)}
+    else:
+        geometry = {}
+    geometry.update(base)
+    geometry["fields"] = fields
+    _resolve_head(variant, **geometry)  # validate once, with config field names in the errors
+    return variant, geometry, dict(base)
+
+
+def _head_of(variant: str, geometry: dict) -> _Head:
+    return _resolve_head(variant, **geometry)
+
+
+def nonembedding_matmul_params(config_like: Any) -> int:
+    """Weight-matrix entries outside the embeddings of a GPT-2-style decoder (an integer count).
+
+    Per layer: q/k projections (dense/mlr/swa ``2 D^2``; bilinear_mlr ``2 D H sum_l r_l``; bilinear_btt
+    ``H (c d b s + b a c s)``, the query being x itself), value and output projections ``2 D^2``, MLP
+    ``2 D n_inner`` (``n_inner`` defaults to 4D). Biases and LayerNorms are left out: they carry no MACs, and
+    every counted entry costs exactly one MAC per token, so the forward cost of these matmuls is ``2 x`` this.
+    """
+    variant, geometry, _ = _config_geometry(config_like)
+    n_embd, n_head = geometry["n_embd"], geometry["n_head"]
+    n_layer = _check_int("n_layer", _field(config_like, "n_layer"))
+    n_inner = _field(config_like, "n_inner", None)
+    n_inner = 4 * n_embd if n_inner is None else _check_int("n_inner", n_inner)
+    head = _head_of(variant, geometry)
+    qk = n_head * _projection_macs(head, 1, n_embd)
+    return n_layer * (qk + 2 * n_embd * n_embd + 2 * n_embd * n_inner)
+
+
+def flops_per_token(config_like: Any, seq_len: int, *, causal: bool = True, training: bool = True,
+                    params_nonembedding: Optional[int] = None) -> float:
+    """Whole-model FLOPs per token (FLOPs = 2 x MACs), batch-size independent, at sequence length ``seq_len``.
+
+    ``forward = 2 * N + 2 * n_layer * n_head * (score_macs + pv_macs) / T`` and ``training = 3 * forward``
+    (backward ~ 2x forward: the "6N" rule plus the attention terms), where N = ``params_nonembedding`` or
+    :func:`nonembedding_matmul_params` (q/k projections of structured variants included there, so they are not
+    counted twice), and the attention terms are the causal (by default) per-head counts averaged over the T
+    positions. Embedding lookups and the LM head are excluded, as in the usual 6N estimate. MLR block sizes
+    come from the config (its training length), not from ``seq_len``.
+    """
+    _check_int("seq_len", seq_len)
+    variant, geometry, _ = _config_geometry(config_like)
+    n_layer = _check_int("n_layer", _field(config_like, "n_layer"))
+    n_head = geometry["n_head"]
+    if params_nonembedding is None:
+        params_nonembedding = nonembedding_matmul_params(config_like)
+    _check_int("params_nonembedding", params_nonembedding, minimum=0)
+    attention = (score_macs(variant, seq_len, causal=causal, **geometry)
+                 + pv_macs(variant, seq_len, causal=causal, **geometry))
+    forward = 2 * params_nonembedding + 2 * n_layer * n_head * attention / seq_len
+    return 3 * forward if training else forward
+
+
+@dataclass(frozen=True)
+class AttentionCostReport:
+    """Attention cost of a whole model (all layers, all heads, batch 1) at ``context_len`` = n_positions.
+
+    FLOP fields are FLOPs (= 2 x MACs) per token: the full-pass count over ``context_len`` positions divided by
+    ``context_len`` (``causal`` says which pairs were counted). Score FLOPs exclude the q/k projections (those are
+    weight matmuls); ``qk_projection_flops_per_token`` lists them separately. Cache fields are bytes for one
+    sequence of ``context_len`` tokens at ``dtype_bytes`` per element. Ratios divide by dense attention of the
+    same width (head dim ``n_embd / n_head``) and context.
+    """
+
+    variant: str
+    context_len: int
+    causal: bool
+    n_layer: int
+    n_head: int
+    key_width: int
+    value_dim: int
+    dtype_bytes: int
+    score_flops_per_token: float
+    pv_flops_per_token: float
+    qk_projection_flops_per_token: int
+    dense_score_flops_per_token: float
+    dense_pv_flops_per_token: float
+    dense_qk_projection_flops_per_token: int
+    score_ratio: float
+    attention_ratio: float
+    key_cache_bytes: int
+    kv_cache_bytes: int
+    dense_key_cache_bytes: int
+    dense_kv_cache_bytes: int
+    key_cache_ratio: float
+    kv_cache_ratio: float
+
+    @property
+    def attention_flops_per_token(self) -> float:
+        """Score + PV FLOPs per token (whole model)."""
+        return self.score_flops_per_token + self.pv_flops_per_token
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_markdown(self) -> str:
+        """A small table for model cards and the README."""
+        mode = "causal" if self.causal else "bidirectional"
+        rows = [
+            ("score FLOPs / token", f"{self.score_flops_per_token:,.0f}", f"{self.dense_score_flops_per_token:,.0f}",
+             f"{self.score_ratio:.4f}"),
+            ("score + PV FLOPs / token", f"{self.attention_flops_per_token:,.0f}",
+             f"{self.dense_score_flops_per_token + self.dense_pv_flops_per_token:,.0f}", f"{self.attention_ratio:.4f}"),
+            ("q/k projection FLOPs / token", f"{self.qk_projection_flops_per_token:,}",
+             f"{self.dense_qk_projection_flops_per_token:,}",
+             _ratio_text(self.qk_projection_flops_per_token, self.dense_qk_projection_flops_per_token)),
+            ("key cache bytes", f"{self.key_cache_bytes:,}", f"{self.dense_key_cache_bytes:,}",
+             f"{self.key_cache_ratio:.4f}"),
+            ("KV cache bytes", f"{self.kv_cache_bytes:,}", f"{self.dense_kv_cache_bytes:,}",
+             f"{self.kv_cache_ratio:.4f}"),
+        ]
+        lines = [f"Attention cost of `{self.variant}` ({self.n_layer} layers x {self.n_head} heads, {mode}, "
+                 f"context {self.context_len}, cache at {self.dtype_bytes} bytes/element; FLOPs = 2 x MACs)",
+                 "", f"| quantity | {self.variant} | dense | ratio |", "|---|---:|---:|---:|"]
+        lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.to_markdown()
+
+
+def _ratio_text(value: float, reference: float) -> str:
+    return f"{value / reference:.4f}" if reference else "n/a"
+
+
+def attention_cost_report(config_like: Any, *, causal: bool = True, dtype_bytes: Any = 2,
+                          context_len: Optional[int] = None) -> AttentionCostReport:
+    """Attention FLOPs and cache bytes of a GPT-2-style config (dict or object with attributes), whole model.
+
+    Reads ``attention``, ``n_embd``, ``n_head``, ``n_positions``, ``n_layer``, ``mlr_ranks``, ``mlr_block_sizes``
+    (None: dyadic ``n_positions / 2^(l-1)``), ``bilinear_mlr_ranks``, ``btt_rank``, ``btt_factors`` (None: the
+    balanced split of :func:`default_btt_factors`), ``sliding_window``. ``context_len`` defaults to n_positions.
+    Invalid fields raise ``ValueError`` naming the config field.
+    """
+    variant, geometry, dense_geometry = _config_geometry(config_like)
+    n_layer = _check_int("n_layer", _field(config_like, "n_layer"))
+    n_positions = _check_int("n_positions", _field(config_like, "n_positions"))
+    context = n_positions if context_len is None else _check_int("context_len", context_len)
+    n_head = geometry["n_head"]
+    item = _dtype_bytes(dtype_bytes)
+    head = _head_of(variant, geometry)
+    dense_head = _head_of("dense", dense_geometry)
+    per_token = 2 * n_layer * n_head / context  # MACs of one head over the pass -> model FLOPs per token
+
+    def flops(name: str, geo: dict) -> tuple[float, float, int]:
+        return (score_macs(name, context, causal=causal, **geo) * per_token,
+                pv_macs(name, context, causal=causal, **geo) * per_token,
+                2 * n_layer * n_head * qk_projection_macs(name, 1, **geo))
+
+    score, pv, projection = flops(variant, geometry)
+    dense_score, dense_pv, dense_projection = flops("dense", dense_geometry)
+
+    def cache(h: _Head) -> tuple[int, int]:
+        keys = key_cache_elements(h.variant, context, list(h.ranks) or None, list(h.block_sizes) or None,
+                                  h.key_width if h.variant in ("dense", "swa") else None, window=h.window,
+                                  n_embd=h.n_embd)
+        values = value_cache_elements(h.variant, context, window=h.window, value_dim=h.value_dim)
+        scale = n_layer * n_head * item
+        return keys * scale, (keys + values) * scale
+
+    keys, kv = cache(head)
+    dense_keys, dense_kv = cache(dense_head)
+    return AttentionCostReport(
+        variant=variant, context_len=context, causal=causal, n_layer=n_layer, n_head=n_head,
+        key_width=head.key_width, value_dim=head.value_dim, dtype_bytes=item,
+        score_flops_per_token=score, pv_flops_per_token=pv, qk_projection_flops_per_token=projection,
+        dense_score_flops_per_token=dense_score, dense_pv_flops_per_token=dense_pv,
+        dense_qk_projection_flops_per_token=dense_projection,
+        score_ratio=score / dense_score, attention_ratio=(score + pv) / (dense_score + dense_pv),
+        key_cache_bytes=keys, kv_cache_bytes=kv, dense_key_cache_bytes=dense_keys, dense_kv_cache_bytes=dense_kv,
+        key_cache_ratio=keys / dense_keys, kv_cache_ratio=kv / dense_kv,
+    )

@@ -1,0 +1,118 @@
+"""Structured bilinear scoring functions (paper §3.2, App. B, App. D): bilinear MLR and bilinear BTT.
+
+Both replace the rank-r form ``W_Q W_K^T`` of a head with a structured D x D matrix and are evaluated as
+(wider) queries and keys followed by one fused attention call:
+  * bilinear MLR: level l splits x into p_l = 2^(l-1) chunks of D/p_l features, each with its own
+    ``W_Q^{l,k}, W_K^{l,k}`` of shape (D/p_l, H*r_l); a head's query is the concatenation over levels and
+    chunks (width ``sum_l p_l r_l``), same for the key. Rank ``min(D, sum_l p_l r_l)``.
+  * bilinear BTT: per head ``M_h = P_L (+)_b L P_R (+)_c R^T`` with ``a*b = c*d = D`` and BTT rank s; the
+    query is x itself (width D) and the key is ``M_h x`` (App. D.2's efficient order). Full rank.
+"""
+
+import math
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+
+def validate_bilinear_mlr(hidden_size: int, num_heads: int, ranks: Sequence[int], field: str = "bilinear_mlr_ranks"):
+    ranks = list(ranks)
+    if not ranks or any((not isinstance(r, int)) or r <= 0 for r in ranks):
+        raise ValueError(f"{field} must be a non-empty list of positive integers, got {ranks}")
+    chunks = 2 ** (len(ranks) - 1)
+    if hidden_size % chunks:
+        raise ValueError(f"hidden size {hidden_size} must be divisible by 2^(L-1)={chunks} for {field}={ranks} "
+                         f"(level L splits the features into {chunks} chunks)")
+
+
+def default_btt_factors(hidden_size: int) -> tuple[int, int, int, int]:
+    """(a, b, c, d) with a*b = c*d = D and b = d the smallest divisor of D that is >= sqrt(D)."""
+    beta = next(f for f in range(math.isqrt(hidden_size), hidden_size + 1) if f * f >= hidden_size and
+                hidden_size % f == 0)
+    return hidden_size // beta, beta, hidden_size // beta, beta
+
+
+def validate_btt(hidden_size: int, factors: Sequence[int], rank: int, field: str = "btt_factors"):
+    if len(factors) != 4 or any((not isinstance(f, int)) or f <= 0 for f in factors):
+        raise ValueError(f"{field} must be four positive integers (a, b, c, d), got {factors}")
+    a, b, c, d = factors
+    if a * b != hidden_size or c * d != hidden_size:
+        raise ValueError(f"{field}={list(factors)}: need a*b == c*d == hidden size {hidden_size}, "
+                         f"got a*b={a * b}, c*d={c * d}")
+    if not isinstance(rank, int) or rank <= 0:
+        raise ValueError(f"btt_rank must be a positive integer, got {rank}")
+
+
+class BilinearMLRProjection(nn.Module):
+    """Structured query or key projection of bilinear MLR.
+
+    Parameters ``weights.{l}``: (p_l, D/p_l, H*r_l). forward: x (B, T, D) -> (B, H, T, sum_l p_l r_l), laid out
+    level by level, chunk-major within a level.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, ranks: Sequence[int]):
+        super().__init__()
+        validate_bilinear_mlr(hidden_size, num_heads, ranks)
+        self.hidden_size, self.num_heads, self.ranks = hidden_size, num_heads, list(ranks)
+        self.weights = nn.ParameterList(
+            nn.Parameter(torch.empty(2 ** level, hidden_size // 2 ** level, num_heads * rank))
+            for level, rank in enumerate(self.ranks)
+        )
+        self.reset_parameters()
+
+    @property
+    def level_widths(self) -> list[int]:
+        return [2 ** level * rank for level, rank in enumerate(self.ranks)]
+
+    def reset_parameters(self):
+        for weight in self.weights:
+            nn.init.normal_(weight, std=weight.shape[1] ** -0.5)
+
+    def forward(self, hidden_states: torch.Tensor) -> list[torch.Tensor]:
+        """x (B, T, D) -> list over levels of (B, H, T, p_l r_l)."""
+        batch, length, _ = hidden_states.shape
+        levels = []
+        for weight, rank in zip(self.weights, self.ranks):
+            chunks = weight.shape[0]
+            x = hidden_states.reshape(batch * length, chunks, -1).transpose(0, 1)  # (p, BT, D/p)
+            y = torch.bmm(x, weight)  # (p, BT, H*r)
+            y = y.view(chunks, batch, length, self.num_heads, rank).permute(1, 3, 2, 0, 4)
+            levels.append(y.reshape(batch, self.num_heads, length, chunks * rank))
+        return levels
+
+
+class BilinearBTTKeyProjection(nn.Module):
+    """Key side of bilinear BTT: ``k_h(x) = M_h x`` for every head.
+
+    Parameters ``weight_r``: (c, d, H*b*s) holds R_k; ``weight_l``: (H*b, a, c*s) holds L_k' per head.
+    forward: x (B, T, D) -> (B, H, T, D).
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, factors: Optional[Sequence[int]] = None, rank: int = 1):
+        super().__init__()
+        factors = tuple(factors) if factors is not None else default_btt_factors(hidden_size)
+        validate_btt(hidden_size, factors, rank)
+        self.hidden_size, self.num_heads, self.factors, self.rank = hidden_size, num_heads, factors, rank
+        a, b, c, d = factors
+        self.weight_r = nn.Parameter(torch.empty(c, d, num_heads * b * rank))
+        self.weight_l = nn.Parameter(torch.empty(num_heads * b, a, c * rank))
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        a, b, c, d = self.factors
+        nn.init.normal_(self.weight_r, std=d ** -0.5)
+        nn.init.normal_(self.weight_l, std=(c * self.rank) ** -0.5)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        a, b, c, d = self.factors
+        heads, rank = self.num_heads, self.rank
+        batch, length, _ = hidden_states.shape
+        x = hidden_states.reshape(batch * length, c, d).transpose(0, 1)  # (c, N, d)
+        y = torch.bmm(x, self.weight_r)  # (c, N, H*b*s): block k applies R_k^T
+        # P_R: (c, b, s) -> (b, c, s), per head
+        y = y.view(c, batch * length, heads, b, rank).permute(2, 3, 1, 0, 4).reshape(heads * b, batch * length, c * rank)
+        z = torch.bmm(y, self.weight_l.transpose(1, 2))  # (H*b, N, a): block k' applies L_k'
+        # P_L: (b, a) -> (a, b)
+        z = z.view(heads, b, batch, length, a).permute(2, 0, 3, 4, 1)
+        return z.reshape(batch, heads, length, a * b)

@@ -1,0 +1,186 @@
+"""Fast exact MLR attention against the naive reference (outputs and gradients), and the reference against
+the paper's definition evaluated pair by pair."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_structattn import default_block_sizes, mlr_attention, mlr_attention_reference
+from hf_structattn.modeling.structattn_geometry import resolve_level_scales, validate_mlr_geometry
+
+TOL = {torch.float64: dict(atol=1e-10, rtol=1e-10), torch.float32: dict(atol=2e-5, rtol=2e-4)}
+
+
+def _inputs(batch, heads, length, head_dim, value_dim, dtype, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    make = lambda *shape: torch.randn(*shape, generator=generator, dtype=dtype).requires_grad_()  # noqa: E731
+    return make(batch, heads, length, head_dim), make(batch, heads, length, head_dim), make(
+        batch, heads, length, value_dim)
+
+
+def _compare(q, k, v, *, implementation, rows=None, **kwargs):
+    """Assert fast == reference on the rows that have real tokens; returns nothing."""
+    fast = mlr_attention(q, k, v, implementation=implementation, **kwargs)
+    ref = mlr_attention_reference(q, k, v, **kwargs)
+    keep = torch.ones(q.shape[0], q.shape[2], dtype=torch.bool) if rows is None else rows.bool()
+    keep4 = keep[:, None, :, None]
+    tol = TOL[q.dtype]
+    torch.testing.assert_close(fast * keep4, ref * keep4, **tol)
+    grad = torch.randn(fast.shape, dtype=fast.dtype, generator=torch.Generator().manual_seed(1)) * keep4
+    fast_grads = torch.autograd.grad(fast, (q, k, v), grad)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), grad)
+    for name, a, b in zip("qkv", fast_grads, ref_grads):
+        torch.testing.assert_close(a, b, **tol, msg=lambda m: f"grad {name}: {m}")
+
+
+def _pairwise_loop(q, k, v, ranks, block_sizes, causal, scales, average_levels):
+    """The paper's score function evaluated one pair at a time (independent of the reference's tensor code)."""
+    batch, heads, length, _ = q.shape
+    out = torch.zeros(batch, heads, length, v.shape[-1], dtype=q.dtype)
+    starts = [sum(ranks[:level]) for level in range(len(ranks))]
+    for b in range(batch):
+        for h in range(heads):
+            for i in range(length):
+                scores = []
+                for j in range(length):
+                    if causal and j > i:
+                        scores.append(-math.inf)
+                        continue
+                    shared = [0] + [level for level, size in enumerate(block_sizes, start=1) if i // size == j // size]
+                    total = sum(scales[level] * float(q[b, h, i, starts[level]:starts[level] + ranks[level]]
+                                                      @ k[b, h, j, starts[level]:starts[level] + ranks[level]])
+                                for level in shared)
+                    scores.append(total / len(shared) if average_levels else total)
+                weights = torch.softmax(torch.tensor(scores, dtype=q.dtype), dim=0)
+                out[b, h, i] = weights @ v[b, h]
+    return out
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("average_levels", [False, True])
+@pytest.mark.parametrize("ranks,block_sizes", [((3, 2, 1), (8, 4)), ((2, 2, 1, 1), (8, 4, 2)), ((4, 2), (6,))])
+def test_reference_matches_pairwise_definition(ranks, block_sizes, causal, average_levels):
+    q, k, v = _inputs(1, 2, 13, sum(ranks), 3, torch.float64)
+    scales = resolve_level_scales(ranks, "mup")
+    expected = _pairwise_loop(q.detach(), k.detach(), v.detach(), ranks, block_sizes, causal, scales, average_levels)
+    got = mlr_attention_reference(q, k, v, ranks=ranks, block_sizes=block_sizes, causal=causal, scales="mup",
+                                  average_levels=average_levels)
+    torch.testing.assert_close(got.detach(), expected, atol=1e-12, rtol=1e-12)
+
+
+N_POSITIONS = 128
+RANKS_4 = (8, 4, 2, 2)
+BLOCKS_4 = tuple(default_block_sizes(N_POSITIONS, 4))  # (64, 32, 16)
+
+
+@pytest.mark.parametrize("implementation", ["fused", "math"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("length", [1, 7, 63, 64, 2 * 64 + 5, 1000])
+def test_fast_matches_reference_odd_lengths(length, causal, dtype, implementation):
+    q, k, v = _inputs(2, 2, length, sum(RANKS_4), sum(RANKS_4), dtype)
+    _compare(q, k, v, implementation=implementation, ranks=RANKS_4, block_sizes=BLOCKS_4, causal=causal)
+
+
+@pytest.mark.parametrize("implementation", ["fused", "math"])
+@pytest.mark.parametrize("num_levels", range(1, 9))
+def test_fast_matches_reference_every_depth(num_levels, implementation):
+    ranks = [2] * num_levels
+    block_sizes = default_block_sizes(256, num_levels)
+    q, k, v = _inputs(1, 3, 300, sum(ranks), 5, torch.float64)
+    for causal in (True, False):
+        _compare(q, k, v, implementation=implementation, ranks=ranks, block_sizes=block_sizes, causal=causal,
+                 scales="mup", average_levels=num_levels % 2 == 0)
+
+
+@pytest.mark.parametrize("implementation", ["fused", "math"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("causal", [True, False])
+def test_left_padding_offsets_and_bias(causal, dtype, implementation):
+    length = 90
+    mask = torch.ones(3, length)
+    mask[1, :17] = 0  # left padding
+    mask[2, 70:] = 0  # right padding
+    positions = (mask.cumsum(-1) - 1).clamp(min=0).long()
+    bias = torch.randn(1, 2, length, length, dtype=dtype)
+    q, k, v = _inputs(3, 2, length, sum(RANKS_4), sum(RANKS_4), dtype)
+    common = dict(ranks=RANKS_4, block_sizes=BLOCKS_4, causal=causal, attention_mask=mask, rows=mask)
+    _compare(q, k, v, implementation=implementation, positions=positions, **common)
+    _compare(q, k, v, implementation=implementation, positions=positions, bias=bias, **common)
+    # a common offset (e.g. a continuation at position 40) shifts the block boundaries
+    offset = (torch.arange(length) + 40).expand(3, length)
+    _compare(q, k, v, implementation=implementation, positions=offset, **common)
+
+
+def test_bias_gradient_flows_through_auto_path():
+    length = 50
+    q, k, v = _inputs(2, 2, length, sum(RANKS_4), 8, torch.float64)
+    bias_fast = torch.randn(1, 2, length, length, dtype=torch.float64, requires_grad=True)
+    bias_ref = bias_fast.detach().clone().requires_grad_()
+    kwargs = dict(ranks=RANKS_4, block_sizes=BLOCKS_4, causal=False, scales=1.0)
+    fast = mlr_attention(q, k, v, bias=bias_fast, **kwargs)
+    ref = mlr_attention_reference(q, k, v, bias=bias_ref, **kwargs)
+    grad = torch.randn_like(fast)
+    fast.backward(grad)
+    ref.backward(grad)
+    torch.testing.assert_close(bias_fast.grad, bias_ref.grad, **TOL[torch.float64])
+    with pytest.raises(ValueError, match="bias"):
+        mlr_attention(q, k, v, bias=bias_fast, implementation="fused", **kwargs)
+
+
+def test_non_contiguous_positions_fall_back_to_exact_reference():
+    # packed sequences: positions restart inside a row
+    positions = torch.cat([torch.arange(20), torch.arange(30)])[None]
+    q, k, v = _inputs(1, 2, 50, sum(RANKS_4), 4, torch.float64)
+    _compare(q, k, v, implementation="auto", ranks=RANKS_4, block_sizes=BLOCKS_4, positions=positions)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("causal", [True, False])
+def test_degenerate_configs_equal_sdpa(dtype, causal):
+    q, k, v = _inputs(2, 3, 77, 16, 16, dtype)
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    one_level = mlr_attention(q, k, v, ranks=[16], block_sizes=[], causal=causal)
+    long_blocks = mlr_attention(q, k, v, ranks=[8, 4, 4], block_sizes=[256, 128], causal=causal)
+    torch.testing.assert_close(one_level, expected, **TOL[dtype])
+    torch.testing.assert_close(long_blocks, expected, **TOL[dtype])
+
+
+def test_bfloat16_close_to_float32():
+    q, k, v = _inputs(1, 2, 128, 16, 16, torch.float32)
+    kwargs = dict(ranks=[8, 4, 4], block_sizes=[64, 32])
+    exact = mlr_attention(q, k, v, **kwargs)
+    low = mlr_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), **kwargs)
+    assert low.dtype == torch.bfloat16
+    torch.testing.assert_close(low.float(), exact, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("ranks,block_sizes,head_dim,match", [
+    ((8, 4), (16,), 16, "sums to 12"),
+    ((8, 8), (16, 8), 16, "one block size per level"),
+    ((8, 4, 4), (16, 12), 16, "not nested"),
+    ((8, 4, 4), (16, 32), 16, "not nested"),
+    ((8, 4, 4), (16, 0), 16, "positive"),
+    ((8, -4, 12), (16, 8), 16, "positive"),
+    ((), (), 16, "must not be empty"),
+])
+def test_invalid_geometry_names_the_field(ranks, block_sizes, head_dim, match):
+    with pytest.raises(ValueError, match=match):
+        validate_mlr_geometry(ranks, block_sizes, head_dim)
+    q = torch.randn(1, 1, 4, head_dim)
+    with pytest.raises(ValueError, match="ranks|block_sizes"):
+        mlr_attention(q, q, q, ranks=ranks, block_sizes=block_sizes)
+
+
+def test_invalid_scales_and_positions():
+    q = torch.randn(1, 1, 4, 8)
+    with pytest.raises(ValueError, match="scales"):
+        mlr_attention(q, q, q, ranks=[4, 4], block_sizes=[2], scales="fancy")
+    with pytest.raises(ValueError, match="scales"):
+        mlr_attention(q, q, q, ranks=[4, 4], block_sizes=[2], scales=[1.0])
+    with pytest.raises(ValueError, match="positions"):
+        mlr_attention(q, q, q, ranks=[4, 4], block_sizes=[2], positions=torch.arange(4)[None] - 2)
+    with pytest.raises(ValueError, match="n_positions"):
+        default_block_sizes(100, 4)
