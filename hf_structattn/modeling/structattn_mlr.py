@@ -129,16 +129,55 @@ class _Plan:
         self.prefix_widths = level_prefix_widths(ranks)
 
 
-def _flash_group(q, k, v, mask, is_causal):
-    out, lse = _cpu_flash(q, k, v, 0.0, is_causal, attn_mask=mask, scale=1.0)
-    return out, lse
+def _uniform_scale(vector: torch.Tensor, width: int) -> Optional[float]:
+    """The common value of ``vector[:width]`` when all entries are equal and non-zero, else None."""
+    head = vector[:width]
+    low, high = float(head.min()), float(head.max())
+    return low if low == high and low != 0.0 else None
 
 
-def _merge_into(out_view, lse_view, group_out, group_lse):
-    """In-place log-sum-exp merge of one group's (out, lse) into the running (out, lse) views."""
-    merged = torch.logaddexp(lse_view, group_lse)
-    out_view.mul_(torch.exp(lse_view - merged)[..., None]).add_(group_out * torch.exp(group_lse - merged)[..., None])
-    lse_view.copy_(merged)
+def _split_heads(t: torch.Tensor, group: _Group, heads: int) -> torch.Tensor:
+    """Kernel-side (B, H * n_parents * count, ...) -> (B, H, n_parents, count, ...) without copying: the
+    kernel returns some results in a transposed memory layout, and a strided view merges them in place
+    where ``reshape`` would copy."""
+    return t.unflatten(1, (heads, group.n_parents, group.count))
+
+
+class _GroupInputs:
+    """Per-call constants of the fused path: padded tensors, per-depth scale vectors and the q scratch.
+
+    Every coarse group needs q zero-masked beyond its prefix width and scaled (the kernel wants equal
+    q/k/v widths and one scalar scale). Writing that into one reused buffer instead of a fresh tensor per
+    group saves an allocation and its page faults per group; the own-block group uses all dims, so when its
+    scales are uniform it runs on q itself with the kernel's scalar ``scale``.
+    """
+
+    def __init__(self, q, k, v, plan, scale_vectors):
+        self.head_dim, self.value_dim = q.shape[-1], v.shape[-1]
+        self.width = width = max(self.head_dim, self.value_dim)
+        self.q, self.k, self.v = (F.pad(t, (0, width - t.shape[-1])) if t.shape[-1] < width else t for t in (q, k, v))
+        self.plan = plan
+        self.vectors = {depth: F.pad(vec, (0, width - vec.shape[0])) for depth, vec in scale_vectors.items()}
+        self.own_scale = _uniform_scale(self.vectors[plan.groups[0].depth], self.head_dim)
+        self.scratch = None
+
+    def prefix(self, group: _Group) -> int:
+        """Number of leading dims the group's scores use (later dims of its scaled q are zero)."""
+        if group.depth >= len(self.plan.prefix_widths):
+            return self.head_dim
+        return self.plan.prefix_widths[group.depth - 1]
+
+    def scaled_queries(self, group: _Group):
+        """(kernel q, kernel scale, multiplier of the kernel's dq or None) for one group."""
+        rows = group.queries(self.q)
+        if group is self.plan.groups[0] and self.own_scale is not None:
+            return rows, self.own_scale, None
+        vector = self.vectors[group.depth]
+        if self.scratch is None or self.scratch.numel() < rows.numel():
+            self.scratch = torch.empty(rows.numel(), dtype=rows.dtype, device=rows.device)
+        buffer = self.scratch[:rows.numel()].view(rows.shape)
+        torch.mul(rows, vector, out=buffer)
+        return buffer, 1.0, vector
 
 
 class _FusedMLRFunction(torch.autograd.Function):
@@ -147,25 +186,33 @@ class _FusedMLRFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, key_valid, bias, plan, scale_vectors, causal):
         batch, heads, length, _ = q.shape
-        value_dim = v.shape[-1]
-        width = max(q.shape[-1], value_dim)
-        q_pad, k_pad, v_pad = (F.pad(t, (0, width - t.shape[-1])) if t.shape[-1] < width else t for t in (q, k, v))
+        inputs = _GroupInputs(q, k, v, plan, scale_vectors)
+        value_dim = inputs.value_dim
         acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        scale_vectors = {depth: F.pad(vec, (0, width - vec.shape[0])) for depth, vec in scale_vectors.items()}
         out = lse = None
         for group in plan.groups:
             mask = group.additive_mask(key_valid, bias, heads, q.dtype)
-            group_out, group_lse = _flash_group(group.queries(q_pad) * scale_vectors[group.depth], group.keys(k_pad),
-                                                group.keys(v_pad), mask, causal and group.is_own_block)
-            group_out = group_out[..., :value_dim].to(acc_dtype)
-            group_lse = group_lse.to(acc_dtype)
-            if out is None:  # the own-block group covers every query row
-                out = group_out.reshape(batch, heads, length, value_dim).contiguous()
-                lse = group_lse.reshape(batch, heads, length).contiguous()
+            group_q, kernel_scale, _ = inputs.scaled_queries(group)
+            group_out, group_lse = _cpu_flash(group_q, group.keys(inputs.k), group.keys(inputs.v), 0.0,
+                                              causal and group.is_own_block, attn_mask=mask, scale=kernel_scale)
+            group_out = group_out[..., :value_dim]
+            if out is None:  # the own-block group covers every query row: its result starts the merge
+                out = group_out.to(acc_dtype).reshape(batch, heads, length, value_dim).contiguous()
+                lse = group_lse.to(acc_dtype).reshape(batch, heads, length).contiguous()
                 continue
-            shape = group.rows(lse).shape
-            _merge_into(group.view(out, group.query_children), group.rows(lse),
-                        group_out.reshape(*shape, value_dim), group_lse.reshape(shape))
+            # Merge weights sum to one, so the merge is a single in-place lerp over the group's rows.
+            running = group.rows(lse)
+            group_lse = _split_heads(group_lse, group, heads).to(acc_dtype)
+            merged = torch.logaddexp(running, group_lse)
+            weight = group_lse.sub_(merged).exp_() if group_lse.dtype == acc_dtype else torch.exp(group_lse - merged)
+            out_rows = group.view(out, group.query_children)
+            group_out = _split_heads(group_out, group, heads)
+            if group_out.dtype != acc_dtype:
+                group_out = group_out.to(acc_dtype)
+            out_rows.lerp_(group_out, weight[..., None])
+            running.copy_(merged)
+            del group_out
+        inputs.scratch = None
         result = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, key_valid, bias, result, lse)
         ctx.plan, ctx.scale_vectors, ctx.causal = plan, scale_vectors, causal
@@ -174,37 +221,58 @@ class _FusedMLRFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, key_valid, bias, out, lse = ctx.saved_tensors
-        plan, scale_vectors, causal = ctx.plan, ctx.scale_vectors, ctx.causal
-        heads = q.shape[1]
-        head_dim, value_dim = q.shape[-1], v.shape[-1]
-        width = max(head_dim, value_dim)
-        q_pad, k_pad, v_pad, out_pad, grad_pad = (
-            F.pad(t, (0, width - t.shape[-1])) if t.shape[-1] < width else t
-            for t in (q, k, v, out, grad_out.contiguous())
-        )
+        plan, causal = ctx.plan, ctx.causal
+        batch, heads, length, head_dim = q.shape
+        inputs = _GroupInputs(q, k, v, plan, ctx.scale_vectors)
+        value_dim, width = inputs.value_dim, inputs.width
+        out_pad, grad_pad = (F.pad(t, (0, width - t.shape[-1])) if t.shape[-1] < width else t
+                             for t in (out, grad_out.contiguous()))
         lse = lse.to(torch.float32) if q.dtype != torch.float64 else lse
         acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        scale_vectors = {depth: F.pad(vec, (0, width - vec.shape[0])) for depth, vec in scale_vectors.items()}
         grad_q = grad_k = grad_v = None
         for group in plan.groups:
-            scale = scale_vectors[group.depth]
             mask = group.additive_mask(key_valid, bias, heads, q.dtype)
-            group_lse = group.rows(lse).reshape(grad_pad.shape[0], -1, group.child)
+            group_q, kernel_scale, dq_scale = inputs.scaled_queries(group)
+            group_lse = group.rows(lse).reshape(batch, -1, group.child)
             dq, dk, dv = _cpu_flash_backward(
-                group.queries(grad_pad), group.queries(q_pad) * scale, group.keys(k_pad), group.keys(v_pad),
-                group.queries(out_pad), group_lse.contiguous(), 0.0, causal and group.is_own_block,
-                attn_mask=mask, scale=1.0)
-            if grad_q is None:  # the own-block group touches every query and key row: start from it
-                grad_q = (dq * scale).to(acc_dtype).reshape(q_pad.shape)
-                grad_k = dk.to(acc_dtype).reshape(k_pad.shape)
-                grad_v = dv.to(acc_dtype).reshape(v_pad.shape)
+                group.queries(grad_pad), group_q, group.keys(inputs.k), group.keys(inputs.v),
+                group.queries(out_pad), group_lse, 0.0, causal and group.is_own_block,
+                attn_mask=mask, scale=kernel_scale)
+            prefix = inputs.prefix(group)
+            if grad_q is None:
+                # The own-block group touches every query and key row: its gradients start the sums. The
+                # kernel returns them in a (B, T, H, E) memory layout, so copy each into a (B, H, T, E)
+                # buffer and free it before the next, which keeps the peak at one extra gradient.
+                grads = []
+                for name, grad, scale in (("q", dq, dq_scale), ("k", dk, None), ("v", dv, None)):
+                    buffer = torch.empty(q.shape[:3] + (width,), dtype=acc_dtype, device=q.device)
+                    target = group.view(buffer, group.query_children if name == "q" else group.key_children)
+                    source = _split_heads(grad, group, heads)
+                    if scale is None:
+                        target.copy_(source)
+                    else:
+                        torch.mul(source, scale, out=target)
+                    grads.append(buffer)
+                    del grad, source
+                    if name == "q":
+                        del dq
+                    elif name == "k":
+                        del dk
+                    else:
+                        del dv
+                grad_q, grad_k, grad_v = grads
                 continue
-            query_rows = group.view(grad_q, group.query_children)
-            query_rows.addcmul_(dq.reshape(query_rows.shape), scale)
-            key_rows = group.view(grad_k, group.key_children)
-            key_rows.add_(dk.reshape(key_rows.shape))
-            value_rows = group.view(grad_v, group.key_children)
-            value_rows.add_(dv.reshape(value_rows.shape))
+            # dq beyond the prefix is discarded and dk beyond it is exactly zero (q was zero-masked there).
+            query_rows = group.view(grad_q, group.query_children)[..., :prefix]
+            dq = _split_heads(dq, group, heads)[..., :prefix]
+            if dq_scale is None:
+                query_rows.add_(dq)
+            else:
+                query_rows.addcmul_(dq, dq_scale[:prefix])
+            group.view(grad_k, group.key_children)[..., :prefix].add_(_split_heads(dk, group, heads)[..., :prefix])
+            group.view(grad_v, group.key_children).add_(_split_heads(dv, group, heads))
+            del dq, dk, dv
+        inputs.scratch = None
         return (grad_q[..., :head_dim].to(q.dtype), grad_k[..., :head_dim].to(k.dtype),
                 grad_v[..., :value_dim].to(v.dtype), None, None, None, None, None)
 

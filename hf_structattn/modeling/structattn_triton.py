@@ -21,7 +21,7 @@ Level scales ``alpha_l`` are folded into q (one multiply per dim) before the ker
 is multiplied by the same per-dim scale. Softmax runs in base 2 (``exp2``) with the LSE stored in base 2.
 """
 
-import math
+import contextlib
 from typing import Optional, Sequence
 
 import torch
@@ -380,6 +380,7 @@ class _MLRTritonFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         q_scaled, k, v, out, lse, scale_vec, bias, kpm, blk, cum = ctx.saved_tensors
         causal, average, block_m, block_n = ctx.flags
@@ -462,5 +463,11 @@ def mlr_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, r
     scale_vec = torch.repeat_interleave(torch.tensor(level_scales, dtype=torch.float32, device=q.device),
                                         torch.tensor(ranks, device=q.device))
     blk, cum = _geometry_tensors(ranks, block_sizes, q.device)
-    return _MLRTritonFunction.apply(q, k, v, scale_vec, bias, kpm, blk, cum, bool(causal),
-                                    bool(average_levels), block_m, block_n)
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16:
+        # CPU means the Triton interpreter, whose tl.dot returns garbage for bf16 (numpy has no bfloat16)
+        out = _MLRTritonFunction.apply(q.float(), k.float(), v.float(), scale_vec, bias, kpm, blk, cum,
+                                       bool(causal), bool(average_levels), block_m, block_n)
+        return out.to(q.dtype)
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        return _MLRTritonFunction.apply(q, k, v, scale_vec, bias, kpm, blk, cum, bool(causal),
+                                        bool(average_levels), block_m, block_n)

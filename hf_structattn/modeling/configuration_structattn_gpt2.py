@@ -1,0 +1,167 @@
+"""Configuration of GPT-2-style models with structured attention."""
+
+from typing import Optional, Union
+
+from transformers import PreTrainedConfig
+# transformers' own re-export of huggingface_hub's `strict` keeps the payload's imports to torch/transformers
+from transformers.configuration_utils import strict
+
+from .structattn_geometry import MLR_SCALINGS, default_block_sizes, resolve_level_scales, validate_mlr_geometry
+
+ATTENTION_VARIANTS = ("dense", "mlr", "bilinear_mlr", "bilinear_btt", "swa")
+PAPER_MLR_RANKS_64 = [32, 8, 6, 4, 4, 4, 4, 2]
+
+
+def check_attention_variant(value, field: str) -> None:
+    if value not in ATTENTION_VARIANTS:
+        raise ValueError(f"{field}={value!r} is not one of {ATTENTION_VARIANTS}")
+
+
+@strict
+class StructAttnGPT2Config(PreTrainedConfig):
+    r"""GPT-2 architecture (same field names) whose attention is dense, MLR, bilinear MLR, bilinear BTT or SWA.
+
+    Structured-attention fields:
+        attention: variant of every layer: "dense", "mlr", "bilinear_mlr", "bilinear_btt" or "swa".
+        attention_layers: optional per-layer list overriding ``attention`` (e.g. the paper's global + SWA stack
+            ``["dense", "swa", "swa", "dense", "swa", "swa"]``).
+        mlr_ranks: per-level ranks r_1..r_L summing to the head dim (default for head dim 64: 32|8|6|4|4|4|4|2).
+        mlr_block_sizes: block sizes of levels 2..L (default dyadic from ``n_positions``: n/2, n/4, ...).
+        mlr_scaling: "standard" (1/sqrt(r) on every level), "mup" (1/r_l, the authors' choice), or explicit
+            per-level floats.
+        mlr_average_levels: divide each logit by the number of levels the pair shares (the authors' LM runs).
+        qk_layernorm: LayerNorm on queries and keys per head (per level for bilinear MLR; on x and M_h x for BTT).
+        bilinear_mlr_ranks: per-level ranks of bilinear MLR (level l splits the features into 2^(l-1) chunks).
+        bilinear_scaling: "standard" (1/sqrt(width) of each level / of D) or "mup" (1/width).
+        btt_rank, btt_factors: BTT rank s and factors (a, b, c, d) with a*b = c*d = n_embd (default: balanced).
+        sliding_window: window w of "swa" layers (keys with 0 <= i - j < w).
+        attn_pdrop: attention-probability dropout (default 0; must be 0 when a layer is MLR).
+        icl_input_dim: input dimension of the in-context regression head.
+    """
+
+    model_type = "structattn_gpt2"
+    keys_to_ignore_at_inference = ["cache"]
+    attribute_map = {
+        "hidden_size": "n_embd",
+        "max_position_embeddings": "n_positions",
+        "num_attention_heads": "n_head",
+        "num_hidden_layers": "n_layer",
+    }
+
+    vocab_size: int = 50257
+    n_positions: int = 1024
+    n_embd: int = 768
+    n_layer: int = 12
+    n_head: int = 12
+    n_inner: Optional[int] = None
+    activation_function: str = "gelu_new"
+    resid_pdrop: Union[float, int] = 0.1
+    embd_pdrop: Union[float, int] = 0.1
+    attn_pdrop: Union[float, int] = 0.0
+    layer_norm_epsilon: float = 1e-5
+    initializer_range: float = 0.02
+    scale_attn_weights: bool = True
+    use_cache: bool = True
+    bos_token_id: Optional[int] = 50256
+    eos_token_id: Optional[Union[int, list[int]]] = 50256
+    pad_token_id: Optional[int] = None
+    tie_word_embeddings: bool = True
+
+    attention: str = "dense"
+    attention_layers: Optional[list[str]] = None
+    mlr_ranks: Optional[list[int]] = None
+    mlr_block_sizes: Optional[list[int]] = None
+    mlr_scaling: Union[str, float, list[float]] = "standard"
+    mlr_average_levels: bool = False
+    qk_layernorm: bool = False
+    bilinear_mlr_ranks: Optional[list[int]] = None
+    bilinear_scaling: str = "standard"
+    btt_rank: int = 1
+    btt_factors: Optional[list[int]] = None
+    sliding_window: Optional[int] = None
+    icl_input_dim: Optional[int] = None
+
+    def __post_init__(self, **kwargs):
+        self._validate_structured_attention()
+        super().__post_init__(**kwargs)
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    def layer_attention(self, layer_idx: int) -> str:
+        return self.attention_layers[layer_idx] if self.attention_layers is not None else self.attention
+
+    @property
+    def resolved_mlr_ranks(self) -> list[int]:
+        return list(self.mlr_ranks) if self.mlr_ranks is not None else list(PAPER_MLR_RANKS_64)
+
+    @property
+    def resolved_mlr_block_sizes(self) -> list[int]:
+        if self.mlr_block_sizes is not None:
+            return list(self.mlr_block_sizes)
+        return default_block_sizes(self.n_positions, len(self.resolved_mlr_ranks))
+
+    def cache_layer_specs(self) -> list[dict]:
+        """Per-layer description for ``StructAttnCache``."""
+        specs = []
+        for layer_idx in range(self.n_layer):
+            variant = self.layer_attention(layer_idx)
+            spec = {"attention": variant}
+            if variant == "mlr":
+                spec.update(ranks=self.resolved_mlr_ranks, block_sizes=self.resolved_mlr_block_sizes)
+            elif variant == "swa":
+                spec.update(sliding_window=self.sliding_window)
+            specs.append(spec)
+        return specs
+
+    def _validate_structured_attention(self) -> None:
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+        check_attention_variant(self.attention, "attention")
+        if self.attention_layers is not None:
+            if len(self.attention_layers) != self.n_layer:
+                raise ValueError(f"attention_layers has {len(self.attention_layers)} entries but n_layer={self.n_layer}")
+            for variant in self.attention_layers:
+                check_attention_variant(variant, "attention_layers")
+        variants = set(self.attention_layers or [self.attention])
+        if "mlr" in variants and self.attn_pdrop:
+            raise ValueError(f"attn_pdrop={self.attn_pdrop} is not supported by MLR layers (the exact fused path "
+                             f"never forms the attention probabilities); set attn_pdrop=0")
+        if "mlr" in variants:
+            if self.mlr_ranks is None and self.head_dim != 64:
+                raise ValueError(f"mlr_ranks is required for attention='mlr' when the head dim is not 64 "
+                                 f"(head dim {self.head_dim})")
+            ranks = self.resolved_mlr_ranks
+            if self.mlr_block_sizes is None:
+                try:
+                    default_block_sizes(self.n_positions, len(ranks))
+                except ValueError as error:
+                    raise ValueError(f"mlr_block_sizes: {error}") from None
+            validate_mlr_geometry(ranks, self.resolved_mlr_block_sizes, self.head_dim, "mlr_ranks",
+                                  "mlr_block_sizes")
+            resolve_level_scales(ranks, self.mlr_scaling, "mlr_scaling")
+        if "bilinear_mlr" in variants:
+            ranks = self.bilinear_mlr_ranks
+            if ranks is None or not ranks or any(not isinstance(r, int) or r <= 0 for r in ranks):
+                raise ValueError(f"bilinear_mlr_ranks must be a list of positive integers for attention="
+                                 f"'bilinear_mlr', got {ranks}")
+            if self.n_embd % 2 ** (len(ranks) - 1):
+                raise ValueError(f"bilinear_mlr_ranks={ranks} has {len(ranks)} levels, so n_embd={self.n_embd} must "
+                                 f"be divisible by 2^{len(ranks) - 1}")
+        if variants & {"bilinear_mlr", "bilinear_btt"} and self.bilinear_scaling not in MLR_SCALINGS:
+            raise ValueError(f"bilinear_scaling={self.bilinear_scaling!r} is not one of {MLR_SCALINGS}")
+        if "bilinear_btt" in variants:
+            if not isinstance(self.btt_rank, int) or self.btt_rank <= 0:
+                raise ValueError(f"btt_rank must be a positive integer, got {self.btt_rank}")
+            if self.btt_factors is not None:
+                if len(self.btt_factors) != 4:
+                    raise ValueError(f"btt_factors must be four integers (a, b, c, d), got {self.btt_factors}")
+                a, b, c, d = self.btt_factors
+                if a * b != self.n_embd or c * d != self.n_embd:
+                    raise ValueError(f"btt_factors={self.btt_factors}: need a*b == c*d == n_embd={self.n_embd}")
+        if "swa" in variants and (self.sliding_window is None or self.sliding_window <= 0):
+            raise ValueError(f"sliding_window must be a positive integer for 'swa' layers, got {self.sliding_window}")
+
+
+__all__ = ["StructAttnGPT2Config"]

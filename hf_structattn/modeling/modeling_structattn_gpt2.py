@@ -1,0 +1,421 @@
+"""GPT-2-style models whose attention is dense, MLR, bilinear MLR, bilinear BTT or sliding-window.
+
+Parameter names follow ``transformers.GPT2LMHeadModel`` (``transformer.h.{i}.attn.c_attn`` ...), so a
+GPT-2 checkpoint loads into a dense or MLR model unchanged. Bilinear layers keep GPT-2's value/output
+projections (``c_v``, ``c_proj``) and add their structured query/key projections.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache, EncoderDecoderCache
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.pytorch_utils import Conv1D
+from transformers.utils import ModelOutput, can_return_tuple
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import capture_outputs
+
+from .configuration_structattn_gpt2 import StructAttnGPT2Config
+from .structattn_bilinear import BilinearBTTKeyProjection, BilinearMLRProjection, default_btt_factors
+from .structattn_cache import StructAttnCache, mlr_attention_cached, plain_cached_keys
+from .structattn_geometry import resolve_level_scales
+from .structattn_mlr import mlr_attention
+from .structattn_ops import fused_attention
+
+
+def eager_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Materialised attention (GPT-2's eager path). Returns (B, T, H, dv) and the weights."""
+    weights = torch.matmul(query, key.transpose(-1, -2)) * scaling
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            weights = weights.masked_fill(~attention_mask, torch.finfo(weights.dtype).min)
+        else:
+            weights = weights + attention_mask
+    weights = nn.functional.softmax(weights, dim=-1).type(value.dtype)
+    weights = nn.functional.dropout(weights, p=dropout, training=module.training)
+    return torch.matmul(weights, value).transpose(1, 2), weights
+
+
+def _self_attention_cache(cache):
+    return cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
+
+
+def _bilinear_level_scales(widths, scaling):
+    return [(w ** -0.5) if scaling == "standard" else 1.0 / w for w in widths]
+
+
+GPT2_AUTO_MAP = {
+    "AutoConfig": "configuration_structattn_gpt2.StructAttnGPT2Config",
+    "AutoModel": "modeling_structattn_gpt2.StructAttnGPT2Model",
+    "AutoModelForCausalLM": "modeling_structattn_gpt2.StructAttnGPT2LMHeadModel",
+}
+
+
+class StructAttnGPT2Attention(nn.Module):
+    """One attention layer; the variant comes from ``config.layer_attention(layer_idx)``."""
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.variant = config.layer_attention(layer_idx)
+        self.embed_dim = config.n_embd
+        self.num_heads = config.n_head
+        self.head_dim = self.embed_dim // self.num_heads
+        self.is_causal = True
+        self.scaling = self.head_dim ** -0.5 if config.scale_attn_weights else 1.0
+        if self.variant in ("dense", "mlr", "swa"):
+            self.c_attn = Conv1D(3 * self.embed_dim, self.embed_dim)
+            if config.qk_layernorm:
+                self.q_norm = nn.LayerNorm(self.head_dim, eps=config.layer_norm_epsilon)
+                self.k_norm = nn.LayerNorm(self.head_dim, eps=config.layer_norm_epsilon)
+        else:
+            self.c_v = Conv1D(self.embed_dim, self.embed_dim)
+        if self.variant == "mlr":
+            self.ranks = config.resolved_mlr_ranks
+            self.block_sizes = config.resolved_mlr_block_sizes
+            scaling = config.mlr_scaling
+            if scaling == "standard" and not config.scale_attn_weights:
+                scaling = 1.0
+            self.level_scales = resolve_level_scales(self.ranks, scaling, "mlr_scaling")
+        elif self.variant == "bilinear_mlr":
+            ranks = list(config.bilinear_mlr_ranks)
+            self.q_proj = BilinearMLRProjection(self.embed_dim, self.num_heads, ranks)
+            self.k_proj = BilinearMLRProjection(self.embed_dim, self.num_heads, ranks)
+            widths = self.q_proj.level_widths
+            self.level_scales = _bilinear_level_scales(widths, config.bilinear_scaling)
+            if config.qk_layernorm:
+                eps = config.layer_norm_epsilon
+                self.q_norms = nn.ModuleList(nn.LayerNorm(w, eps=eps) for w in widths)
+                self.k_norms = nn.ModuleList(nn.LayerNorm(w, eps=eps) for w in widths)
+        elif self.variant == "bilinear_btt":
+            factors = config.btt_factors or default_btt_factors(self.embed_dim)
+            self.k_proj = BilinearBTTKeyProjection(self.embed_dim, self.num_heads, factors, config.btt_rank)
+            self.btt_scale = _bilinear_level_scales([self.embed_dim], config.bilinear_scaling)[0]
+            if config.qk_layernorm:
+                self.q_norm = nn.LayerNorm(self.embed_dim, eps=config.layer_norm_epsilon)
+                self.k_norm = nn.LayerNorm(self.embed_dim, eps=config.layer_norm_epsilon)
+        self.c_proj = Conv1D(self.embed_dim, self.embed_dim)
+        self.attn_dropout = nn.Dropout(config.attn_pdrop)
+        self.resid_dropout = nn.Dropout(config.resid_pdrop)
+
+    def _split_heads(self, x):
+        """(B, T, H*d) -> (B, H, T, d)."""
+        return x.view(*x.shape[:-1], self.num_heads, -1).transpose(1, 2)
+
+    def forward(self, hidden_states: torch.Tensor, cache: Optional[Cache] = None, attention_masks=None,
+                padding_mask: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
+                **kwargs) -> torch.Tensor:
+        """hidden_states (B, T, D); attention_masks: dict with transformers' 4-D masks ("full", "sliding");
+        padding_mask: (B, S) over cached + new slots (1 = real token); position_ids: (B, T)."""
+        batch, length, _ = hidden_states.shape
+        dropout = self.attn_dropout.p if self.training else 0.0
+        attention_masks = attention_masks or {}
+        if self.variant in ("dense", "mlr", "swa"):
+            query, key, value = (self._split_heads(t) for t in self.c_attn(hidden_states).split(self.embed_dim, -1))
+            if self.config.qk_layernorm:
+                query, key = self.q_norm(query), self.k_norm(key)
+        else:
+            value = self._split_heads(self.c_v(hidden_states))
+
+        if self.variant == "mlr":
+            output = self._mlr(query, key, value, cache, padding_mask, position_ids, length)
+        elif self.variant in ("dense", "swa"):
+            if cache is not None:
+                key, value = cache.update(key, value, self.layer_idx)
+            interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+            mask = attention_masks.get("sliding" if self.variant == "swa" else "full")
+            extra = {"sliding_window": self.config.sliding_window} if self.variant == "swa" else {}
+            output, _ = interface(self, query, key, value, mask, dropout=dropout, scaling=self.scaling, **extra)
+            output = output.transpose(1, 2)
+        else:
+            query, key = self._bilinear_qk(hidden_states)
+            if cache is not None:
+                key, value = cache.update(key, value, self.layer_idx)
+            mask = attention_masks.get("full")
+            allowed = mask if mask is not None and mask.dtype == torch.bool else None
+            bias = mask if mask is not None and mask.dtype != torch.bool else None
+            if allowed is not None and allowed.all():
+                allowed = None
+            output = fused_attention(query, key, value, scale=1.0, causal=allowed is None and bias is None,
+                                     allowed=allowed, bias=bias, dropout=dropout)
+        output = output.transpose(1, 2).reshape(batch, length, self.embed_dim)
+        return self.resid_dropout(self.c_proj(output))
+
+    def _bilinear_qk(self, hidden_states):
+        """Structured queries and keys (B, H, T, E) with the logit scale folded into the queries."""
+        if self.variant == "bilinear_mlr":
+            q_levels, k_levels = self.q_proj(hidden_states), self.k_proj(hidden_states)
+            if self.config.qk_layernorm:
+                q_levels = [norm(q) for norm, q in zip(self.q_norms, q_levels)]
+                k_levels = [norm(k) for norm, k in zip(self.k_norms, k_levels)]
+            query = torch.cat([scale * q for scale, q in zip(self.level_scales, q_levels)], dim=-1)
+            return query, torch.cat(k_levels, dim=-1)
+        query = hidden_states[:, None]
+        key = self.k_proj(hidden_states)
+        if self.config.qk_layernorm:
+            query, key = self.q_norm(query), self.k_norm(key)
+        query = (query * self.btt_scale).expand(-1, self.num_heads, -1, -1)
+        return query, key
+
+    def _mlr(self, query, key, value, cache, padding_mask, position_ids, length):
+        batch = query.shape[0]
+        positions = position_ids.expand(batch, length)
+        valid = padding_mask[:, -length:].bool() if padding_mask is not None else None
+        kwargs = dict(ranks=self.ranks, block_sizes=self.block_sizes, causal=True,
+                      average_levels=self.config.mlr_average_levels)
+        layer = None if cache is None else _self_attention_cache(cache).layers[self.layer_idx]
+        if layer is not None and hasattr(layer, "level_keys"):
+            past = layer.get_seq_length()
+            cached = layer.update(key, value, positions=positions, valid=valid)
+            if past > 0:
+                return mlr_attention_cached(query, cached, level_scales=self.level_scales, query_positions=positions,
+                                            **kwargs)
+        elif layer is not None:
+            # an ordinary DynamicLayer (a cache the caller built): full keys, positions rebuilt from the mask
+            keys, values = _self_attention_cache(cache).update(key, value, self.layer_idx)
+            slots = keys.shape[-2]
+            if keys.shape[-2] > length:
+                key_valid = (padding_mask.bool() if padding_mask is not None
+                             else torch.ones(batch, slots, dtype=torch.bool, device=keys.device))
+                key_positions = (key_valid.long().cumsum(-1) - 1).clamp(min=0) if padding_mask is not None else \
+                    torch.arange(slots, device=keys.device).expand(batch, slots)
+                cached = plain_cached_keys(keys, values, key_positions, key_valid, self.ranks)
+                return mlr_attention_cached(query, cached, level_scales=self.level_scales, query_positions=positions,
+                                            **kwargs)
+        return mlr_attention(query, key, value, scales=self.level_scales, positions=positions,
+                             attention_mask=valid, **kwargs)
+
+
+class StructAttnGPT2MLP(nn.Module):
+    def __init__(self, intermediate_size: int, config):
+        super().__init__()
+        self.c_fc = Conv1D(intermediate_size, config.n_embd)
+        self.c_proj = Conv1D(config.n_embd, intermediate_size)
+        self.act = ACT2FN[config.activation_function]
+        self.dropout = nn.Dropout(config.resid_pdrop)
+
+    def forward(self, hidden_states):
+        return self.dropout(self.c_proj(self.act(self.c_fc(hidden_states))))
+
+
+class StructAttnGPT2Block(GradientCheckpointingLayer):
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        inner_dim = config.n_inner if config.n_inner is not None else 4 * config.n_embd
+        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.attn = StructAttnGPT2Attention(config, layer_idx)
+        self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.mlp = StructAttnGPT2MLP(inner_dim, config)
+
+    def forward(self, hidden_states, cache=None, attention_masks=None, padding_mask=None, position_ids=None,
+                **kwargs):
+        hidden_states = hidden_states + self.attn(self.ln_1(hidden_states), cache=cache,
+                                                  attention_masks=attention_masks, padding_mask=padding_mask,
+                                                  position_ids=position_ids)
+        return hidden_states + self.mlp(self.ln_2(hidden_states))
+
+
+class StructAttnGPT2PreTrainedModel(PreTrainedModel):
+    config: StructAttnGPT2Config
+    config_class = StructAttnGPT2Config
+    base_model_prefix = "transformer"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["StructAttnGPT2Block"]
+    _supports_sdpa = True
+    _supports_flash_attn = False
+    _supports_flex_attn = False
+    _can_compile_fullgraph = False
+    _can_record_outputs = {"hidden_states": StructAttnGPT2Block}
+    _keys_to_ignore_on_load_unexpected = [r"attn\.bias", r"attn\.masked_bias"]
+
+    def post_init(self):
+        # remote loading needs every Auto class in config.json, not only the class being saved
+        self.config.auto_map = dict(GPT2_AUTO_MAP)
+        super().post_init()
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        std = self.config.initializer_range
+        if isinstance(module, Conv1D):
+            init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                init.zeros_(module.bias)
+        if isinstance(module, (StructAttnGPT2Attention, StructAttnGPT2MLP)):
+            # GPT-2's scaled init of the residual projections (1/sqrt(2 * n_layer))
+            init.normal_(module.c_proj.weight, mean=0.0, std=std / math.sqrt(2 * self.config.n_layer))
+        if isinstance(module, BilinearMLRProjection):
+            for weight in module.weights:  # fan-in init of each chunk projection (paper App. E)
+                init.normal_(weight, mean=0.0, std=weight.shape[1] ** -0.5)
+        if isinstance(module, BilinearBTTKeyProjection):
+            a, b, c, d = module.factors
+            init.normal_(module.weight_r, mean=0.0, std=d ** -0.5)
+            init.normal_(module.weight_l, mean=0.0, std=(c * module.rank) ** -0.5)
+        if isinstance(module, StructAttnGPT2ForInContextRegression):
+            init.zeros_(module.read_out.weight)  # zero read-out: E[(f_hat - f)^2] = 1 at init (paper §4)
+            init.zeros_(module.read_out.bias)
+
+
+class StructAttnGPT2Model(StructAttnGPT2PreTrainedModel):
+    def __init__(self, config: StructAttnGPT2Config):
+        super().__init__(config)
+        self.embed_dim = config.n_embd
+        self.wte = nn.Embedding(config.vocab_size, self.embed_dim)
+        self.wpe = nn.Embedding(config.n_positions, self.embed_dim)
+        self.drop = nn.Dropout(config.embd_pdrop)
+        self.h = nn.ModuleList(StructAttnGPT2Block(config, layer_idx=i) for i in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(self.embed_dim, eps=config.layer_norm_epsilon)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.wte
+
+    def set_input_embeddings(self, new_embeddings):
+        self.wte = new_embeddings
+
+    def new_cache(self) -> StructAttnCache:
+        """An empty cache with one layer of the right kind per attention layer (MLR key cache for MLR layers)."""
+        return StructAttnCache(self.config.cache_layer_specs())
+
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(self, input_ids: Optional[torch.LongTensor] = None, cache: Optional[Cache] = None,
+                attention_mask: Optional[torch.Tensor] = None, position_ids: Optional[torch.LongTensor] = None,
+                inputs_embeds: Optional[torch.Tensor] = None, use_cache: Optional[bool] = None,
+                **kwargs) -> BaseModelOutputWithPast:
+        """input_ids (B, T) or inputs_embeds (B, T, D); attention_mask (B, S) over cached + new tokens
+        (1 = real token); position_ids (B, T) (default: continue from the cache)."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.wte(input_ids)
+        batch, length = inputs_embeds.shape[:2]
+        if use_cache and cache is None:
+            cache = self.new_cache()
+        if position_ids is None:
+            past = cache.get_seq_length() if cache is not None else 0
+            position_ids = torch.arange(past, past + length, device=inputs_embeds.device)[None]
+        if position_ids.numel() and int(position_ids.max()) >= self.config.n_positions:
+            raise ValueError(f"position {int(position_ids.max())} is beyond n_positions={self.config.n_positions}: "
+                             f"this model has learned position embeddings for positions < {self.config.n_positions}")
+        hidden_states = self.drop(inputs_embeds + self.wpe(position_ids))
+
+        if attention_mask is not None and attention_mask.dim() == 2 and bool(attention_mask.all()):
+            attention_mask = None
+        variants = {self.config.layer_attention(i) for i in range(self.config.n_layer)}
+        mask_kwargs = dict(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                           cache=cache, position_ids=position_ids)
+        attention_masks = {}
+        if variants & {"dense", "bilinear_mlr", "bilinear_btt"}:
+            attention_masks["full"] = create_causal_mask(**mask_kwargs)
+        if "swa" in variants:
+            attention_masks["sliding"] = create_sliding_window_causal_mask(**mask_kwargs)
+
+        for block in self.h:
+            hidden_states = block(hidden_states, cache if not (self.gradient_checkpointing and self.training) else None,
+                                  attention_masks, attention_mask, position_ids, **kwargs)
+        hidden_states = self.ln_f(hidden_states)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache if use_cache else None)
+
+
+class StructAttnGPT2LMHeadModel(StructAttnGPT2PreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "transformer.wte.weight"}
+
+    def __init__(self, config: StructAttnGPT2Config):
+        super().__init__(config)
+        self.transformer = StructAttnGPT2Model(config)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.post_init()
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
+                                      max_cache_length):
+        # generate() would build a plain DynamicCache; MLR layers need their hierarchical key cache.
+        if (model_kwargs.get("cache") is None and generation_config.use_cache is not False
+                and generation_config.cache_implementation in (None, "dynamic")):
+            model_kwargs["cache"] = self.transformer.new_cache()
+            return
+        return super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, batch_size,
+                                                     max_cache_length)
+
+    @can_return_tuple
+    def forward(self, input_ids: Optional[torch.LongTensor] = None, cache: Optional[Cache] = None,
+                attention_mask: Optional[torch.Tensor] = None, position_ids: Optional[torch.LongTensor] = None,
+                inputs_embeds: Optional[torch.Tensor] = None, labels: Optional[torch.LongTensor] = None,
+                use_cache: Optional[bool] = None, logits_to_keep: int = 0, **kwargs) -> CausalLMOutputWithPast:
+        """Returns logits (B, T, vocab) and, with ``labels`` (B, T), the shifted next-token loss."""
+        outputs = self.transformer(input_ids, cache=cache, attention_mask=attention_mask, position_ids=position_ids,
+                                   inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+        hidden_states = outputs.last_hidden_state
+        if logits_to_keep:
+            hidden_states = hidden_states[:, -logits_to_keep:]
+        logits = self.lm_head(hidden_states)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=outputs.cache,
+                                      hidden_states=outputs.hidden_states)
+
+
+@dataclass
+class InContextRegressionOutput(ModelOutput):
+    """loss: mean squared error over the y positions; predictions: (B, N) prediction of y_i from (x_1, y_1, ...,
+    x_i); hidden_states: optional per-layer states."""
+
+    loss: Optional[torch.Tensor] = None
+    predictions: Optional[torch.Tensor] = None
+    hidden_states: Optional[tuple] = None
+
+
+class StructAttnGPT2ForInContextRegression(StructAttnGPT2PreTrainedModel):
+    """In-context linear regression (paper §4, Garg et al.): the prompt x_1, y_1, ..., x_N, y_N is embedded with a
+    linear read-in (y tokens are [y, 0, ..., 0]); a zero-initialised linear read-out at each x position predicts
+    its y."""
+
+    def __init__(self, config: StructAttnGPT2Config):
+        super().__init__(config)
+        if config.icl_input_dim is None or config.icl_input_dim <= 0:
+            raise ValueError(f"icl_input_dim must be a positive integer, got {config.icl_input_dim}")
+        self.read_in = nn.Linear(config.icl_input_dim, config.n_embd)
+        self.transformer = StructAttnGPT2Model(config)
+        self.read_out = nn.Linear(config.n_embd, 1)
+        self.post_init()
+
+    @staticmethod
+    def interleave(xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
+        """xs (B, N, d), ys (B, N) -> tokens (B, 2N, d): x_1, [y_1, 0...], x_2, ..."""
+        y_tokens = torch.zeros_like(xs)
+        y_tokens[..., 0] = ys
+        return torch.stack([xs, y_tokens], dim=2).flatten(1, 2)
+
+    @can_return_tuple
+    def forward(self, xs: torch.Tensor, ys: torch.Tensor, **kwargs) -> InContextRegressionOutput:
+        """xs (B, N, d), ys (B, N) with 2N <= n_positions."""
+        if xs.shape[-1] != self.config.icl_input_dim:
+            raise ValueError(f"xs has {xs.shape[-1]} features but icl_input_dim={self.config.icl_input_dim}")
+        tokens = self.interleave(xs, ys)
+        hidden = self.transformer(inputs_embeds=self.read_in(tokens), use_cache=False, **kwargs)
+        predictions = self.read_out(hidden.last_hidden_state[:, ::2])[..., 0]
+        loss = ((predictions - ys) ** 2).mean()
+        return InContextRegressionOutput(loss=loss, predictions=predictions, hidden_states=hidden.hidden_states)
+
+
+StructAttnGPT2Config.register_for_auto_class()
+StructAttnGPT2Model.register_for_auto_class("AutoModel")
+StructAttnGPT2LMHeadModel.register_for_auto_class("AutoModelForCausalLM")
+
+__all__ = [
+    "StructAttnGPT2PreTrainedModel",
+    "StructAttnGPT2Model",
+    "StructAttnGPT2LMHeadModel",
+    "StructAttnGPT2ForInContextRegression",
+]
