@@ -151,6 +151,18 @@ def test_default_tiles_larger_than_blocks():
               heads=1, block_m=None, block_n=None)
 
 
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
+def test_paper_rank_split(causal):
+    # r=64 split 32|8|6|4|4|4|4|2, dyadic blocks 128..2, default 64x64 tiles
+    _run_case(seq_len=256, ranks=[32, 8, 6, 4, 4, 4, 4, 2], block_sizes=[128, 64, 32, 16, 8, 4, 2], causal=causal,
+              scales=[64 ** -0.5] * 8, heads=1, block_m=None, block_n=None)
+
+
+def test_blocks_not_powers_of_two():
+    # blocks from a training length of 24: 16-wide tiles straddle block boundaries everywhere
+    _run_case(seq_len=41, ranks=[6, 4, 3, 3], block_sizes=[12, 6, 3], causal=True, scales=[0.3, 0.4, 0.5, 0.6])
+
+
 def test_single_level_is_dense_attention():
     seq_len, heads, dim = 33, 2, 16
     gen = torch.Generator().manual_seed(3)

@@ -173,22 +173,28 @@ class StructAttnGPT2Attention(nn.Module):
         valid = padding_mask[:, -length:].bool() if padding_mask is not None else None
         kwargs = dict(ranks=self.ranks, block_sizes=self.block_sizes, causal=True,
                       average_levels=self.config.mlr_average_levels)
-        layer = None if cache is None else _self_attention_cache(cache).layers[self.layer_idx]
+        self_cache = None if cache is None else _self_attention_cache(cache)
+        layer = None
+        if self_cache is not None and self.layer_idx < len(self_cache.layers):
+            layer = self_cache.layers[self.layer_idx]
         if layer is not None and hasattr(layer, "level_keys"):
             past = layer.get_seq_length()
             cached = layer.update(key, value, positions=positions, valid=valid)
             if past > 0:
                 return mlr_attention_cached(query, cached, level_scales=self.level_scales, query_positions=positions,
                                             **kwargs)
-        elif layer is not None:
-            # an ordinary DynamicLayer (a cache the caller built): full keys, positions rebuilt from the mask
-            keys, values = _self_attention_cache(cache).update(key, value, self.layer_idx)
+        elif self_cache is not None:
+            # an ordinary (possibly lazily grown) DynamicCache built by the caller: full keys; positions of the
+            # cached slots are rebuilt from the padding mask the way generate() builds position_ids
+            keys, values = self_cache.update(key, value, self.layer_idx)
             slots = keys.shape[-2]
-            if keys.shape[-2] > length:
-                key_valid = (padding_mask.bool() if padding_mask is not None
-                             else torch.ones(batch, slots, dtype=torch.bool, device=keys.device))
-                key_positions = (key_valid.long().cumsum(-1) - 1).clamp(min=0) if padding_mask is not None else \
-                    torch.arange(slots, device=keys.device).expand(batch, slots)
+            if slots > length:
+                if padding_mask is not None:
+                    key_valid = padding_mask.bool()
+                    key_positions = (key_valid.long().cumsum(-1) - 1).clamp(min=0)
+                else:
+                    key_valid = torch.ones(batch, slots, dtype=torch.bool, device=keys.device)
+                    key_positions = torch.arange(slots, device=keys.device).expand(batch, slots)
                 cached = plain_cached_keys(keys, values, key_positions, key_valid, self.ranks)
                 return mlr_attention_cached(query, cached, level_scales=self.level_scales, query_positions=positions,
                                             **kwargs)
@@ -223,6 +229,10 @@ class StructAttnGPT2Block(GradientCheckpointingLayer):
                                                   attention_masks=attention_masks, padding_mask=padding_mask,
                                                   position_ids=position_ids)
         return hidden_states + self.mlp(self.ln_2(hidden_states))
+
+
+class ZeroInitLinear(nn.Linear):
+    """A linear layer that new models start at zero (the ICL read-out: E[(f_hat - f)^2] = 1 at init, paper §4)."""
 
 
 class StructAttnGPT2PreTrainedModel(PreTrainedModel):
@@ -260,9 +270,9 @@ class StructAttnGPT2PreTrainedModel(PreTrainedModel):
             a, b, c, d = module.factors
             init.normal_(module.weight_r, mean=0.0, std=d ** -0.5)
             init.normal_(module.weight_l, mean=0.0, std=(c * module.rank) ** -0.5)
-        if isinstance(module, StructAttnGPT2ForInContextRegression):
-            init.zeros_(module.read_out.weight)  # zero read-out: E[(f_hat - f)^2] = 1 at init (paper §4)
-            init.zeros_(module.read_out.bias)
+        if isinstance(module, ZeroInitLinear):
+            init.zeros_(module.weight)
+            init.zeros_(module.bias)
 
 
 class StructAttnGPT2Model(StructAttnGPT2PreTrainedModel):
@@ -387,7 +397,7 @@ class StructAttnGPT2ForInContextRegression(StructAttnGPT2PreTrainedModel):
             raise ValueError(f"icl_input_dim must be a positive integer, got {config.icl_input_dim}")
         self.read_in = nn.Linear(config.icl_input_dim, config.n_embd)
         self.transformer = StructAttnGPT2Model(config)
-        self.read_out = nn.Linear(config.n_embd, 1)
+        self.read_out = ZeroInitLinear(config.n_embd, 1)
         self.post_init()
 
     @staticmethod

@@ -159,7 +159,7 @@ class _GroupInputs:
         self.plan = plan
         self.vectors = {depth: F.pad(vec, (0, width - vec.shape[0])) for depth, vec in scale_vectors.items()}
         self.own_scale = _uniform_scale(self.vectors[plan.groups[0].depth], self.head_dim)
-        self.scratch = None
+        self.scratch = self.grad_scratch = None
 
     def prefix(self, group: _Group) -> int:
         """Number of leading dims the group's scores use (later dims of its scaled q are zero)."""
@@ -178,6 +178,18 @@ class _GroupInputs:
         buffer = self.scratch[:rows.numel()].view(rows.shape)
         torch.mul(rows, vector, out=buffer)
         return buffer, 1.0, vector
+
+    def kernel_grad(self, group: _Group, grad: torch.Tensor) -> torch.Tensor:
+        """The group's rows of the output gradient in the (B, T, H, E) memory layout the fused backward
+        reads; given any other layout it makes a fresh contiguous copy per call, this reuses one buffer."""
+        rows = group.queries(grad)
+        if rows.transpose(1, 2).is_contiguous():
+            return rows
+        if self.grad_scratch is None or self.grad_scratch.numel() < rows.numel():
+            self.grad_scratch = torch.empty(rows.numel(), dtype=rows.dtype, device=rows.device)
+        batch, heads, length, width = rows.shape
+        buffer = self.grad_scratch[:rows.numel()].view(batch, length, heads, width).transpose(1, 2)
+        return buffer.copy_(rows)
 
 
 class _FusedMLRFunction(torch.autograd.Function):
@@ -235,7 +247,7 @@ class _FusedMLRFunction(torch.autograd.Function):
             group_q, kernel_scale, dq_scale = inputs.scaled_queries(group)
             group_lse = group.rows(lse).reshape(batch, -1, group.child)
             dq, dk, dv = _cpu_flash_backward(
-                group.queries(grad_pad), group_q, group.keys(inputs.k), group.keys(inputs.v),
+                inputs.kernel_grad(group, grad_pad), group_q, group.keys(inputs.k), group.keys(inputs.v),
                 group.queries(out_pad), group_lse, 0.0, causal and group.is_own_block,
                 attn_mask=mask, scale=kernel_scale)
             prefix = inputs.prefix(group)
@@ -272,7 +284,7 @@ class _FusedMLRFunction(torch.autograd.Function):
             group.view(grad_k, group.key_children)[..., :prefix].add_(_split_heads(dk, group, heads)[..., :prefix])
             group.view(grad_v, group.key_children).add_(_split_heads(dv, group, heads))
             del dq, dk, dv
-        inputs.scratch = None
+        inputs.scratch = inputs.grad_scratch = None
         return (grad_q[..., :head_dim].to(q.dtype), grad_k[..., :head_dim].to(k.dtype),
                 grad_v[..., :value_dim].to(v.dtype), None, None, None, None, None)
 

@@ -1,0 +1,49 @@
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+VARIANT_FIELDS = {
+    "dense": dict(attention="dense"),
+    "mlr": dict(attention="mlr", mlr_ranks=[8, 4, 2, 2]),  # head dim 16, blocks 32, 16, 8 at n_positions 64
+    "mlr_avg_mup": dict(attention="mlr", mlr_ranks=[8, 4, 2, 2], mlr_scaling="mup", mlr_average_levels=True,
+                        qk_layernorm=True),
+    "bilinear_mlr": dict(attention="bilinear_mlr", bilinear_mlr_ranks=[8, 4, 2, 2], qk_layernorm=True),
+    "bilinear_btt": dict(attention="bilinear_btt", btt_rank=1),
+    "swa": dict(attention="swa", sliding_window=8),
+    "mixed": dict(attention="mlr", mlr_ranks=[8, 4, 2, 2], sliding_window=8,
+                  attention_layers=["mlr", "dense", "swa", "bilinear_mlr"], bilinear_mlr_ranks=[4, 4]),
+}
+
+
+def tiny_gpt2_config(variant="mlr", **overrides):
+    from hf_structattn import StructAttnGPT2Config
+
+    fields = dict(vocab_size=61, n_positions=64, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
+                  bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    fields.update(VARIANT_FIELDS[variant])
+    if variant == "mixed":
+        fields["n_layer"] = 4
+    fields.update(overrides)
+    return StructAttnGPT2Config(**fields)
+
+
+def tiny_lm(variant="mlr", seed=0, **overrides):
+    from hf_structattn import StructAttnGPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    model = StructAttnGPT2LMHeadModel(tiny_gpt2_config(variant, **overrides)).eval()
+    # asymmetric non-zero weights everywhere so that head/level mix-ups cannot cancel out
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() >= 2 or "bias" in name:
+                param.add_(torch.randn_like(param) * 0.05)
+    return model
+
+
+@pytest.fixture
+def tiny_model_factory():
+    return tiny_lm
