@@ -1,0 +1,99 @@
+"""Saved checkpoints load with trust_remote_code in an interpreter that cannot import hf_structattn."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from hf_structattn.tokenization import build_byte_tokenizer
+
+from conftest import tiny_lm
+
+BLOCK_IMPORT = textwrap.dedent("""
+    import importlib.abc, sys
+    class _Block(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "hf_structattn" or name.startswith("hf_structattn."):
+                raise ImportError("hf_structattn is deliberately not importable here")
+    sys.meta_path.insert(0, _Block())
+    try:
+        import hf_structattn  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        raise SystemExit("hf_structattn was importable")
+""")
+
+
+def run_isolated(script: str, workdir) -> str:
+    """Run ``script`` in a fresh interpreter that cannot import hf_structattn; returns stdout."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_MODULES_CACHE=str(workdir / "modules"), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    result = subprocess.run([sys.executable, "-c", BLOCK_IMPORT + textwrap.dedent(script)], cwd=workdir, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+@pytest.mark.parametrize("variant", ["mixed", "bilinear_btt"])
+def test_remote_code_round_trip(tmp_path, variant):
+    model = tiny_lm(variant, vocab_size=257, bos_token_id=256, eos_token_id=256, pad_token_id=256)
+    save_dir = tmp_path / "checkpoint"
+    model.save_pretrained(save_dir)
+    build_byte_tokenizer().save_pretrained(save_dir)
+    ids = torch.randint(0, 256, (2, 23))
+    torch.save({"ids": ids, "logits": model(ids).logits.detach()}, tmp_path / "expected.pt")
+
+    config = json.loads((save_dir / "config.json").read_text())
+    assert config["auto_map"] == {
+        "AutoConfig": "configuration_structattn_gpt2.StructAttnGPT2Config",
+        "AutoModel": "modeling_structattn_gpt2.StructAttnGPT2Model",
+        "AutoModelForCausalLM": "modeling_structattn_gpt2.StructAttnGPT2LMHeadModel",
+    }
+    files = {p.name for p in save_dir.iterdir()}
+    assert {"model.safetensors", "configuration_structattn_gpt2.py", "modeling_structattn_gpt2.py",
+            "structattn_mlr.py", "structattn_cache.py", "structattn_geometry.py"} <= files
+
+    out = run_isolated(f"""
+        import torch
+        from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, pipeline
+        path = {str(save_dir)!r}
+        config = AutoConfig.from_pretrained(path, trust_remote_code=True)
+        assert config.model_type == "structattn_gpt2", config.model_type
+        base = AutoModel.from_pretrained(path, trust_remote_code=True)
+        assert type(base).__name__ == "StructAttnGPT2Model"
+        model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)
+        assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+        expected = torch.load({str(tmp_path / "expected.pt")!r})
+        logits = model(expected["ids"]).logits
+        print("max_diff", float((logits - expected["logits"]).abs().max()))
+        generated = model.generate(expected["ids"][:, :5], max_new_tokens=12, do_sample=False)
+        assert generated.shape == (2, 17), generated.shape
+        cached = model.generate(expected["ids"][:, :5], max_new_tokens=12, do_sample=False, use_cache=False)
+        assert torch.equal(generated, cached)
+        generator = pipeline("text-generation", model=path, trust_remote_code=True)
+        text = generator("def main(", max_new_tokens=8, do_sample=False)[0]["generated_text"]
+        assert isinstance(text, str) and text.startswith("def main("), text
+        print("pipeline_ok", len(text))
+        model.save_pretrained("resaved")
+    """, tmp_path)
+    assert "pipeline_ok" in out
+    max_diff = float(out.split("max_diff")[1].split()[0])
+    assert max_diff == 0.0
+    assert (tmp_path / "resaved" / "modeling_structattn_gpt2.py").exists()
+
+
+def test_remote_code_needs_trust_flag(tmp_path):
+    tiny_lm("mlr").save_pretrained(tmp_path / "ckpt")
+    out = run_isolated(f"""
+        from transformers import AutoModelForCausalLM
+        try:
+            AutoModelForCausalLM.from_pretrained({str(tmp_path / "ckpt")!r}, trust_remote_code=False)
+        except ValueError as error:
+            print("refused", "trust_remote_code" in str(error))
+    """, tmp_path)
+    assert "refused True" in out
