@@ -112,6 +112,13 @@ class MLRKeyCacheLayer(DynamicLayer):
         keys, slots, positions = self.level_keys[index], self.level_slots[index], self.level_positions[index]
         capacity = min(block, total)
         batch, heads, held, rank = keys.shape
+        if held == capacity and new_keys.shape[-2] == 1 and bool((new_positions >= 0).all()):
+            # decode step with a full buffer: overwrite one entry per row in place (no reallocation)
+            target = new_positions % block  # (B, 1)
+            keys.scatter_(2, target[:, None, :, None].expand_as(new_keys), new_keys)
+            slots.scatter_(1, target, new_slots)
+            positions.scatter_(1, target, new_positions)
+            return
         if capacity > held:
             keys = torch.cat([keys, keys.new_zeros(batch, heads, capacity - held, rank)], dim=-2)
             slots = torch.cat([slots, slots.new_zeros(batch, capacity - held)], dim=-1)
