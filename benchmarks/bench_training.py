@@ -1,0 +1,80 @@
+"""End-to-end training throughput: a 6-layer MLR GPT-2 vs transformers.GPT2LMHeadModel (sdpa) of the same size.
+
+One training step = forward + backward + AdamW step on a (batch, T) batch of random tokens. Steps of the two
+models are interleaved so that machine noise hits both alike; the table reports median [min] tokens/s.
+
+    python benchmarks/bench_training.py --lengths 1024 4096 --steps 5 --output docs/bench_training.md
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+import transformers
+
+from hf_structattn import StructAttnGPT2Config, StructAttnGPT2LMHeadModel
+
+try:
+    from bench_generation import cpu_name
+except ImportError:  # run from another directory
+    import platform
+
+    def cpu_name():
+        return platform.processor() or "unknown CPU"
+
+
+def build_models(args, length):
+    common = dict(vocab_size=args.vocab_size, n_positions=length, n_embd=args.n_embd, n_head=args.n_embd // 64,
+                  n_layer=args.n_layer, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    reference = transformers.GPT2LMHeadModel(transformers.GPT2Config(**common, attn_implementation="sdpa")).train()
+    mlr = StructAttnGPT2LMHeadModel(StructAttnGPT2Config(**common, attention="mlr", mlr_ranks=args.mlr_ranks)).train()
+    return {"gpt2 sdpa": reference, "mlr": mlr}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--n_layer", type=int, default=6)
+    parser.add_argument("--n_embd", type=int, default=512)
+    parser.add_argument("--vocab_size", type=int, default=257)
+    parser.add_argument("--mlr_ranks", type=int, nargs="+", default=[32, 8, 6, 4, 4, 4, 4, 2])
+    parser.add_argument("--output", default=None)
+    args = parser.parse_args()
+    header = (f"# Training throughput\n\nMachine: {cpu_name()}, {torch.get_num_threads()} threads, torch "
+              f"{torch.__version__}, transformers {transformers.__version__}, float32. Model: {args.n_layer} layers, "
+              f"n_embd {args.n_embd}, head dim 64, vocab {args.vocab_size}, batch {args.batch}; MLR ranks "
+              f"{'|'.join(map(str, args.mlr_ranks))} with dyadic blocks from T. One step = forward + backward + "
+              f"AdamW; median [min] of {args.steps} interleaved steps after one warm-up step.\n")
+    rows = ["| T | GPT-2 sdpa tokens/s | MLR tokens/s | MLR / GPT-2 |", "|---|---|---|---|"]
+    print(header + "\n" + "\n".join(rows), flush=True)
+    for length in args.lengths:
+        models = build_models(args, length)
+        optimizers = {name: torch.optim.AdamW(model.parameters(), lr=1e-4) for name, model in models.items()}
+        ids = torch.randint(0, args.vocab_size, (args.batch, length))
+        times = {name: [] for name in models}
+        for step in range(args.steps + 1):
+            for name, model in models.items():
+                start = time.perf_counter()
+                loss = model(ids, labels=ids).loss
+                loss.backward()
+                optimizers[name].step()
+                optimizers[name].zero_grad(set_to_none=True)
+                if step:
+                    times[name].append(time.perf_counter() - start)
+        tokens = args.batch * length
+        rate = {name: (tokens / statistics.median(t), tokens / min(t)) for name, t in times.items()}
+        ref, mlr = rate["gpt2 sdpa"], rate["mlr"]
+        row = f"| {length} | {ref[0]:.0f} [{ref[1]:.0f}] | {mlr[0]:.0f} [{mlr[1]:.0f}] | {mlr[0] / ref[0]:.2f} |"
+        rows.append(row)
+        print(row, flush=True)
+    if args.output:
+        with open(args.output, "w") as handle:
+            handle.write(header + "\n" + "\n".join(rows) + "\n")
+
+
+if __name__ == "__main__":
+    main()
