@@ -3,7 +3,7 @@
 Importing the package registers its configurations and models with the Auto classes.
 """
 
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoModelForTextEncoding
 
 from .modeling.configuration_structattn_gpt2 import StructAttnGPT2Config
 from .modeling.modeling_structattn_gpt2 import (
@@ -11,6 +11,13 @@ from .modeling.modeling_structattn_gpt2 import (
     StructAttnGPT2LMHeadModel,
     StructAttnGPT2Model,
     StructAttnGPT2PreTrainedModel,
+)
+from .modeling.configuration_structattn_t5 import StructAttnT5Config
+from .modeling.modeling_structattn_t5 import (
+    StructAttnT5EncoderModel,
+    StructAttnT5ForConditionalGeneration,
+    StructAttnT5Model,
+    StructAttnT5PreTrainedModel,
 )
 from .modeling.structattn_cache import MLRKeyCacheLayer, StructAttnCache
 from .modeling.structattn_geometry import default_block_sizes, resolve_level_scales, validate_mlr_geometry
@@ -22,6 +29,13 @@ __version__ = "0.1.0"
 AutoConfig.register(StructAttnGPT2Config.model_type, StructAttnGPT2Config, exist_ok=True)
 AutoModel.register(StructAttnGPT2Config, StructAttnGPT2Model, exist_ok=True)
 AutoModelForCausalLM.register(StructAttnGPT2Config, StructAttnGPT2LMHeadModel, exist_ok=True)
+AutoConfig.register(StructAttnT5Config.model_type, StructAttnT5Config, exist_ok=True)
+AutoModel.register(StructAttnT5Config, StructAttnT5Model, exist_ok=True)
+AutoModelForSeq2SeqLM.register(StructAttnT5Config, StructAttnT5ForConditionalGeneration, exist_ok=True)
+AutoModelForTextEncoding.register(StructAttnT5Config, StructAttnT5EncoderModel, exist_ok=True)
+
+# the patcher and the CLI live outside the payload (they may import chronos); imported after registration
+from .patching import load_patched_chronos_bolt, patch, patch_report  # noqa: E402
 
 __all__ = [
     "MLRKeyCacheLayer",
@@ -31,9 +45,17 @@ __all__ = [
     "StructAttnGPT2LMHeadModel",
     "StructAttnGPT2Model",
     "StructAttnGPT2PreTrainedModel",
+    "StructAttnT5Config",
+    "StructAttnT5EncoderModel",
+    "StructAttnT5ForConditionalGeneration",
+    "StructAttnT5Model",
+    "StructAttnT5PreTrainedModel",
     "default_block_sizes",
     "mlr_attention",
     "mlr_attention_reference",
+    "load_patched_chronos_bolt",
+    "patch",
+    "patch_report",
     "resolve_level_scales",
     "validate_mlr_geometry",
 ]

@@ -1,0 +1,395 @@
+"""T5-style encoder-decoder models whose encoder self-, decoder self- and cross-attention are each dense, MLR,
+bilinear MLR or bilinear BTT.
+
+The models reuse transformers' T5 blocks, stacks and forwards (relative position bias computed in block 0 and
+shared, no 1/sqrt(d) scaling, T5 initialisation, gated / non-gated feed-forward); only the attention modules of
+non-dense roles are replaced by ``StructAttnT5Attention``, which adopts T5's ``q, k, v, o`` and
+``relative_attention_bias`` submodules. State-dict names therefore stay those of ``transformers.T5*``
+(``encoder.block.{i}.layer.0.SelfAttention.q`` ...), so a T5 checkpoint loads unchanged into a dense or MLR model.
+The same module is what ``hf_structattn.patch`` installs into a Chronos-Bolt model in place.
+"""
+
+import copy
+from typing import Optional
+
+import torch
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+from transformers.models.t5.modeling_t5 import (
+    T5Attention,
+    T5Block,
+    T5EncoderModel,
+    T5ForConditionalGeneration,
+    T5LayerNorm,
+    T5Model,
+    T5PreTrainedModel,
+    T5Stack,
+)
+
+from .configuration_structattn_t5 import StructAttnT5Config
+from .structattn_bilinear import BilinearBTTKeyProjection, BilinearMLRProjection, default_btt_factors
+from .structattn_cache import StructAttnCache, mlr_attention_cached, plain_cached_keys
+from .structattn_geometry import MASK_VALUE
+from .structattn_mlr import mlr_attention
+from .structattn_ops import fused_attention
+
+T5_AUTO_MAP = {
+    "AutoConfig": "configuration_structattn_t5.StructAttnT5Config",
+    "AutoModel": "modeling_structattn_t5.StructAttnT5Model",
+    "AutoModelForSeq2SeqLM": "modeling_structattn_t5.StructAttnT5ForConditionalGeneration",
+    "AutoModelForTextEncoding": "modeling_structattn_t5.StructAttnT5EncoderModel",
+}
+
+
+def key_validity_from_mask(mask: Optional[torch.Tensor], batch: int, key_length: int) -> Optional[torch.Tensor]:
+    """Padding flags of the keys, (B, K) bool (True = real token), from T5's 4-D mask, or None (no padding).
+
+    mask: (B, 1, Q, K), boolean (True = attend) or additive float (0 = attend). Its last query row allows every
+    real key: in the bidirectional encoder mask every row does, and in the causal decoder mask the last query is
+    the newest position, which sees every real earlier key.
+    """
+    if mask is None:
+        return None
+    row = mask[:, 0, -1, :]
+    valid = row if row.dtype == torch.bool else row > torch.finfo(row.dtype).min / 2
+    return valid.expand(batch, key_length)
+
+
+def _bilinear_level_scales(widths, scaling):
+    return [(w ** -0.5) if scaling == "standard" else 1.0 / w for w in widths]
+
+
+class StructAttnT5Attention(nn.Module):
+    """Drop-in replacement of one ``T5Attention`` (same forward signature and 3-tuple result).
+
+    Built from the T5Attention it replaces: it adopts ``v``, ``o`` and ``relative_attention_bias`` (and ``q``,
+    ``k`` for MLR) as the same module objects, so the parameter names and values do not change. ``spec`` is a
+    plain dict from ``StructAttnT5Config.attention_spec(role)``.
+    """
+
+    compute_bias = T5Attention.compute_bias
+    _relative_position_bucket = staticmethod(T5Attention._relative_position_bucket)
+
+    def __init__(self, source: nn.Module, spec: dict):
+        super().__init__()
+        self.config = source.config
+        self.spec = dict(spec)
+        self.variant = spec["attention"]
+        if self.variant not in ("mlr", "bilinear_mlr", "bilinear_btt"):
+            raise ValueError(f"StructAttnT5Attention handles 'mlr', 'bilinear_mlr' and 'bilinear_btt', got "
+                             f"{self.variant!r} (dense roles keep transformers' T5Attention)")
+        for name in ("is_decoder", "is_causal", "has_relative_attention_bias", "relative_attention_num_buckets",
+                     "relative_attention_max_distance", "d_model", "key_value_proj_dim", "n_heads", "dropout",
+                     "inner_dim", "layer_idx"):
+            setattr(self, name, getattr(source, name))
+        self.scaling = 1.0  # T5: no 1/sqrt(d); the scale lives in the init and the relative bias
+        self.gradient_checkpointing = False
+        if self.variant == "mlr":  # registered first so the state-dict order is T5's (q, k, v, o, bias)
+            self.q, self.k = source.q, source.k
+        self.v, self.o = source.v, source.o
+        if self.has_relative_attention_bias:
+            self.relative_attention_bias = source.relative_attention_bias
+        if self.variant == "mlr":
+            self.ranks, self.block_sizes = list(spec["ranks"]), list(spec["block_sizes"])
+            self.level_scales = list(spec["level_scales"])
+            if sum(self.ranks) != self.key_value_proj_dim:
+                raise ValueError(f"mlr_ranks={self.ranks} sums to {sum(self.ranks)}, but d_kv is "
+                                 f"{self.key_value_proj_dim}")
+        elif self.variant == "bilinear_mlr":
+            ranks = list(spec["ranks"])
+            self.q_proj = BilinearMLRProjection(self.d_model, self.n_heads, ranks)
+            self.k_proj = BilinearMLRProjection(self.d_model, self.n_heads, ranks)
+            self.level_scales = _bilinear_level_scales(self.q_proj.level_widths, spec["scaling"])
+        else:
+            factors = spec.get("factors") or default_btt_factors(self.d_model)
+            self.k_proj = BilinearBTTKeyProjection(self.d_model, self.n_heads, factors, spec["rank"])
+            self.btt_scale = _bilinear_level_scales([self.d_model], spec["scaling"])[0]
+
+    def extra_repr(self) -> str:
+        return f"variant={self.variant}, layer_idx={self.layer_idx}, causal={self.is_causal}"
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, H*d) -> (B, H, T, d)."""
+        return x.view(*x.shape[:-1], self.n_heads, -1).transpose(1, 2)
+
+    def _keys(self, states: torch.Tensor) -> torch.Tensor:
+        """Keys (B, H, T, E) of the variant for states (B, T, D)."""
+        if self.variant == "mlr":
+            return self._heads(self.k(states))
+        if self.variant == "bilinear_mlr":
+            return torch.cat(self.k_proj(states), dim=-1)
+        return self.k_proj(states)
+
+    def _queries(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Queries (B, H, T, E) with the bilinear logit scales folded in."""
+        if self.variant == "mlr":
+            return self._heads(self.q(hidden_states))
+        if self.variant == "bilinear_mlr":
+            return torch.cat([s * q for s, q in zip(self.level_scales, self.q_proj(hidden_states))], dim=-1)
+        return (hidden_states[:, None] * self.btt_scale).expand(-1, self.n_heads, -1, -1)
+
+    def forward(self, hidden_states, mask=None, key_value_states=None, position_bias=None, cache=None, **kwargs):
+        """hidden_states (B, Q, D); key_value_states (B, K, D) for cross-attention; mask: T5's 4-D mask
+        (B, 1, Q, K) or None; position_bias (1, H, Q, K) from block 0 (computed here when None).
+        Returns (output (B, Q, D), position_bias, None)."""
+        batch, length, _ = hidden_states.shape
+        is_cross = key_value_states is not None
+        past = cache.get_seq_length(self.layer_idx) if cache is not None else 0
+        is_updated = False
+        if isinstance(cache, EncoderDecoderCache):
+            is_updated = bool(cache.is_updated.get(self.layer_idx))
+            current_cache = cache.cross_attention_cache if is_cross else cache.self_attention_cache
+        else:
+            current_cache = cache
+        query = self._queries(hidden_states)
+        if is_cross and cache is not None and is_updated:
+            key = current_cache.layers[self.layer_idx].keys
+            value = current_cache.layers[self.layer_idx].values
+        else:
+            states = key_value_states if is_cross else hidden_states
+            key, value = self._keys(states), self._heads(self.v(states))
+
+        if self.variant == "mlr":  # the config refuses MLR cross-attention
+            output, position_bias = self._mlr(query, key, value, mask, position_bias, current_cache, past, batch,
+                                              length)
+        else:
+            if cache is not None and not (is_cross and is_updated):
+                key, value = current_cache.update(key, value, self.layer_idx)
+                if is_cross and isinstance(cache, EncoderDecoderCache):
+                    cache.is_updated[self.layer_idx] = True
+            key_length = key.shape[-2]
+            if position_bias is None:
+                position_bias = self._position_bias(length, key_length, past, query)
+            additive = position_bias
+            if mask is not None:
+                mask_bias = mask if mask.dtype != torch.bool else torch.zeros(
+                    mask.shape, dtype=query.dtype, device=query.device).masked_fill(~mask, MASK_VALUE)
+                additive = additive + mask_bias
+            elif self.is_causal and not is_cross:
+                # no explicit mask (SDPA-style "rely on is_causal"): causality by slot index, queries are the
+                # newest ``length`` slots
+                future = torch.ones(length, key_length, dtype=torch.bool, device=query.device).triu_(
+                    1 + key_length - length)
+                additive = additive.masked_fill(future, MASK_VALUE)
+            dropout = self.dropout if self.training else 0.0
+            output = fused_attention(query, key, value, scale=1.0, causal=False, bias=additive, dropout=dropout)
+        output = output.transpose(1, 2).reshape(batch, length, self.inner_dim)
+        return self.o(output), position_bias, None
+
+    def _position_bias(self, query_length, key_length, past, reference):
+        """(1, H, Q, K): T5's learned relative bias in block 0, zeros elsewhere (as T5Attention does)."""
+        if self.has_relative_attention_bias:
+            return self.compute_bias(query_length, key_length, device=reference.device, past_seen_tokens=past)
+        return torch.zeros(1, self.n_heads, query_length, key_length, device=reference.device, dtype=reference.dtype)
+
+    def _mlr(self, query, key, value, mask, position_bias, self_cache, past, batch, length):
+        """MLR self-attention. Blocks follow positions counted over real tokens (``cumsum(mask) - 1``), so a
+        left-padded row (Chronos left-pads contexts) is computed exactly as the row alone; T5's relative bias
+        (index differences, equal to position differences inside a contiguous row) is added in every level."""
+        total = past + length
+        key_valid = key_validity_from_mask(mask, batch, total)
+        if key_valid is None:
+            key_positions = torch.arange(total, device=query.device).expand(batch, total)
+        else:
+            key_positions = (key_valid.long().cumsum(-1) - 1).clamp(min=0)
+        positions = key_positions[:, -length:]
+        valid = key_valid[:, -length:] if key_valid is not None else None
+        if position_bias is None:
+            position_bias = self._position_bias(length, total, past, query)
+        kwargs = dict(ranks=self.ranks, block_sizes=self.block_sizes, causal=self.is_causal,
+                      average_levels=self.spec["average_levels"])
+        layer = None
+        if self_cache is not None and self.layer_idx < len(self_cache.layers):
+            layer = self_cache.layers[self.layer_idx]
+        if layer is not None and hasattr(layer, "level_keys"):  # the hierarchical MLR key cache
+            cached = layer.update(key, value, positions=positions, valid=valid)
+            if past > 0:
+                return mlr_attention_cached(query, cached, level_scales=self.level_scales, query_positions=positions,
+                                            bias=position_bias, **kwargs), position_bias
+        elif self_cache is not None:  # an ordinary DynamicCache: full-width keys, every level keeps every slot
+            keys, values = self_cache.update(key, value, self.layer_idx)
+            if keys.shape[-2] > length:
+                valid_all = key_valid if key_valid is not None else torch.ones(
+                    batch, keys.shape[-2], dtype=torch.bool, device=keys.device)
+                cached = plain_cached_keys(keys, values, key_positions, valid_all, self.ranks)
+                return mlr_attention_cached(query, cached, level_scales=self.level_scales, query_positions=positions,
+                                            bias=position_bias, **kwargs), position_bias
+        # the bias is expanded to the batch: mlr_attention's fused CPU path mis-shapes a batch-1 bias in some causal
+        # group plans (seen with T=9, blocks 8|4, batch 2)
+        output = mlr_attention(query, key, value, scales=self.level_scales, positions=positions,
+                               attention_mask=valid, bias=position_bias.expand(batch, -1, -1, -1), **kwargs)
+        return output, position_bias
+
+
+def install_structured_attention(stack: nn.Module, config, specs: dict) -> int:
+    """Replace the attention modules of a T5 stack (transformers' ``T5Stack`` or ours) in place.
+
+    specs: {"self": spec or None, "cross": spec or None}; a dense spec (or None) keeps the T5Attention.
+    Returns the number of modules replaced. Parameters are adopted, never copied.
+    """
+    replaced = 0
+    for block in stack.block:
+        targets = [("self", block.layer[0], "SelfAttention")]
+        if len(block.layer) == 3:
+            targets.append(("cross", block.layer[1], "EncDecAttention"))
+        for role, parent, name in targets:
+            spec = specs.get(role)
+            if spec is None or spec["attention"] == "dense":
+                continue
+            source = getattr(parent, name)
+            if isinstance(source, StructAttnT5Attention):
+                raise ValueError(f"{name} of layer {source.layer_idx} already has structured attention "
+                                 f"({source.variant}); patch the original model")
+            setattr(parent, name, StructAttnT5Attention(source, spec))
+            replaced += 1
+    return replaced
+
+
+class StructAttnT5PreTrainedModel(T5PreTrainedModel):
+    config: StructAttnT5Config
+    config_class = StructAttnT5Config
+    _supports_flex_attn = False
+    _can_compile_fullgraph = False
+
+    def post_init(self):
+        # remote loading needs every Auto class in config.json, not only the class being saved
+        self.config.auto_map = dict(T5_AUTO_MAP)
+        super().post_init()
+
+    def _init_weights(self, module):
+        super()._init_weights(module)  # T5's init: layer norms, feed-forward, embeddings, T5Attention
+        factor = self.config.initializer_factor
+        if isinstance(module, StructAttnT5Attention):
+            d_model, d_kv, heads = self.config.d_model, self.config.d_kv, self.config.num_heads
+            if module.variant == "mlr":  # the same std as T5's q/k: MLR keeps T5's parameters
+                init.normal_(module.q.weight, mean=0.0, std=factor * ((d_model * d_kv) ** -0.5))
+                init.normal_(module.k.weight, mean=0.0, std=factor * (d_model ** -0.5))
+            init.normal_(module.v.weight, mean=0.0, std=factor * (d_model ** -0.5))
+            init.normal_(module.o.weight, mean=0.0, std=factor * ((heads * d_kv) ** -0.5))
+            if module.has_relative_attention_bias:
+                init.normal_(module.relative_attention_bias.weight, mean=0.0, std=factor * (d_model ** -0.5))
+        if isinstance(module, BilinearMLRProjection):
+            for weight in module.weights:  # fan-in init of each chunk projection (paper App. E)
+                init.normal_(weight, mean=0.0, std=factor * weight.shape[1] ** -0.5)
+        if isinstance(module, BilinearBTTKeyProjection):
+            a, b, c, d = module.factors
+            init.normal_(module.weight_r, mean=0.0, std=factor * d ** -0.5)
+            init.normal_(module.weight_l, mean=0.0, std=factor * (c * module.rank) ** -0.5)
+
+
+class StructAttnT5Stack(StructAttnT5PreTrainedModel, T5Stack):
+    """transformers' T5Stack (same forward) with the configured attention in every block; the decoder stack
+    creates the MLR-aware cache when asked to cache and none is given."""
+
+    def __init__(self, config):
+        PreTrainedModel.__init__(self, config)  # T5Stack.__init__ would post_init before the swap
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
+        self.is_decoder = config.is_decoder
+        self.block = nn.ModuleList(
+            [T5Block(config, has_relative_attention_bias=bool(i == 0), layer_idx=i) for i in range(config.num_layers)]
+        )
+        if config.is_decoder:
+            specs = {"self": config.attention_spec("decoder_self"), "cross": config.attention_spec("cross")}
+        else:
+            specs = {"self": config.attention_spec("encoder_self")}
+        install_structured_attention(self, config, specs)
+        self.final_layer_norm = T5LayerNorm(config.d_model, eps=config.layer_norm_epsilon)
+        self.dropout = nn.Dropout(config.dropout_rate)
+        self.post_init()
+        self.gradient_checkpointing = False
+
+    def forward(self, input_ids=None, attention_mask=None, encoder_hidden_states=None, encoder_attention_mask=None,
+                inputs_embeds=None, cache=None, use_cache=None, **kwargs):
+        """See ``transformers.T5Stack.forward``; input_ids (B, T), attention_mask (B, T) (1 = real token)."""
+        if "past_key_values" in kwargs and cache is None:
+            cache = kwargs.pop("past_key_values")
+        wants_cache = use_cache if use_cache is not None else self.config.use_cache
+        if self.is_decoder and cache is None and wants_cache and self.config.is_encoder_decoder:
+            cache = EncoderDecoderCache(StructAttnCache(self.config.cache_layer_specs()), DynamicCache())
+        return super().forward(input_ids=input_ids, attention_mask=attention_mask,
+                               encoder_hidden_states=encoder_hidden_states,
+                               encoder_attention_mask=encoder_attention_mask, inputs_embeds=inputs_embeds,
+                               cache=cache, use_cache=use_cache, **kwargs)
+
+
+def _stack_configs(config):
+    encoder_config = copy.deepcopy(config)
+    encoder_config.is_decoder = False
+    encoder_config.use_cache = False
+    decoder_config = copy.deepcopy(config)
+    decoder_config.is_decoder = True
+    decoder_config.num_layers = config.num_decoder_layers
+    return encoder_config, decoder_config
+
+
+class StructAttnT5Model(StructAttnT5PreTrainedModel, T5Model):
+    """``transformers.T5Model`` with structured attention (same forward, outputs and parameter names)."""
+
+    def __init__(self, config: StructAttnT5Config):
+        PreTrainedModel.__init__(self, config)
+        self.shared = nn.Embedding(config.vocab_size, config.d_model)
+        encoder_config, decoder_config = _stack_configs(config)
+        self.encoder = StructAttnT5Stack(encoder_config)
+        self.decoder = StructAttnT5Stack(decoder_config)
+        self.post_init()
+
+
+class StructAttnT5ForConditionalGeneration(StructAttnT5PreTrainedModel, T5ForConditionalGeneration):
+    """``transformers.T5ForConditionalGeneration`` with structured attention; ``generate`` uses an
+    ``EncoderDecoderCache(StructAttnCache, DynamicCache)`` whose MLR decoder layers keep the hierarchical key
+    cache."""
+
+    def __init__(self, config: StructAttnT5Config):
+        PreTrainedModel.__init__(self, config)
+        self.model_dim = config.d_model
+        self.shared = nn.Embedding(config.vocab_size, config.d_model)
+        encoder_config, decoder_config = _stack_configs(config)
+        self.encoder = StructAttnT5Stack(encoder_config)
+        self.decoder = StructAttnT5Stack(decoder_config)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.post_init()
+
+    def new_cache(self) -> EncoderDecoderCache:
+        """An empty generation cache sized by ``num_decoder_layers`` (MLR key cache for MLR decoder layers)."""
+        return EncoderDecoderCache(StructAttnCache(self.config.cache_layer_specs()), DynamicCache())
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
+                                      max_cache_length):
+        # generate() would build DynamicCaches sized from the config; MLR layers need their hierarchical key cache
+        if (model_kwargs.get("cache") is None and generation_config.use_cache is not False
+                and generation_config.cache_implementation in (None, "dynamic")):
+            model_kwargs["cache"] = self.new_cache()
+            return
+        return super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, batch_size,
+                                                     max_cache_length)
+
+
+class StructAttnT5EncoderModel(StructAttnT5PreTrainedModel, T5EncoderModel):
+    """``transformers.T5EncoderModel`` with structured encoder self-attention."""
+
+    def __init__(self, config: StructAttnT5Config):
+        PreTrainedModel.__init__(self, config)
+        self.shared = nn.Embedding(config.vocab_size, config.d_model)
+        encoder_config = config
+        encoder_config.use_cache = False
+        encoder_config.is_encoder_decoder = False
+        self.encoder = StructAttnT5Stack(encoder_config)
+        self.post_init()
+
+
+StructAttnT5Config.register_for_auto_class()
+StructAttnT5Model.register_for_auto_class("AutoModel")
+StructAttnT5ForConditionalGeneration.register_for_auto_class("AutoModelForSeq2SeqLM")
+StructAttnT5EncoderModel.register_for_auto_class("AutoModelForTextEncoding")
+
+__all__ = [
+    "StructAttnT5Attention",
+    "StructAttnT5PreTrainedModel",
+    "StructAttnT5Model",
+    "StructAttnT5ForConditionalGeneration",
+    "StructAttnT5EncoderModel",
+    "install_structured_attention",
+    "key_validity_from_mask",
+]

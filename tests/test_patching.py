@@ -1,0 +1,254 @@
+"""hf_structattn.patch on T5, Chronos-T5 and Chronos-Bolt (tiny models built locally), remote reload, the SVD
+level alignment, and the ``hf-structattn patch`` CLI."""
+
+import contextlib
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+
+import hf_structattn
+from hf_structattn.cli import main
+from hf_structattn.patching import svd_align_qk
+
+from test_remote_code import run_isolated
+
+chronos = pytest.importorskip("chronos")
+from chronos import ChronosPipeline  # noqa: E402
+from chronos.chronos_bolt import ChronosBoltModelForForecasting, ChronosBoltPipeline  # noqa: E402
+
+T5_FIELDS = dict(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=3, num_heads=4,
+                 feed_forward_proj="relu", dropout_rate=0.0, initializer_factor=0.5, pad_token_id=0, eos_token_id=1,
+                 decoder_start_token_id=0)
+ONE_LEVEL = dict(mlr_ranks=[8], mlr_block_sizes=[])
+LONG_BLOCKS = dict(mlr_ranks=[4, 2, 2], mlr_block_sizes=[256, 128])  # longer than every test sequence
+MLR = dict(mlr_ranks=[4, 2, 2], mlr_block_sizes=[8, 4])
+
+
+def tiny_t5(seed=0, **overrides):
+    torch.manual_seed(seed)
+    return transformers.T5ForConditionalGeneration(transformers.T5Config(**{**T5_FIELDS, **overrides})).eval()
+
+
+def tiny_chronos_t5(path):
+    chronos_config = dict(tokenizer_class="MeanScaleUniformBins", tokenizer_kwargs=dict(low_limit=-15.0, high_limit=15.0),
+                          n_tokens=64, n_special_tokens=2, pad_token_id=0, eos_token_id=1, use_eos_token=True,
+                          model_type="seq2seq", context_length=64, prediction_length=8, num_samples=4,
+                          temperature=1.0, top_k=50, top_p=1.0)
+    # num_decoder_layers == num_layers: transformers' own T5 generate() cannot size its cache otherwise
+    tiny_t5(chronos_config=chronos_config, num_decoder_layers=2).save_pretrained(path)
+    return ChronosPipeline.from_pretrained(path, device_map="cpu", dtype=torch.float32)
+
+
+def tiny_bolt(path):
+    config = transformers.T5Config(**{**T5_FIELDS, "vocab_size": 2}, chronos_pipeline_class="ChronosBoltPipeline",
+                                   chronos_config=dict(context_length=64, prediction_length=8, input_patch_size=4,
+                                                       input_patch_stride=4, quantiles=[0.1, 0.5, 0.9],
+                                                       use_reg_token=True))
+    config.architectures = ["ChronosBoltModelForForecasting"]
+    torch.manual_seed(0)
+    ChronosBoltModelForForecasting(config).save_pretrained(path)
+    return ChronosBoltPipeline.from_pretrained(path, device_map="cpu", dtype=torch.float32)
+
+
+def contexts():
+    t = torch.arange(60, dtype=torch.float32)
+    return [10 + 4 * torch.sin(t / 3), 5 + 0.1 * t[:37] + torch.cos(t[:37])]  # different lengths: left padding
+
+
+def t5_inputs():
+    torch.manual_seed(2)
+    ids = torch.randint(2, 64, (2, 30))
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    return dict(input_ids=ids, attention_mask=mask, decoder_input_ids=torch.randint(2, 64, (2, 12)))
+
+
+@pytest.mark.parametrize("init", ["split", "svd"])
+@pytest.mark.parametrize("fields", [ONE_LEVEL, LONG_BLOCKS])
+def test_degenerate_patch_leaves_t5_unchanged(fields, init):
+    original = tiny_t5()
+    before = {k: v.clone() for k, v in original.state_dict().items()}
+    patched = hf_structattn.patch(original, attention="mlr", init=init, **fields)
+    assert type(patched).__name__ == "StructAttnT5ForConditionalGeneration"
+    assert list(patched.state_dict()) == list(before)
+    assert patched.config.structattn_patch == {"source": "T5ForConditionalGeneration", "init": init}
+    for name, value in original.state_dict().items():  # the original is not modified
+        assert torch.equal(value, before[name]), name
+    report = hf_structattn.patch_report(original, patched, t5_inputs())
+    assert report["logit_max_abs"] < 1e-4 and report["top1_agreement"] == 1.0, report
+    if init == "split":  # the naive split keeps every tensor bit-for-bit
+        for name, value in patched.state_dict().items():
+            assert torch.equal(value, before[name]), name
+
+
+def test_svd_alignment_keeps_every_q_dot_k_and_orders_singular_values():
+    torch.manual_seed(0)
+    heads, head_dim, width = 3, 8, 32
+    q, k = torch.randn(heads * head_dim, width), torch.randn(heads * head_dim, width) * 0.1
+    new_q, new_k = svd_align_qk(q, k, heads)
+    x, y = torch.randn(10, width), torch.randn(7, width)
+    for h in range(heads):
+        rows = slice(h * head_dim, (h + 1) * head_dim)
+        torch.testing.assert_close((x @ new_q[rows].T) @ (y @ new_k[rows].T).T, (x @ q[rows].T) @ (y @ k[rows].T).T,
+                                   atol=1e-4, rtol=1e-4)
+        # coordinate i carries the i-th singular value of W_Q,h W_K,h^T
+        product_norms = new_q[rows].norm(dim=1) * new_k[rows].norm(dim=1)
+        singular = torch.linalg.svdvals(q[rows].T @ k[rows])[:head_dim]
+        torch.testing.assert_close(product_norms, singular, atol=1e-4, rtol=1e-4)
+
+
+def test_patched_t5_reloads_remotely_and_generates_the_same(tmp_path):
+    original = tiny_t5()
+    patched = hf_structattn.patch(original, init="svd", **MLR)
+    patched.save_pretrained(tmp_path / "ckpt")
+    inputs = t5_inputs()
+    generated = patched.generate(inputs["input_ids"], attention_mask=inputs["attention_mask"], max_new_tokens=14,
+                                 do_sample=False)
+    torch.save({"inputs": inputs, "logits": patched(**inputs).logits, "generated": generated}, tmp_path / "ref.pt")
+    out = run_isolated(f"""
+        import torch
+        from transformers import AutoModelForSeq2SeqLM
+        model = AutoModelForSeq2SeqLM.from_pretrained({str(tmp_path / "ckpt")!r}, trust_remote_code=True).eval()
+        assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+        ref = torch.load({str(tmp_path / "ref.pt")!r})
+        print("max_diff", float((model(**ref["inputs"]).logits - ref["logits"]).abs().max()))
+        ids, mask = ref["inputs"]["input_ids"], ref["inputs"]["attention_mask"]
+        cached = model.generate(ids, attention_mask=mask, max_new_tokens=14, do_sample=False)
+        uncached = model.generate(ids, attention_mask=mask, max_new_tokens=14, do_sample=False, use_cache=False)
+        print("generate_equal", torch.equal(cached, ref["generated"]) and torch.equal(uncached, cached))
+    """, tmp_path)
+    assert float(out.split("max_diff")[1].split()[0]) == 0.0
+    assert "generate_equal True" in out
+
+
+def test_chronos_t5_patch_unchanged_then_remote_reload_predicts_the_same(tmp_path):
+    pipe = tiny_chronos_t5(tmp_path / "tiny")
+    one_level = hf_structattn.patch(pipe, attention="mlr", init="svd", **ONE_LEVEL)
+    assert isinstance(one_level, ChronosPipeline)
+    torch.manual_seed(0)
+    expected = pipe.predict(contexts(), prediction_length=8)
+    torch.manual_seed(0)
+    torch.testing.assert_close(one_level.predict(contexts(), prediction_length=8), expected)
+
+    patched = hf_structattn.patch(pipe, attention="mlr", **MLR)
+    report = hf_structattn.patch_report(pipe, patched, {"context": contexts(), "prediction_length": 8})
+    assert report["logit_rel"] > 0  # MLR with blocks shorter than the contexts is a different function
+    patched.model.model.save_pretrained(tmp_path / "patched")
+    torch.manual_seed(0)
+    samples = patched.predict(contexts(), prediction_length=8)
+    torch.save({"samples": samples}, tmp_path / "ref.pt")
+    out = run_isolated(f"""
+        import torch
+        from chronos import ChronosPipeline
+        pipe = ChronosPipeline.from_pretrained({str(tmp_path / "patched")!r}, trust_remote_code=True,
+                                               device_map="cpu", dtype=torch.float32)
+        print("class", type(pipe.model.model).__name__)
+        t = torch.arange(60, dtype=torch.float32)
+        ctx = [10 + 4 * torch.sin(t / 3), 5 + 0.1 * t[:37] + torch.cos(t[:37])]
+        torch.manual_seed(0)
+        samples = pipe.predict(ctx, prediction_length=8)
+        print("equal", torch.equal(samples, torch.load({str(tmp_path / "ref.pt")!r})["samples"]))
+    """, tmp_path)
+    assert "class StructAttnT5ForConditionalGeneration" in out and "equal True" in out, out
+
+
+def test_chronos_bolt_patch_unchanged_then_helper_reload(tmp_path):
+    pipe = tiny_bolt(tmp_path / "bolt")
+    expected = pipe.predict(contexts(), prediction_length=8)
+    for fields in (ONE_LEVEL, LONG_BLOCKS):
+        for init in ("split", "svd"):
+            same = hf_structattn.patch(pipe, attention="mlr", init=init, **fields)
+            torch.testing.assert_close(same.predict(contexts(), prediction_length=8), expected, atol=1e-5, rtol=1e-5)
+    patched = hf_structattn.patch(pipe.model, attention="mlr", init="svd", **MLR)
+    assert type(patched) is ChronosBoltModelForForecasting
+    assert sum(type(m).__name__ == "StructAttnT5Attention" for m in patched.modules()) == 2 + 3
+    moved = ChronosBoltPipeline(patched).predict(contexts(), prediction_length=8)
+    assert not torch.allclose(moved, expected, atol=1e-4)
+    patched.save_pretrained(tmp_path / "patched")
+    reloaded = hf_structattn.load_patched_chronos_bolt(tmp_path / "patched", device_map="cpu", dtype=torch.float32)
+    torch.testing.assert_close(reloaded.predict(contexts(), prediction_length=8), moved)
+    with pytest.raises(ValueError, match="structattn_t5"):
+        hf_structattn.load_patched_chronos_bolt(tmp_path / "bolt")
+
+
+def test_patch_refuses_bad_requests():
+    model = tiny_t5()
+    with pytest.raises(ValueError, match="attention='bilinear_mlr'"):
+        hf_structattn.patch(model, attention="bilinear_mlr")
+    with pytest.raises(ValueError, match="mlr_ranks"):
+        hf_structattn.patch(model, mlr_ranks=[4, 2], mlr_block_sizes=[8])
+    with pytest.raises(ValueError, match="cross_attention='mlr'"):
+        hf_structattn.patch(model, targets=("cross",), **MLR)
+    with pytest.raises(ValueError, match="init="):
+        hf_structattn.patch(model, init="random", **MLR)
+    with pytest.raises(ValueError, match="already has structured attention"):
+        hf_structattn.patch(hf_structattn.patch(model, **MLR), **MLR)
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+        hf_structattn.patch(transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2)))
+
+
+def _train_copy_task(model, steps=300):
+    """Teach a tiny T5 to reverse 24-token sequences (enough structure for attention to matter)."""
+    torch.manual_seed(0)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(steps):
+        ids = torch.randint(2, 64, (8, 24))
+        loss = model(input_ids=ids, labels=ids.flip(1)).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return model.eval()
+
+
+def test_svd_init_moves_a_trained_model_less_than_the_naive_split():
+    model = _train_copy_task(tiny_t5(initializer_factor=1.0))
+    torch.manual_seed(5)
+    ids = torch.randint(2, 64, (8, 24))
+    inputs = dict(input_ids=ids, decoder_input_ids=model._shift_right(ids.flip(1)))
+    drift = {init: hf_structattn.patch_report(model, hf_structattn.patch(model, init=init, **MLR), inputs)
+             for init in ("split", "svd")}
+    print("drift", drift)
+    assert drift["svd"]["logit_rel"] < drift["split"]["logit_rel"], drift
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "hf_structattn.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_cli_patches_checkpoints_and_refuses_bad_arguments(tmp_path, capsys):
+    tiny_t5().save_pretrained(tmp_path / "t5")
+    result = _cli("patch", tmp_path / "t5", tmp_path / "out", "--attention", "mlr", "--mlr-ranks", "4,2,2",
+                  "--mlr-block-sizes", "8,4", "--init", "svd")
+    assert result.returncode == 0, result.stderr
+    assert "logit_rel" in result.stdout
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["model_type"] == "structattn_t5" and config["mlr_ranks"] == [4, 2, 2]
+    assert (tmp_path / "out" / "modeling_structattn_t5.py").exists()
+
+    # further cases in-process (each interpreter start costs ~9 s on the shared CPUs): same main() as the script
+    tiny_bolt(tmp_path / "bolt")
+    assert main(["patch", str(tmp_path / "bolt"), str(tmp_path / "bolt_out"), "--mlr-ranks", "4,2,2",
+                 "--mlr-block-sizes", "8,4"]) == 0
+    assert "forecast_rel" in capsys.readouterr().out
+    assert "structattn_t5" in json.loads((tmp_path / "bolt_out" / "config.json").read_text())
+
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2)).save_pretrained(
+        tmp_path / "gpt2")
+    bad = [(["--attention", "fancy", "--mlr-ranks", "4,2,2", "--mlr-block-sizes", "8,4"], "attention='fancy'"),
+           (["--mlr-ranks", "4,2", "--mlr-block-sizes", "8"], "mlr_ranks"),
+           (["--mlr-ranks", "4,2,2", "--mlr-block-sizes", "8,x"], "comma-separated integers")]
+    for index, (args, message) in enumerate(bad):
+        out = tmp_path / f"bad{index}"
+        with pytest.raises(SystemExit) if "integers" in message else contextlib.nullcontext() as exiting:
+            code = main(["patch", str(tmp_path / "t5"), str(out), *args])
+        code = exiting.value.code if "integers" in message else code
+        assert code == 2 and message in capsys.readouterr().err
+        assert not out.exists()
+    result = _cli("patch", tmp_path / "gpt2", tmp_path / "bad_gpt2", "--mlr-ranks", "4,4")
+    assert result.returncode == 2 and "model_type='gpt2'" in result.stderr and not (tmp_path / "bad_gpt2").exists()

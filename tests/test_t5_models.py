@@ -1,0 +1,139 @@
+"""T5-style structured-attention models: parity with transformers' T5, MLR key cache and generation, left
+padding, config validation, Auto registration and save/load."""
+
+import pytest
+import torch
+import transformers
+
+from hf_structattn import StructAttnT5Config, StructAttnT5EncoderModel, StructAttnT5ForConditionalGeneration
+
+BASE = dict(vocab_size=50, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=3, num_heads=4,
+            dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+MLR = dict(encoder_attention="mlr", decoder_attention="mlr", mlr_ranks=[4, 2, 2], mlr_max_length=16)  # blocks 8|4
+
+
+def tiny_t5(seed=0, **fields):
+    torch.manual_seed(seed)
+    model = StructAttnT5ForConditionalGeneration(StructAttnT5Config(**{**BASE, **fields})).eval()
+    with torch.no_grad():  # asymmetric weights so that head / level mix-ups cannot cancel out
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    return model
+
+
+def _padded_batch():
+    torch.manual_seed(1)
+    ids = torch.randint(2, 50, (2, 21))
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0  # left padding, as Chronos does
+    return ids, mask
+
+
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+@pytest.mark.parametrize("feed_forward_proj", ["relu", "gated-gelu"])
+@pytest.mark.parametrize("attention", ["dense", "mlr_one_level", "mlr_long_blocks"])
+def test_logits_equal_t5_with_its_weights(attention, feed_forward_proj, attn_implementation):
+    torch.manual_seed(0)
+    config = transformers.T5Config(**BASE, feed_forward_proj=feed_forward_proj,
+                                   attn_implementation=attn_implementation)
+    t5 = transformers.T5ForConditionalGeneration(config).eval()  # num_decoder_layers (3) != num_layers (2)
+    fields = {"dense": {},
+              "mlr_one_level": dict(encoder_attention="mlr", decoder_attention="mlr", mlr_ranks=[8],
+                                    mlr_block_sizes=[]),
+              # every block covers the whole (<= 32 tokens) sequence: must be dense attention
+              "mlr_long_blocks": dict(encoder_attention="mlr", decoder_attention="mlr", mlr_ranks=[4, 2, 2],
+                                      mlr_block_sizes=[64, 32])}[attention]
+    ours = StructAttnT5ForConditionalGeneration(StructAttnT5Config(
+        **BASE, feed_forward_proj=feed_forward_proj, attn_implementation=attn_implementation, **fields)).eval()
+    assert list(ours.state_dict()) == list(t5.state_dict())
+    ours.load_state_dict(t5.state_dict(), strict=True)
+    ids, mask = _padded_batch()
+    decoder_ids = torch.randint(2, 50, (2, 9))
+    expected = t5(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids).logits
+    got = ours(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids).logits
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    encoder = StructAttnT5EncoderModel(StructAttnT5Config(**BASE, feed_forward_proj=feed_forward_proj, **fields))
+    encoder.load_state_dict({k: v for k, v in t5.state_dict().items() if not k.startswith(("decoder", "lm_head"))})
+    torch.testing.assert_close(encoder.eval()(input_ids=ids, attention_mask=mask).last_hidden_state[0],
+                               t5.encoder(input_ids=ids, attention_mask=mask).last_hidden_state[0],
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_mlr_changes_the_function_and_follows_real_token_positions():
+    model = tiny_t5(**MLR)
+    dense = tiny_t5()  # same seed: same weights, dense attention
+    ids, mask = _padded_batch()
+    decoder_ids = torch.randint(2, 50, (2, 12))
+    batched = model(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids).logits
+    assert not torch.allclose(batched, dense(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids).logits,
+                              atol=1e-3)
+    # a left-padded row is computed exactly as the row alone (blocks follow cumsum(mask) - 1)
+    alone = model(input_ids=ids[1:, 6:], decoder_input_ids=decoder_ids[1:]).logits
+    torch.testing.assert_close(batched[1:], alone, atol=2e-5, rtol=1e-4)
+
+
+def test_cached_decoding_logits_equal_uncached_across_block_boundaries():
+    model = tiny_t5(**MLR)
+    ids, mask = _padded_batch()
+    decoder_ids = torch.randint(2, 50, (2, 19))  # crosses the 4- and 8-blocks several times
+    reference = model(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids, use_cache=False).logits
+    encoder_out = model.encoder(input_ids=ids, attention_mask=mask)
+    cache = model.new_cache()
+    steps, start = [], 0
+    for size in [5, 6] + [1] * 8:  # chunked prefill (5 tokens, then 6 across the 8-boundary), then decode
+        out = model(encoder_outputs=encoder_out, attention_mask=mask, decoder_input_ids=decoder_ids[:, start:start + size],
+                    cache=cache, use_cache=True)
+        steps.append(out.logits)
+        start += size
+    torch.testing.assert_close(torch.cat(steps, 1), reference, atol=2e-5, rtol=1e-4)
+    layers = cache.self_attention_cache.layers
+    assert [type(layer).__name__ for layer in layers] == ["MLRKeyCacheLayer"] * BASE["num_decoder_layers"]
+    # level 3 (block 4) holds only the current block's keys: 19 tokens -> positions 16..18
+    assert layers[0].level_keys[1].shape[-2] == 4 and layers[0].keys.shape[-2] == 19
+
+
+@pytest.mark.parametrize("fields", [MLR, dict(decoder_attention="bilinear_mlr", cross_attention="bilinear_btt",
+                                               encoder_attention="bilinear_mlr", bilinear_mlr_ranks=[4, 2])])
+def test_generate_same_with_and_without_cache(fields):
+    model = tiny_t5(**fields)
+    ids, mask = _padded_batch()
+    common = dict(attention_mask=mask, max_new_tokens=18, min_new_tokens=18, do_sample=False)
+    greedy = model.generate(ids, **common)
+    assert greedy.shape == (2, 19)
+    torch.testing.assert_close(greedy, model.generate(ids, use_cache=False, **common))
+    beams = model.generate(ids, num_beams=3, num_return_sequences=2, **common)
+    torch.testing.assert_close(beams, model.generate(ids, num_beams=3, num_return_sequences=2, use_cache=False,
+                                                     **common))
+    # the left-padded row generates what it generates alone
+    alone = model.generate(ids[1:, 6:], max_new_tokens=18, min_new_tokens=18, do_sample=False)
+    torch.testing.assert_close(greedy[1:], alone)
+
+
+@pytest.mark.parametrize("fields,match", [
+    (dict(cross_attention="mlr", mlr_ranks=[4, 4]), "cross_attention='mlr'"),
+    (dict(encoder_attention="mlx"), "encoder_attention='mlx'"),
+    (dict(decoder_attention="mlr"), "mlr_ranks is required"),
+    (dict(encoder_attention="mlr", mlr_ranks=[4, 2]), "mlr_ranks"),
+    (dict(encoder_attention="mlr", mlr_ranks=[4, 2, 2], mlr_block_sizes=[8, 3]), "mlr_block_sizes"),
+    (dict(encoder_attention="mlr", mlr_ranks=[4, 4], mlr_scaling="fancy"), "mlr_scaling"),
+    (dict(encoder_attention="bilinear_mlr"), "bilinear_mlr_ranks"),
+    (dict(cross_attention="bilinear_btt", btt_factors=[3, 4, 4, 8]), "btt_factors"),
+])
+def test_invalid_config_names_the_field(fields, match):
+    with pytest.raises(ValueError, match=match):
+        StructAttnT5Config(**BASE, **fields)
+
+
+def test_auto_classes_and_save_load_keep_extra_keys(tmp_path):
+    model = tiny_t5(**MLR, chronos_config={"context_length": 64, "prediction_length": 8})
+    model.save_pretrained(tmp_path)
+    config = transformers.AutoConfig.from_pretrained(tmp_path)
+    assert type(config) is StructAttnT5Config and config.chronos_config["prediction_length"] == 8
+    assert config.auto_map["AutoModelForSeq2SeqLM"] == "modeling_structattn_t5.StructAttnT5ForConditionalGeneration"
+    loaded = transformers.AutoModelForSeq2SeqLM.from_pretrained(tmp_path).eval()
+    assert type(loaded) is StructAttnT5ForConditionalGeneration
+    for (name, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
+        torch.testing.assert_close(a, b, msg=name)
+    assert type(transformers.AutoModel.from_pretrained(tmp_path)).__name__ == "StructAttnT5Model"
+    assert type(transformers.AutoModelForTextEncoding.from_pretrained(tmp_path)) is StructAttnT5EncoderModel
+    assert (tmp_path / "modeling_structattn_t5.py").exists() and (tmp_path / "structattn_cache.py").exists()
