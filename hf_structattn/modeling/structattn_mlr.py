@@ -110,6 +110,41 @@ class _Group:
             result = blocks if result is None else result + blocks
         return result
 
+    # Fused path: (B, n_parents, count) fold into the kernel's batch dim. The kernel returns gradients (and
+    # wants the output gradient) with (batch, length, heads, width) memory, so the fold follows the inputs'
+    # layout: for (B, T, H, E) memory (what a model's ``view(B, T, H, E).transpose(1, 2)`` gives) H stays the
+    # kernel's head dim; for (B, H, T, E) memory H joins the batch too and the kernel sees one head. Either
+    # way every group is a strided view of the inputs, and the own-block group's results are whole-sequence
+    # tensors in the inputs' layout without a copy.
+    def fold(self, x: torch.Tensor, children: slice, heads_in_batch: bool) -> torch.Tensor:
+        """x (B, H, Tc, ...) -> (B * n_parents * count, H, child, ...), or (B * H * n_parents * count, 1,
+        child, ...) when ``heads_in_batch`` (a view when the strides allow)."""
+        batch, heads = x.shape[:2]
+        rest = x.shape[3:]
+        picked = x.reshape(batch, heads, self.n_parents, self.n_children, self.child, *rest)[:, :, :, children]
+        if heads_in_batch:
+            return picked.reshape(batch * heads * self.n_parents * self.count, 1, self.child, *rest)
+        picked = picked.movedim(1, 3)  # (B, nP, count, H, child, ...)
+        return picked.reshape(batch * self.n_parents * self.count, heads, self.child, *rest)
+
+    def unfold(self, t: torch.Tensor, batch: int, heads: int, heads_in_batch: bool) -> torch.Tensor:
+        """Inverse of ``fold`` as a view: kernel-side tensor -> (B, H, n_parents, count, child, ...)."""
+        if heads_in_batch:
+            return t.squeeze(1).unflatten(0, (batch, heads, self.n_parents, self.count))
+        return t.unflatten(0, (batch, self.n_parents, self.count)).movedim(3, 1)
+
+    def fold_mask(self, key_valid: Optional[torch.Tensor], bias: Optional[torch.Tensor], heads: int,
+                  dtype: torch.dtype, heads_in_batch: bool) -> Optional[torch.Tensor]:
+        """``additive_mask`` in the fused path's fold, or None."""
+        mask = self.additive_mask(key_valid, bias, heads, dtype)
+        if mask is None:
+            return None
+        batch = mask.shape[0]
+        mask = mask.view(batch, heads, self.n_parents, self.count, *mask.shape[2:])
+        if heads_in_batch:
+            return mask.reshape(batch * heads * self.n_parents * self.count, 1, *mask.shape[-2:])
+        return mask.movedim(1, 3).reshape(batch * self.n_parents * self.count, heads, *mask.shape[-2:])
+
 
 class _Plan:
     """Groups of one call: built from the canonical length and the levels that are not shared by all tokens."""
@@ -136,30 +171,51 @@ def _uniform_scale(vector: torch.Tensor, width: int) -> Optional[float]:
     return low if low == high and low != 0.0 else None
 
 
-def _split_heads(t: torch.Tensor, group: _Group, heads: int) -> torch.Tensor:
-    """Kernel-side (B, H * n_parents * count, ...) -> (B, H, n_parents, count, ...) without copying: the
-    kernel returns some results in a transposed memory layout, and a strided view merges them in place
-    where ``reshape`` would copy."""
-    return t.unflatten(1, (heads, group.n_parents, group.count))
+def _heads_in_batch(q: torch.Tensor) -> bool:
+    """Fold heads into the kernel batch for (B, H, T, E) memory, keep them as kernel heads otherwise."""
+    return q.is_contiguous()
+
+
+def _fold_layout(t: torch.Tensor, heads_in_batch: bool) -> torch.Tensor:
+    """``t`` in a layout whose group folds are views: (B, H, T, E) memory for the heads-in-batch fold, else
+    (B, T, H, E) memory (any layout works when B == 1). One up-front copy when needed replaces a copy of
+    every group's rows."""
+    if heads_in_batch:
+        return t.contiguous()
+    if t.shape[0] == 1 or t.transpose(1, 2).is_contiguous():
+        return t
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _scratch_view(inputs, attr: str, like: torch.Tensor) -> torch.Tensor:
+    """A reused buffer shaped like the kernel-side ``like`` (B', H, L, E) with (B', L, H, E) memory."""
+    buffer = getattr(inputs, attr)
+    if buffer is None or buffer.numel() < like.numel():
+        buffer = torch.empty(like.numel(), dtype=like.dtype, device=like.device)
+        setattr(inputs, attr, buffer)
+    rows, heads, length, width = like.shape
+    return buffer[:like.numel()].view(rows, length, heads, width).transpose(1, 2)
 
 
 class _GroupInputs:
-    """Per-call constants of the fused path: padded tensors, per-depth scale vectors and the q scratch.
+    """Per-call constants of the fused path: padded inputs, per-depth scale vectors and reused scratch.
 
-    Every coarse group needs q zero-masked beyond its prefix width and scaled (the kernel wants equal
-    q/k/v widths and one scalar scale). Writing that into one reused buffer instead of a fresh tensor per
-    group saves an allocation and its page faults per group; the own-block group uses all dims, so when its
-    scales are uniform it runs on q itself with the kernel's scalar ``scale``.
+    The kernel wants equal q/k/v widths and one scalar scale, so every coarse group runs on a copy of its
+    query rows, scaled and zero-masked beyond the group's prefix width; writing that copy into one reused
+    buffer (instead of a fresh tensor per group) saves an allocation and its page faults per group. The
+    own-block group uses every dim, so with uniform scales it runs on q itself with the kernel's ``scale``.
     """
 
     def __init__(self, q, k, v, plan, scale_vectors):
         self.head_dim, self.value_dim = q.shape[-1], v.shape[-1]
         self.width = width = max(self.head_dim, self.value_dim)
-        self.q, self.k, self.v = (F.pad(t, (0, width - t.shape[-1])) if t.shape[-1] < width else t for t in (q, k, v))
+        self.heads_in_batch = fold = _heads_in_batch(q)
+        padded = (F.pad(t, (0, width - t.shape[-1])) if t.shape[-1] < width else t for t in (q, k, v))
+        self.q, self.k, self.v = (_fold_layout(t, fold) for t in padded)
         self.plan = plan
         self.vectors = {depth: F.pad(vec, (0, width - vec.shape[0])) for depth, vec in scale_vectors.items()}
         self.own_scale = _uniform_scale(self.vectors[plan.groups[0].depth], self.head_dim)
-        self.scratch = self.grad_scratch = None
+        self.q_scratch = self.grad_scratch = None
 
     def prefix(self, group: _Group) -> int:
         """Number of leading dims the group's scores use (later dims of its scaled q are zero)."""
@@ -167,29 +223,35 @@ class _GroupInputs:
             return self.head_dim
         return self.plan.prefix_widths[group.depth - 1]
 
-    def scaled_queries(self, group: _Group):
+    def queries(self, group: _Group):
         """(kernel q, kernel scale, multiplier of the kernel's dq or None) for one group."""
-        rows = group.queries(self.q)
+        rows = group.fold(self.q, group.query_children, self.heads_in_batch)
         if group is self.plan.groups[0] and self.own_scale is not None:
             return rows, self.own_scale, None
         vector = self.vectors[group.depth]
-        if self.scratch is None or self.scratch.numel() < rows.numel():
-            self.scratch = torch.empty(rows.numel(), dtype=rows.dtype, device=rows.device)
-        buffer = self.scratch[:rows.numel()].view(rows.shape)
-        torch.mul(rows, vector, out=buffer)
-        return buffer, 1.0, vector
+        return torch.mul(rows, vector, out=_scratch_view(self, "q_scratch", rows)), 1.0, vector
+
+    def keys(self, group: _Group):
+        fold = self.heads_in_batch
+        return group.fold(self.k, group.key_children, fold), group.fold(self.v, group.key_children, fold)
+
+    def fold(self, group: _Group, x: torch.Tensor) -> torch.Tensor:
+        """The group's query rows of x (B, H, Tc, ...) as the kernel sees them."""
+        return group.fold(x, group.query_children, self.heads_in_batch)
+
+    def unfold(self, group: _Group, t: torch.Tensor) -> torch.Tensor:
+        return group.unfold(t, self.q.shape[0], self.q.shape[1], self.heads_in_batch)
+
+    def mask(self, group: _Group, key_valid, bias, dtype):
+        return group.fold_mask(key_valid, bias, self.q.shape[1], dtype, self.heads_in_batch)
 
     def kernel_grad(self, group: _Group, grad: torch.Tensor) -> torch.Tensor:
-        """The group's rows of the output gradient in the (B, T, H, E) memory layout the fused backward
-        reads; given any other layout it makes a fresh contiguous copy per call, this reuses one buffer."""
-        rows = group.queries(grad)
+        """The group's output-gradient rows with (B', L, H, E) memory: the fused backward reads that layout
+        and copies anything else into a fresh tensor per call; this reuses one buffer."""
+        rows = self.fold(group, grad)
         if rows.transpose(1, 2).is_contiguous():
             return rows
-        if self.grad_scratch is None or self.grad_scratch.numel() < rows.numel():
-            self.grad_scratch = torch.empty(rows.numel(), dtype=rows.dtype, device=rows.device)
-        batch, heads, length, width = rows.shape
-        buffer = self.grad_scratch[:rows.numel()].view(batch, length, heads, width).transpose(1, 2)
-        return buffer.copy_(rows)
+        return _scratch_view(self, "grad_scratch", rows).copy_(rows)
 
 
 class _FusedMLRFunction(torch.autograd.Function):
@@ -203,29 +265,33 @@ class _FusedMLRFunction(torch.autograd.Function):
         acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         out = lse = None
         for group in plan.groups:
-            mask = group.additive_mask(key_valid, bias, heads, q.dtype)
-            group_q, kernel_scale, _ = inputs.scaled_queries(group)
-            group_out, group_lse = _cpu_flash(group_q, group.keys(inputs.k), group.keys(inputs.v), 0.0,
-                                              causal and group.is_own_block, attn_mask=mask, scale=kernel_scale)
-            group_out = group_out[..., :value_dim]
-            if out is None:  # the own-block group covers every query row: its result starts the merge
-                out = group_out.to(acc_dtype).reshape(batch, heads, length, value_dim).contiguous()
-                lse = group_lse.to(acc_dtype).reshape(batch, heads, length).contiguous()
+            mask = inputs.mask(group, key_valid, bias, q.dtype)
+            group_q, kernel_scale, _ = inputs.queries(group)
+            group_k, group_v = inputs.keys(group)
+            group_out, group_lse = _cpu_flash(group_q, group_k, group_v, 0.0, causal and group.is_own_block,
+                                              attn_mask=mask, scale=kernel_scale)
+            group_out = inputs.unfold(group, group_out[..., :value_dim])
+            group_lse = inputs.unfold(group, group_lse)
+            if out is None:  # the own-block group covers every query row: its result (a view) starts the merge
+                out = group_out.to(acc_dtype).reshape(batch, heads, length, value_dim)
+                lse = group_lse.to(acc_dtype).reshape(batch, heads, length)
                 continue
-            # Merge weights sum to one, so the merge is a single in-place lerp over the group's rows.
+            # Merge weights sum to one, so the merge is one in-place lerp over the group's rows.
             running = group.rows(lse)
-            group_lse = _split_heads(group_lse, group, heads).to(acc_dtype)
+            group_lse = group_lse.to(acc_dtype)
             merged = torch.logaddexp(running, group_lse)
-            weight = group_lse.sub_(merged).exp_() if group_lse.dtype == acc_dtype else torch.exp(group_lse - merged)
+            weight = torch.sub(group_lse, merged, out=group_lse if group_lse.dtype == acc_dtype else None).exp_()
             out_rows = group.view(out, group.query_children)
-            group_out = _split_heads(group_out, group, heads)
-            if group_out.dtype != acc_dtype:
-                group_out = group_out.to(acc_dtype)
-            out_rows.lerp_(group_out, weight[..., None])
+            out_rows.lerp_(group_out.to(acc_dtype), weight[..., None])
             running.copy_(merged)
             del group_out
-        inputs.scratch = None
+        inputs.q_scratch = None
         result = out.to(q.dtype)
+        if result._is_view():
+            # Autograd refuses in-place ops on a custom Function output that is a view (``out`` views a kernel
+            # result); a plain alias of the same storage behaves like SDPA's output instead.
+            result = torch.empty(0, dtype=result.dtype, device=result.device).set_(
+                result.untyped_storage(), result.storage_offset(), result.size(), result.stride())
         ctx.save_for_backward(q, k, v, key_valid, bias, result, lse)
         ctx.plan, ctx.scale_vectors, ctx.causal = plan, scale_vectors, causal
         return result
@@ -238,53 +304,38 @@ class _FusedMLRFunction(torch.autograd.Function):
         inputs = _GroupInputs(q, k, v, plan, ctx.scale_vectors)
         value_dim, width = inputs.value_dim, inputs.width
         out_pad, grad_pad = (F.pad(t, (0, width - t.shape[-1])) if t.shape[-1] < width else t
-                             for t in (out, grad_out.contiguous()))
+                             for t in (out, grad_out))
         lse = lse.to(torch.float32) if q.dtype != torch.float64 else lse
         acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         grad_q = grad_k = grad_v = None
         for group in plan.groups:
-            mask = group.additive_mask(key_valid, bias, heads, q.dtype)
-            group_q, kernel_scale, dq_scale = inputs.scaled_queries(group)
-            group_lse = group.rows(lse).reshape(batch, -1, group.child)
+            mask = inputs.mask(group, key_valid, bias, q.dtype)
+            group_q, kernel_scale, dq_scale = inputs.queries(group)
+            group_k, group_v = inputs.keys(group)
+            group_lse = inputs.fold(group, lse[..., None])[..., 0]
             dq, dk, dv = _cpu_flash_backward(
-                inputs.kernel_grad(group, grad_pad), group_q, group.keys(inputs.k), group.keys(inputs.v),
-                group.queries(out_pad), group_lse, 0.0, causal and group.is_own_block,
+                inputs.kernel_grad(group, grad_pad), group_q, group_k, group_v,
+                inputs.fold(group, out_pad), group_lse, 0.0, causal and group.is_own_block,
                 attn_mask=mask, scale=kernel_scale)
-            prefix = inputs.prefix(group)
+            dq, dk, dv = (inputs.unfold(group, t) for t in (dq, dk, dv))
             if grad_q is None:
-                # The own-block group touches every query and key row: its gradients start the sums. The
-                # kernel returns them in a (B, T, H, E) memory layout, so copy each into a (B, H, T, E)
-                # buffer and free it before the next, which keeps the peak at one extra gradient.
-                grads = []
-                for name, grad, scale in (("q", dq, dq_scale), ("k", dk, None), ("v", dv, None)):
-                    buffer = torch.empty(q.shape[:3] + (width,), dtype=acc_dtype, device=q.device)
-                    target = group.view(buffer, group.query_children if name == "q" else group.key_children)
-                    source = _split_heads(grad, group, heads)
-                    if scale is None:
-                        target.copy_(source)
-                    else:
-                        torch.mul(source, scale, out=target)
-                    grads.append(buffer)
-                    del grad, source
-                    if name == "q":
-                        del dq
-                    elif name == "k":
-                        del dk
-                    else:
-                        del dv
-                grad_q, grad_k, grad_v = grads
+                # The own-block group touches every query and key row, and its gradients come back in the
+                # inputs' layout (see ``_Group.fold``): whole-sequence views of them start the sums.
+                if dq_scale is not None:
+                    dq.mul_(dq_scale)
+                grad_q, grad_k, grad_v = (t.to(acc_dtype).reshape(batch, heads, length, width) for t in (dq, dk, dv))
                 continue
             # dq beyond the prefix is discarded and dk beyond it is exactly zero (q was zero-masked there).
+            prefix = inputs.prefix(group)
             query_rows = group.view(grad_q, group.query_children)[..., :prefix]
-            dq = _split_heads(dq, group, heads)[..., :prefix]
             if dq_scale is None:
-                query_rows.add_(dq)
+                query_rows.add_(dq[..., :prefix])
             else:
-                query_rows.addcmul_(dq, dq_scale[:prefix])
-            group.view(grad_k, group.key_children)[..., :prefix].add_(_split_heads(dk, group, heads)[..., :prefix])
-            group.view(grad_v, group.key_children).add_(_split_heads(dv, group, heads))
+                query_rows.addcmul_(dq[..., :prefix], dq_scale[:prefix])
+            group.view(grad_k, group.key_children)[..., :prefix].add_(dk[..., :prefix])
+            group.view(grad_v, group.key_children).add_(dv)
             del dq, dk, dv
-        inputs.scratch = inputs.grad_scratch = None
+        inputs.q_scratch = inputs.grad_scratch = None
         return (grad_q[..., :head_dim].to(q.dtype), grad_k[..., :head_dim].to(k.dtype),
                 grad_v[..., :value_dim].to(v.dtype), None, None, None, None, None)
 
