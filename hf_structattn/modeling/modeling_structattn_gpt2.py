@@ -114,9 +114,10 @@ class StructAttnGPT2Attention(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, cache: Optional[Cache] = None, attention_masks=None,
                 padding_mask: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
-                **kwargs) -> torch.Tensor:
+                positions_are_arange: bool = False, **kwargs) -> torch.Tensor:
         """hidden_states (B, T, D); attention_masks: dict with transformers' 4-D masks ("full", "sliding");
-        padding_mask: (B, S) over cached + new slots (1 = real token); position_ids: (B, T)."""
+        padding_mask: (B, S) over cached + new slots (1 = real token); position_ids: (B, T);
+        positions_are_arange: position_ids is ``arange(T)`` (lets MLR skip its position analysis)."""
         batch, length, _ = hidden_states.shape
         dropout = self.attn_dropout.p if self.training else 0.0
         attention_masks = attention_masks or {}
@@ -128,7 +129,7 @@ class StructAttnGPT2Attention(nn.Module):
             value = self._split_heads(self.c_v(hidden_states))
 
         if self.variant == "mlr":
-            output = self._mlr(query, key, value, cache, padding_mask, position_ids, length)
+            output = self._mlr(query, key, value, cache, padding_mask, position_ids, length, positions_are_arange)
         elif self.variant in ("dense", "swa"):
             if cache is not None:
                 key, value = cache.update(key, value, self.layer_idx)
@@ -167,7 +168,7 @@ class StructAttnGPT2Attention(nn.Module):
         query = (query * self.btt_scale).expand(-1, self.num_heads, -1, -1)
         return query, key
 
-    def _mlr(self, query, key, value, cache, padding_mask, position_ids, length):
+    def _mlr(self, query, key, value, cache, padding_mask, position_ids, length, positions_are_arange=False):
         batch = query.shape[0]
         positions = position_ids.expand(batch, length)
         valid = padding_mask[:, -length:].bool() if padding_mask is not None else None
@@ -198,8 +199,8 @@ class StructAttnGPT2Attention(nn.Module):
                 cached = plain_cached_keys(keys, values, key_positions, key_valid, self.ranks)
                 return mlr_attention_cached(query, cached, level_scales=self.level_scales, query_positions=positions,
                                             **kwargs)
-        return mlr_attention(query, key, value, scales=self.level_scales, positions=positions,
-                             attention_mask=valid, **kwargs)
+        return mlr_attention(query, key, value, scales=self.level_scales,
+                             positions=None if positions_are_arange else positions, attention_mask=valid, **kwargs)
 
 
 class StructAttnGPT2MLP(nn.Module):
@@ -224,10 +225,10 @@ class StructAttnGPT2Block(GradientCheckpointingLayer):
         self.mlp = StructAttnGPT2MLP(inner_dim, config)
 
     def forward(self, hidden_states, cache=None, attention_masks=None, padding_mask=None, position_ids=None,
-                **kwargs):
+                positions_are_arange=False, **kwargs):
         hidden_states = hidden_states + self.attn(self.ln_1(hidden_states), cache=cache,
                                                   attention_masks=attention_masks, padding_mask=padding_mask,
-                                                  position_ids=position_ids)
+                                                  position_ids=position_ids, positions_are_arange=positions_are_arange)
         return hidden_states + self.mlp(self.ln_2(hidden_states))
 
 
@@ -312,11 +313,18 @@ class StructAttnGPT2Model(StructAttnGPT2PreTrainedModel):
         batch, length = inputs_embeds.shape[:2]
         if use_cache and cache is None:
             cache = self.new_cache()
+        # MLR layers skip their position checks (host syncs, graph breaks under torch.compile) when the positions
+        # are the model's own arange from 0
+        positions_are_arange = position_ids is None and (cache is None or cache.get_seq_length() == 0)
+        last_position = None
         if position_ids is None:
             past = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(past, past + length, device=inputs_embeds.device)[None]
-        if position_ids.numel() and int(position_ids.max()) >= self.config.n_positions:
-            raise ValueError(f"position {int(position_ids.max())} is beyond n_positions={self.config.n_positions}: "
+            last_position = past + length - 1
+        elif position_ids.numel():
+            last_position = int(position_ids.max())
+        if last_position is not None and last_position >= self.config.n_positions:
+            raise ValueError(f"position {last_position} is beyond n_positions={self.config.n_positions}: "
                              f"this model has learned position embeddings for positions < {self.config.n_positions}")
         hidden_states = self.drop(inputs_embeds + self.wpe(position_ids))
 
@@ -333,7 +341,8 @@ class StructAttnGPT2Model(StructAttnGPT2PreTrainedModel):
 
         for block in self.h:
             hidden_states = block(hidden_states, cache if not (self.gradient_checkpointing and self.training) else None,
-                                  attention_masks, attention_mask, position_ids, **kwargs)
+                                  attention_masks, attention_mask, position_ids,
+                                  positions_are_arange=positions_are_arange, **kwargs)
         hidden_states = self.ln_f(hidden_states)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache if use_cache else None)
 

@@ -340,6 +340,13 @@ class _FusedMLRFunction(torch.autograd.Function):
                 grad_v[..., :value_dim].to(v.dtype), None, None, None, None, None)
 
 
+@torch.compiler.disable
+def _fused_mlr(q, k, v, key_valid, bias, plan, scale_vectors, causal):
+    """The fused CPU path runs eagerly under torch.compile: it writes through strided views and `out=` buffers
+    that Dynamo cannot trace, and the fused kernel is already the whole cost."""
+    return _FusedMLRFunction.apply(q, k, v, key_valid, bias, plan, scale_vectors, causal)
+
+
 def _math_attention(q, k, v, key_valid, bias, plan: _Plan, scale_vectors, causal):
     """Same group plan with reduced-width matmuls and plain autograd (any device, bias gradients)."""
     batch, heads, length, _ = q.shape
@@ -518,7 +525,7 @@ def mlr_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ranks: S
             raise ValueError(f"implementation='fused' needs CPU tensors, got device {q.device}")
         if bias_c is not None and bias_c.requires_grad:
             raise ValueError("implementation='fused' cannot differentiate the bias; use 'math' or 'auto'")
-        out_c = _FusedMLRFunction.apply(q_c, k_c, v_c, key_valid, bias_c, plan, scale_vectors, causal)
+        out_c = _fused_mlr(q_c, k_c, v_c, key_valid, bias_c, plan, scale_vectors, causal)
     elif backend == "triton":
         if not TRITON_AVAILABLE:
             raise ValueError("implementation='triton' needs the triton package")
