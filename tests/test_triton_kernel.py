@@ -238,3 +238,21 @@ def test_cuda_real_sizes(dtype, causal):
     _run_case(seq_len=1024, ranks=ranks, block_sizes=[512, 256, 128, 64, 32, 16, 8], causal=causal,
               scales=[64 ** -0.5] * 8, heads=4, dtype=dtype, block_m=None, block_n=None,
               atol=atol, rtol=atol, grad_atol=grad_atol, padding=[(0, 100)])
+
+
+@pytest.mark.skipif(CUDA, reason="the CPU dispatcher case runs under the interpreter")
+@pytest.mark.parametrize("causal", [True, False])
+def test_dispatcher_routes_shifted_and_padded_inputs_to_the_kernel(causal):
+    """mlr_attention(implementation="triton") canonicalises positions (offsets, left padding) before the kernel."""
+    from hf_structattn import mlr_attention
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 2, 24, 8, generator=gen) for _ in range(3))
+    mask = torch.ones(2, 24, dtype=torch.long)
+    mask[1, :5] = 0
+    positions = (mask.cumsum(-1) - 1).clamp(min=0) + 16  # a continuation: shared coarse levels, shifted blocks
+    kwargs = dict(ranks=[4, 2, 2], block_sizes=[16, 8], causal=causal, positions=positions, attention_mask=mask)
+    got = mlr_attention(q, k, v, implementation="triton", **kwargs)
+    expected = mlr_attention_reference(q, k, v, **kwargs)
+    torch.testing.assert_close(got[0], expected[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[1, :, 5:], expected[1, :, 5:], atol=1e-5, rtol=1e-5)

@@ -514,9 +514,11 @@ def mlr_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ranks: S
 
     backend = implementation
     if backend == "auto":
-        if q.device.type == "cpu" and not (bias_c is not None and bias_c.requires_grad):
+        # neither kernel differentiates the additive bias (T5's learned relative bias): the math path does
+        bias_needs_grad = bias_c is not None and bias_c.requires_grad
+        if q.device.type == "cpu" and not bias_needs_grad:
             backend = "fused"
-        elif q.device.type == "cuda" and TRITON_AVAILABLE:
+        elif q.device.type == "cuda" and TRITON_AVAILABLE and not bias_needs_grad:
             backend = "triton"
         else:
             backend = "math"
