@@ -25,7 +25,12 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_structattn_gpt2 import StructAttnGPT2Config
-from .structattn_bilinear import BilinearBTTKeyProjection, BilinearMLRProjection, default_btt_factors
+from .structattn_bilinear import (
+    BilinearBTTKeyProjection,
+    BilinearMLRProjection,
+    bilinear_level_scales,
+    default_btt_factors,
+)
 from .structattn_cache import StructAttnCache, mlr_attention_cached, plain_cached_keys
 from .structattn_geometry import resolve_level_scales
 from .structattn_mlr import mlr_attention
@@ -48,9 +53,6 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling=N
 def _self_attention_cache(cache):
     return cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
 
-
-def _bilinear_level_scales(widths, scaling):
-    return [(w ** -0.5) if scaling == "standard" else 1.0 / w for w in widths]
 
 
 GPT2_AUTO_MAP = {
@@ -92,7 +94,7 @@ class StructAttnGPT2Attention(nn.Module):
             self.q_proj = BilinearMLRProjection(self.embed_dim, self.num_heads, ranks)
             self.k_proj = BilinearMLRProjection(self.embed_dim, self.num_heads, ranks)
             widths = self.q_proj.level_widths
-            self.level_scales = _bilinear_level_scales(widths, config.bilinear_scaling)
+            self.level_scales = bilinear_level_scales(widths, config.bilinear_scaling)
             if config.qk_layernorm:
                 eps = config.layer_norm_epsilon
                 self.q_norms = nn.ModuleList(nn.LayerNorm(w, eps=eps) for w in widths)
@@ -100,7 +102,7 @@ class StructAttnGPT2Attention(nn.Module):
         elif self.variant == "bilinear_btt":
             factors = config.btt_factors or default_btt_factors(self.embed_dim)
             self.k_proj = BilinearBTTKeyProjection(self.embed_dim, self.num_heads, factors, config.btt_rank)
-            self.btt_scale = _bilinear_level_scales([self.embed_dim], config.bilinear_scaling)[0]
+            self.btt_scale = bilinear_level_scales([self.embed_dim], config.bilinear_scaling)[0]
             if config.qk_layernorm:
                 self.q_norm = nn.LayerNorm(self.embed_dim, eps=config.layer_norm_epsilon)
                 self.k_norm = nn.LayerNorm(self.embed_dim, eps=config.layer_norm_epsilon)

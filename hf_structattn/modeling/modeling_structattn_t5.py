@@ -29,7 +29,12 @@ from transformers.models.t5.modeling_t5 import (
 )
 
 from .configuration_structattn_t5 import StructAttnT5Config
-from .structattn_bilinear import BilinearBTTKeyProjection, BilinearMLRProjection, default_btt_factors
+from .structattn_bilinear import (
+    BilinearBTTKeyProjection,
+    BilinearMLRProjection,
+    bilinear_level_scales,
+    default_btt_factors,
+)
 from .structattn_cache import StructAttnCache, mlr_attention_cached, plain_cached_keys
 from .structattn_geometry import MASK_VALUE
 from .structattn_mlr import mlr_attention
@@ -56,9 +61,6 @@ def key_validity_from_mask(mask: Optional[torch.Tensor], batch: int, key_length:
     valid = row if row.dtype == torch.bool else row > torch.finfo(row.dtype).min / 2
     return valid.expand(batch, key_length)
 
-
-def _bilinear_level_scales(widths, scaling):
-    return [(w ** -0.5) if scaling == "standard" else 1.0 / w for w in widths]
 
 
 class StructAttnT5Attention(nn.Module):
@@ -101,11 +103,11 @@ class StructAttnT5Attention(nn.Module):
             ranks = list(spec["ranks"])
             self.q_proj = BilinearMLRProjection(self.d_model, self.n_heads, ranks)
             self.k_proj = BilinearMLRProjection(self.d_model, self.n_heads, ranks)
-            self.level_scales = _bilinear_level_scales(self.q_proj.level_widths, spec["scaling"])
+            self.level_scales = bilinear_level_scales(self.q_proj.level_widths, spec["scaling"])
         else:
             factors = spec.get("factors") or default_btt_factors(self.d_model)
             self.k_proj = BilinearBTTKeyProjection(self.d_model, self.n_heads, factors, spec["rank"])
-            self.btt_scale = _bilinear_level_scales([self.d_model], spec["scaling"])[0]
+            self.btt_scale = bilinear_level_scales([self.d_model], spec["scaling"])[0]
 
     def extra_repr(self) -> str:
         return f"variant={self.variant}, layer_idx={self.layer_idx}, causal={self.is_causal}"

@@ -16,6 +16,11 @@ import torch
 from torch import nn
 
 
+def bilinear_level_scales(widths: Sequence[int], scaling: str) -> list[float]:
+    """Logit multiplier per level of query/key width w: ``1/sqrt(w)`` ("standard") or ``1/w`` ("mup", App. E)."""
+    return [(width ** -0.5) if scaling == "standard" else 1.0 / width for width in widths]
+
+
 def validate_bilinear_mlr(hidden_size: int, num_heads: int, ranks: Sequence[int], field: str = "bilinear_mlr_ranks"):
     ranks = list(ranks)
     if not ranks or any((not isinstance(r, int)) or r <= 0 for r in ranks):

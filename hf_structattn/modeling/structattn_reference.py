@@ -17,6 +17,17 @@ def _positions_or_arange(positions: Optional[torch.Tensor], batch: int, length: 
     return positions.to(device=device, dtype=torch.long).expand(batch, length)
 
 
+def query_key_positions(q: torch.Tensor, k: torch.Tensor, positions: Optional[torch.Tensor],
+                        key_positions: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, Tq) query and (B, Tk) key positions; keys default to the query positions when Tq == Tk, else arange."""
+    batch, _, q_len, _ = q.shape
+    k_len = k.shape[2]
+    query_positions = _positions_or_arange(positions, batch, q_len, q.device)
+    if key_positions is None:
+        key_positions = query_positions if k_len == q_len else _positions_or_arange(None, batch, k_len, q.device)
+    return query_positions, _positions_or_arange(key_positions, batch, k_len, q.device)
+
+
 def masked_softmax_attention(scores: torch.Tensor, v: torch.Tensor, allowed: Optional[torch.Tensor]) -> torch.Tensor:
     """softmax(scores with disallowed pairs set to MASK_VALUE) @ v. scores (B,H,Tq,Tk), allowed broadcastable."""
     if allowed is not None:
@@ -50,14 +61,9 @@ def mlr_scores_reference(q: torch.Tensor, k: torch.Tensor, *, ranks: Sequence[in
     """
     validate_mlr_geometry(ranks, block_sizes, q.shape[-1])
     level_scales = resolve_level_scales(ranks, scales)
-    batch, _, q_len, _ = q.shape
-    k_len = k.shape[2]
-    query_positions = _positions_or_arange(positions, batch, q_len, q.device)
-    if key_positions is None:
-        key_positions = query_positions if k_len == q_len else _positions_or_arange(None, batch, k_len, q.device)
-    key_positions = _positions_or_arange(key_positions, batch, k_len, q.device)
+    query_positions, key_positions = query_key_positions(q, k, positions, key_positions)
     depth = pair_depth(query_positions, key_positions, block_sizes)[:, None]  # (B,1,Tq,Tk)
-    scores = torch.zeros(q.shape[0], q.shape[1], q_len, k_len, dtype=q.dtype, device=q.device)
+    scores = torch.zeros(q.shape[0], q.shape[1], q.shape[2], k.shape[2], dtype=q.dtype, device=q.device)
     start = 0
     for level, (rank, scale) in enumerate(zip(ranks, level_scales), start=1):
         level_scores = q[..., start:start + rank] @ k[..., start:start + rank].transpose(-1, -2)
@@ -80,12 +86,7 @@ def mlr_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     (default: the query positions when Tq == Tk). Causality compares positions. attention_mask: (B, Tk),
     1 = keep. bias: additive, broadcastable to (B, H, Tq, Tk), added to every score.
     """
-    batch, _, q_len, _ = q.shape
-    k_len = k.shape[2]
-    query_positions = _positions_or_arange(positions, batch, q_len, q.device)
-    if key_positions is None:
-        key_positions = query_positions if k_len == q_len else _positions_or_arange(None, batch, k_len, q.device)
-    key_positions = _positions_or_arange(key_positions, batch, k_len, q.device)
+    query_positions, key_positions = query_key_positions(q, k, positions, key_positions)
     scores = mlr_scores_reference(q, k, ranks=ranks, block_sizes=block_sizes, scales=scales,
                                   positions=query_positions, key_positions=key_positions,
                                   average_levels=average_levels)
@@ -102,13 +103,8 @@ def dense_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               key_positions: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Standard (optionally sliding-window) attention, materialised. Window ``w`` keeps keys with
     ``|i - j| < w`` (w keys including the query itself when causal), as in transformers' ``sliding_window``."""
-    batch, _, q_len, head_dim = q.shape
-    k_len = k.shape[2]
-    scale = head_dim ** -0.5 if scale is None else scale
-    query_positions = _positions_or_arange(positions, batch, q_len, q.device)
-    if key_positions is None:
-        key_positions = query_positions if k_len == q_len else _positions_or_arange(None, batch, k_len, q.device)
-    key_positions = _positions_or_arange(key_positions, batch, k_len, q.device)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    query_positions, key_positions = query_key_positions(q, k, positions, key_positions)
     scores = (q @ k.transpose(-1, -2)) * scale
     if bias is not None:
         scores = scores + bias
