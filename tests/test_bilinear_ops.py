@@ -17,7 +17,6 @@ from hf_structattn.modeling.structattn_reference import (
     masked_softmax_attention,
 )
 
-torch.set_default_dtype(torch.float64)
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,173 @@
+"""Offline text corpora for causal LM training, as flat byte-token arrays.
+
+Sources (no download at run time unless ``dataset_name`` is given explicitly):
+* default: the ``*.py`` files of the running interpreter's standard library (``sysconfig.get_paths()["stdlib"]``,
+  ``site-packages``/``dist-packages`` excluded), split into train/validation by a hash of each file's path
+  relative to the stdlib root (stable across runs and machines with the same Python version);
+* ``text_files``: local files through ``datasets``' ``text`` loader (one document per file), split the same way;
+* ``dataset_name``: a ``datasets`` Hub dataset (online users only; never used by the defaults or the tests).
+
+Tokenization is the byte-level tokenizer of :mod:`hf_structattn.tokenization`: token id = UTF-8 byte value, and
+``<|endoftext|>`` (256) separates documents. Encoding with ``str.encode`` gives exactly the tokenizer's ids
+(tested) and is much faster on megabytes of text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Optional, Sequence
+
+import numpy as np
+import torch
+
+EOS_ID = 256
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_python_files(root: Optional[Path] = None) -> list[Path]:
+    """Sorted stdlib ``*.py`` files, third-party site directories excluded."""
+    root = root or stdlib_root()
+    files = []
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root).parts
+        if any(p in ("site-packages", "dist-packages", "__pycache__") for p in parts):
+            continue
+        if path.is_file():
+            files.append(path)
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def is_validation(key: str, validation_percent: float) -> bool:
+    """Deterministic split: the first 8 bytes of sha1(key) as a fraction in [0, 1) below ``validation_percent``%."""
+    digest = int.from_bytes(hashlib.sha1(key.encode("utf-8")).digest()[:8], "big")
+    return digest / 2 ** 64 < validation_percent / 100.0
+
+
+@dataclass
+class TextCorpus:
+    train: torch.Tensor        # int64 token ids (bytes + EOS separators)
+    validation: torch.Tensor
+    description: str
+    train_documents: int
+    validation_documents: int
+
+
+def encode_documents(texts: Iterable[str], max_bytes: Optional[int] = None) -> tuple[torch.Tensor, int]:
+    chunks, total, count = [], 0, 0
+    for text in texts:
+        data = text.encode("utf-8") + bytes([0])  # placeholder byte, replaced by EOS below
+        array = np.frombuffer(data, dtype=np.uint8).astype(np.int64)
+        array[-1] = EOS_ID
+        if max_bytes is not None and total + array.size > max_bytes:
+            array = array[:max(0, max_bytes - total)]
+        if array.size:
+            chunks.append(array)
+            total += array.size
+            count += 1
+        if max_bytes is not None and total >= max_bytes:
+            break
+    ids = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int64)
+    return torch.from_numpy(ids), count
+
+
+def _split(documents: Sequence[tuple[str, str]], validation_percent: float, max_train_bytes, max_validation_bytes,
+           description: str) -> TextCorpus:
+    train_docs = [text for key, text in documents if not is_validation(key, validation_percent)]
+    val_docs = [text for key, text in documents if is_validation(key, validation_percent)]
+    train, n_train = encode_documents(train_docs, max_train_bytes)
+    validation, n_val = encode_documents(val_docs, max_validation_bytes)
+    if validation.numel() == 0:  # e.g. a single file: hold out its tail instead
+        cut = int(train.numel() * (1 - max(validation_percent, 1.0) / 100.0))
+        train, validation = train[:cut], train[cut:]
+        description += " (validation = tail of the training tokens)"
+    return TextCorpus(train, validation, description, n_train, n_val)
+
+
+def load_stdlib_corpus(validation_percent: float = 5.0, max_train_bytes: Optional[int] = None,
+                       max_validation_bytes: Optional[int] = None) -> TextCorpus:
+    """The stdlib ``*.py`` files in sorted path order; a file goes to validation by :func:`is_validation` of its
+    relative path. Files are only read until each split's byte cap is reached."""
+    import sys
+
+    root = stdlib_root()
+    files = stdlib_python_files(root)
+    keys = [path.relative_to(root).as_posix() for path in files]
+    val_flags = [is_validation(key, validation_percent) for key in keys]
+
+    def texts(want_validation: bool):
+        for path, flag in zip(files, val_flags):
+            if flag == want_validation:
+                yield path.read_bytes().decode("utf-8", errors="replace")
+
+    train, n_train = encode_documents(texts(False), max_train_bytes)
+    validation, n_val = encode_documents(texts(True), max_validation_bytes)
+    description = (f"Python {sys.version_info.major}.{sys.version_info.minor} standard library sources "
+                   f"(*.py files under {root}, site-packages excluded, sorted by path; validation = "
+                   f"{validation_percent:g}% of the {len(files)} files by sha1 of their relative path; "
+                   f"{n_train} train files / {train.numel():,} bytes, {n_val} validation files / "
+                   f"{validation.numel():,} bytes)")
+    return TextCorpus(train, validation, description, n_train, n_val)
+
+
+def load_text_files_corpus(text_files: Sequence[str], validation_percent: float = 5.0,
+                           max_train_bytes: Optional[int] = None,
+                           max_validation_bytes: Optional[int] = None) -> TextCorpus:
+    """Local text files via ``datasets.load_dataset("text", sample_by="document")`` (one document per file)."""
+    from datasets import load_dataset
+
+    files = sorted(str(Path(f)) for f in text_files)
+    documents = []
+    for file in files:  # one load per file keeps the file name as the split key
+        data = load_dataset("text", data_files=[file], sample_by="document", split="train")
+        documents.extend((f"{file}#{i}", text) for i, text in enumerate(data["text"]))
+    description = f"{len(files)} local text file(s) via datasets' text loader"
+    return _split(documents, validation_percent, max_train_bytes, max_validation_bytes, description)
+
+
+def load_hub_corpus(dataset_name: str, dataset_config: Optional[str] = None, text_column: str = "text",
+                    validation_percent: float = 5.0, max_train_bytes: Optional[int] = None,
+                    max_validation_bytes: Optional[int] = None) -> TextCorpus:
+    """A Hub dataset (needs the network). Uses its "validation" split if it has one, else the hash split."""
+    from datasets import load_dataset
+
+    data = load_dataset(dataset_name, dataset_config)
+    if "validation" in data:
+        train, n_train = encode_documents(list(data["train"][text_column]), max_train_bytes)
+        validation, n_val = encode_documents(list(data["validation"][text_column]), max_validation_bytes)
+        return TextCorpus(train, validation, f"Hub dataset {dataset_name}", n_train, n_val)
+    split = data["train"]
+    documents = [(f"{i}", text) for i, text in enumerate(split[text_column])]
+    return _split(documents, validation_percent, max_train_bytes, max_validation_bytes, f"Hub dataset {dataset_name}")
+
+
+def step_generator(seed: int, stream: int, step: int) -> torch.Generator:
+    """A generator that depends only on (seed, stream, step): the data of a step is a pure function of these."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + stream * 7_919 + step) % (2 ** 63 - 1))
+
+
+def lm_micro_batch(tokens: torch.Tensor, seq_len: int, step: int, micro: int, rank: int, world: int,
+                   per_device_batch: int, accum: int, seed: int) -> torch.Tensor:
+    """This rank's rows of micro-step ``micro`` of step ``step``: the step draws ``world*accum*per_device_batch``
+    random windows of ``seq_len`` tokens from ``tokens``; rows are ordered (micro, rank, row)."""
+    global_batch = world * accum * per_device_batch
+    high = tokens.numel() - seq_len
+    if high <= 0:
+        raise ValueError(f"the training corpus ({tokens.numel()} tokens) is shorter than seq_len={seq_len}")
+    starts = torch.randint(0, high + 1, (global_batch,), generator=step_generator(seed, 1, step))
+    first = (micro * world + rank) * per_device_batch
+    mine = starts[first:first + per_device_batch]
+    return torch.stack([tokens[s:s + seq_len] for s in mine.tolist()])
+
+
+def eval_windows(tokens: torch.Tensor, seq_len: int, max_windows: int) -> torch.Tensor:
+    """Non-overlapping windows from the start of the validation tokens (at most ``max_windows``)."""
+    count = min(max_windows, tokens.numel() // seq_len)
+    if count == 0:
+        raise ValueError(f"the validation corpus ({tokens.numel()} tokens) is shorter than seq_len={seq_len}")
+    return tokens[:count * seq_len].view(count, seq_len)

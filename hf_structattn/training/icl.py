@@ -1,0 +1,210 @@
+"""In-context linear regression (paper §4, Garg et al. 2022) -- ``recipes/train_icl.py``.
+
+A prompt is ``x_1, y_1, ..., x_N, y_N`` with ``x ~ N(0, I/d)``, ``w ~ N(0, I)``, ``y = <x, w>`` and ``N = 2d`` by
+default; the model predicts every ``y_i`` from the tokens before it and is trained on the MSE over all positions.
+Optional curriculum (as in the authors' code): the active dimension and the number of points grow every
+``curriculum_interval`` steps; coordinates beyond the active dimension are zero, and x is scaled by the *active*
+dimension. Evaluation uses a fixed set of fresh prompts at the full dimension and length, drawn from a random stream
+that training never uses (the authors' code evaluated on the current training batch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .args import parse_recipe_args
+from .data import step_generator
+from .loop import CommonArgs, build_optimizer, make_accelerator, train
+
+TRAIN_STREAM, EVAL_STREAM = 2, 3
+
+DEFAULT_MODEL = dict(n_embd=64, n_layer=3, n_head=4, vocab_size=1, attention="bilinear_mlr",
+                     bilinear_mlr_ranks=[8, 4, 2, 2], qk_layernorm=True, resid_pdrop=0.0, embd_pdrop=0.0,
+                     attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+
+
+@dataclass
+class ICLArgs(CommonArgs):
+    output_dir: str = "outputs/icl"
+    n_dims: int = 8
+    n_points: Optional[int] = None          # default 2 * n_dims
+    curriculum: bool = False
+    curriculum_dims_start: int = 4
+    curriculum_points_start: int = 8
+    curriculum_dims_increment: int = 1
+    curriculum_points_increment: int = 2
+    curriculum_interval: int = 100
+    eval_prompts: int = 256
+    learning_rate: float = 1e-3
+    per_device_batch_size: int = 32
+    model: dict = field(default_factory=lambda: dict(DEFAULT_MODEL))
+
+
+def curriculum_state(args: ICLArgs, step: int) -> tuple[int, int]:
+    """(active dims, points) at optimizer step ``step``."""
+    n_points = args.n_points or 2 * args.n_dims
+    if not args.curriculum:
+        return args.n_dims, n_points
+    updates = step // max(1, args.curriculum_interval)
+    dims = min(args.n_dims, args.curriculum_dims_start + updates * args.curriculum_dims_increment)
+    points = min(n_points, args.curriculum_points_start + updates * args.curriculum_points_increment)
+    return max(1, dims), max(1, points)
+
+
+def sample_prompts(generator: torch.Generator, batch: int, n_points: int, n_dims: int,
+                   active_dims: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """xs (B, N, d) ~ N(0, I/active) on the first ``active`` coordinates (zero beyond), w (B, d) ~ N(0, I),
+    ys = xs @ w. Returns (xs, ys, w)."""
+    active = n_dims if active_dims is None else active_dims
+    xs = torch.randn(batch, n_points, n_dims, generator=generator, dtype=torch.float32) / math.sqrt(active)
+    w = torch.randn(batch, n_dims, generator=generator, dtype=torch.float32)
+    if active < n_dims:
+        xs[..., active:] = 0.0
+        w[:, active:] = 0.0
+    ys = torch.einsum("bnd,bd->bn", xs, w)
+    return xs, ys, w
+
+
+def train_batch(args: ICLArgs, step: int, world: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The whole global batch of a step (all ranks, all micro-steps): a pure function of (seed, step)."""
+    dims, points = curriculum_state(args, step)
+    size = args.per_device_batch_size * world * args.gradient_accumulation_steps
+    return sample_prompts(step_generator(args.seed, TRAIN_STREAM, step), size, points, args.n_dims, dims)
+
+
+def eval_set(args: ICLArgs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fixed fresh evaluation prompts at the full dimension and length (a stream training never draws from)."""
+    return sample_prompts(step_generator(args.seed, EVAL_STREAM, 0), args.eval_prompts,
+                          args.n_points or 2 * args.n_dims, args.n_dims)
+
+
+def build_model(args: ICLArgs):
+    from .. import StructAttnGPT2Config, StructAttnGPT2ForInContextRegression
+
+    fields = dict(args.model)
+    n_points = args.n_points or 2 * args.n_dims
+    fields["icl_input_dim"] = args.n_dims
+    fields.setdefault("n_positions", 2 * n_points)
+    if fields["n_positions"] < 2 * n_points:
+        raise ValueError(f"n_positions={fields['n_positions']} < 2 * n_points = {2 * n_points}")
+    if args.mup:
+        from ..mup import mup_config_overrides
+
+        fields.update(mup_config_overrides())
+    model = StructAttnGPT2ForInContextRegression(StructAttnGPT2Config(**fields))
+    if args.mup:
+        from ..mup import mup_init_
+
+        mup_init_(model)
+    return model
+
+
+def loading_snippet(path: str) -> str:
+    return f"""import torch
+from transformers import AutoModel
+
+path = "{path}"  # this folder, or its Hub id
+model = AutoModel.from_pretrained(path, trust_remote_code=True).eval()  # StructAttnGPT2ForInContextRegression
+d = model.config.icl_input_dim
+xs = torch.randn(1, 2 * d, d) / d ** 0.5; w = torch.randn(d); ys = xs @ w
+print(model(xs=xs, ys=ys).predictions[0, -1].item(), ys[0, -1].item())"""
+
+
+def main(argv=None) -> dict:
+    from .clm import model_config_fields
+
+    args = parse_recipe_args(ICLArgs, argv, model_config_fields())
+    if args.push_to_hub and not args.hub_model_id:
+        raise ValueError("--push_to_hub needs --hub_model_id")
+    run_name = args.run_name or "train_icl"
+    accelerator = make_accelerator(args, run_name)
+    from ..flops import attention_cost_report, flops_per_token
+    from .metrics import load_metric
+
+    model = build_model(args)
+    config = model.config
+    optimizer = build_optimizer(model, args)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.init_trackers(run_name, config=dataclasses.asdict(args))
+    world, rank = accelerator.num_processes, accelerator.process_index
+    eval_xs, eval_ys, _ = eval_set(args)
+    metric = load_metric("icl_mse")
+    n_points = args.n_points or 2 * args.n_dims
+
+    def micro_batch_fn(step, micro, rank_, world_):
+        xs, ys, _ = train_batch(args, step, world_)
+        first = (micro * world_ + rank_) * args.per_device_batch_size
+        return xs[first:first + args.per_device_batch_size], ys[first:first + args.per_device_batch_size]
+
+    def loss_fn(model_, batch):
+        xs, ys = batch
+        return model_(xs=xs, ys=ys).loss
+
+    def eval_fn(unwrapped) -> dict:
+        predictions = torch.zeros_like(eval_ys)
+        index = torch.arange(eval_ys.shape[0])[rank::world]
+        for chunk in index.split(args.per_device_batch_size):
+            predictions[chunk] = unwrapped(xs=eval_xs[chunk], ys=eval_ys[chunk]).predictions.float()
+        predictions = accelerator.reduce(predictions, "sum")
+        result = metric.compute(predictions=predictions.tolist(), references=eval_ys.tolist(),
+                                input_dim=args.n_dims)
+        return {"loss": result["mse"], "mse": result["mse"], "mse_last": result["mse_last"],
+                "normalized_mse_last": result["normalized_mse_last"],
+                "baseline_zero_mse": float((eval_ys ** 2).mean())}
+
+    size = args.per_device_batch_size * world * args.gradient_accumulation_steps
+    tokens_per_step = size * 2 * n_points
+    train_flops_per_token = flops_per_token(config, 2 * n_points, training=True)
+    result = train(accelerator, args, model, optimizer, micro_batch_fn=micro_batch_fn, loss_fn=loss_fn,
+                   eval_fn=eval_fn, tokens_per_step=tokens_per_step, flops_per_token=train_flops_per_token,
+                   desc="train_icl")
+    summary = {"step": result.step, "interrupted": result.interrupted, "train_seconds": result.train_seconds,
+               **{f"eval_{k}": v for k, v in result.final_eval.items()}}
+    if result.interrupted:
+        accelerator.end_training()
+        return summary
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        out = Path(args.output_dir)
+        unwrapped = accelerator.unwrap_model(model)
+        # the payload registers only the LM classes; map AutoModel of *this* checkpoint to the ICL head so that
+        # save_pretrained copies the code and AutoModel.from_pretrained(..., trust_remote_code=True) returns it
+        type(unwrapped).register_for_auto_class("AutoModel")
+        unwrapped.save_pretrained(out)
+        cost = attention_cost_report(config, causal=True, dtype_bytes=4, context_len=2 * n_points)
+        summary.update(flops_per_token=train_flops_per_token, tokens_per_step=tokens_per_step)
+        from .outputs import write_metrics_json, write_model_card, write_plots
+
+        write_metrics_json(out, summary)
+        write_plots(out, loss_key="train/loss", eval_key="eval/loss")
+        variant = config.attention if not config.attention_layers else "+".join(config.attention_layers)
+        write_model_card(
+            out, title=f"StructAttn GPT-2 ({variant}) for in-context linear regression",
+            summary=(f"In-context linear regression in d = {args.n_dims} with N = {n_points} points per prompt "
+                     f"(Kuang et al., ICML 2025, §4): {config.n_layer} layers, width {config.n_embd}, "
+                     f"{config.n_head} heads, `{variant}` attention, trained {result.step} steps with "
+                     f"`recipes/train_icl.py` of hf_structattn. Evaluation: {args.eval_prompts} fresh prompts "
+                     "never seen in training; `mse_last` is the error at the last position."),
+            config=config.to_dict(),
+            data=(f"Synthetic: x ~ N(0, I/{args.n_dims}), w ~ N(0, I), y = <x, w>, noiseless; curriculum "
+                  f"{'on' if args.curriculum else 'off'}."),
+            metrics={k: v for k, v in summary.items() if k.startswith("eval_") or k in ("step", "train_seconds")},
+            usage=loading_snippet(args.hub_model_id or str(out)), cost_markdown=cost.to_markdown(),
+            flops_per_token=train_flops_per_token, recipe_args=dataclasses.asdict(args))
+        if args.push_to_hub:
+            from .outputs import push_to_hub
+
+            summary["hub_repo_id"] = push_to_hub(out, args.hub_model_id, private=args.hub_private)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,11 @@
+"""Causal LM pre-training of a structured-attention GPT-2 (any variant) on an offline text corpus.
+
+    accelerate launch recipes/train_clm.py --config configs/clm_mlr_stdlib.yaml [--field value ...]
+
+All logic lives in ``hf_structattn.training.clm``; see recipes/README.md.
+"""
+
+from hf_structattn.training.clm import main
+
+if __name__ == "__main__":
+    main()
