@@ -33,6 +33,83 @@ class MLRCachedKeys:
     level_positions: list
 
 
+RESERVE_POSITIONS = 256
+
+
+class ReservedSequence:
+    """A growing (..., S, ...) tensor that appends into reserved storage instead of re-concatenating.
+
+    ``torch.cat`` on every decode step copies the whole cache (and page-faults a fresh multi-MB buffer on CPU);
+    here storage grows by ``max(256, S/8)`` positions at a time, so a step writes only the new entries. ``view``
+    is the used part (a strided view of the storage).
+    """
+
+    def __init__(self, dim: int):
+        self.dim = dim
+        self.storage = None
+        self.view = None
+
+    def reset_to(self, tensor: torch.Tensor) -> None:
+        self.storage = tensor
+        self.view = tensor
+
+    def append(self, new: torch.Tensor) -> torch.Tensor:
+        used = 0 if self.view is None else self.view.shape[self.dim]
+        needed = used + new.shape[self.dim]
+        if self.storage is None or self.storage.shape[self.dim] < needed:
+            shape = list(new.shape)
+            shape[self.dim] = needed + max(RESERVE_POSITIONS, needed // 8)
+            grown = new.new_empty(shape)
+            if used:
+                grown.narrow(self.dim, 0, used).copy_(self.view)
+            self.storage = grown
+        self.storage.narrow(self.dim, used, new.shape[self.dim]).copy_(new)
+        self.view = self.storage.narrow(self.dim, 0, needed)
+        return self.view
+
+
+class AppendingDynamicLayer(DynamicLayer):
+    """A DynamicLayer whose keys and values append into reserved storage (see ``ReservedSequence``); used for the
+    dense and bilinear layers of ``StructAttnCache``."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self._key_store, self._value_store = ReservedSequence(-2), ReservedSequence(-2)
+        self.keys = self.values = None
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys = self._key_store.append(key_states)
+        self.values = self._value_store.append(value_states)
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return 0 if not self.is_initialized or self.keys is None else self.keys.shape[-2]
+
+    def _apply(self, fn) -> None:
+        if self.get_seq_length() > 0:
+            self._key_store.reset_to(fn(self.keys))
+            self._value_store.reset_to(fn(self.values))
+            self.keys, self.values = self._key_store.view, self._value_store.view
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._apply(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._apply(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._apply(lambda t: t[indices, ...])
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}")
+        if tokens_to_remove == 0 or self.get_seq_length() == 0:
+            return
+        self._apply(lambda t: t[..., :tokens_to_remove, :].contiguous())
+
+
 class MLRKeyCacheLayer(DynamicLayer):
     """Cache layer of one MLR attention layer (see module docstring).
 
@@ -53,10 +130,14 @@ class MLRKeyCacheLayer(DynamicLayer):
         batch, heads = key_states.shape[:2]
         device = key_states.device
         self.device = device
-        self.keys = key_states.new_zeros(batch, heads, 0, self.ranks[0])
-        self.values = value_states.new_zeros(batch, heads, 0, value_states.shape[-1])
-        self.key_positions = torch.zeros(batch, 0, dtype=torch.long, device=device)
-        self.key_valid = torch.zeros(batch, 0, dtype=torch.bool, device=device)
+        self._stores = {name: ReservedSequence(-2 if name in ("keys", "values") else -1)
+                        for name in ("keys", "values", "key_positions", "key_valid")}
+        self._stores["keys"].reset_to(key_states.new_zeros(batch, heads, 0, self.ranks[0]))
+        self._stores["values"].reset_to(value_states.new_zeros(batch, heads, 0, value_states.shape[-1]))
+        self._stores["key_positions"].reset_to(torch.zeros(batch, 0, dtype=torch.long, device=device))
+        self._stores["key_valid"].reset_to(torch.zeros(batch, 0, dtype=torch.bool, device=device))
+        self.keys, self.values = self._stores["keys"].view, self._stores["values"].view
+        self.key_positions, self.key_valid = self._stores["key_positions"].view, self._stores["key_valid"].view
         self.level_keys = [key_states.new_zeros(batch, heads, 0, rank) for rank in self.ranks[1:]]
         self.level_slots = [torch.zeros(batch, 0, dtype=torch.long, device=device) for _ in self.ranks[1:]]
         self.level_positions = [torch.zeros(batch, 0, dtype=torch.long, device=device) for _ in self.ranks[1:]]
@@ -89,10 +170,10 @@ class MLRKeyCacheLayer(DynamicLayer):
         valid = torch.ones(batch, chunk, dtype=torch.bool, device=key_states.device) if valid is None else valid.bool()
         past = self.values.shape[-2]
         new_slots = torch.arange(past, past + chunk, device=key_states.device).expand(batch, chunk)
-        self.keys = torch.cat([self.keys, key_states[..., :self.ranks[0]]], dim=-2)
-        self.values = torch.cat([self.values, value_states], dim=-2)
-        self.key_positions = torch.cat([self.key_positions, positions], dim=-1)
-        self.key_valid = torch.cat([self.key_valid, valid], dim=-1)
+        self.keys = self._stores["keys"].append(key_states[..., :self.ranks[0]])
+        self.values = self._stores["values"].append(value_states)
+        self.key_positions = self._stores["key_positions"].append(positions.expand(batch, chunk))
+        self.key_valid = self._stores["key_valid"].append(valid)
         result = MLRCachedKeys(self.keys, self.values, self.key_positions, self.key_valid, [], [], [])
         start = self.ranks[0]
         total = past + chunk
@@ -100,11 +181,29 @@ class MLRKeyCacheLayer(DynamicLayer):
             new_keys = key_states[..., start:start + rank]
             start += rank
             new_positions = positions.masked_fill(~valid, -1)
+            if self._store_in_place(index, new_keys, new_slots, new_positions, size, total):
+                # the overwritten entry belonged to the previous block, which the new query cannot see
+                result.level_keys.append(self.level_keys[index])
+                result.level_slots.append(self.level_slots[index])
+                result.level_positions.append(self.level_positions[index])
+                continue
             result.level_keys.append(torch.cat([self.level_keys[index], new_keys], dim=-2))
             result.level_slots.append(torch.cat([self.level_slots[index], new_slots], dim=-1))
             result.level_positions.append(torch.cat([self.level_positions[index], new_positions], dim=-1))
             self._store_level(index, new_keys, new_slots, new_positions, size, total)
         return result
+
+    def _store_in_place(self, index, new_keys, new_slots, new_positions, block, total) -> bool:
+        """Decode step with a full buffer (it holds ``block`` entries): overwrite one entry per row in place, no
+        reallocation and no copy of the buffer. Returns False when this fast path does not apply."""
+        keys = self.level_keys[index]
+        if keys.shape[-2] != min(block, total) or new_keys.shape[-2] != 1 or not bool((new_positions >= 0).all()):
+            return False
+        target = new_positions % block  # (B, 1)
+        keys.scatter_(2, target[:, None, :, None].expand_as(new_keys), new_keys)
+        self.level_slots[index].scatter_(1, target, new_slots)
+        self.level_positions[index].scatter_(1, target, new_positions)
+        return True
 
     def _store_level(self, index, new_keys, new_slots, new_positions, block, total):
         """Write the chunk's level keys at ``position % block``; only the newest ``block`` positions of a row
@@ -112,13 +211,6 @@ class MLRKeyCacheLayer(DynamicLayer):
         keys, slots, positions = self.level_keys[index], self.level_slots[index], self.level_positions[index]
         capacity = min(block, total)
         batch, heads, held, rank = keys.shape
-        if held == capacity and new_keys.shape[-2] == 1 and bool((new_positions >= 0).all()):
-            # decode step with a full buffer: overwrite one entry per row in place (no reallocation)
-            target = new_positions % block  # (B, 1)
-            keys.scatter_(2, target[:, None, :, None].expand_as(new_keys), new_keys)
-            slots.scatter_(1, target, new_slots)
-            positions.scatter_(1, target, new_positions)
-            return
         if capacity > held:
             keys = torch.cat([keys, keys.new_zeros(batch, heads, capacity - held, rank)], dim=-2)
             slots = torch.cat([slots, slots.new_zeros(batch, capacity - held)], dim=-1)
@@ -136,8 +228,9 @@ class MLRKeyCacheLayer(DynamicLayer):
     def _apply(self, fn) -> None:
         if not self.is_initialized:
             return
-        self.keys, self.values = fn(self.keys), fn(self.values)
-        self.key_positions, self.key_valid = fn(self.key_positions), fn(self.key_valid)
+        for name, store in self._stores.items():
+            store.reset_to(fn(getattr(self, name)))
+            setattr(self, name, store.view)
         self.level_keys = [fn(t) for t in self.level_keys]
         self.level_slots = [fn(t) for t in self.level_slots]
         self.level_positions = [fn(t) for t in self.level_positions]
@@ -185,7 +278,7 @@ def mlr_attention_cached(q: torch.Tensor, cached: MLRCachedKeys, *, ranks: Seque
             (query_positions[:, :, None] // size) == (key_pos[:, None, :] // size))  # (B, c, W)
         level_scores = level_scores * same_block[:, None]
         target = cached.level_slots[index][:, None, None, :].expand(batch, heads, chunk, -1)
-        scores = scores.scatter_add(-1, target, level_scores)
+        scores.scatter_add_(-1, target, level_scores)  # scores is this function's own fresh tensor
     if average_levels:
         scores = scores / pair_depth(query_positions, cached.key_positions, block_sizes)[:, None]
     if bias is not None:
@@ -193,8 +286,8 @@ def mlr_attention_cached(q: torch.Tensor, cached: MLRCachedKeys, *, ranks: Seque
     allowed = cached.key_valid[:, None, None, :]
     if causal:
         allowed = allowed & (cached.key_positions[:, None, None, :] <= query_positions[:, None, :, None])
-    scores = scores.masked_fill(~allowed, MASK_VALUE)
-    return torch.softmax(scores.float(), dim=-1).to(cached.values.dtype) @ cached.values
+    scores.masked_fill_(~allowed, MASK_VALUE)
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(cached.values.dtype) @ cached.values
 
 
 def plain_cached_keys(keys: torch.Tensor, values: torch.Tensor, key_positions: torch.Tensor, key_valid: torch.Tensor,
@@ -212,7 +305,9 @@ def plain_cached_keys(keys: torch.Tensor, values: torch.Tensor, key_positions: t
 
 class StructAttnCache(DynamicCache):
     """A DynamicCache whose layers follow the model's per-layer attention: MLR layers get an
-    ``MLRKeyCacheLayer``, sliding-window layers a ``DynamicSlidingWindowLayer``, the rest a ``DynamicLayer``.
+    ``MLRKeyCacheLayer``, sliding-window layers a ``DynamicSlidingWindowLayer``, the rest an
+    ``AppendingDynamicLayer``. Key/value bytes are reported for the used positions; storage is reserved in steps of
+    ``max(256, S/8)`` positions.
 
     ``layer_specs``: one dict per layer with ``attention`` and, for MLR, ``ranks`` and ``block_sizes``, for SWA
     ``sliding_window``.
@@ -226,7 +321,7 @@ class StructAttnCache(DynamicCache):
             elif spec["attention"] == "swa":
                 layers.append(DynamicSlidingWindowLayer(sliding_window=spec["sliding_window"]))
             else:
-                layers.append(DynamicLayer())
+                layers.append(AppendingDynamicLayer())
         super(DynamicCache, self).__init__(layers=layers, **kwargs)
 
     def key_cache_bytes(self) -> int:
