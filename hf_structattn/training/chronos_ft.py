@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from .args import parse_recipe_args
-from .loop import CommonArgs, build_optimizer, make_accelerator, train
+from .loop import CommonArgs, build_optimizer, finish_run, make_accelerator, train
 
 TINY_T5 = dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
                feed_forward_proj="relu", dropout_rate=0.1, initializer_factor=0.05)
@@ -86,8 +86,6 @@ def tokenize(pipe, windows: torch.Tensor, context_length: int) -> dict:
 
 def main(argv=None) -> dict:
     args = parse_recipe_args(ChronosArgs, argv, model_fields=set(TINY_T5) | {"chronos_config", "vocab_size"})
-    if args.push_to_hub and not args.hub_model_id:
-        raise ValueError("--push_to_hub needs --hub_model_id")
     try:
         from chronos import ChronosPipeline
     except ImportError as error:  # pragma: no cover
@@ -201,13 +199,7 @@ quantiles, mean = pipe.predict_quantiles([torch.randn(100).cumsum(0)], predictio
             flops_per_token=approx_flops_per_token, tags=("hf_structattn", "structured-attention", "chronos",
                                                           "time-series-forecasting"),
             recipe_args=dataclasses.asdict(args))
-        if args.push_to_hub:
-            from .outputs import push_to_hub
-
-            summary["hub_repo_id"] = push_to_hub(out, args.hub_model_id, private=args.hub_private)
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
-    return summary
+    return finish_run(accelerator, args, out, summary)
 
 
 if __name__ == "__main__":

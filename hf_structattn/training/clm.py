@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from .args import parse_recipe_args
-from .loop import CommonArgs, build_optimizer, make_accelerator, train
+from .loop import CommonArgs, build_optimizer, finish_run, make_accelerator, train
 
 DEFAULT_MODEL = dict(vocab_size=257, n_positions=256, n_embd=128, n_layer=4, n_head=2, attention="mlr",
                      mlr_ranks=[32, 8, 6, 4, 4, 4, 4, 2], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
@@ -121,8 +121,6 @@ print(tokenizer.decode(model.generate(ids, max_new_tokens=100, do_sample=False)[
 
 def main(argv=None) -> dict:
     args = parse_recipe_args(CLMArgs, argv, model_config_fields())
-    if args.push_to_hub and not args.hub_model_id:
-        raise ValueError("--push_to_hub needs --hub_model_id")
     run_name = args.run_name or "train_clm"
     accelerator = make_accelerator(args, run_name)
     from ..flops import attention_cost_report, flops_per_token
@@ -178,8 +176,8 @@ def main(argv=None) -> dict:
 
     accelerator.wait_for_everyone()
     unwrapped = accelerator.unwrap_model(model)
+    out = Path(args.output_dir)
     if accelerator.is_main_process:
-        out = Path(args.output_dir)
         tokenizer = build_byte_tokenizer()
         unwrapped.save_pretrained(out)
         tokenizer.save_pretrained(out)
@@ -214,13 +212,7 @@ def main(argv=None) -> dict:
             usage=loading_snippet(args.hub_model_id or str(out), args.sample_prompt),
             cost_markdown=cost.to_markdown(), flops_per_token=train_flops_per_token, extra_sections=sections,
             recipe_args=dataclasses.asdict(args))
-        if args.push_to_hub:
-            from .outputs import push_to_hub
-
-            summary["hub_repo_id"] = push_to_hub(out, args.hub_model_id, private=args.hub_private)
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
-    return summary
+    return finish_run(accelerator, args, out, summary)
 
 
 if __name__ == "__main__":

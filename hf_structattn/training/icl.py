@@ -20,7 +20,7 @@ import torch
 
 from .args import parse_recipe_args
 from .data import step_generator
-from .loop import CommonArgs, build_optimizer, make_accelerator, train
+from .loop import CommonArgs, build_optimizer, finish_run, make_accelerator, train
 
 TRAIN_STREAM, EVAL_STREAM = 2, 3
 
@@ -120,8 +120,6 @@ def main(argv=None) -> dict:
     from .clm import model_config_fields
 
     args = parse_recipe_args(ICLArgs, argv, model_config_fields())
-    if args.push_to_hub and not args.hub_model_id:
-        raise ValueError("--push_to_hub needs --hub_model_id")
     run_name = args.run_name or "train_icl"
     accelerator = make_accelerator(args, run_name)
     from ..flops import attention_cost_report, flops_per_token
@@ -170,8 +168,8 @@ def main(argv=None) -> dict:
         accelerator.end_training()
         return summary
     accelerator.wait_for_everyone()
+    out = Path(args.output_dir)
     if accelerator.is_main_process:
-        out = Path(args.output_dir)
         unwrapped = accelerator.unwrap_model(model)
         # the payload registers only the LM classes; map AutoModel of *this* checkpoint to the ICL head so that
         # save_pretrained copies the code and AutoModel.from_pretrained(..., trust_remote_code=True) returns it
@@ -197,13 +195,7 @@ def main(argv=None) -> dict:
             metrics={k: v for k, v in summary.items() if k.startswith("eval_") or k in ("step", "train_seconds")},
             usage=loading_snippet(args.hub_model_id or str(out)), cost_markdown=cost.to_markdown(),
             flops_per_token=train_flops_per_token, recipe_args=dataclasses.asdict(args))
-        if args.push_to_hub:
-            from .outputs import push_to_hub
-
-            summary["hub_repo_id"] = push_to_hub(out, args.hub_model_id, private=args.hub_private)
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
-    return summary
+    return finish_run(accelerator, args, out, summary)
 
 
 if __name__ == "__main__":

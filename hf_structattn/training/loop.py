@@ -65,6 +65,21 @@ class CommonArgs:
     hub_private: bool = False
     model: dict = field(default_factory=dict)
 
+    def __post_init__(self):
+        if self.push_to_hub and not self.hub_model_id:
+            raise ValueError("push_to_hub=True needs hub_model_id (e.g. --hub_model_id user/name)")
+
+
+def finish_run(accelerator: Accelerator, args: CommonArgs, output_dir, summary: dict) -> dict:
+    """Rank 0 uploads the finished output folder when asked; then every rank waits and closes the trackers."""
+    if accelerator.is_main_process and args.push_to_hub:
+        from .outputs import push_to_hub
+
+        summary["hub_repo_id"] = push_to_hub(output_dir, args.hub_model_id, private=args.hub_private)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return summary
+
 
 def make_accelerator(args: CommonArgs, run_name: str) -> Accelerator:
     """Accelerator with the JSONL tracker (+ any installed tracker) and the recipe's mixed precision."""
