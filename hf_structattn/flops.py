@@ -514,19 +514,60 @@ def flops_per_token(config_like: Any, seq_len: int, *, causal: bool = True, trai
     :func:`nonembedding_matmul_params` (q/k projections of structured variants included there, so they are not
     counted twice), and the attention terms are the causal (by default) per-head counts averaged over the T
     positions. Embedding lookups and the LM head are excluded, as in the usual 6N estimate. MLR block sizes
-    come from the config (its training length), not from ``seq_len``.
+    come from the config (its training length), not from ``seq_len``. Mixed stacks (``attention_layers``) are
+    counted layer by layer.
     """
     _check_int("seq_len", seq_len)
-    variant, geometry, _ = _config_geometry(config_like)
-    n_layer = _check_int("n_layer", _field(config_like, "n_layer"))
-    n_head = geometry["n_head"]
     if params_nonembedding is None:
-        params_nonembedding = nonembedding_matmul_params(config_like)
+        params_nonembedding = sum(nonembedding_matmul_params(layer) for layer in _per_layer_configs(config_like))
     _check_int("params_nonembedding", params_nonembedding, minimum=0)
-    attention = (score_macs(variant, seq_len, causal=causal, **geometry)
-                 + pv_macs(variant, seq_len, causal=causal, **geometry))
-    forward = 2 * params_nonembedding + 2 * n_layer * n_head * attention / seq_len
+    attention_flops = 0.0
+    for layer in _per_layer_configs(config_like):
+        variant, geometry, _ = _config_geometry(layer)
+        macs = (score_macs(variant, seq_len, causal=causal, **geometry)
+                + pv_macs(variant, seq_len, causal=causal, **geometry))
+        attention_flops += 2 * geometry["n_head"] * macs / seq_len
+    forward = 2 * params_nonembedding + attention_flops
     return 3 * forward if training else forward
+
+
+class _LayerConfig(Mapping):
+    """One layer of a config: ``attention`` is that layer's variant and ``n_layer`` is 1."""
+
+    def __init__(self, config: Any, variant: str):
+        self._config, self._overrides = config, {"attention": variant, "n_layer": 1, "attention_layers": None}
+
+    def __getitem__(self, name):
+        if name in self._overrides:
+            return self._overrides[name]
+        absent = object()
+        value = _field(self._config, name, absent)
+        if value is absent:
+            raise KeyError(name)
+        return value
+
+    def get(self, name, default=None):
+        try:
+            return self[name]
+        except KeyError:
+            return default
+
+    def __iter__(self):
+        return iter(self._overrides)
+
+    def __len__(self):
+        return len(self._overrides)
+
+
+def _per_layer_configs(config_like: Any) -> list:
+    """One single-layer view per layer, following ``attention_layers`` (e.g. global + SWA stacks) when set."""
+    n_layer = _check_int("n_layer", _field(config_like, "n_layer"))
+    variants = _field(config_like, "attention_layers", None)
+    if variants is None:
+        variants = [_field(config_like, "attention", "dense")] * n_layer
+    elif len(variants) != n_layer:
+        raise ValueError(f"attention_layers has {len(variants)} entries but n_layer={n_layer}")
+    return [_LayerConfig(config_like, variant) for variant in variants]
 
 
 @dataclass(frozen=True)

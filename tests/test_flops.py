@@ -321,3 +321,18 @@ def test_invalid_inputs_name_the_field(call, field):
 def test_invalid_config_names_the_config_field(override, field):
     with pytest.raises(ValueError, match=field):
         attention_cost_report(dict(GPT2_MLR, **override))
+
+
+def test_mixed_stacks_are_counted_layer_by_layer():
+    """A global + SWA stack costs the layer-weighted mean of the all-dense and all-SWA stacks."""
+    from hf_structattn.flops import flops_per_token
+
+    base = dict(vocab_size=257, n_positions=1024, n_embd=128, n_head=2, n_layer=6, sliding_window=128)
+    dense = flops_per_token(dict(base, attention="dense"), 1024)
+    swa = flops_per_token(dict(base, attention="swa"), 1024)
+    mixed = flops_per_token(dict(base, attention="dense", attention_layers=["dense", "swa", "swa", "dense", "swa",
+                                                                           "swa"]), 1024)
+    assert swa < dense
+    assert mixed == pytest.approx((2 * dense + 4 * swa) / 6, rel=1e-12)
+    with pytest.raises(ValueError, match="attention_layers"):
+        flops_per_token(dict(base, attention="dense", attention_layers=["dense"]), 1024)

@@ -363,3 +363,16 @@ def test_shipped_configs_parse_and_build(config_name):
         assert args.init in ("split", "svd")
     else:
         pytest.fail(f"configs/{config_name}: no recipe prefix (clm_, icl_, chronos_)")
+
+
+def test_eval_windows_cover_the_whole_validation_split():
+    from hf_structattn.training.data import eval_windows
+
+    tokens = torch.arange(1000)
+    windows = eval_windows(tokens, 10, 8)
+    assert windows.shape == (8, 10)
+    starts = windows[:, 0].tolist()
+    assert starts[0] == 0 and starts[-1] >= 800  # reaches the end of the split, not only its first 80 tokens
+    assert all(b - a >= 10 for a, b in zip(starts, starts[1:]))  # no overlap
+    torch.testing.assert_close(windows[3], tokens[starts[3]:starts[3] + 10])
+    assert eval_windows(tokens, 10, 1000).shape == (100, 10)  # capped by what fits

@@ -166,8 +166,10 @@ def lm_micro_batch(tokens: torch.Tensor, seq_len: int, step: int, micro: int, ra
 
 
 def eval_windows(tokens: torch.Tensor, seq_len: int, max_windows: int) -> torch.Tensor:
-    """Non-overlapping windows from the start of the validation tokens (at most ``max_windows``)."""
+    """At most ``max_windows`` non-overlapping windows (count, seq_len) spread evenly over the whole validation
+    split: taking them from its start would score only the first file or two."""
     count = min(max_windows, tokens.numel() // seq_len)
     if count == 0:
         raise ValueError(f"the validation corpus ({tokens.numel()} tokens) is shorter than seq_len={seq_len}")
-    return tokens[:count * seq_len].view(count, seq_len)
+    stride = tokens.numel() // count  # >= seq_len, so the windows never overlap
+    return torch.stack([tokens[start:start + seq_len] for start in range(0, count * stride, stride)])
