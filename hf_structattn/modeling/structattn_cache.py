@@ -68,7 +68,20 @@ class ReservedSequence:
         return self.view
 
 
-class AppendingDynamicLayer(DynamicLayer):
+class _BatchOpsMixin:
+    """Beam-search reordering and batch selection/expansion through one ``_apply(fn)`` over every stored tensor."""
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._apply(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._apply(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._apply(lambda t: t[indices, ...])
+
+
+class AppendingDynamicLayer(_BatchOpsMixin, DynamicLayer):
     """A DynamicLayer whose keys and values append into reserved storage (see ``ReservedSequence``); used for the
     dense and bilinear layers of ``StructAttnCache``."""
 
@@ -93,15 +106,6 @@ class AppendingDynamicLayer(DynamicLayer):
             self._value_store.reset_to(fn(self.values))
             self.keys, self.values = self._key_store.view, self._value_store.view
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._apply(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._apply(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._apply(lambda t: t[indices, ...])
-
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}")
@@ -110,7 +114,7 @@ class AppendingDynamicLayer(DynamicLayer):
         self._apply(lambda t: t[..., :tokens_to_remove, :].contiguous())
 
 
-class MLRKeyCacheLayer(DynamicLayer):
+class MLRKeyCacheLayer(_BatchOpsMixin, DynamicLayer):
     """Cache layer of one MLR attention layer (see module docstring).
 
     ``keys`` mirrors the level-1 keys and ``values`` the values, so generic transformers code that inspects a
@@ -234,15 +238,6 @@ class MLRKeyCacheLayer(DynamicLayer):
         self.level_keys = [fn(t) for t in self.level_keys]
         self.level_slots = [fn(t) for t in self.level_slots]
         self.level_positions = [fn(t) for t in self.level_positions]
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._apply(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._apply(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._apply(lambda t: t[indices, ...])
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove == 0:
