@@ -40,6 +40,7 @@ __all__ = [
     "attention_pairs",
     "default_btt_factors",
     "dyadic_block_sizes",
+    "encoder_decoder_flops",
     "flops_per_token",
     "key_cache_bytes",
     "key_cache_elements",
@@ -689,3 +690,94 @@ def attention_cost_report(config_like: Any, *, causal: bool = True, dtype_bytes:
         key_cache_bytes=keys, kv_cache_bytes=kv, dense_key_cache_bytes=dense_keys, dense_kv_cache_bytes=dense_kv,
         key_cache_ratio=keys / dense_keys, kv_cache_ratio=kv / dense_kv,
     )
+
+
+# --------------------------------------------------------------------------------------- encoder-decoder (T5)
+
+
+_T5_ROLES = (("encoder_self", "encoder_attention"), ("decoder_self", "decoder_attention"),
+             ("cross", "cross_attention"))
+
+
+def _t5_role_geometry(config: Any, role: str) -> tuple[str, dict]:
+    """(variant, geometry) of a T5 attention role: a stock ``T5Config`` is dense everywhere."""
+    field = dict(_T5_ROLES)[role]
+    variant = _check_variant(_field(config, field, "dense"), field)
+    n_embd = _check_int("d_model", _field(config, "d_model"))
+    n_head = _check_int("num_heads", _field(config, "num_heads"))
+    d_kv = _check_int("d_kv", _field(config, "d_kv"))
+    names = {"ranks": "mlr_ranks", "block_sizes": "mlr_block_sizes", "n_positions": "mlr_max_length",
+             "head_dim": "d_kv", "n_embd": "d_model", "n_head": "num_heads", "btt_rank": "btt_rank",
+             "btt_factors": "btt_factors", "variant": field}
+    if variant == "dense":
+        geometry = {"head_dim": d_kv}
+    elif variant == "mlr":
+        geometry = {"head_dim": d_kv, "ranks": _field(config, "mlr_ranks", None),
+                    "block_sizes": _field(config, "mlr_block_sizes", None),
+                    "n_positions": _field(config, "mlr_max_length", 512)}
+    elif variant == "bilinear_mlr":
+        geometry = {"n_embd": n_embd, "n_head": n_head, "value_dim": d_kv,
+                    "ranks": _field(config, "bilinear_mlr_ranks", None)}
+        names["ranks"] = "bilinear_mlr_ranks"
+    elif variant == "bilinear_btt":
+        geometry = {"n_embd": n_embd, "n_head": n_head, "value_dim": d_kv,
+                    "btt_rank": _field(config, "btt_rank", 1), "btt_factors": _field(config, "btt_factors", None)}
+    else:
+        raise ValueError(f"{field}={variant!r} is not a T5 attention variant")
+    geometry["fields"] = names
+    _resolve_head(variant, **geometry)
+    return variant, geometry
+
+
+def _t5_score_pv_macs(variant: str, geometry: dict, query_len: int, key_len: int, causal: bool) -> int:
+    if query_len == key_len:
+        return (score_macs(variant, query_len, causal=causal, **geometry)
+                + pv_macs(variant, query_len, causal=causal, **geometry))
+    # cross-attention: every decoder query scores every encoder key (dense or full-rank bilinear only)
+    head = _resolve_head(variant, **geometry)
+    return query_len * key_len * (head.key_width + head.value_dim)
+
+
+def encoder_decoder_flops(config: Any, encoder_len: int, decoder_len: int, *, training: bool = True) -> float:
+    """FLOPs (= 2 x MACs) of one (encoder_len, decoder_len) example through a T5-style encoder-decoder.
+
+    Works for ``transformers.T5Config`` (dense everywhere) and ``StructAttnT5Config`` (``encoder_attention``,
+    ``decoder_attention``, ``cross_attention`` per role; MLR blocks from ``mlr_block_sizes`` or the dyadic
+    defaults of ``mlr_max_length``). Counted per layer: q/k/v/o projections ``4 * d_model * num_heads * d_kv``
+    per token and role (q/k of the bilinear variants per :func:`qk_projection_macs`), the feed-forward
+    (``2`` or, for gated activations, ``3`` ``d_model * d_ff`` per token), the LM head (``d_model * vocab``
+    per decoder token: unlike GPT-2's 6N estimate it is kept, being a large share of a tiny Chronos-T5), and
+    the score + PV terms of each attention role (encoder self bidirectional, decoder self causal, cross
+    ``decoder_len * encoder_len`` pairs). ``training`` multiplies the forward by 3 (backward ~ 2x forward).
+    Embedding lookups, norms and the relative position bias are left out.
+    """
+    encoder_len = _check_int("encoder_len", encoder_len)
+    decoder_len = _check_int("decoder_len", decoder_len)
+    d_model = _check_int("d_model", _field(config, "d_model"))
+    num_heads = _check_int("num_heads", _field(config, "num_heads"))
+    d_kv = _check_int("d_kv", _field(config, "d_kv"))
+    d_ff = _check_int("d_ff", _field(config, "d_ff"))
+    vocab = _check_int("vocab_size", _field(config, "vocab_size"))
+    num_layers = _check_int("num_layers", _field(config, "num_layers"))
+    num_decoder_layers = _field(config, "num_decoder_layers", None)
+    num_decoder_layers = num_layers if num_decoder_layers is None else _check_int("num_decoder_layers",
+                                                                                  num_decoder_layers)
+    gated = str(_field(config, "feed_forward_proj", "relu")).startswith("gated")
+    inner = num_heads * d_kv
+    ffn = (3 if gated else 2) * d_model * d_ff
+
+    def role_macs(role: str, query_len: int, key_len: int, causal: bool) -> int:
+        variant, geometry = _t5_role_geometry(config, role)
+        head = _resolve_head(variant, **geometry)
+        if variant in ("dense", "mlr"):
+            qk = (query_len + key_len) * d_model * inner  # q of the queries, k of the keys (cross: decoder/encoder)
+        else:
+            qk = num_heads * _projection_macs(head, query_len, d_model)
+        vo = key_len * d_model * inner + query_len * inner * d_model
+        return qk + vo + num_heads * _t5_score_pv_macs(variant, geometry, query_len, key_len, causal)
+
+    encoder = num_layers * (role_macs("encoder_self", encoder_len, encoder_len, False) + encoder_len * ffn)
+    decoder = num_decoder_layers * (role_macs("decoder_self", decoder_len, decoder_len, True)
+                                    + role_macs("cross", decoder_len, encoder_len, False) + decoder_len * ffn)
+    forward = 2.0 * (encoder + decoder + decoder_len * d_model * vocab)
+    return 3.0 * forward if training else forward

@@ -336,3 +336,68 @@ def test_mixed_stacks_are_counted_layer_by_layer():
     assert mixed == pytest.approx((2 * dense + 4 * swa) / 6, rel=1e-12)
     with pytest.raises(ValueError, match="attention_layers"):
         flops_per_token(dict(base, attention="dense", attention_layers=["dense"]), 1024)
+
+
+def _counted_forward_flops(model, encoder_len, decoder_len, bias_grad=False):
+    """Matmul FLOPs of one (1, encoder_len) -> (1, decoder_len) forward, counted by torch's FlopCounterMode."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    input_ids = torch.randint(2, model.config.vocab_size, (1, encoder_len))
+    labels = torch.randint(2, model.config.vocab_size, (1, decoder_len))
+    counter = FlopCounterMode(display=False)
+    with counter, torch.set_grad_enabled(bias_grad):
+        model(input_ids=input_ids, labels=labels)
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("encoder_len,decoder_len", [(37, 9), (64, 17)])
+def test_encoder_decoder_flops_match_torch_flop_counter(encoder_len, decoder_len):
+    """Independent check: torch.utils.flop_counter on a real T5 forward (eager attention) and on a patched MLR
+    T5 (its materialised-score path, taken when the relative bias needs a gradient) counts what
+    ``encoder_decoder_flops`` predicts, partial MLR blocks included."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from hf_structattn import patch
+    from hf_structattn.flops import encoder_decoder_flops
+
+    config = T5Config(vocab_size=50, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=3, num_heads=4,
+                      feed_forward_proj="gated-gelu", decoder_start_token_id=0, attn_implementation="eager")
+    torch.manual_seed(0)
+    dense = T5ForConditionalGeneration(config)
+    geometry = dict(ranks=[4, 2, 1, 1], block_sizes=[16, 8, 4])
+
+    def masked_future(variant, **kw):
+        # eager / materialised causal attention computes the whole square and masks it; we count causal pairs
+        return 2 * config.num_heads * config.num_decoder_layers * sum(
+            f(variant, decoder_len, causal=False, **kw) - f(variant, decoder_len, causal=True, **kw)
+            for f in (score_macs, pv_macs))
+
+    expected = encoder_decoder_flops(dense.config, encoder_len, decoder_len, training=False)
+    counted = _counted_forward_flops(dense, encoder_len, decoder_len)
+    assert counted == expected + masked_future("dense", head_dim=8)
+    assert encoder_decoder_flops(dense.config, encoder_len, decoder_len) == 3 * expected
+
+    mlr = patch(dense, attention="mlr", mlr_ranks=geometry["ranks"], mlr_block_sizes=geometry["block_sizes"])
+    mlr_expected = encoder_decoder_flops(mlr.config, encoder_len, decoder_len, training=False)
+    counted = _counted_forward_flops(mlr, encoder_len, decoder_len, bias_grad=True)
+    assert counted == mlr_expected + masked_future("mlr", **geometry)
+    # only the score terms differ, by exactly the pairs that skip levels 2..4
+    saving = 2 * config.num_heads * (
+        config.num_layers * (score_macs("dense", encoder_len, head_dim=8) - score_macs("mlr", encoder_len, **geometry))
+        + config.num_decoder_layers * (score_macs("dense", decoder_len, causal=True, head_dim=8)
+                                       - score_macs("mlr", decoder_len, causal=True, **geometry)))
+    assert saving > 0 and expected - mlr_expected == saving
+
+
+def test_encoder_decoder_flops_name_bad_fields():
+    from hf_structattn.flops import encoder_decoder_flops
+
+    base = dict(d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4, vocab_size=50)
+    with pytest.raises(ValueError, match="encoder_len"):
+        encoder_decoder_flops(base, 0, 4)
+    with pytest.raises(ValueError, match="d_ff"):
+        encoder_decoder_flops(dict(base, d_ff=None), 8, 4)
+    with pytest.raises(ValueError, match="encoder_attention"):
+        encoder_decoder_flops(dict(base, encoder_attention="sparse"), 8, 4)
+    with pytest.raises(ValueError, match="mlr_ranks"):
+        encoder_decoder_flops(dict(base, encoder_attention="mlr", mlr_ranks=[4, 2]), 8, 4)

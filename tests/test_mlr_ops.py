@@ -114,18 +114,31 @@ def test_left_padding_offsets_and_bias(causal, dtype, implementation):
     _compare(q, k, v, implementation=implementation, positions=offset, **common)
 
 
-def test_bias_gradient_flows_through_auto_path():
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("causal,average_levels,left_pad", [(False, False, 0), (True, True, 11), (False, True, 7)])
+def test_bias_gradient_flows_through_auto_path(causal, average_levels, left_pad, dtype):
+    """A learned bias (T5) routes to the materialised-score path: outputs and q/k/v/bias gradients exact."""
     length = 50
-    q, k, v = _inputs(2, 2, length, sum(RANKS_4), 8, torch.float64)
-    bias_fast = torch.randn(1, 2, length, length, dtype=torch.float64, requires_grad=True)
+    q, k, v = _inputs(2, 2, length, sum(RANKS_4), 8, dtype)
+    mask = torch.ones(2, length)
+    mask[1, :left_pad] = 0
+    positions = (mask.cumsum(-1) - 1).clamp(min=0).long()
+    bias_fast = torch.randn(2, 2, length, length, dtype=dtype, requires_grad=True)
     bias_ref = bias_fast.detach().clone().requires_grad_()
-    kwargs = dict(ranks=RANKS_4, block_sizes=BLOCKS_4, causal=False, scales=1.0)
-    fast = mlr_attention(q, k, v, bias=bias_fast, **kwargs)
-    ref = mlr_attention_reference(q, k, v, bias=bias_ref, **kwargs)
-    grad = torch.randn_like(fast)
+    leaves_fast = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    leaves_ref = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    kwargs = dict(ranks=RANKS_4, block_sizes=BLOCKS_4, causal=causal, scales=1.0, average_levels=average_levels,
+                  attention_mask=mask, positions=positions)
+    fast = mlr_attention(*leaves_fast, bias=bias_fast, **kwargs)
+    ref = mlr_attention_reference(*leaves_ref, bias=bias_ref, **kwargs)
+    rows = mask.bool()[:, None, :, None]
+    torch.testing.assert_close(fast * rows, ref * rows, **TOL[dtype])
+    grad = torch.randn_like(fast) * rows
     fast.backward(grad)
     ref.backward(grad)
-    torch.testing.assert_close(bias_fast.grad, bias_ref.grad, **TOL[torch.float64])
+    torch.testing.assert_close(bias_fast.grad, bias_ref.grad, **TOL[dtype])
+    for name, a, b in zip("qkv", leaves_fast, leaves_ref):
+        torch.testing.assert_close(a.grad, b.grad, **TOL[dtype], msg=name)
     with pytest.raises(ValueError, match="bias"):
         mlr_attention(q, k, v, bias=bias_fast, implementation="fused", **kwargs)
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -321,6 +322,54 @@ def test_finetune_chronos_tiny_end_to_end(tmp_path):
     pipe = ChronosPipeline.from_pretrained(str(out), trust_remote_code=True)
     forecast = pipe.predict(torch.arange(40, dtype=torch.float32), prediction_length=8, num_samples=3)
     assert forecast.shape == (1, 3, 8)
+
+
+def test_finetune_chronos_dense_baseline_keeps_stock_attention(tmp_path):
+    """``--attention dense`` trains the unpatched T5 (experiment 3's baseline); FLOPs come from the saved config."""
+    pytest.importorskip("chronos")
+    pytest.importorskip("statsmodels")
+    from hf_structattn.flops import encoder_decoder_flops
+    from hf_structattn.training.chronos_ft import main
+
+    common = ["--config", str(ROOT / "configs" / "chronos_tiny_mlr.yaml"), "--max_steps", "2", "--eval_every", "2",
+              "--checkpoint_every", "100", "--synthetic_series", "8", "--synthetic_eval_series", "2",
+              "--real_datasets", "nile", "--eval_num_samples", "2", "--per_device_batch_size", "4",
+              "--real_eval_windows", "2", "--disable_tqdm"]
+    dense = main(common + ["--attention", "dense", "--output_dir", str(tmp_path / "dense")])
+    mlr = main(common + ["--attention", "mlr", "--output_dir", str(tmp_path / "mlr")])
+    config = json.loads((tmp_path / "dense" / "config.json").read_text())
+    assert config["model_type"] == "t5" and "chronos_config" in config
+    assert not any(key.startswith("patch_") for key in dense)
+    window = (dense["context_length"] + 1, dense["prediction_length"] + 1)  # + EOS on both sides
+    assert dense["flops_per_window"] == encoder_decoder_flops(config, *window)
+    mlr_config = json.loads((tmp_path / "mlr" / "config.json").read_text())
+    assert mlr["flops_per_window"] == encoder_decoder_flops(mlr_config, *window) < dense["flops_per_window"]
+    assert dense["training_flops"] == pytest.approx(2 * dense["tokens_per_step"] * dense["flops_per_token"])
+
+
+def test_forecast_task_holds_out_the_same_targets_for_every_context_length():
+    pytest.importorskip("statsmodels")
+    from hf_structattn.training.timeseries import build_task, real_series
+
+    tasks = {c: build_task(c, 8, 4, 3, ["nile", "sunspots"], seed=0, series_length=96, eval_context_length=64,
+                           real_eval_windows=3) for c in (16, 48)}
+    short, long = tasks[16], tasks[48]
+    assert short.eval_names == long.eval_names and len(short.eval_names) == 3 + 2 * 3
+    for a, b in zip(short.eval_targets, long.eval_targets):
+        np.testing.assert_array_equal(a, b)
+    sunspots = real_series(["sunspots"])["sunspots"]
+    held = [i for i, name in enumerate(long.eval_names) if name.startswith("sunspots")]
+    # three consecutive horizons at the end, each preceded by up to 64 points of its own history
+    np.testing.assert_array_equal(np.concatenate([long.eval_targets[i] for i in held]), sunspots[-24:])
+    end = sunspots.size - 24
+    np.testing.assert_array_equal(long.eval_contexts[held[0]], sunspots[end - 64:end])
+    # nothing held out leaks into the training pool
+    assert any(s.size == end and np.array_equal(s, sunspots[:end]) for s in long.train_pool)
+    assert all(s.size == 96 for s in long.train_pool[:4])
+    with pytest.raises(ValueError, match="real_eval_windows"):
+        build_task(16, 8, 4, 3, ["nile"], seed=0, real_eval_windows=0)
+    with pytest.raises(ValueError, match="series_length"):
+        build_task(16, 8, 4, 3, ["nile"], seed=0, series_length=20)
 
 
 def test_finetune_chronos_resume_is_exact_with_dropout(tmp_path):

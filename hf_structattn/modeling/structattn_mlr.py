@@ -11,8 +11,9 @@ Three backends share the same group plan:
     backward that calls the fused backward once per group with the *global* output and LSE (that is exactly
     flash backward with ``P = exp(S_g - LSE)``). The op needs equal q/k/v widths, so truncated q is
     zero-padded (scales folded into q, ``scale=1``).
-  * ``math`` (any device): reduced-width matmuls per group with plain autograd. Used when the additive bias
-    needs a gradient (T5's learned relative bias) and on devices without a fused op.
+  * ``math`` (any device): the T x T scores materialised like eager attention (global dims in one matmul,
+    finer levels added on the diagonal blocks), plain autograd around them. Used when the additive bias needs
+    a gradient (T5's learned relative bias) and on devices without a fused op.
   * ``triton`` (CUDA): the kernel in ``structattn_triton`` when Triton is installed.
 """
 
@@ -197,6 +198,20 @@ def _scratch_view(inputs, attr: str, like: torch.Tensor) -> torch.Tensor:
     return buffer[:like.numel()].view(rows, length, heads, width).transpose(1, 2)
 
 
+def _padded_vectors(plan, scale_vectors, width: int, head_dim: int):
+    """Scale vectors zero-padded to the kernel width and the own-block group's uniform scale (or None); kept on the
+    plan when the plan and vectors are the memoised pair of ``_call_constants``."""
+    memo = getattr(plan, "padded", None) if getattr(plan, "scale_vectors", None) is scale_vectors else None
+    if memo is not None and (width, head_dim) in memo:
+        return memo[width, head_dim]
+    vectors = {depth: F.pad(vec, (0, width - vec.shape[0])) if vec.shape[0] < width else vec
+               for depth, vec in scale_vectors.items()}
+    result = vectors, _uniform_scale(vectors[plan.groups[0].depth], head_dim)
+    if getattr(plan, "scale_vectors", None) is scale_vectors:
+        plan.padded = {**(memo or {}), (width, head_dim): result}
+    return result
+
+
 class _GroupInputs:
     """Per-call constants of the fused path: padded inputs, per-depth scale vectors and reused scratch.
 
@@ -213,8 +228,7 @@ class _GroupInputs:
         padded = (F.pad(t, (0, width - t.shape[-1])) if t.shape[-1] < width else t for t in (q, k, v))
         self.q, self.k, self.v = (_fold_layout(t, fold) for t in padded)
         self.plan = plan
-        self.vectors = {depth: F.pad(vec, (0, width - vec.shape[0])) for depth, vec in scale_vectors.items()}
-        self.own_scale = _uniform_scale(self.vectors[plan.groups[0].depth], self.head_dim)
+        self.vectors, self.own_scale = _padded_vectors(plan, scale_vectors, width, self.head_dim)
         self.q_scratch = self.grad_scratch = None
 
     def prefix(self, group: _Group) -> int:
@@ -347,40 +361,147 @@ def _fused_mlr(q, k, v, key_valid, bias, plan, scale_vectors, causal):
     return _FusedMLRFunction.apply(q, k, v, key_valid, bias, plan, scale_vectors, causal)
 
 
-def _math_attention(q, k, v, key_valid, bias, plan: _Plan, scale_vectors, causal):
-    """Same group plan with reduced-width matmuls and plain autograd (any device, bias gradients)."""
-    batch, heads, length, _ = q.shape
-    value_dim = v.shape[-1]
-    outs, lses, slots = [], [], []
-    for group in plan.groups:
-        width = plan.prefix_widths[group.depth - 1]
-        scaled_q = (q * scale_vectors[group.depth])[..., :width]
-        scores = group.queries(scaled_q) @ group.keys(k[..., :width]).transpose(-1, -2)
-        mask = group.additive_mask(key_valid, bias, heads, scores.dtype)
-        if mask is not None:
-            scores = scores + mask
-        if causal and group.is_own_block:
-            future = torch.ones(group.child, group.child, dtype=torch.bool, device=q.device).triu_(1)
-            scores = scores.masked_fill(future, MASK_VALUE)
-        group_lse = torch.logsumexp(scores, dim=-1)
-        group_out = torch.softmax(scores, dim=-1) @ group.keys(v)
-        outs.append(group_out)
-        lses.append(group_lse)
-        slots.append(group)
-    # Place every group's rows into full-length (B, H, Tc) layouts, then merge all groups at once.
-    lse_stack, out_stack = [], []
-    for group, group_out, group_lse in zip(slots, outs, lses):
-        full_lse = torch.full((batch, heads, length), MASK_VALUE, dtype=group_lse.dtype, device=q.device)
-        full_out = torch.zeros(batch, heads, length, value_dim, dtype=group_out.dtype, device=q.device)
-        rows = group.rows(full_lse)
-        rows.copy_(group_lse.reshape(rows.shape))
-        values = group.view(full_out, group.query_children)
-        values.copy_(group_out.reshape(values.shape))
-        lse_stack.append(full_lse)
-        out_stack.append(full_out)
-    lse_all = torch.stack(lse_stack)  # (G, B, H, Tc)
-    weights = torch.softmax(lse_all, dim=0)
-    return (weights[..., None] * torch.stack(out_stack)).sum(0)
+class _BlockScores(torch.autograd.Function):
+    """Materialised MLR scores ``S = q_g k_g^T + sum_l blockdiag_l(q_l k_l^T)``.
+
+    ``q_g``/``k_g``: the first ``global_width`` dims (levels shared by every pair); level l adds its own dims
+    ``q[..., lo:hi]`` inside its blocks, given as ``(lo, hi, first, full, block, ranges)``: ``full`` whole blocks
+    of ``block`` tokens from index ``first`` done in one batched matmul, plus blocks done one by one as (start,
+    end) ``ranges`` (the partial blocks cut by the sequence ends, and every block when there are few).
+    Blocks are accumulated in place on strided diagonal views and the backward reads the same views, so there
+    is no full-size temporary besides S itself.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, global_width, levels):
+        # q, k: (B, H, T, r). Returns S (B, H, T, T).
+        ctx.save_for_backward(q, k)
+        ctx.global_width, ctx.levels = global_width, levels
+        scores = q[..., :global_width] @ k[..., :global_width].transpose(-1, -2)
+        for lo, hi, first, full, block, ranges in levels:
+            if full:
+                _block_diagonal(scores, first, full, block).add_(
+                    _blocks(q[..., lo:hi], first, full, block) @ _blocks(k[..., lo:hi], first, full, block).mT)
+            for a, b in ranges:
+                scores[:, :, a:b, a:b].add_(q[:, :, a:b, lo:hi] @ k[:, :, a:b, lo:hi].mT)
+        return scores
+
+    @staticmethod
+    def backward(ctx, grad_scores):
+        q, k = ctx.saved_tensors
+        width = ctx.global_width
+        grad_q, grad_k = torch.zeros_like(q), torch.zeros_like(k)
+        grad_q[..., :width] = grad_scores @ k[..., :width]
+        grad_k[..., :width] = grad_scores.mT @ q[..., :width]
+        for lo, hi, first, full, block, ranges in ctx.levels:
+            if full:
+                grad_blocks = _block_diagonal(grad_scores, first, full, block)
+                _blocks(grad_q[..., lo:hi], first, full, block).copy_(
+                    grad_blocks @ _blocks(k[..., lo:hi], first, full, block))
+                _blocks(grad_k[..., lo:hi], first, full, block).copy_(
+                    grad_blocks.mT @ _blocks(q[..., lo:hi], first, full, block))
+            for a, b in ranges:
+                grad_q[:, :, a:b, lo:hi] = grad_scores[:, :, a:b, a:b] @ k[:, :, a:b, lo:hi]
+                grad_k[:, :, a:b, lo:hi] = grad_scores[:, :, a:b, a:b].mT @ q[:, :, a:b, lo:hi]
+        return grad_q, grad_k, None, None
+
+
+def _blocks(x: torch.Tensor, first: int, full: int, block: int) -> torch.Tensor:
+    """(B, H, T, E) -> (B, H, full, block, E) view of the whole blocks starting at index ``first``."""
+    return x[:, :, first:first + full * block].unflatten(2, (full, block))
+
+
+def _block_diagonal(scores: torch.Tensor, first: int, full: int, block: int) -> torch.Tensor:
+    """(B, H, T, T) -> (B, H, full, block, block) strided view of the whole diagonal blocks from ``first``."""
+    end = first + full * block
+    tiles = scores[:, :, first:end, first:end].unflatten(2, (full, block)).unflatten(4, (full, block))
+    return tiles.diagonal(dim1=2, dim2=4).permute(0, 1, 4, 2, 3)
+
+
+_LOOPED_BLOCKS = 8
+
+
+def _level_blocks(length: int, start: int, block: int) -> tuple:
+    """Blocks of ``block`` positions (aligned to position 0) met by indices 0..length-1 at positions start+i:
+    (first, full, partial) = index of the first whole block, number of whole blocks, partial (a, b) ranges."""
+    first = min((-start) % block, length)
+    full = (length - first) // block
+    end = first + full * block
+    partial = tuple(r for r in ((0, first), (end, length)) if r[1] > r[0])
+    return first, full, partial
+
+
+def _math_attention(q, k, v, key_valid, bias, ranks, block_sizes, first_depth, level_scales, average_levels, causal,
+                    start: int = 0):
+    """Materialised-score MLR attention with plain autograd around the score assembly (any device; the path
+    that differentiates the bias, e.g. T5's learned relative position bias). O(T^2) memory like eager
+    attention; score MACs ``T^2 c_first + sum_l T b_l r_l``.
+
+    q, k: (B, H, T, r), v: (B, H, T, dv), index i at position ``start + i`` (blocks are aligned to position 0;
+    ``first_depth`` levels are shared by every pair); key_valid: (B, T) bool or None; bias: broadcastable to
+    (B, H, T, T) or None. Returns (B, H, T, dv).
+    """
+    length = q.shape[2]
+    num_levels = len(ranks)
+    widths = level_prefix_widths(ranks)
+    level_vector = depth_scale_vector(ranks, level_scales, num_levels, False, q.dtype, q.device)
+    levels = []
+    for level in range(first_depth + 1, num_levels + 1):
+        block = block_sizes[level - 2]
+        first, full, ranges = _level_blocks(length, start, block)
+        if full <= _LOOPED_BLOCKS:
+            # few large blocks: one matmul per block reads S in place, where one batched matmul over the strided
+            # diagonal would first copy those T x b scores (measured ~2x slower backward at T = 513, b = 256)
+            ranges = tuple(sorted(ranges + tuple((first + i * block, first + (i + 1) * block) for i in range(full))))
+            full = 0
+        levels.append((widths[level - 2], widths[level - 1], first, full, block, ranges))
+    scores = _BlockScores.apply(q * level_vector, k, widths[first_depth - 1], tuple(levels))
+    if average_levels:
+        positions = torch.arange(start, start + length, device=q.device)
+        depth = torch.full((length, length), float(first_depth), dtype=q.dtype, device=q.device)
+        for level in range(first_depth + 1, num_levels + 1):
+            block = block_sizes[level - 2]
+            depth += (positions[:, None] // block == positions[None, :] // block).to(q.dtype)
+        scores = scores / depth
+    if bias is not None:
+        scores = scores + bias
+    masked = None
+    if key_valid is not None:
+        masked = ~key_valid[:, None, None, :]
+    if causal:
+        future = torch.ones(length, length, dtype=torch.bool, device=q.device).triu_(1)
+        masked = future if masked is None else masked | future
+    if masked is not None:
+        scores = scores.masked_fill(masked, MASK_VALUE)
+    return torch.softmax(scores, dim=-1) @ v
+
+
+_CONSTANTS: dict = {}
+_CONSTANTS_LIMIT = 64
+
+
+def _call_constants(ranks, block_sizes, first_depth: int, length: int, causal: bool, level_scales, average_levels: bool,
+                    dtype: torch.dtype, device: torch.device):
+    """(group plan, per-depth scale vectors) of one call, memoised per geometry: a model calls the op with the same
+    geometry in every layer and step, and building them is ~100 small tensor ops and Python objects per call.
+    Nothing mutates them. Under torch.compile they are rebuilt (traced tensors must not be cached)."""
+    key = (tuple(ranks), tuple(block_sizes), first_depth, length, causal, tuple(float(s) for s in level_scales),
+           bool(average_levels), dtype, device, torch.is_inference_mode_enabled())  # inference tensors stay apart
+    compiling = torch.compiler.is_compiling()
+    if not compiling:
+        hit = _CONSTANTS.get(key)
+        if hit is not None:
+            return hit
+    plan = _Plan(ranks, block_sizes, first_depth, length, causal)
+    depths = {group.depth for group in plan.groups}
+    scale_vectors = {depth: depth_scale_vector(ranks, level_scales, depth, average_levels, dtype, device)
+                     for depth in depths}
+    if not compiling:
+        if len(_CONSTANTS) >= _CONSTANTS_LIMIT:
+            _CONSTANTS.clear()
+        _CONSTANTS[key] = plan, scale_vectors
+        plan.scale_vectors = scale_vectors  # lets _GroupInputs memoise its padded copies on the plan
+    return plan, scale_vectors
 
 
 def _row_offsets(positions: torch.Tensor, valid: torch.Tensor):
@@ -401,7 +522,8 @@ def mlr_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ranks: S
                   scales: Union[None, str, float, Sequence[float]] = None, positions: Optional[torch.Tensor] = None,
                   attention_mask: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
                   average_levels: bool = False, implementation: str = "auto") -> torch.Tensor:
-    """Exact multi-level low-rank attention (paper §3.4) without materialising the T x T scores.
+    """Exact multi-level low-rank attention (paper §3.4); the fused and Triton paths never materialise the
+    T x T scores.
 
     Args:
         q, k: (B, H, T, r) queries and keys; level slices are contiguous prefixes ``[q_1 | q_2 | ...]``.
@@ -470,6 +592,21 @@ def mlr_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ranks: S
     else:
         base, canonical_length = low, high + 1 - low
 
+    backend = implementation
+    if backend == "auto":
+        # neither kernel differentiates the additive bias (T5's learned relative bias): the math path does
+        bias_needs_grad = bias is not None and bias.requires_grad
+        if q.device.type == "cpu" and not bias_needs_grad:
+            backend = "fused"
+        elif q.device.type == "cuda" and TRITON_AVAILABLE and not bias_needs_grad:
+            backend = "triton"
+        else:
+            backend = "math"
+    if backend == "math" and uniform:
+        # materialised scores need no canonical padding: partial blocks at the ends are handled directly
+        return _math_attention(q, k, v, valid, bias, ranks, block_sizes, first_depth, level_scales, average_levels,
+                               causal, start=0 if offsets is None else int(offsets[0]))
+
     if uniform:
         left = base_offset - base
         right = canonical_length - left - length
@@ -507,21 +644,9 @@ def mlr_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ranks: S
             bias_c = cols.scatter(3, index[:, None, None, :].expand_as(rows), rows)[
                 :, :, :canonical_length, :canonical_length]
 
-    plan = _Plan(ranks, block_sizes, first_depth, canonical_length, causal)
-    depths = {group.depth for group in plan.groups}
-    scale_vectors = {depth: depth_scale_vector(ranks, level_scales, depth, average_levels, q.dtype, q.device)
-                     for depth in depths}
+    plan, scale_vectors = _call_constants(ranks, block_sizes, first_depth, canonical_length, causal, level_scales,
+                                          average_levels, q.dtype, q.device)
 
-    backend = implementation
-    if backend == "auto":
-        # neither kernel differentiates the additive bias (T5's learned relative bias): the math path does
-        bias_needs_grad = bias_c is not None and bias_c.requires_grad
-        if q.device.type == "cpu" and not bias_needs_grad:
-            backend = "fused"
-        elif q.device.type == "cuda" and TRITON_AVAILABLE and not bias_needs_grad:
-            backend = "triton"
-        else:
-            backend = "math"
     if backend == "fused":
         if q.device.type != "cpu":
             raise ValueError(f"implementation='fused' needs CPU tensors, got device {q.device}")
@@ -539,7 +664,8 @@ def mlr_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ranks: S
                                      level_scales=level_scales, average_levels=average_levels,
                                      key_padding_mask=key_valid, bias=bias_c)
     else:
-        out_c = _math_attention(q_c, k_c, v_c, key_valid, bias_c, plan, scale_vectors, causal)
+        out_c = _math_attention(q_c, k_c, v_c, key_valid, bias_c, ranks, block_sizes, first_depth, level_scales,
+                                average_levels, causal, start=base)
 
     if uniform:
         return out_c[:, :, left:left + length] if (left or right) else out_c

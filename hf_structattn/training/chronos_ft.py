@@ -3,7 +3,8 @@
 1. Load a local Chronos-T5 checkpoint directory (``--checkpoint``), or build a tiny Chronos-T5 from a config
    (``--model`` fields override the T5 config; nothing is ever downloaded).
 2. ``hf_structattn.patch`` it (``attention``, ``targets``, ``init`` = split | svd, ``mlr_ranks``,
-   ``mlr_block_sizes``) and record how far the patch moved its outputs (``hf_structattn.patch_report``).
+   ``mlr_block_sizes``) and record how far the patch moved its outputs (``hf_structattn.patch_report``);
+   ``attention: dense`` keeps the stock T5 attention (the baseline of the reproduction's experiment 3).
 3. Fine-tune on KernelSynth-style GP series + statsmodels' real series (teacher-forced cross-entropy on Chronos
    tokens), evaluate MASE (median forecast) and WQL (quantiles) with the project's ``evaluate`` metrics.
 4. Save the patched model (with its payload code) so that ``ChronosPipeline.from_pretrained(dir,
@@ -22,6 +23,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from ..flops import encoder_decoder_flops
 from .args import parse_recipe_args
 from .loop import CommonArgs, build_optimizer, finish_run, make_accelerator, train
 
@@ -37,7 +39,7 @@ TINY_CHRONOS = dict(tokenizer_class="MeanScaleUniformBins", tokenizer_kwargs=dic
 class ChronosArgs(CommonArgs):
     output_dir: str = "outputs/chronos"
     checkpoint: Optional[str] = None        # local Chronos-T5 folder; None: build a tiny one (TINY_T5 + model)
-    attention: str = "mlr"
+    attention: str = "mlr"                  # mlr (patched) | dense (stock T5 attention, not patched)
     targets: list[str] = field(default_factory=lambda: ["encoder_self", "decoder_self"])
     init: str = "split"                    # split | svd
     mlr_ranks: Optional[list[int]] = None   # default: an even split of d_kv in two levels
@@ -46,6 +48,9 @@ class ChronosArgs(CommonArgs):
     mlr_average_levels: Optional[bool] = None
     synthetic_series: int = 128
     synthetic_eval_series: int = 16
+    series_length: Optional[int] = None     # synthetic training series length; default 2 x (context + horizon)
+    eval_context_length: Optional[int] = None  # history kept for held-out windows; default the model's context
+    real_eval_windows: int = 1              # held-out consecutive horizons at the end of each real series
     real_datasets: list[str] = field(default_factory=lambda: ["sunspots", "co2", "nile", "elnino", "macrodata"])
     quantile_levels: list[float] = field(default_factory=lambda: [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9])
     eval_num_samples: int = 20
@@ -115,13 +120,19 @@ def main(argv=None) -> dict:
             fields[name] = getattr(args, name)
     if not args.mlr_block_sizes:
         fields.setdefault("mlr_max_length", context_length)
-    pipe = structattn_patch(original, attention=args.attention, targets=tuple(args.targets), init=args.init, **fields)
     task = timeseries.build_task(context_length, prediction_length, args.synthetic_series,
-                                 args.synthetic_eval_series, args.real_datasets, args.seed)
-    probe = torch.tensor(np.stack([c[-context_length:] for c in task.eval_contexts
-                                   if c.size >= context_length][:4]))
-    with torch.random.fork_rng(devices=[]):
-        moved = patch_report(original, pipe, {"context": probe, "prediction_length": prediction_length})
+                                 args.synthetic_eval_series, args.real_datasets, args.seed,
+                                 series_length=args.series_length, eval_context_length=args.eval_context_length,
+                                 real_eval_windows=args.real_eval_windows)
+    if args.attention == "dense":
+        pipe, moved = original, {}
+    else:
+        pipe = structattn_patch(original, attention=args.attention, targets=tuple(args.targets), init=args.init,
+                                **fields)
+        probe = torch.tensor(np.stack([c[-context_length:] for c in task.eval_contexts
+                                       if c.size >= context_length][:4]))
+        with torch.random.fork_rng(devices=[]):
+            moved = patch_report(original, pipe, {"context": probe, "prediction_length": prediction_length})
     del original
     model = pipe.model.model
     set_eval_config = dict(num_samples=args.eval_num_samples)
@@ -134,6 +145,7 @@ def main(argv=None) -> dict:
     eval_windows = torch.tensor(np.stack([np.concatenate([c[-context_length:], t]) for c, t in
                                           zip(task.eval_contexts, task.eval_targets) if c.size >= context_length]))
     eval_tokens = tokenize(pipe, eval_windows, context_length)
+    encoder_len, decoder_len = eval_tokens["input_ids"].shape[1], eval_tokens["labels"].shape[1]
 
     def micro_batch_fn(step, micro, rank, world_):
         size = args.per_device_batch_size * world_ * args.gradient_accumulation_steps
@@ -158,11 +170,13 @@ def main(argv=None) -> dict:
                         quantile_levels=args.quantile_levels)
         return {"loss": loss, "mase": m["mase"], "wql": w["wql"]}
 
-    params = sum(p.numel() for n, p in accelerator.unwrap_model(model).named_parameters() if "shared" not in n)
-    tokens_per_step = args.per_device_batch_size * world * args.gradient_accumulation_steps * (window + 1)
-    approx_flops_per_token = 6.0 * params  # 6N (attention terms left out: short sequences)
+    # Exact matmul + attention count of the (possibly MLR) encoder-decoder; "tokens" are encoder + decoder tokens.
+    flops_per_window = encoder_decoder_flops(accelerator.unwrap_model(model).config, encoder_len, decoder_len)
+    tokens_per_step = args.per_device_batch_size * world * args.gradient_accumulation_steps * (encoder_len +
+                                                                                                decoder_len)
+    flops_per_token = flops_per_window / (encoder_len + decoder_len)
     result = train(accelerator, args, model, optimizer, micro_batch_fn=micro_batch_fn, loss_fn=loss_fn,
-                   eval_fn=eval_fn, tokens_per_step=tokens_per_step, flops_per_token=approx_flops_per_token,
+                   eval_fn=eval_fn, tokens_per_step=tokens_per_step, flops_per_token=flops_per_token,
                    desc="finetune_chronos")
     summary = {"step": result.step, "interrupted": result.interrupted, "train_seconds": result.train_seconds,
                **{f"eval_{k}": v for k, v in result.final_eval.items()},
@@ -176,17 +190,21 @@ def main(argv=None) -> dict:
         unwrapped.save_pretrained(out)
         from .outputs import write_metrics_json, write_model_card, write_plots
 
-        summary.update(flops_per_token=approx_flops_per_token, tokens_per_step=tokens_per_step,
-                       context_length=context_length, prediction_length=prediction_length)
+        summary.update(flops_per_token=flops_per_token, flops_per_window=flops_per_window,
+                       tokens_per_step=tokens_per_step, training_flops=result.step * tokens_per_step * flops_per_token,
+                       context_length=context_length, prediction_length=prediction_length,
+                       attention=args.attention)
         write_metrics_json(out, summary)
         write_plots(out, loss_key="train/loss", eval_key="eval/loss")
         path = args.hub_model_id or str(out)
         write_model_card(
             out, title=f"Chronos-T5 with {args.attention} attention (hf_structattn)",
             summary=(f"A Chronos-T5 ({'`' + str(args.checkpoint) + '`' if args.checkpoint else 'tiny, built locally'})"
-                     f" whose {', '.join(args.targets)} attention was converted by `hf_structattn.patch` "
-                     f"(init `{args.init}`, ranks {fields['mlr_ranks']}) and fine-tuned {result.step} steps with "
-                     f"`recipes/finetune_chronos.py`. Context {context_length}, horizon {prediction_length}."),
+                     + (" with its stock dense T5 attention (the baseline)" if args.attention == "dense" else
+                        f" whose {', '.join(args.targets)} attention was converted by `hf_structattn.patch` "
+                        f"(init `{args.init}`, ranks {fields['mlr_ranks']})")
+                     + f", fine-tuned {result.step} steps with `recipes/finetune_chronos.py`. Context "
+                       f"{context_length}, horizon {prediction_length}."),
             config=unwrapped.config.to_dict(), data=task.description,
             metrics={k: v for k, v in summary.items() if k.startswith(("eval_", "patch_")) or
                      k in ("step", "train_seconds")},
@@ -196,7 +214,9 @@ from chronos import ChronosPipeline
 pipe = ChronosPipeline.from_pretrained("{path}", trust_remote_code=True)  # hf_structattn need not be installed
 quantiles, mean = pipe.predict_quantiles([torch.randn(100).cumsum(0)], prediction_length={prediction_length},
                                          quantile_levels=[0.1, 0.5, 0.9])""",
-            flops_per_token=approx_flops_per_token, tags=("hf_structattn", "structured-attention", "chronos",
+            cost_markdown=(f"Training FLOPs per window of {encoder_len} encoder + {decoder_len} decoder tokens "
+                           f"(`hf_structattn.flops.encoder_decoder_flops`): {flops_per_window:,.0f}"),
+            tags=("hf_structattn", "structured-attention", "chronos",
                                                           "time-series-forecasting"),
             recipe_args=dataclasses.asdict(args))
     return finish_run(accelerator, args, out, summary)

@@ -5,7 +5,7 @@ that ship with statsmodels (sunspots, co2, nile, elnino, macrodata)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -93,33 +93,57 @@ class ForecastTask:
 
 
 def build_task(context_length: int, prediction_length: int, synthetic_series: int, synthetic_eval_series: int,
-               real_datasets: Sequence[str], seed: int) -> ForecastTask:
-    """Synthetic: ``synthetic_series`` training series and ``synthetic_eval_series`` held-out series (separate seed).
-    Real: the last ``prediction_length`` points of each series are the test target (with the preceding
-    ``context_length`` as context); only the part before the target goes into the training pool."""
+               real_datasets: Sequence[str], seed: int, *, series_length: Optional[int] = None,
+               eval_context_length: Optional[int] = None, real_eval_windows: int = 1) -> ForecastTask:
+    """Training pool and held-out evaluation windows.
+
+    Synthetic: ``synthetic_series`` training series of ``series_length`` points (default twice the window
+    ``context_length + prediction_length``) and ``synthetic_eval_series`` held-out series (separate seed) of
+    ``eval_context_length + prediction_length`` points. Real: the last ``real_eval_windows * prediction_length``
+    points of each series are held out as that many consecutive targets (rolling origins), each with up to
+    ``eval_context_length`` points of history before it; only the part before the first target goes into the
+    training pool. ``eval_context_length`` (default ``context_length``) lets runs with different context lengths
+    share one held-out set: a model keeps the last ``context_length`` points of each context, as Chronos does.
+    """
+    for name, value in (("context_length", context_length), ("prediction_length", prediction_length),
+                        ("real_eval_windows", real_eval_windows)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
     length = context_length + prediction_length
-    synthetic = kernel_synth(synthetic_series, 2 * length, seed=seed * 2 + 1)
-    held_out = kernel_synth(synthetic_eval_series, length, seed=seed * 2 + 2)
+    series_length = 2 * length if series_length is None else series_length
+    if series_length < length:
+        raise ValueError(f"series_length={series_length} is shorter than one training window "
+                         f"(context_length + prediction_length = {length})")
+    eval_context_length = context_length if eval_context_length is None else eval_context_length
+    if eval_context_length < 1:
+        raise ValueError(f"eval_context_length must be a positive integer, got {eval_context_length!r}")
+    synthetic = kernel_synth(synthetic_series, series_length, seed=seed * 2 + 1)
+    held_out = kernel_synth(synthetic_eval_series, eval_context_length + prediction_length, seed=seed * 2 + 2)
     pool = [s for s in synthetic]
     contexts, targets, names = [], [], []
     for i, s in enumerate(held_out):
-        contexts.append(s[:context_length])
-        targets.append(s[context_length:])
+        contexts.append(s[:eval_context_length])
+        targets.append(s[eval_context_length:])
         names.append(f"kernelsynth/{i}")
     real = real_series(real_datasets) if real_datasets else {}
     for name, s in real.items():
-        if s.size < prediction_length + 8:
+        held = real_eval_windows * prediction_length
+        if s.size < held + 8:
             continue
-        history, target = s[:-prediction_length], s[-prediction_length:]
-        contexts.append(history[-context_length:])
-        targets.append(target)
-        names.append(name)
-        if history.size >= length:
-            pool.append(history)
-    description = (f"{synthetic_series} KernelSynth-style GP series of length {2 * length} (random +/* compositions "
-                   f"of RBF, periodic, linear, rational-quadratic and white-noise kernels) plus the training parts "
-                   f"of statsmodels' {', '.join(real) or 'none'}; evaluation: {synthetic_eval_series} held-out GP "
-                   f"series and the last {prediction_length} points of each real series.")
+        for window in range(real_eval_windows):
+            end = s.size - (real_eval_windows - 1 - window) * prediction_length
+            history = s[:end - prediction_length]
+            contexts.append(history[-eval_context_length:])
+            targets.append(s[end - prediction_length:end])
+            names.append(name if real_eval_windows == 1 else f"{name}@{end - prediction_length}")
+        train_part = s[:-held]
+        if train_part.size >= length:
+            pool.append(train_part)
+    description = (f"{synthetic_series} KernelSynth-style GP series of length {series_length} (random +/* "
+                   f"compositions of RBF, periodic, linear, rational-quadratic and white-noise kernels) plus the "
+                   f"training parts of statsmodels' {', '.join(real) or 'none'}; evaluation: {synthetic_eval_series} "
+                   f"held-out GP series and the last {real_eval_windows} x {prediction_length} points of each real "
+                   f"series (context up to {eval_context_length} points).")
     return ForecastTask(pool, contexts, targets, names, description)
 
 
