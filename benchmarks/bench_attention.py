@@ -10,7 +10,7 @@ Every variant has head dim 64 per head (the value width of the bilinear ones too
 * ``sdpa``: dense causal ``F.scaled_dot_product_attention`` (the baseline of every ratio);
 * ``mlr_fused`` / ``mlr_math`` / ``mlr_reference``: ``mlr_attention`` with r = 64, ranks 32|8|6|4|4|4|4|2 and
   dyadic blocks from T (``block_sizes = [T >> 1, ..., T >> 7]``), through the fused CPU kernel path, the
-  reduced-width matmul path and the naive T x T reference (only up to ``--reference-max-len``). On CUDA
+  materialised-score path (the one that differentiates a learned bias) and the naive T x T reference (only up to ``--reference-max-len``). On CUDA
   ``mlr_fused`` means ``implementation="auto"`` (the Triton kernel when it is installed);
 * ``swa``: sliding window w = T/8 via ``fused_attention`` with a boolean ``allowed`` mask (built once, outside
   the timed call; the additive mask that ``fused_attention`` derives from it is built inside);
@@ -84,7 +84,7 @@ LABELS = {
     "sdpa": "SDPA dense causal",
     "mlr_fused": "MLR fused (exact, group + LSE merge)",
     "mlr_fused_before": "MLR fused, before this change",
-    "mlr_math": "MLR math path (reduced-width matmuls)",
+    "mlr_math": "MLR math path (materialised scores)",
     "mlr_reference": "MLR naive reference (T x T)",
     "swa": "SWA w = T/8 (fused_attention + mask)",
     "bilinear_mlr": "bilinear MLR (proj. from x + fused attn)",

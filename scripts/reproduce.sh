@@ -35,7 +35,7 @@ if [[ -f .venv/bin/activate ]]; then . .venv/bin/activate; fi
 PY=${PYTHON:-python}
 
 case "$BUDGET" in
-  small) DIMS=(8); WIDTHS=(${ICL_WIDTHS:-128 64 32}); LAYERS=${ICL_LAYERS:-4}; STEPS=${ICL_STEPS:-1200} ;;
+  small) DIMS=(${ICL_DIMS:-8}); WIDTHS=(${ICL_WIDTHS:-128 64 32}); LAYERS=${ICL_LAYERS:-4}; STEPS=${ICL_STEPS:-1200} ;;
   full)  DIMS=(8 16); WIDTHS=(${ICL_WIDTHS:-256 128 64 32 16}); LAYERS=${ICL_LAYERS:-6}; STEPS=${ICL_STEPS:-20000} ;;
   *) echo "--budget must be small or full, got $BUDGET" >&2; exit 2 ;;
 esac

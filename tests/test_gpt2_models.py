@@ -228,3 +228,20 @@ def test_save_and_load_keep_every_tensor(tmp_path):
     icl.save_pretrained(tmp_path / "icl")
     again = StructAttnGPT2ForInContextRegression.from_pretrained(tmp_path / "icl")
     torch.testing.assert_close(again.read_out.weight, icl.read_out.weight)
+
+
+def test_training_steps_build_no_cache_unless_given_one():
+    """A grad-enabled training forward skips the (costly) MLR key cache; eval and explicit caches keep it, and the
+    logits do not depend on it."""
+    model = tiny_lm("mlr")
+    ids = torch.randint(0, model.config.vocab_size, (2, 21))
+    eval_out = model(ids)
+    assert eval_out.cache is not None and eval_out.cache.get_seq_length() == 21
+    model.train()
+    train_out = model(ids, labels=ids)
+    assert train_out.cache is None
+    torch.testing.assert_close(train_out.logits, eval_out.logits)  # dropout-free tiny config
+    given = model.transformer.new_cache()
+    assert model(ids, cache=given).cache is given and given.get_seq_length() == 21
+    with torch.no_grad():
+        assert model(ids).cache is not None

@@ -313,6 +313,10 @@ class StructAttnGPT2Model(StructAttnGPT2PreTrainedModel):
         if inputs_embeds is None:
             inputs_embeds = self.wte(input_ids)
         batch, length = inputs_embeds.shape[:2]
+        if use_cache and cache is None and self.training and torch.is_grad_enabled():
+            # a training step never reads a cache back, and the MLR key cache costs real time to fill (~40 ms per
+            # step at T = 1024, 6 layers); pass a cache explicitly to get one anyway
+            use_cache = False
         if use_cache and cache is None:
             cache = self.new_cache()
         # MLR layers skip their position checks (host syncs, graph breaks under torch.compile) when the positions

@@ -72,17 +72,6 @@ class _Group:
         batch, heads, _, width = x.shape
         return x.view(batch, heads, self.n_parents, self.n_children, self.child, width)[:, :, :, children]
 
-    def flat(self, x: torch.Tensor, children: slice) -> torch.Tensor:
-        """x (B, H, Tc, E) -> (B, H * n_parents * count, child, E) (a view when possible)."""
-        batch, heads, _, width = x.shape
-        return self.view(x, children).reshape(batch, heads * self.n_parents * self.count, self.child, width)
-
-    def queries(self, x):
-        return self.flat(x, self.query_children)
-
-    def keys(self, x):
-        return self.flat(x, self.key_children)
-
     def rows(self, lse: torch.Tensor) -> torch.Tensor:
         """lse (B, H, Tc) -> (B, H, n_parents, count, child) view of the query rows."""
         return self.view(lse[..., None], self.query_children)[..., 0]
@@ -198,20 +187,6 @@ def _scratch_view(inputs, attr: str, like: torch.Tensor) -> torch.Tensor:
     return buffer[:like.numel()].view(rows, length, heads, width).transpose(1, 2)
 
 
-def _padded_vectors(plan, scale_vectors, width: int, head_dim: int):
-    """Scale vectors zero-padded to the kernel width and the own-block group's uniform scale (or None); kept on the
-    plan when the plan and vectors are the memoised pair of ``_call_constants``."""
-    memo = getattr(plan, "padded", None) if getattr(plan, "scale_vectors", None) is scale_vectors else None
-    if memo is not None and (width, head_dim) in memo:
-        return memo[width, head_dim]
-    vectors = {depth: F.pad(vec, (0, width - vec.shape[0])) if vec.shape[0] < width else vec
-               for depth, vec in scale_vectors.items()}
-    result = vectors, _uniform_scale(vectors[plan.groups[0].depth], head_dim)
-    if getattr(plan, "scale_vectors", None) is scale_vectors:
-        plan.padded = {**(memo or {}), (width, head_dim): result}
-    return result
-
-
 class _GroupInputs:
     """Per-call constants of the fused path: padded inputs, per-depth scale vectors and reused scratch.
 
@@ -228,7 +203,8 @@ class _GroupInputs:
         padded = (F.pad(t, (0, width - t.shape[-1])) if t.shape[-1] < width else t for t in (q, k, v))
         self.q, self.k, self.v = (_fold_layout(t, fold) for t in padded)
         self.plan = plan
-        self.vectors, self.own_scale = _padded_vectors(plan, scale_vectors, width, self.head_dim)
+        self.vectors = {depth: F.pad(vec, (0, width - vec.shape[0])) for depth, vec in scale_vectors.items()}
+        self.own_scale = _uniform_scale(self.vectors[plan.groups[0].depth], self.head_dim)
         self.q_scratch = self.grad_scratch = None
 
     def prefix(self, group: _Group) -> int:
@@ -476,34 +452,6 @@ def _math_attention(q, k, v, key_valid, bias, ranks, block_sizes, first_depth, l
     return torch.softmax(scores, dim=-1) @ v
 
 
-_CONSTANTS: dict = {}
-_CONSTANTS_LIMIT = 64
-
-
-def _call_constants(ranks, block_sizes, first_depth: int, length: int, causal: bool, level_scales, average_levels: bool,
-                    dtype: torch.dtype, device: torch.device):
-    """(group plan, per-depth scale vectors) of one call, memoised per geometry: a model calls the op with the same
-    geometry in every layer and step, and building them is ~100 small tensor ops and Python objects per call.
-    Nothing mutates them. Under torch.compile they are rebuilt (traced tensors must not be cached)."""
-    key = (tuple(ranks), tuple(block_sizes), first_depth, length, causal, tuple(float(s) for s in level_scales),
-           bool(average_levels), dtype, device, torch.is_inference_mode_enabled())  # inference tensors stay apart
-    compiling = torch.compiler.is_compiling()
-    if not compiling:
-        hit = _CONSTANTS.get(key)
-        if hit is not None:
-            return hit
-    plan = _Plan(ranks, block_sizes, first_depth, length, causal)
-    depths = {group.depth for group in plan.groups}
-    scale_vectors = {depth: depth_scale_vector(ranks, level_scales, depth, average_levels, dtype, device)
-                     for depth in depths}
-    if not compiling:
-        if len(_CONSTANTS) >= _CONSTANTS_LIMIT:
-            _CONSTANTS.clear()
-        _CONSTANTS[key] = plan, scale_vectors
-        plan.scale_vectors = scale_vectors  # lets _GroupInputs memoise its padded copies on the plan
-    return plan, scale_vectors
-
-
 def _row_offsets(positions: torch.Tensor, valid: torch.Tensor):
     """Per-row constant ``position - index`` over valid tokens, or None if some row is not contiguous."""
     length = positions.shape[1]
@@ -644,8 +592,10 @@ def mlr_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ranks: S
             bias_c = cols.scatter(3, index[:, None, None, :].expand_as(rows), rows)[
                 :, :, :canonical_length, :canonical_length]
 
-    plan, scale_vectors = _call_constants(ranks, block_sizes, first_depth, canonical_length, causal, level_scales,
-                                          average_levels, q.dtype, q.device)
+    plan = _Plan(ranks, block_sizes, first_depth, canonical_length, causal)
+    depths = {group.depth for group in plan.groups}
+    scale_vectors = {depth: depth_scale_vector(ranks, level_scales, depth, average_levels, q.dtype, q.device)
+                     for depth in depths}
 
     if backend == "fused":
         if q.device.type != "cpu":
