@@ -2,7 +2,8 @@
 
 One training step = forward + backward + AdamW step on a (batch, T) batch of random tokens, called the way the
 project's training loop calls the model (``hf_structattn/training/clm.py``: ``use_cache=False``; pass
-``--use_cache`` to let both models build their generation caches as the config default would). Steps of the two
+``--use_cache`` to let GPT-2 build its generation cache as the config default would; the MLR model builds none
+in a grad-enabled training forward either way). Steps of the two
 models are interleaved so that machine noise hits both alike; the table reports median [min] tokens/s over wall
 time and over the process's CPU time (``time.process_time``: all threads, so on a machine shared with other jobs
 it is less disturbed by time slices lost to them than wall time is).
@@ -57,7 +58,7 @@ def main():
     parser.add_argument("--vocab_size", type=int, default=257)
     parser.add_argument("--mlr_ranks", type=int, nargs="+", default=[32, 8, 6, 4, 4, 4, 4, 2])
     parser.add_argument("--use_cache", action="store_true",
-                        help="let both models build their generation cache during training (the config default)")
+                        help="pass use_cache=True (GPT-2 then builds its cache; the MLR model skips it in training)")
     parser.add_argument("--compile", action="store_true",
                         help="add rows for torch.compile'd models (the fused MLR op runs eagerly inside them)")
     parser.add_argument("--output", default=None)
