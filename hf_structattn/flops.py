@@ -649,7 +649,9 @@ def attention_cost_report(config_like: Any, *, causal: bool = True, dtype_bytes:
 
     Reads ``attention``, ``n_embd``, ``n_head``, ``n_positions``, ``n_layer``, ``mlr_ranks``, ``mlr_block_sizes``
     (None: dyadic ``n_positions / 2^(l-1)``), ``bilinear_mlr_ranks``, ``btt_rank``, ``btt_factors`` (None: the
-    balanced split of :func:`default_btt_factors`), ``sliding_window``. ``context_len`` defaults to n_positions.
+    balanced split of :func:`default_btt_factors`), ``sliding_window``, and ``attention_layers`` (per-layer
+    variants; the report's ``variant`` then lists them, ``key_width``/``value_dim`` stay those of ``attention``).
+    ``context_len`` defaults to n_positions.
     Invalid fields raise ``ValueError`` naming the config field.
     """
     variant, geometry, dense_geometry = _config_geometry(config_like)
@@ -658,31 +660,30 @@ def attention_cost_report(config_like: Any, *, causal: bool = True, dtype_bytes:
     context = n_positions if context_len is None else _check_int("context_len", context_len)
     n_head = geometry["n_head"]
     item = _dtype_bytes(dtype_bytes)
-    head = _head_of(variant, geometry)
-    dense_head = _head_of("dense", dense_geometry)
-    per_token = 2 * n_layer * n_head / context  # MACs of one head over the pass -> model FLOPs per token
+    per_token = 2 * n_head / context  # MACs of one head over the pass -> one layer's FLOPs per token
 
-    def flops(name: str, geo: dict) -> tuple[float, float, int]:
-        return (score_macs(name, context, causal=causal, **geo) * per_token,
-                pv_macs(name, context, causal=causal, **geo) * per_token,
-                2 * n_layer * n_head * qk_projection_macs(name, 1, **geo))
-
-    score, pv, projection = flops(variant, geometry)
-    dense_score, dense_pv, dense_projection = flops("dense", dense_geometry)
-
-    def cache(h: _Head) -> tuple[int, int]:
+    def layer_costs(name: str, geo: dict) -> tuple:
+        """(score, PV, q/k projection FLOPs per token, key cache bytes, KV cache bytes) of one layer."""
+        h = _head_of(name, geo)
         keys = key_cache_elements(h.variant, context, list(h.ranks) or None, list(h.block_sizes) or None,
                                   h.key_width if h.variant in ("dense", "swa") else None, window=h.window,
                                   n_embd=h.n_embd)
         values = value_cache_elements(h.variant, context, window=h.window, value_dim=h.value_dim)
-        scale = n_layer * n_head * item
-        return keys * scale, (keys + values) * scale
+        return (score_macs(name, context, causal=causal, **geo) * per_token,
+                pv_macs(name, context, causal=causal, **geo) * per_token,
+                2 * n_head * qk_projection_macs(name, 1, **geo),
+                keys * n_head * item, (keys + values) * n_head * item)
 
-    keys, kv = cache(head)
-    dense_keys, dense_kv = cache(dense_head)
+    # layer by layer, so that mixed stacks (``attention_layers``, e.g. global + SWA) are counted as built
+    layers = [_config_geometry(layer)[:2] for layer in _per_layer_configs(config_like)]
+    score, pv, projection, keys, kv = (sum(values) for values in zip(*(layer_costs(*layer) for layer in layers)))
+    dense_score, dense_pv, dense_projection, dense_keys, dense_kv = (
+        n_layer * value for value in layer_costs("dense", dense_geometry))
+    names = [name for name, _ in layers]
+    head = _head_of(variant, geometry)
     return AttentionCostReport(
-        variant=variant, context_len=context, causal=causal, n_layer=n_layer, n_head=n_head,
-        key_width=head.key_width, value_dim=head.value_dim, dtype_bytes=item,
+        variant=variant if len(set(names)) == 1 else "|".join(names), context_len=context, causal=causal,
+        n_layer=n_layer, n_head=n_head, key_width=head.key_width, value_dim=head.value_dim, dtype_bytes=item,
         score_flops_per_token=score, pv_flops_per_token=pv, qk_projection_flops_per_token=projection,
         dense_score_flops_per_token=dense_score, dense_pv_flops_per_token=dense_pv,
         dense_qk_projection_flops_per_token=dense_projection,

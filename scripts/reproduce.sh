@@ -43,6 +43,7 @@ VARIANTS=(dense8 dense1 btt8 mlr8)
 LR=${ICL_LR:-1e-3}
 OUT=outputs/reproduce/icl
 
+# the curriculum reaches the full d and N = 2d after a quarter of the steps (d = 8, 1200 steps: every 50 steps)
 # bilinear MLR ranks for 8 heads: sum of ranks = head dim r = D/8 (the paper's "match the efficiency of standard
 # attention"), levels with 1, 2, 4, 8 chunks of the D features.
 mlr_ranks() {
@@ -63,7 +64,7 @@ icl_args() {  # variant D d -> recipe arguments
                 --per_device_batch_size 64
                 --curriculum --curriculum_dims_start 2 --curriculum_points_start 4
                 --curriculum_dims_increment 1 --curriculum_points_increment 2
-                --curriculum_interval $(( d <= 8 ? 50 : 100 ))
+                --curriculum_interval $(( STEPS / (4 * (d - 2)) > 0 ? STEPS / (4 * (d - 2)) : 1 ))
                 --eval_every $(( STEPS / 6 > 0 ? STEPS / 6 : 1 )) --eval_prompts 512
                 --checkpoint_every 1000000 --report_to none --seed 0
                 --output_dir "$OUT/d$d/${variant}_D$D")

@@ -401,3 +401,16 @@ def test_encoder_decoder_flops_name_bad_fields():
         encoder_decoder_flops(dict(base, encoder_attention="sparse"), 8, 4)
     with pytest.raises(ValueError, match="mlr_ranks"):
         encoder_decoder_flops(dict(base, encoder_attention="mlr", mlr_ranks=[4, 2]), 8, 4)
+
+
+def test_cost_report_of_a_mixed_stack_is_the_layer_weighted_mix():
+    base = dict(vocab_size=257, n_positions=1024, n_embd=128, n_head=2, n_layer=6, sliding_window=128)
+    dense = attention_cost_report(dict(base, attention="dense"))
+    swa = attention_cost_report(dict(base, attention="swa"))
+    mixed = attention_cost_report(dict(base, attention="dense",
+                                       attention_layers=["dense", "swa", "swa", "dense", "swa", "swa"]))
+    assert mixed.variant == "dense|swa|swa|dense|swa|swa"
+    for field in ("score_flops_per_token", "pv_flops_per_token", "key_cache_bytes", "kv_cache_bytes"):
+        assert getattr(mixed, field) == pytest.approx((2 * getattr(dense, field) + 4 * getattr(swa, field)) / 6,
+                                                      rel=1e-12), field
+    assert mixed.dense_kv_cache_bytes == dense.kv_cache_bytes and swa.kv_cache_ratio < mixed.kv_cache_ratio < 1
