@@ -2,6 +2,8 @@
 # Reproduce the paper's experiments (Kuang et al., ICML 2025) at CPU scale.
 #
 #   bash scripts/reproduce.sh [--budget small|full] [--jobs N] [--only icl|clm|chronos]
+#   (results under $REPRODUCE_OUT, default outputs/reproduce, figures in $REPRODUCE_FIGURES, default docs/results;
+#   finished runs are skipped on a rerun)
 #
 # Experiment 1 (implemented): in-context linear regression (paper §2.2 Fig. 2 and §4 Fig. 4a/4b).
 #   x ~ N(0, I/d), w ~ N(0, I), y = <x, w>, N = 2d points; 8-head dense, 1-head dense, 8-head bilinear BTT and
@@ -10,7 +12,8 @@
 #   final_metrics.json, then scripts/plot_icl.py writes docs/results/icl_error_vs_{width,flops}.png.
 #   small: d = 8, 4 layers, D in {32, 64, 128} (D = 128 only for 8-head dense), ICL_STEPS (default 1200) steps
 #          -> ~27 min on 2 CPU cores shared with another 2-process job. D = 16 was dropped for the time box; add it
-#          with ICL_WIDTHS="128 64 32 16" (~+11 min). Overrides: ICL_STEPS, ICL_LAYERS, ICL_LR, ICL_WIDTHS.
+#          with ICL_WIDTHS="128 64 32 16" (~+11 min). ICL_DIMS="8 16" adds d = 16 (docs/results.md ran
+#          ICL_DIMS=16 ICL_WIDTHS="128 64"). Overrides: ICL_STEPS, ICL_LAYERS, ICL_LR, ICL_WIDTHS, ICL_DIMS.
 #   full:  d = 8 and 16, 6 layers, D in {16, 32, 64, 128, 256}, ICL_STEPS (default 20000) steps (GPU-scale time).
 # Experiment 2 (language modelling, recipes/train_clm.py): scripts/reproduce_lm.sh (same --budget and --jobs).
 # Experiment 3 (time series, recipes/finetune_chronos.py): dense vs MLR Chronos-T5 trained from scratch (below).
@@ -26,7 +29,7 @@ while [[ $# -gt 0 ]]; do
     --budget=*) BUDGET="${1#*=}"; shift ;;
     --jobs) JOBS="$2"; shift 2 ;;
     --only) ONLY="$2"; shift 2 ;;
-    -h|--help) sed -n 2,16p "$0"; exit 0 ;;
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 0 ;;
     *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
 done
@@ -41,7 +44,21 @@ case "$BUDGET" in
 esac
 VARIANTS=(dense8 dense1 btt8 mlr8)
 LR=${ICL_LR:-1e-3}
-OUT=outputs/reproduce/icl
+OUT=${REPRODUCE_OUT:-outputs/reproduce}/icl
+
+RUNNING=0
+# launch DIR LOG SCRIPT ARGS...: one run in the background (log in DIR.log, "done"/"FAILED" line in LOG), one thread
+# per run and at most JOBS at a time (tiny models: parallel runs beat intra-op threads on CPU).
+launch() {
+  local dir=$1 log=$2
+  shift 2
+  echo "OMP_NUM_THREADS=1 $PY $*" | tee -a "$log"
+  ( s=$SECONDS; OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $PY "$@" > "$dir.log" 2>&1 \
+      && echo "done $dir in $((SECONDS - s)) s" | tee -a "$log" \
+      || echo "FAILED $dir (see $dir.log)" | tee -a "$log" ) &
+  RUNNING=$((RUNNING + 1))
+  if (( RUNNING >= JOBS )); then wait -n || true; RUNNING=$((RUNNING - 1)); fi
+}
 
 # the curriculum reaches the full d and N = 2d after a quarter of the steps (d = 8, 1200 steps: every 50 steps)
 # bilinear MLR ranks for 8 heads: sum of ranks = head dim r = D/8 (the paper's "match the efficiency of standard
@@ -80,7 +97,7 @@ run_icl() {
   mkdir -p "$OUT"
   local log="$OUT/sweep_log.txt"
   echo "# budget=$BUDGET layers=$LAYERS steps=$STEPS lr=$LR jobs=$JOBS start=$(date -u +%FT%TZ)" >> "$log"
-  local t0=$SECONDS running=0
+  local t0=$SECONDS
   for d in "${DIMS[@]}"; do
     for D in "${WIDTHS[@]}"; do
       for v in "${VARIANTS[@]}"; do
@@ -90,20 +107,14 @@ run_icl() {
         # the full-rank variants are expected to work already at D <= 64.
         if [[ $BUDGET == small && $D -ge 128 && $v != dense8 ]]; then continue; fi
         mkdir -p "$dir"
-        local args; args=$(icl_args "$v" "$D" "$d")
-        echo "OMP_NUM_THREADS=1 $PY recipes/train_icl.py $args" | tee -a "$log"
-        # one thread per run, JOBS runs at a time (tiny models: parallel runs beat intra-op threads on CPU)
-        ( s=$SECONDS; OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $PY recipes/train_icl.py $args > "$dir.log" 2>&1 \
-            && echo "done $dir in $((SECONDS - s)) s" | tee -a "$log" \
-            || echo "FAILED $dir (see $dir.log)" | tee -a "$log" ) &
-        running=$((running + 1))
-        if (( running >= JOBS )); then wait -n || true; running=$((running - 1)); fi
+        launch "$dir" "$log" recipes/train_icl.py $(icl_args "$v" "$D" "$d")
       done
     done
   done
   wait || true
+  RUNNING=0
   echo "# experiment 1 wall time: $((SECONDS - t0)) s (end=$(date -u +%FT%TZ))" | tee -a "$log"
-  $PY scripts/plot_icl.py --root "$OUT" --out docs/results
+  $PY scripts/plot_icl.py --root "$OUT" --out "${REPRODUCE_FIGURES:-docs/results}"
 }
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -118,14 +129,14 @@ run_clm() { bash scripts/reproduce_lm.sh --budget "$BUDGET" --jobs "$JOBS"; }
 #   small: D in {64, 128}, C in {128, 512}, CHRONOS_STEPS (default 300) steps of 16 windows.
 #   full:  D in {128, 256, 512}, C in {128, 256, 512}, CHRONOS_STEPS (default 5000) steps.
 run_chronos() {
-  local out=outputs/reproduce/chronos widths contexts steps
+  local out=${REPRODUCE_OUT:-outputs/reproduce}/chronos widths contexts steps
   case "$BUDGET" in
     small) widths=(${CHRONOS_WIDTHS:-128 64}); contexts=(${CHRONOS_CONTEXTS:-512 128}); steps=${CHRONOS_STEPS:-300} ;;
     full)  widths=(${CHRONOS_WIDTHS:-512 256 128}); contexts=(${CHRONOS_CONTEXTS:-512 256 128})
            steps=${CHRONOS_STEPS:-5000} ;;
   esac
   mkdir -p "$out"
-  local log="$out/sweep_log.txt" t0=$SECONDS running=0
+  local log="$out/sweep_log.txt" t0=$SECONDS
   echo "# budget=$BUDGET steps=$steps jobs=$JOBS start=$(date -u +%FT%TZ)" >> "$log"
   for D in "${widths[@]}"; do
     for C in "${contexts[@]}"; do
@@ -137,18 +148,14 @@ run_chronos() {
                     --num_heads $((D / 16)) --d_ff $((4 * D)) --max_steps $steps --eval_every $((steps / 5))
                     --warmup_steps $((steps / 10)) --chronos_config {\"context_length\":$C,\"prediction_length\":32,\"n_tokens\":1024}
                     --output_dir $dir --disable_tqdm"
-        echo "OMP_NUM_THREADS=1 $PY recipes/finetune_chronos.py $(echo $args)" | tee -a "$log"
-        ( s=$SECONDS; OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $PY recipes/finetune_chronos.py $args > "$dir.log" 2>&1 \
-            && echo "done $dir in $((SECONDS - s)) s" | tee -a "$log" \
-            || echo "FAILED $dir (see $dir.log)" | tee -a "$log" ) &
-        running=$((running + 1))
-        if (( running >= JOBS )); then wait -n || true; running=$((running - 1)); fi
+        launch "$dir" "$log" recipes/finetune_chronos.py $args
       done
     done
   done
   wait || true
+  RUNNING=0
   echo "# experiment 3 wall time: $((SECONDS - t0)) s (end=$(date -u +%FT%TZ))" | tee -a "$log"
-  $PY scripts/plot_chronos.py --root "$out" --out docs/results
+  $PY scripts/plot_chronos.py --root "$out" --out "${REPRODUCE_FIGURES:-docs/results}"
 }
 # ---------------------------------------------------------------------------------------------------------------
 
