@@ -1,7 +1,8 @@
 """Plot experiment 1 (in-context regression) of scripts/reproduce.sh.
 
 Reads ROOT/d<d>/<variant>_D<D>/final_metrics.json (+ config.json) and writes
-OUT/icl_error_vs_width.png, OUT/icl_error_vs_flops.png and OUT/icl_results.csv, and prints a markdown table.
+OUT/icl_error_vs_width.png, OUT/icl_error_vs_flops.png, OUT/icl_curves.png (error against step, every run) and
+ROOT/icl_results.csv, and prints a markdown table.
 
 Error = ``eval_mse_last``: MSE at the last query (position N = 2d) on fresh prompts never trained on. With
 x ~ N(0, I/d) and w ~ N(0, I) the variance of y is E|x|^2 = 1, so the raw MSE is already the error normalised by
@@ -82,6 +83,27 @@ def plot(rows: list[dict], out: Path) -> None:
         plt.close(fig)
 
 
+def plot_curves(root: Path, out: Path) -> Path:
+    """OUT/icl_curves.png: last-query MSE on fresh prompts against the training step, one line per run."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for path in sorted(root.glob("d*/*_D*/metrics.jsonl")):
+        variant, width = re.fullmatch(r"(\w+?)_D(\d+)", path.parent.name).groups()
+        points = [(r["step"], r["eval/mse_last"]) for r in map(json.loads, path.read_text().splitlines())
+                  if "eval/mse_last" in r]
+        color, marker = STYLES.get(variant, ("gray", "."))
+        ax.plot(*zip(*points), color=color, marker=marker, label=f"{LABELS.get(variant, variant)}, D = {width}, "
+                                                                 f"{path.parent.parent.name.replace('d', 'd = ')}")
+    ax.set(xlabel="training step", ylabel="MSE at last query (N = 2d), fresh prompts",
+           title="in-context regression: error during training")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out / "icl_curves.png", dpi=130)
+    plt.close(fig)
+    return out / "icl_curves.png"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--root", default="outputs/reproduce/icl")
@@ -93,6 +115,7 @@ def main() -> None:
     order = {v: i for i, v in enumerate(LABELS)}
     rows.sort(key=lambda r: (r["d"], order.get(r["variant"], 99), r["D"]))
     plot(rows, Path(args.out))
+    plot_curves(Path(args.root), Path(args.out))
     with open(Path(args.root) / "icl_results.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
@@ -104,7 +127,8 @@ def main() -> None:
         print(f"| {r['d']} | {LABELS.get(r['variant'], r['variant'])} | {r['D']} | {r['heads']} | {r['head_dim']} | "
               f"{r['ranks'].replace('|', '/') or '-'} | {r['steps']} | {r['mse_last']:.4f} | {r['mse_all']:.4f} | "
               f"{r['train_flops']:.3g} | {r['train_seconds']:.0f} |")
-    print(f"wrote {args.out}/icl_error_vs_width.png, {args.out}/icl_error_vs_flops.png, {args.root}/icl_results.csv")
+    print(f"wrote {args.out}/icl_error_vs_width.png, {args.out}/icl_error_vs_flops.png, {args.out}/icl_curves.png, "
+          f"{args.root}/icl_results.csv")
 
 
 if __name__ == "__main__":
