@@ -128,6 +128,7 @@ run_clm() { bash scripts/reproduce_lm.sh --budget "$BUDGET" --jobs "$JOBS"; }
 # data order, equal steps; widths D (heads D/16) and context lengths C. Config: configs/chronos_mlr_vs_dense.yaml.
 #   small: D in {64, 128}, C in {128, 512}, CHRONOS_STEPS (default 300) steps of 16 windows.
 #   full:  D in {128, 256, 512}, C in {128, 256, 512}, CHRONOS_STEPS (default 5000) steps.
+#   Overrides: CHRONOS_WIDTHS, CHRONOS_CONTEXTS, CHRONOS_STEPS, CHRONOS_SEED (init, data and held-out series).
 run_chronos() {
   local out=${REPRODUCE_OUT:-outputs/reproduce}/chronos widths contexts steps
   case "$BUDGET" in
@@ -147,7 +148,7 @@ run_chronos() {
         local args="--config configs/chronos_mlr_vs_dense.yaml --attention $attention --d_model $D
                     --num_heads $((D / 16)) --d_ff $((4 * D)) --max_steps $steps --eval_every $((steps / 5))
                     --warmup_steps $((steps / 10)) --chronos_config {\"context_length\":$C,\"prediction_length\":32,\"n_tokens\":1024}
-                    --output_dir $dir --disable_tqdm"
+                    --seed ${CHRONOS_SEED:-0} --output_dir $dir --disable_tqdm"
         launch "$dir" "$log" recipes/finetune_chronos.py $args
       done
     done
