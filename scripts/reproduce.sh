@@ -60,6 +60,13 @@ launch() {
   if (( RUNNING >= JOBS )); then wait -n || true; RUNNING=$((RUNNING - 1)); fi
 }
 
+# finish_sweep NAME T0 LOG: wait for every launched run, then log the sweep's wall time.
+finish_sweep() {
+  wait || true
+  RUNNING=0
+  echo "# $1 wall time: $((SECONDS - $2)) s (end=$(date -u +%FT%TZ))" | tee -a "$3"
+}
+
 # the curriculum reaches the full d and N = 2d after a quarter of the steps (d = 8, 1200 steps: every 50 steps)
 # bilinear MLR ranks for 8 heads: sum of ranks = head dim r = D/8 (the paper's "match the efficiency of standard
 # attention"), levels with 1, 2, 4, 8 chunks of the D features.
@@ -111,9 +118,7 @@ run_icl() {
       done
     done
   done
-  wait || true
-  RUNNING=0
-  echo "# experiment 1 wall time: $((SECONDS - t0)) s (end=$(date -u +%FT%TZ))" | tee -a "$log"
+  finish_sweep "experiment 1" "$t0" "$log"
   $PY scripts/plot_icl.py --root "$OUT" --out "${REPRODUCE_FIGURES:-docs/results}"
 }
 
@@ -153,9 +158,7 @@ run_chronos() {
       done
     done
   done
-  wait || true
-  RUNNING=0
-  echo "# experiment 3 wall time: $((SECONDS - t0)) s (end=$(date -u +%FT%TZ))" | tee -a "$log"
+  finish_sweep "experiment 3" "$t0" "$log"
   $PY scripts/plot_chronos.py --root "$out" --out "${REPRODUCE_FIGURES:-docs/results}"
 }
 # ---------------------------------------------------------------------------------------------------------------

@@ -370,6 +370,8 @@ def test_forecast_task_holds_out_the_same_targets_for_every_context_length():
         build_task(16, 8, 4, 3, ["nile"], seed=0, real_eval_windows=0)
     with pytest.raises(ValueError, match="series_length"):
         build_task(16, 8, 4, 3, ["nile"], seed=0, series_length=20)
+    with pytest.raises(ValueError, match="eval_context_length"):
+        build_task(16, 8, 4, 3, ["nile"], seed=0, eval_context_length=0)
 
 
 def test_finetune_chronos_resume_is_exact_with_dropout(tmp_path):

@@ -105,18 +105,16 @@ def build_task(context_length: int, prediction_length: int, synthetic_series: in
     training pool. ``eval_context_length`` (default ``context_length``) lets runs with different context lengths
     share one held-out set: a model keeps the last ``context_length`` points of each context, as Chronos does.
     """
-    for name, value in (("context_length", context_length), ("prediction_length", prediction_length),
-                        ("real_eval_windows", real_eval_windows)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
     length = context_length + prediction_length
     series_length = 2 * length if series_length is None else series_length
+    eval_context_length = context_length if eval_context_length is None else eval_context_length
+    for name, value in (("context_length", context_length), ("prediction_length", prediction_length),
+                        ("real_eval_windows", real_eval_windows), ("eval_context_length", eval_context_length)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if series_length < length:
         raise ValueError(f"series_length={series_length} is shorter than one training window "
                          f"(context_length + prediction_length = {length})")
-    eval_context_length = context_length if eval_context_length is None else eval_context_length
-    if eval_context_length < 1:
-        raise ValueError(f"eval_context_length must be a positive integer, got {eval_context_length!r}")
     synthetic = kernel_synth(synthetic_series, series_length, seed=seed * 2 + 1)
     held_out = kernel_synth(synthetic_eval_series, eval_context_length + prediction_length, seed=seed * 2 + 2)
     pool = [s for s in synthetic]
