@@ -62,20 +62,23 @@ def _chunked_logits(model, ids, attention_mask, chunks):
     return torch.cat(logits, dim=1), cache
 
 
+EXACT = dict(atol=1e-12, rtol=1e-12)  # float64 exactness tests (cached vs uncached)
+
+
 @pytest.mark.parametrize("variant", ALL_VARIANTS)
 def test_chunked_prefill_and_decode_match_uncached_forward(variant):
-    model = tiny_lm(variant)
+    model = tiny_lm(variant).double()
     ids = torch.randint(2, 61, (2, 60))
     reference = model(ids).logits
     # prefill 11 (inside the first 16-block), a chunk of 13 that crosses the 16 and 32 boundaries, then decode
     # across the 8/16/32 block boundaries one token at a time
     cached, _ = _chunked_logits(model, ids, None, [11, 13])
-    torch.testing.assert_close(cached, reference, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(cached, reference, **EXACT)
 
 
 @pytest.mark.parametrize("variant", ALL_VARIANTS)
 def test_left_padded_batch_matches_each_row_alone(variant):
-    model = tiny_lm(variant)
+    model = tiny_lm(variant).double()
     torch.manual_seed(1)
     lengths = [37, 29, 40]
     rows = [torch.randint(2, 61, (n,)) for n in lengths]
@@ -90,8 +93,8 @@ def test_left_padded_batch_matches_each_row_alone(variant):
     cached, _ = _chunked_logits(model, ids, mask, [width - 9])
     for i, row in enumerate(rows):
         alone = model(row[None]).logits[0]
-        torch.testing.assert_close(batched[i, width - len(row):], alone, atol=2e-5, rtol=1e-4)
-        torch.testing.assert_close(cached[i, width - len(row):], alone, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(batched[i, width - len(row):], alone, **EXACT)
+        torch.testing.assert_close(cached[i, width - len(row):], alone, **EXACT)
 
 
 @pytest.mark.parametrize("variant", ["mlr", "mixed", "bilinear_btt", "mlr_avg_mup"])
@@ -158,13 +161,14 @@ def test_mlr_cache_refuses_crop():
         cache.crop(-2)
 
 
-def test_user_supplied_dynamic_cache_is_exact():
-    model = tiny_lm("mlr")
+@pytest.mark.parametrize("variant", ["mlr", "mlr_avg_mup"])
+def test_user_supplied_dynamic_cache_is_exact(variant):
+    model = tiny_lm(variant).double()
     ids = torch.randint(2, 61, (2, 40))
     cache = transformers.DynamicCache()
     first = model(ids[:, :21], cache=cache, use_cache=True).logits
     rest = [model(ids[:, t:t + 1], cache=cache, use_cache=True).logits for t in range(21, 40)]
-    torch.testing.assert_close(torch.cat([first] + rest, 1), model(ids).logits, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(torch.cat([first] + rest, 1), model(ids).logits, **EXACT)
 
 
 @pytest.mark.parametrize("fields,match", [

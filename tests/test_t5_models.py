@@ -72,8 +72,10 @@ def test_mlr_changes_the_function_and_follows_real_token_positions():
     torch.testing.assert_close(batched[1:], alone, atol=2e-5, rtol=1e-4)
 
 
-def test_cached_decoding_logits_equal_uncached_across_block_boundaries():
-    model = tiny_t5(**MLR)
+@pytest.mark.parametrize("average_levels", [False, True])
+def test_cached_decoding_logits_equal_uncached_across_block_boundaries(average_levels):
+    """float64: the cached path is exact (softmax in promote_types(dtype, float32)), not only float32-close."""
+    model = tiny_t5(**MLR, mlr_average_levels=average_levels).double()
     ids, mask = _padded_batch()
     decoder_ids = torch.randint(2, 50, (2, 19))  # crosses the 4- and 8-blocks several times
     reference = model(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids, use_cache=False).logits
@@ -85,7 +87,7 @@ def test_cached_decoding_logits_equal_uncached_across_block_boundaries():
                     cache=cache, use_cache=True)
         steps.append(out.logits)
         start += size
-    torch.testing.assert_close(torch.cat(steps, 1), reference, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(torch.cat(steps, 1), reference, atol=1e-12, rtol=1e-12)
     layers = cache.self_attention_cache.layers
     assert [type(layer).__name__ for layer in layers] == ["MLRKeyCacheLayer"] * BASE["num_decoder_layers"]
     # level 3 (block 4) holds only the current block's keys: 19 tokens -> positions 16..18

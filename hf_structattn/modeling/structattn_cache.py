@@ -274,6 +274,9 @@ def mlr_attention_cached(q: torch.Tensor, cached: MLRCachedKeys, *, ranks: Seque
         level_scores = level_scores * same_block[:, None]
         target = cached.level_slots[index][:, None, None, :].expand(batch, heads, chunk, -1)
         scores.scatter_add_(-1, target, level_scores)  # scores is this function's own fresh tensor
+    # softmax (and everything added before it) in promote_types(dtype, float32): float64 stays exact, half
+    # precision does not overflow (DESIGN.md §4b)
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
     if average_levels:
         scores = scores / pair_depth(query_positions, cached.key_positions, block_sizes)[:, None]
     if bias is not None:
@@ -281,8 +284,8 @@ def mlr_attention_cached(q: torch.Tensor, cached: MLRCachedKeys, *, ranks: Seque
     allowed = cached.key_valid[:, None, None, :]
     if causal:
         allowed = allowed & (cached.key_positions[:, None, None, :] <= query_positions[:, None, :, None])
-    scores.masked_fill_(~allowed, MASK_VALUE)
-    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(cached.values.dtype) @ cached.values
+    scores.masked_fill_(~allowed, torch.finfo(scores.dtype).min)
+    return torch.softmax(scores, dim=-1).to(cached.values.dtype) @ cached.values
 
 
 def plain_cached_keys(keys: torch.Tensor, values: torch.Tensor, key_positions: torch.Tensor, key_valid: torch.Tensor,
