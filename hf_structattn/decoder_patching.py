@@ -1,0 +1,238 @@
+"""Convert a pretrained transformers decoder (Llama, Qwen2/3, Mistral, Gemma/Gemma-3, Phi-3, GPT-2, GPT-NeoX,
+... any ``*ForCausalLM`` that dispatches through the attention interface) to MLR attention.
+
+``patch_decoder`` returns a copy whose class is ``MLR<Arch>`` (a subclass of the transformers class built by the
+payload module ``modeling/structattn_decoder.py``): every weight keeps its name and value, the config becomes
+``MLR<Arch>Config`` (model_type ``mlr_<type>``) carrying the MLR fields, and ``save_pretrained`` writes the payload
+code next to the weights so the checkpoint reloads with ``trust_remote_code=True`` where hf_structattn is absent.
+
+Level slices of RoPE models hold complete rotation pairs: the pair structure is read from the model's own rotary
+embedding (``rotary_pair_order``) and applied to q and k at run time. Block sizes come from ``mlr_block_sizes`` or
+the stated training length ``mlr_max_length`` (dyadic), never from ``max_position_embeddings``.
+"""
+
+import copy
+import sys
+from typing import Optional, Sequence
+
+import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from .modeling.structattn_decoder import (
+    ATTENTION_NAME,
+    MODEL_TYPE_PREFIX,
+    check_pair_complete_levels,
+    mlr_config_class,
+    mlr_model_class,
+    rotary_pair_order,
+)
+from .modeling.structattn_geometry import default_block_sizes, validate_mlr_geometry
+
+SLIDING_WINDOW_CHOICES = ("refuse", "replace")
+DECODER_INITS = ("split",)
+LOAD_NOTICE = ("This checkpoint uses MLR structured attention (hf_structattn). Load it with "
+               "trust_remote_code=True, or after `import hf_structattn`. Loading it as a stock {arch} (e.g. "
+               "{arch}.from_pretrained) ignores the MLR fields and gives a DENSE model with different outputs.")
+
+
+def is_patchable_decoder(model) -> bool:
+    """A transformers ``PreTrainedModel`` decoder whose class transformers exports (so the payload can rebuild it)."""
+    return (isinstance(model, PreTrainedModel) and not getattr(model.config, "is_encoder_decoder", False)
+            and getattr(transformers, type(model).__name__, None) is type(model))
+
+
+def _refuse_unsupported(model) -> None:
+    config = model.config
+    name = type(model).__name__
+    if config.model_type.startswith(MODEL_TYPE_PREFIX):
+        raise ValueError(f"this model already has MLR attention (model_type {config.model_type!r}); patch the "
+                         f"original checkpoint instead")
+    if config.sub_configs or getattr(config, "vision_config", None) is not None:
+        raise ValueError(f"{name} is a multimodal / composite model ({sorted(config.sub_configs)}); MLR patching "
+                         f"supports text decoders (multimodal position ids and masks are not supported)")
+    if not name.endswith("ForCausalLM") and not name.endswith("LMHeadModel"):
+        raise ValueError(f"{name}: patch converts causal-LM heads (*ForCausalLM / *LMHeadModel)")
+    source = sys.modules[type(model).__module__]
+    try:
+        import inspect
+        code = inspect.getsource(source)
+    except (OSError, TypeError):
+        code = ""
+    if "ALL_ATTENTION_FUNCTIONS.get_interface(" not in code:
+        raise ValueError(f"{name} does not dispatch its attention through transformers' attention interface, so "
+                         f"MLR cannot be installed without rewriting its attention module")
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        raise ValueError(f"attn_logit_softcapping={config.attn_logit_softcapping}: attention logit soft-capping is "
+                         f"not supported by MLR attention")
+    if getattr(config, "add_cross_attention", False):
+        raise ValueError("add_cross_attention=True: MLR patching converts decoder self-attention only")
+    rope = getattr(config, "rope_parameters", None) or {}
+    if any(isinstance(value, dict) and "mrope_section" in value for value in [rope, *rope.values()]) or \
+            "mrope_section" in rope:
+        raise ValueError("multimodal rotary positions (mrope_section) are not supported by MLR attention")
+
+
+def head_dim_of(config) -> int:
+    head_dim = getattr(config, "head_dim", None)
+    return head_dim if head_dim else config.hidden_size // config.num_attention_heads
+
+
+def sliding_layers(config) -> list:
+    """Indices of the layers that use a sliding window (or another non-full attention type)."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return [index for index, kind in enumerate(layer_types) if kind != "full_attention"]
+    if getattr(config, "sliding_window", None) is not None:
+        return list(range(config.num_hidden_layers))
+    return []
+
+
+def _resolve_layers(layers, num_layers: int) -> Optional[list]:
+    if layers is None:
+        return None
+    layers = sorted(set(layers))
+    for layer in layers:
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < num_layers:
+            raise ValueError(f"layers: {layer!r} is not a layer index in [0, {num_layers})")
+    if not layers:
+        raise ValueError("layers must name at least one layer")
+    return layers
+
+
+def _block_sizes(ranks, mlr_block_sizes, mlr_max_length) -> list:
+    if mlr_block_sizes is not None:
+        if mlr_max_length is not None:
+            raise ValueError("give mlr_block_sizes or mlr_max_length, not both")
+        return list(mlr_block_sizes)
+    if mlr_max_length is None:
+        raise ValueError("mlr_block_sizes (b_2..b_L) or mlr_max_length (the training length, for dyadic blocks) is "
+                         "required; block sizes are never derived from max_position_embeddings")
+    return default_block_sizes(mlr_max_length, len(ranks))
+
+
+def find_rotary(model):
+    """(the model's rotary embedding module, its modeling file's ``apply_rotary_pos_emb``) or None without RoPE."""
+    for module in model.modules():
+        if type(module).__name__.endswith("RotaryEmbedding"):
+            apply_fn = getattr(sys.modules[type(module).__module__], "apply_rotary_pos_emb", None)
+            if apply_fn is None:
+                raise ValueError(f"{type(module).__name__} has no apply_rotary_pos_emb next to it: cannot find the "
+                                 f"rotation pairs of this model")
+            return module, apply_fn
+    return None
+
+
+def patch_decoder(model, attention: str = "mlr", *, mlr_ranks: Sequence[int], mlr_block_sizes=None,
+                  mlr_max_length: Optional[int] = None, layers: Optional[Sequence[int]] = None, init: str = "split",
+                  sliding_window_layers: str = "refuse", mlr_level_scales: Optional[Sequence[float]] = None):
+    """Return an MLR copy of a transformers decoder (``model`` is not modified); see the module docstring.
+
+    Args:
+        mlr_ranks: level ranks r_1..r_L summing to the head dim. For RoPE models every level boundary inside the
+            rotated dims must be even (levels hold whole rotation pairs).
+        mlr_block_sizes / mlr_max_length: nested block sizes b_2..b_L, or the training length they are derived
+            from (b_l = max_length / 2^(l-1)).
+        layers: indices of the layers to convert (default: all); the others keep their attention.
+        init: "split" (levels take the pair-ordered dims in order; weights unchanged).
+        sliding_window_layers: "refuse" (default: converting a sliding-window layer is an error) or "replace"
+            (converted sliding layers become global MLR layers: outputs change beyond the window).
+        mlr_level_scales: per-level logit multipliers (default: the model's own attention scaling).
+    """
+    if attention != ATTENTION_NAME:
+        raise ValueError(f"attention={attention!r}: decoders can be patched to {ATTENTION_NAME!r} only")
+    if init not in DECODER_INITS:
+        raise ValueError(f"init={init!r} is not one of {DECODER_INITS} for decoders (an SVD re-basis of W_Q/W_K "
+                         f"does not commute with RoPE or q/k norms)")
+    if sliding_window_layers not in SLIDING_WINDOW_CHOICES:
+        raise ValueError(f"sliding_window_layers={sliding_window_layers!r} is not one of {SLIDING_WINDOW_CHOICES}")
+    _refuse_unsupported(model)
+    config = model.config
+    ranks = list(mlr_ranks)
+    head_dim = head_dim_of(config)
+    block_sizes = _block_sizes(ranks, mlr_block_sizes, mlr_max_length)
+    validate_mlr_geometry(ranks, block_sizes, head_dim, "mlr_ranks", "mlr_block_sizes")
+    if mlr_level_scales is not None and len(mlr_level_scales) != len(ranks):
+        raise ValueError(f"mlr_level_scales={list(mlr_level_scales)} must give one value per level ({len(ranks)})")
+    num_layers = config.num_hidden_layers
+    selected = _resolve_layers(layers, num_layers)
+    converted = list(range(num_layers)) if selected is None else selected
+    windowed = [layer for layer in converted if layer in sliding_layers(config)]
+    if windowed and sliding_window_layers == "refuse":
+        raise ValueError(f"layers {windowed} use sliding-window attention (window {config.sliding_window}); pass "
+                         f"sliding_window_layers='replace' to convert them to global MLR layers, or layers=[...] "
+                         f"without them")
+    layer_types = getattr(config, "layer_types", None)
+    if windowed and layer_types is None and len(converted) != num_layers:
+        raise ValueError(f"{type(config).__name__} has one sliding window for every layer; replace all layers or "
+                         f"none (layers={selected})")
+
+    rotary = find_rotary(model)
+    order, rotated = None, 0
+    if rotary is not None:
+        types = tuple(sorted({layer_types[i] for i in converted})) if layer_types is not None else (None,)
+        order, rotated = rotary_pair_order(*rotary, head_dim, types)
+    check_pair_complete_levels(ranks, rotated)
+
+    patched = copy.deepcopy(model)
+    model_class = mlr_model_class(type(model))
+    patched.__class__ = model_class
+    new_config = patched.config  # shared by every submodule of the copy
+    new_config.__class__ = mlr_config_class(type(config))
+    if windowed:
+        _replace_sliding_layers(patched, new_config, windowed)
+    new_config.mlr_ranks = ranks
+    new_config.mlr_block_sizes = block_sizes
+    new_config.mlr_layers = selected
+    new_config.mlr_dim_order = order
+    new_config.mlr_level_scales = None if mlr_level_scales is None else [float(s) for s in mlr_level_scales]
+    new_config.mlr_patch = {"source": type(model).__name__, "source_model_type": config.model_type, "init": init,
+                            "sliding_window_layers": sliding_window_layers, "replaced_sliding_layers": windowed}
+    new_config.mlr_notice = LOAD_NOTICE.format(arch=type(model).__name__)
+    new_config.architectures = [model_class.__name__]
+    patched.set_attn_implementation(ATTENTION_NAME)
+    register_local(model_class)
+    return patched.train(model.training)
+
+
+def _replace_sliding_layers(patched, config, windowed: list) -> None:
+    """Make the replaced layers full-attention layers of the architecture, in the config and in the attributes
+    their modules derived from it at construction (so the patched model equals the one rebuilt from its saved
+    config). Architectures that tie other settings to the layer type follow it (Gemma-3: the global RoPE base)."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        config.layer_types = ["full_attention" if i in windowed else kind for i, kind in enumerate(layer_types)]
+    else:
+        config.sliding_window = None
+    for module in patched.modules():
+        if getattr(module, "layer_idx", None) not in windowed:
+            continue
+        for name, value in (("sliding_window", None), ("is_sliding", False), ("layer_type", "full_attention"),
+                            ("attention_type", "full_attention")):
+            if hasattr(module, name):
+                setattr(module, name, value)
+
+
+def register_local(model_class) -> None:
+    """Make ``Auto*.from_pretrained`` find an MLR class in this process without trust_remote_code."""
+    config_class = model_class.config_class
+    AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
+    AutoModelForCausalLM.register(config_class, model_class, exist_ok=True)
+
+
+@torch.no_grad()
+def drift_report(original, patched, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> dict:
+    """How far the patched decoder's next-token logits moved before fine-tuning: ``logit_max_abs``, ``logit_rel``
+    (||dz|| / ||z||), ``top1_agreement`` and the loss of both models on ``input_ids`` (B, T)."""
+    kwargs = {"attention_mask": attention_mask} if attention_mask is not None else {}
+    reference = original(input_ids, labels=input_ids, **kwargs)
+    moved = patched(input_ids, labels=input_ids, **kwargs)
+    diff = moved.logits.float() - reference.logits.float()
+    return {"logit_max_abs": float(diff.abs().max()),
+            "logit_rel": float(diff.norm() / reference.logits.float().norm().clamp_min(1e-30)),
+            "top1_agreement": float((moved.logits.argmax(-1) == reference.logits.argmax(-1)).float().mean()),
+            "loss_original": float(reference.loss), "loss_patched": float(moved.loss)}
+
+
+__all__ = ["drift_report", "find_rotary", "is_patchable_decoder", "patch_decoder", "register_local",
+           "sliding_layers"]

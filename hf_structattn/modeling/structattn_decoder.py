@@ -1,0 +1,399 @@
+"""MLR attention for transformers decoders that dispatch through the attention interface (Llama, Qwen2/3,
+Mistral, Gemma/Gemma-3, Phi-3, GPT-2, GPT-NeoX, ...). Part of the checkpoint payload.
+
+Importing this module registers ``"mlr"`` with transformers' ``AttentionInterface`` and
+``AttentionMaskInterface``. A model whose ``config._attn_implementation == "mlr"`` then runs MLR attention in
+the layers its config names, read from flat config fields:
+
+* ``mlr_ranks`` (r_1..r_L, sum = head dim) and ``mlr_block_sizes`` (b_2..b_L, nested);
+* ``mlr_layers``: indices of the MLR layers (None: every layer); the others run SDPA exactly as before;
+* ``mlr_dim_order``: the head-dim order in which level slices are taken (None: identity). For RoPE models it
+  lists complete rotation pairs first (``[0, d/2, 1, d/2 + 1, ...]`` for half-split RoPE, then unrotated dims),
+  so every level's score depends on relative position only. It is applied to q and k at run time; weights are
+  never re-based (a rotation of W_Q/W_K does not commute with RoPE);
+* ``mlr_level_scales``: per-level logit multipliers (None: the model's own ``scaling`` on every level, so
+  ``mlr_ranks=[head_dim]`` is the stock model).
+
+``MLR<Arch>`` classes (``MLRLlamaForCausalLM``, ``MLRLlamaConfig``, ...) are built on demand by the module
+``__getattr__`` from the transformers class of the same name, so one payload file serves every architecture:
+the config gets its own ``model_type`` (``mlr_<type>``), the model forces ``attn_implementation="mlr"``.
+
+Semantics (DESIGN.md §2, §4b): blocks align to each row's absolute positions (``position_ids``); the padding
+mask is the 2-D (B, S) key mask (the mask function returns it, the flash-attention contract); cached keys sit
+at contiguous positions ending at the current chunk (what ``generate`` and chunked prefill produce).
+Grouped-query attention: the uncached pass repeats K/V as a temporary; cached passes stack each KV head's
+query heads along the query axis, so cached keys are never repeated.
+"""
+
+import inspect
+import sys
+import warnings
+from typing import Optional
+
+import torch
+import transformers
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.masking_utils import (
+    ALL_MASK_ATTENTION_FUNCTIONS,
+    causal_mask_function,
+    sdpa_mask,
+    sliding_window_causal_mask_function,
+)
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from .structattn_geometry import validate_mlr_geometry
+from .structattn_mlr import mlr_attention
+
+ATTENTION_NAME = "mlr"
+MODEL_TYPE_PREFIX = "mlr_"
+CLASS_PREFIX = "MLR"
+UNSUPPORTED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+_warned = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, stacklevel=3)
+
+
+# ------------------------------------------------------------------------------------------- layer spec
+
+
+def is_mlr_layer(config, layer_idx: Optional[int]) -> bool:
+    layers = getattr(config, "mlr_layers", None)
+    return layers is None or (layer_idx is not None and layer_idx in layers)
+
+
+def layer_ranks(config) -> list:
+    """``config.mlr_ranks`` and ``config.mlr_block_sizes`` checked (ValueError naming the field)."""
+    ranks = getattr(config, "mlr_ranks", None)
+    blocks = getattr(config, "mlr_block_sizes", None)
+    if ranks is None or blocks is None:
+        raise ValueError(f"attn_implementation='mlr' needs config.mlr_ranks and config.mlr_block_sizes; got "
+                         f"mlr_ranks={ranks!r}, mlr_block_sizes={blocks!r} (use hf_structattn.patch, or pass both "
+                         f"to from_pretrained)")
+    return list(ranks), list(blocks)
+
+
+@torch.no_grad()
+def rotary_pair_order(rotary, apply_rotary_pos_emb, head_dim: int, layer_types=(None,)) -> tuple[list, int]:
+    """Head-dim order with complete rotation pairs first, found numerically from a model's own rotary embedding.
+
+    Each basis vector e_i of the head dim is rotated by ``apply_rotary_pos_emb`` at a few positions; dims that
+    rotate together form a pair, dims that never move are unrotated. Works for half-split, interleaved and
+    partial RoPE. Returns (``[a_1, b_1, a_2, b_2, ..., unrotated...]`` with pairs ordered by their first dim, i.e.
+    the model's own frequency order; the number of rotated dims). Raises ValueError when the rotation couples more than two dims.
+    """
+    basis = torch.eye(head_dim, dtype=torch.float64)[None, None]  # (1, 1, d, d): query "token" i is e_i
+    takes_layer_type = "layer_type" in inspect.signature(rotary.forward).parameters
+    moved = torch.zeros(head_dim, head_dim, dtype=torch.bool)
+    for layer_type in layer_types:
+        for position in (1, 3, 17, 1001):
+            position_ids = torch.full((1, head_dim), position, dtype=torch.long)
+            extra = {"layer_type": layer_type} if takes_layer_type else {}
+            cos, sin = rotary(basis, position_ids, **extra)
+            rotated, _ = apply_rotary_pos_emb(basis, basis, cos.to(torch.float64), sin.to(torch.float64))
+            moved |= rotated[0, 0].abs() > 1e-9
+    moved |= torch.eye(head_dim, dtype=torch.bool)
+    pairs, unrotated, seen = [], [], set()
+    for dim in range(head_dim):
+        partners = [other for other in moved[dim].nonzero().flatten().tolist() if other != dim]
+        if len(partners) > 1 or (partners and moved[partners[0]].sum() != 2):
+            raise ValueError(f"the rotary embedding couples head dim {dim} with {partners}: only 2-D rotations "
+                             f"(RoPE pairs) can be split into MLR levels")
+        if not partners:
+            unrotated.append(dim)
+        elif dim not in seen:
+            pairs.append((dim, partners[0]))
+            seen.update((dim, partners[0]))
+    return [dim for pair in pairs for dim in pair] + unrotated, 2 * len(pairs)
+
+
+def check_pair_complete_levels(ranks, rotated_dims: int) -> None:
+    """Level slices of the pair-first order must not split a rotation pair: every level boundary inside the
+    first ``rotated_dims`` dims falls at an even offset."""
+    boundary = 0
+    for level, rank in enumerate(ranks[:-1], start=1):
+        boundary += rank
+        if boundary < rotated_dims and boundary % 2:
+            raise ValueError(f"mlr_ranks={list(ranks)} splits a RoPE rotation pair: level {level} ends at head dim "
+                             f"{boundary} of the pair-ordered head ({rotated_dims // 2} pairs first); within the "
+                             f"rotated dims every level must hold whole pairs (even boundaries)")
+
+
+def _model_rotary(module):
+    """(rotary embedding built from the module's config, apply_rotary_pos_emb) from the attention module's own
+    modeling file, or None for a model without RoPE."""
+    modeling = sys.modules.get(type(module).__module__)
+    apply_fn = getattr(modeling, "apply_rotary_pos_emb", None)
+    classes = [obj for name, obj in vars(modeling).items() if name.endswith("RotaryEmbedding") and
+               isinstance(obj, type) and issubclass(obj, torch.nn.Module)] if modeling is not None else []
+    if apply_fn is None or not classes:
+        return None
+    return classes[0](config=module.config), apply_fn
+
+
+def _dim_order(module, device) -> Optional[torch.Tensor]:
+    """The config's head-dim order as an index tensor on ``device`` (cached on the module), or None for identity.
+
+    A config without ``mlr_dim_order`` (a stock checkpoint loaded with ``attn_implementation="mlr"``) gets it from
+    the model's rotary embedding on first use; it is stored in the config, so it is saved with the model."""
+    config = module.config
+    if not hasattr(config, "mlr_dim_order"):
+        found = _model_rotary(module)
+        head_dim = getattr(module, "head_dim", None) or getattr(module, "head_size")
+        layer_types = tuple(sorted(set(getattr(config, "layer_types", None) or [None])))
+        order, rotated = (None, 0) if found is None else rotary_pair_order(*found, head_dim, layer_types)
+        check_pair_complete_levels(layer_ranks(config)[0], rotated)
+        config.mlr_dim_order = order
+    order = config.mlr_dim_order
+    if order is None or list(order) == list(range(len(order))):
+        return None
+    cached = getattr(module, "_mlr_dim_order", None)
+    if cached is None or cached.device != device or cached.tolist() != list(order):
+        cached = torch.tensor(list(order), dtype=torch.long, device=device)
+        module._mlr_dim_order = cached
+    return cached
+
+
+# ------------------------------------------------------------------------------------------- masks
+
+
+def mlr_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+             mask_function=causal_mask_function, attention_mask: Optional[torch.Tensor] = None,
+             use_vmap: bool = False, **kwargs) -> Optional[torch.Tensor]:
+    """The mask transformers builds for ``attn_implementation="mlr"``: the (B, kv_length) boolean key-padding
+    mask (True = real token) or None when nothing is padded. Causality and blocks come from positions inside the
+    attention function. Custom mask overlays (``or_mask_function`` / ``and_mask_function``: multimodal or
+    bidirectional-block masks) cannot be expressed by MLR and are refused."""
+    if use_vmap:
+        raise ValueError("MLR attention does not support custom mask overlays (or_mask_function / "
+                         "and_mask_function, e.g. multimodal bidirectional image blocks)")
+    if attention_mask is None:
+        return None
+    attention_mask = attention_mask[:, -kv_length:].bool()
+    if attention_mask.shape[-1] == kv_length and bool(attention_mask.all()):
+        return None
+    return attention_mask
+
+
+# ------------------------------------------------------------------------------------------- attention
+
+
+def _query_positions(position_ids: Optional[torch.Tensor], batch: int, length: int, slots: int, device):
+    """(B, T) absolute positions of the queries; without ``position_ids`` the keys are taken as 0..S-1."""
+    if position_ids is None:
+        return torch.arange(slots - length, slots, device=device).expand(batch, length)
+    if position_ids.dim() != 2:
+        raise ValueError(f"position_ids of shape {tuple(position_ids.shape)}: MLR attention needs (batch, length) "
+                         f"positions; multimodal (3-D, e.g. M-RoPE) position ids are not supported")
+    return position_ids.to(device=device, dtype=torch.long).expand(batch, length)
+
+
+def _check_not_packed(positions: torch.Tensor, valid: Optional[torch.Tensor]) -> None:
+    """Positions of the real tokens of a row must increase: a reset means packed sequences, which would attend
+    across sequence boundaries."""
+    if positions.shape[1] < 2:
+        return
+    step = positions[:, 1:] - positions[:, :-1]
+    if valid is not None:
+        both = valid[:, 1:] & valid[:, :-1]
+        step = torch.where(both, step, torch.ones_like(step))
+    if bool((step <= 0).any()):
+        raise ValueError("position_ids restart or decrease inside a row: packed sequences are not supported by MLR "
+                         "attention (pass one sequence per row, with padding)")
+
+
+def _key_positions(query_positions: torch.Tensor, valid_queries: Optional[torch.Tensor], slots: int) -> torch.Tensor:
+    """(B, S) positions of the cached slots: contiguous and ending at the chunk's queries (the chunk is the last T
+    slots). Derived per row from its last real query."""
+    length = query_positions.shape[1]
+    index = torch.arange(length, device=query_positions.device).expand_as(query_positions)
+    if valid_queries is not None:
+        # the last real query of each row (index 0 when the chunk is all padding: its rows are masked anyway)
+        last = torch.where(valid_queries, index, torch.zeros_like(index)).amax(dim=1, keepdim=True)
+    else:
+        last = torch.full_like(query_positions[:, :1], length - 1)
+    offset = query_positions.gather(1, last) - (slots - length) - last  # position of slot 0
+    return offset + torch.arange(slots, device=query_positions.device)
+
+
+def mlr_cached_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, ranks, block_sizes,
+                         level_scales, query_positions: torch.Tensor, key_positions: torch.Tensor,
+                         key_valid: Optional[torch.Tensor]) -> torch.Tensor:
+    """MLR attention of a query chunk against full cached keys, without repeating keys for GQA.
+
+    query (B, Hq, T, r); key (B, Hkv, S, r); value (B, Hkv, S, dv), Hq = G * Hkv; level slices are prefixes of
+    r. query_positions (B, T), key_positions (B, S), key_valid (B, S) or None. Each KV head's G query heads are
+    stacked along the query axis, so scores are (B, Hkv, G*T, S). Softmax in ``promote_types(dtype, float32)``.
+    Returns (B, Hq, T, dv).
+    """
+    batch, q_heads, length, _ = query.shape
+    kv_heads, slots = key.shape[1], key.shape[2]
+    groups = q_heads // kv_heads
+    stacked = query.reshape(batch, kv_heads, groups * length, query.shape[-1])
+    stacked_positions = query_positions.repeat(1, groups)  # (B, G*T), group-major like ``stacked``
+    start = ranks[0]
+    scores = (stacked[..., :start] * level_scales[0]) @ key[..., :start].transpose(-1, -2)
+    for rank, size, scale in zip(ranks[1:], block_sizes, level_scales[1:]):
+        level = (stacked[..., start:start + rank] * scale) @ key[..., start:start + rank].transpose(-1, -2)
+        same_block = (stacked_positions[:, :, None] // size) == (key_positions[:, None, :] // size)
+        scores = scores + level * same_block[:, None]
+        start += rank
+    allowed = key_positions[:, None, :] <= stacked_positions[:, :, None]
+    if key_valid is not None:
+        allowed = allowed & key_valid[:, None, :]
+    work = torch.promote_types(scores.dtype, torch.float32)
+    scores = scores.to(work).masked_fill(~allowed[:, None], torch.finfo(work).min)
+    probs = torch.softmax(scores, dim=-1).to(value.dtype)
+    return (probs @ value).reshape(batch, q_heads, length, value.shape[-1])
+
+
+def _dense_attention(module, query, key, value, padding, scaling, dropout, kwargs):
+    """A layer the patch left alone: SDPA with the mask transformers would have built from the same padding."""
+    batch, _, length, _ = query.shape
+    slots = key.shape[2]
+    window = kwargs.pop("sliding_window", None)
+    mask = sdpa_mask(batch_size=batch, q_length=length, kv_length=slots, q_offset=slots - length, kv_offset=0,
+                     mask_function=causal_mask_function if window is None else
+                     sliding_window_causal_mask_function(window),
+                     attention_mask=padding, local_size=window, allow_is_causal_skip=True, device=query.device)
+    return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def mlr_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          attention_mask: Optional[torch.Tensor], scaling: Optional[float] = None,
+                          dropout: float = 0.0, **kwargs):
+    """The attention-interface function registered as ``"mlr"``.
+
+    query (B, Hq, T, d) after RoPE / q-k norm; key, value (B, Hkv, S, d) after the cache update (S > T when a
+    cache holds earlier tokens); attention_mask: (B, S) key-padding mask from ``mlr_mask`` or None;
+    kwargs: ``position_ids`` (B, T), ``sliding_window``, ``softcap``, ... Returns ((B, T, Hq, dv), None).
+    """
+    config = module.config
+    if not is_mlr_layer(config, getattr(module, "layer_idx", None)):
+        return _dense_attention(module, query, key, value, attention_mask, scaling, dropout, dict(kwargs))
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise ValueError(f"MLR attention got a {attention_mask.dim()}-D attention mask of shape "
+                         f"{tuple(attention_mask.shape)}; it accepts only the (batch, length) padding mask "
+                         f"(custom 4-D masks, packed or multimodal masks are not supported)")
+    for name in UNSUPPORTED_KWARGS:
+        if kwargs.get(name) is not None:
+            raise ValueError(f"{name} was passed: packed sequences (varlen / padding-free batches) are not "
+                             f"supported by MLR attention")
+    if kwargs.get("softcap") is not None:
+        raise ValueError(f"softcap={kwargs['softcap']}: attention logit soft-capping is not supported by MLR")
+    if kwargs.get("sliding_window") is not None:
+        raise ValueError(f"layer {module.layer_idx} is a sliding-window layer (window {kwargs['sliding_window']}); "
+                         f"MLR replaces it only when patched with sliding_window_layers='replace'")
+    if not getattr(module, "is_causal", True):
+        raise ValueError("MLR attention is implemented for causal (decoder) self-attention only")
+    if dropout and module.training:
+        _warn_once("dropout", f"attention dropout (p={dropout}) is not applied by MLR attention layers")
+
+    ranks, block_sizes = layer_ranks(config)
+    head_dim = query.shape[-1]
+    validate_mlr_geometry(ranks, block_sizes, head_dim, "mlr_ranks", "mlr_block_sizes")
+    level_scales = getattr(config, "mlr_level_scales", None)
+    if level_scales is None:
+        level_scales = [head_dim ** -0.5 if scaling is None else float(scaling)] * len(ranks)
+    batch, q_heads, length, _ = query.shape
+    kv_heads, slots = key.shape[1], key.shape[2]
+    if attention_mask is not None and attention_mask.shape[-1] != slots:
+        raise ValueError(f"the padding mask covers {attention_mask.shape[-1]} keys but the layer holds {slots}: "
+                         f"static / preallocated caches are not supported by MLR attention")
+    positions = _query_positions(kwargs.get("position_ids"), batch, length, slots, query.device)
+    valid_queries = None if attention_mask is None else attention_mask[:, -length:]
+    _check_not_packed(positions, valid_queries)
+
+    order = _dim_order(module, query.device)
+    if order is not None:
+        query, key = query.index_select(-1, order), key.index_select(-1, order)
+    if slots == length:  # no earlier tokens: the fused exact op (K/V repeated for GQA as a temporary)
+        groups = q_heads // kv_heads
+        out = mlr_attention(query, repeat_kv(key, groups), repeat_kv(value, groups), ranks=ranks,
+                            block_sizes=block_sizes, causal=True, scales=level_scales, positions=positions,
+                            attention_mask=valid_queries)
+    else:
+        out = mlr_cached_attention(query, key, value, ranks=ranks, block_sizes=block_sizes,
+                                   level_scales=level_scales, query_positions=positions,
+                                   key_positions=_key_positions(positions, valid_queries, slots),
+                                   key_valid=attention_mask)
+    return out.transpose(1, 2), None
+
+
+ALL_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, mlr_attention_forward)
+ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, mlr_mask)
+
+
+# ------------------------------------------------------------------------------------------- MLR<Arch> classes
+
+_CLASSES = {}
+
+
+def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
+                                  max_cache_length):
+    if "assisted" in str(getattr(generation_mode, "value", generation_mode)) or \
+            model_kwargs.get("assistant_model") is not None or getattr(generation_config, "prompt_lookup_num_tokens", None):
+        raise ValueError("assisted decoding (assistant_model / prompt lookup) rolls the cache back, which the MLR "
+                         "key cache cannot do; generate without an assistant")
+    implementation = generation_config.cache_implementation
+    if model_kwargs.get("cache") is None and implementation not in (None, "dynamic"):
+        raise ValueError(f"cache_implementation={implementation!r} is not supported by MLR attention layers; use "
+                         f"the default dynamic cache")
+    owner = next(c for c in type(self).__mro__ if "_mlr_base" in c.__dict__)
+    return super(owner, self)._prepare_cache_for_generation(
+        generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
+
+
+def _check_and_adjust_attn_implementation(self, attn_implementation, is_init_check=False, allow_all_kernels=False):
+    # an MLR model runs "mlr" whatever the load path asks for by default (sdpa / None)
+    if attn_implementation not in (None, "sdpa", ATTENTION_NAME):
+        raise ValueError(f"attn_implementation={attn_implementation!r}: {type(self).__name__} runs MLR attention "
+                         f"(attn_implementation='mlr'); load the original checkpoint for other implementations")
+    return ATTENTION_NAME
+
+
+def mlr_config_class(base):
+    """``MLR<Base>`` config class: the base config with model_type ``mlr_<base model_type>``."""
+    name = CLASS_PREFIX + base.__name__
+    if name not in _CLASSES:
+        cls = type(name, (base,), {"model_type": MODEL_TYPE_PREFIX + base.model_type, "__module__": __name__})
+        cls.register_for_auto_class()
+        _CLASSES[name] = cls
+    return _CLASSES[name]
+
+
+def mlr_model_class(base, auto_class: str = "AutoModelForCausalLM"):
+    """``MLR<Base>`` model class: the transformers class with MLR attention forced and generate's cache checks."""
+    name = CLASS_PREFIX + base.__name__
+    if name not in _CLASSES:
+        namespace = {
+            "__module__": __name__,
+            "config_class": mlr_config_class(base.config_class),
+            "_check_and_adjust_attn_implementation": _check_and_adjust_attn_implementation,
+            "_prepare_cache_for_generation": _prepare_cache_for_generation,
+            "_mlr_base": base.__name__,
+        }
+        cls = type(name, (base,), namespace)
+        cls.register_for_auto_class(auto_class)
+        _CLASSES[name] = cls
+    return _CLASSES[name]
+
+
+def __getattr__(name: str):
+    """``MLRLlamaForCausalLM``, ``MLRLlamaConfig``, ...: built from the transformers class of the same name (this
+    is how ``trust_remote_code`` finds the classes named in ``config.auto_map``)."""
+    if name.startswith(CLASS_PREFIX) and not name.startswith("__"):
+        base = getattr(transformers, name[len(CLASS_PREFIX):], None)
+        if isinstance(base, type) and issubclass(base, transformers.PreTrainedConfig):
+            return mlr_config_class(base)
+        if isinstance(base, type) and issubclass(base, transformers.PreTrainedModel):
+            return mlr_model_class(base)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["ATTENTION_NAME", "mlr_attention_forward", "mlr_cached_attention", "mlr_config_class", "mlr_mask",
+           "mlr_model_class"]
