@@ -36,6 +36,9 @@ AutoModelForTextEncoding.register(StructAttnT5Config, StructAttnT5EncoderModel, 
 
 # the patcher and the CLI live outside the payload (they may import chronos); imported after registration
 from .patching import load_patched_chronos_bolt, patch, patch_report  # noqa: E402
+from .decoder_patching import register_supported_decoders  # noqa: E402
+
+register_supported_decoders()  # MLR<Arch> checkpoints load by Auto class without trust_remote_code
 
 __all__ = [
     "MLRKeyCacheLayer",

@@ -38,8 +38,11 @@ LOAD_NOTICE = ("This checkpoint uses MLR structured attention (hf_structattn). L
 
 def is_patchable_decoder(model) -> bool:
     """A transformers ``PreTrainedModel`` decoder whose class transformers exports (so the payload can rebuild it)."""
-    return (isinstance(model, PreTrainedModel) and not getattr(model.config, "is_encoder_decoder", False)
-            and getattr(transformers, type(model).__name__, None) is type(model))
+    if not isinstance(model, PreTrainedModel) or getattr(model.config, "is_encoder_decoder", False):
+        return False
+    # an MLR<Arch> model counts too, so that patch refuses it with a clear message
+    return getattr(transformers, type(model).__name__, None) is type(model) or \
+        model.config.model_type.startswith(MODEL_TYPE_PREFIX)
 
 
 def _refuse_unsupported(model) -> None:
@@ -213,6 +216,18 @@ def _replace_sliding_layers(patched, config, windowed: list) -> None:
                 setattr(module, name, value)
 
 
+TESTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
+                        "GemmaForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "GPT2LMHeadModel",
+                        "GPTNeoXForCausalLM")
+
+
+def register_supported_decoders() -> None:
+    """Register the MLR classes of the tested architectures with the Auto classes (others are registered when
+    ``patch_decoder`` converts them, and load anywhere with ``trust_remote_code=True``)."""
+    for name in TESTED_ARCHITECTURES:
+        register_local(mlr_model_class(getattr(transformers, name)))
+
+
 def register_local(model_class) -> None:
     """Make ``Auto*.from_pretrained`` find an MLR class in this process without trust_remote_code."""
     config_class = model_class.config_class
@@ -234,5 +249,5 @@ def drift_report(original, patched, input_ids: torch.Tensor, attention_mask: Opt
             "loss_original": float(reference.loss), "loss_patched": float(moved.loss)}
 
 
-__all__ = ["drift_report", "find_rotary", "is_patchable_decoder", "patch_decoder", "register_local",
-           "sliding_layers"]
+__all__ = ["TESTED_ARCHITECTURES", "drift_report", "find_rotary", "is_patchable_decoder", "patch_decoder",
+           "register_local", "register_supported_decoders", "sliding_layers"]

@@ -38,6 +38,7 @@ __all__ = [
     "AttentionCostReport",
     "attention_cost_report",
     "attention_pairs",
+    "decoder_cache_report",
     "default_btt_factors",
     "dyadic_block_sizes",
     "encoder_decoder_flops",
@@ -782,3 +783,46 @@ def encoder_decoder_flops(config: Any, encoder_len: int, decoder_len: int, *, tr
                                     + role_macs("cross", decoder_len, encoder_len, False) + decoder_len * ffn)
     forward = 2.0 * (encoder + decoder + decoder_len * d_model * vocab)
     return 3.0 * forward if training else forward
+
+
+# ------------------------------------------------------------------------------- patched transformers decoders
+
+
+def decoder_cache_report(config: Any, context_len: int, *, dtype_bytes: Any = 2) -> dict:
+    """Key / KV cache bytes of a transformers decoder patched by ``hf_structattn.patch`` (an ``MLR<Arch>Config``
+    or any config with ``mlr_ranks``), for one sequence of ``context_len`` = T tokens, whole model.
+
+    MLR layers (``mlr_layers``, None = all) hold :func:`key_cache_elements` ``("mlr", T, ...)`` per KV head
+    (level 1 every key, level l >= 2 the current block); the other layers keep full keys, ``min(T, w)`` of them
+    for sliding-window layers (``layer_types`` / ``sliding_window``). Values keep every position (``min(T, w)``
+    for sliding layers). ``dense_*`` counts the same model with full-width keys in its MLR layers.
+    Returns ``key_cache_bytes``, ``dense_key_cache_bytes``, ``key_cache_ratio``, ``kv_cache_bytes``,
+    ``dense_kv_cache_bytes``, ``kv_cache_ratio``.
+    """
+    context = _check_int("context_len", context_len, minimum=0)
+    item = _dtype_bytes(dtype_bytes)
+    n_layer = _check_int("num_hidden_layers", _field(config, "num_hidden_layers"))
+    n_head = _check_int("num_attention_heads", _field(config, "num_attention_heads"))
+    kv_heads = _check_int("num_key_value_heads", _field(config, "num_key_value_heads", None) or n_head)
+    head_dim = _field(config, "head_dim", None) or _check_int("hidden_size", _field(config, "hidden_size")) // n_head
+    ranks = _check_ranks(_field(config, "mlr_ranks"), "mlr_ranks")
+    block_sizes = _check_block_sizes(_field(config, "mlr_block_sizes"), len(ranks), "mlr_block_sizes", "mlr_ranks")
+    if sum(ranks) != head_dim:
+        raise ValueError(f"mlr_ranks={ranks} sums to {sum(ranks)}, but the head dim is {head_dim}")
+    mlr_layers = _field(config, "mlr_layers", None)
+    layer_types = _field(config, "layer_types", None)
+    window = _field(config, "sliding_window", None)
+    keys = dense_keys = values = 0
+    for layer in range(n_layer):
+        sliding = (layer_types[layer] != "full_attention") if layer_types is not None else window is not None
+        held = min(context, window) if sliding and window is not None else context
+        full = held * head_dim
+        values += full
+        dense_keys += full
+        is_mlr = mlr_layers is None or layer in mlr_layers
+        keys += key_cache_elements("mlr", context, ranks, block_sizes) if is_mlr else full
+    keys, dense_keys, values = (kv_heads * item * count for count in (keys, dense_keys, values))
+    return {"key_cache_bytes": keys, "dense_key_cache_bytes": dense_keys,
+            "key_cache_ratio": keys / dense_keys if dense_keys else 1.0,
+            "kv_cache_bytes": keys + values, "dense_kv_cache_bytes": dense_keys + values,
+            "kv_cache_ratio": (keys + values) / (dense_keys + values) if dense_keys else 1.0}

@@ -186,7 +186,10 @@ def patch(obj, attention: str = "mlr", targets: Sequence[str] = ("encoder_self",
 
     Args:
         obj: ``T5ForConditionalGeneration`` (incl. a Chronos-T5 inner model), ``chronos.ChronosPipeline``,
-            ``ChronosBoltPipeline`` or ``ChronosBoltModelForForecasting``.
+            ``ChronosBoltPipeline`` or ``ChronosBoltModelForForecasting``; or a transformers decoder
+            (``LlamaForCausalLM``, ``GPT2LMHeadModel``, ...), which ``decoder_patching.patch_decoder`` converts
+            (its keywords: ``mlr_ranks``, ``mlr_block_sizes`` / ``mlr_max_length``, ``layers``,
+            ``sliding_window_layers``, ``mlr_level_scales``; ``targets`` does not apply).
         attention: "mlr".
         targets: roles to convert among "encoder_self", "decoder_self" ("cross" is refused for MLR).
         init: "split" (naive level split of each head's dims) or "svd" (see the module docstring).
@@ -197,6 +200,10 @@ def patch(obj, attention: str = "mlr", targets: Sequence[str] = ("encoder_self",
         The same kind of object as ``obj``: a ``StructAttnT5ForConditionalGeneration`` for T5, a new
         ``ChronosPipeline`` / ``ChronosBoltPipeline`` or a Bolt model.
     """
+    from .decoder_patching import is_patchable_decoder, patch_decoder
+
+    if is_patchable_decoder(obj):  # Llama, Qwen, Mistral, Gemma, Phi-3, GPT-2, ...: docs/patching.md
+        return patch_decoder(obj, attention, init=init, **variant_fields)
     if init not in INITS:
         raise ValueError(f"init={init!r} is not one of {INITS}")
     fields = _structattn_fields(attention, targets, variant_fields)

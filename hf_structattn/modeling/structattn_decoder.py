@@ -26,6 +26,7 @@ query heads along the query axis, so cached keys are never repeated.
 """
 
 import inspect
+import os
 import sys
 import warnings
 from typing import Optional
@@ -72,8 +73,10 @@ def layer_ranks(config) -> list:
     blocks = getattr(config, "mlr_block_sizes", None)
     if ranks is None or blocks is None:
         raise ValueError(f"attn_implementation='mlr' needs config.mlr_ranks and config.mlr_block_sizes; got "
-                         f"mlr_ranks={ranks!r}, mlr_block_sizes={blocks!r} (use hf_structattn.patch, or pass both "
-                         f"to from_pretrained)")
+                         f"mlr_ranks={ranks!r}, mlr_block_sizes={blocks!r} (use hf_structattn.patch, or set both on the "
+                         f"config: config = AutoConfig.from_pretrained(path); config.mlr_ranks = [...]; "
+                         f"config.mlr_block_sizes = [...]; from_pretrained(path, config=config, "
+                         f"attn_implementation='mlr'))")
     return list(ranks), list(blocks)
 
 
@@ -356,6 +359,33 @@ def _check_and_adjust_attn_implementation(self, attn_implementation, is_init_che
     return ATTENTION_NAME
 
 
+def _save_pretrained(self, save_directory, *args, **kwargs):
+    # a model card that says loudly what a stock load of this checkpoint would get (written before the upload of
+    # push_to_hub=True; an existing card is kept)
+    os.makedirs(save_directory, exist_ok=True)
+    card = os.path.join(save_directory, "README.md")
+    if not os.path.exists(card):
+        with open(card, "w", encoding="utf-8") as handle:
+            handle.write(MODEL_CARD.format(arch=type(self).__name__, base=self._mlr_base,
+                                           ranks=self.config.mlr_ranks, blocks=self.config.mlr_block_sizes,
+                                           layers=self.config.mlr_layers))
+    owner = next(c for c in type(self).__mro__ if "_mlr_base" in c.__dict__)
+    return super(owner, self).save_pretrained(save_directory, *args, **kwargs)
+
+
+MODEL_CARD = """---
+library_name: transformers
+tags: [hf_structattn, mlr-attention, custom_code]
+---
+# {arch}: MLR structured attention
+
+> **WARNING: this is not a stock {base}.** Its attention is multi-level low-rank (MLR) attention
+> (mlr_ranks={ranks}, mlr_block_sizes={blocks}, layers={layers}). Load it with
+> `AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)` or after `import hf_structattn`.
+> `{base}.from_pretrained(path)` ignores the MLR fields and gives a DENSE model with different outputs.
+"""
+
+
 def mlr_config_class(base):
     """``MLR<Base>`` config class: the base config with model_type ``mlr_<base model_type>``."""
     name = CLASS_PREFIX + base.__name__
@@ -375,6 +405,7 @@ def mlr_model_class(base, auto_class: str = "AutoModelForCausalLM"):
             "config_class": mlr_config_class(base.config_class),
             "_check_and_adjust_attn_implementation": _check_and_adjust_attn_implementation,
             "_prepare_cache_for_generation": _prepare_cache_for_generation,
+            "save_pretrained": _save_pretrained,
             "_mlr_base": base.__name__,
         }
         cls = type(name, (base,), namespace)

@@ -1,0 +1,367 @@
+"""hf_structattn.patch on transformers decoders (Llama, Qwen2/3, Mistral, Gemma/Gemma-3, Phi-3, GPT-2, GPT-NeoX):
+exactness in float64 against the stock models and the uncached forward, RoPE-pair levels, GQA, refusals."""
+
+import copy
+import re
+
+import pytest
+import torch
+import transformers
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import DynamicCache
+
+import hf_structattn
+from hf_structattn.decoder_patching import find_rotary, patch_decoder
+from hf_structattn.flops import decoder_cache_report, key_cache_elements
+from hf_structattn.modeling.structattn_decoder import mlr_attention_forward, rotary_pair_order
+
+VOCAB = 61
+HEAD_DIM = 16
+RANKS = [8, 4, 4]
+BLOCKS = [16, 8]
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def _gemma3_config(**overrides):
+    fields = dict(COMMON, num_hidden_layers=3, num_key_value_heads=2, head_dim=HEAD_DIM, sliding_window=8,
+                  layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+    fields.update(overrides)
+    return transformers.Gemma3TextConfig(**fields)
+
+
+BUILDERS = {
+    "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON, num_key_value_heads=2)),
+    "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**COMMON, num_key_value_heads=2)),
+    "qwen3": lambda: transformers.Qwen3ForCausalLM(
+        transformers.Qwen3Config(**COMMON, num_key_value_heads=2, head_dim=HEAD_DIM)),
+    "mistral": lambda: transformers.MistralForCausalLM(
+        transformers.MistralConfig(**COMMON, num_key_value_heads=2, sliding_window=None)),
+    "gemma": lambda: transformers.GemmaForCausalLM(
+        transformers.GemmaConfig(**COMMON, num_key_value_heads=1, head_dim=HEAD_DIM)),
+    "gemma3": lambda: transformers.Gemma3ForCausalLM(_gemma3_config()),
+    "phi3": lambda: transformers.Phi3ForCausalLM(
+        transformers.Phi3Config(**COMMON, num_key_value_heads=2, partial_rotary_factor=0.5)),
+    "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0, scale_attn_by_inverse_layer_idx=True)),
+    "neox": lambda: transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=256, rotary_pct=0.25, bos_token_id=1, eos_token_id=2, pad_token_id=0)),
+}
+ARCHS = list(BUILDERS)
+# Gemma-3's first two layers use a sliding window: the exactness tests convert its global layer and keep the
+# sliding ones (SDPA through the same attention function); replacing them is tested separately
+ARCH_PATCH_KWARGS = {"gemma3": dict(layers=[2])}
+
+
+def tiny_decoder(arch: str, seed: int = 0):
+    torch.manual_seed(seed)
+    model = BUILDERS[arch]().double().eval()
+    with torch.no_grad():  # break the symmetric inits (zero biases, unit norms) so mix-ups cannot cancel out
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    return model
+
+
+def patched(arch, ranks=RANKS, blocks=BLOCKS, **kwargs):
+    model = tiny_decoder(arch)
+    return model, hf_structattn.patch(model, mlr_ranks=ranks, mlr_block_sizes=blocks,
+                                      **{**ARCH_PATCH_KWARGS.get(arch, {}), **kwargs})
+
+
+def left_padded(ids: torch.Tensor, pads, length: int):
+    """Rows of ``ids`` left-padded to ``length`` with generate's mask and positions (cumsum - 1)."""
+    batch = torch.zeros(len(pads), length, dtype=torch.long)
+    mask = torch.zeros(len(pads), length, dtype=torch.long)
+    for row, pad in enumerate(pads):
+        batch[row, pad:] = ids[row, :length - pad]
+        mask[row, pad:] = 1
+    return batch, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_merged_levels_equal_stock_logits(arch):
+    model, mlr = patched(arch, ranks=[HEAD_DIM], blocks=[])
+    ids = torch.randint(1, VOCAB, (3, 37))
+    assert type(mlr).__name__ == "MLR" + type(model).__name__
+    assert mlr.config._attn_implementation == "mlr" and model.config._attn_implementation == "sdpa"
+    torch.testing.assert_close(mlr(ids).logits, model(ids).logits, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_patch_keeps_weights_and_names(arch):
+    model, mlr = patched(arch)
+    original, converted = model.state_dict(), mlr.state_dict()
+    assert original.keys() == converted.keys()
+    assert all(torch.equal(original[name], converted[name]) for name in original)
+    ids = torch.randint(1, VOCAB, (2, 37))
+    drift = (mlr(ids).logits - model(ids).logits).abs().max()
+    assert drift > 1e-6  # the finer levels really drop cross-block terms
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_chunked_prefill_and_decode_equal_uncached(arch):
+    _, mlr = patched(arch)
+    ids = torch.randint(1, VOCAB, (3, 37))
+    uncached = mlr(ids).logits
+    cache = DynamicCache(config=mlr.config)
+    # chunks cross the 8- and 16-token blocks, then one token at a time
+    bounds = [(0, 13), (13, 20), (20, 21)] + [(i, i + 1) for i in range(21, 37)]
+    chunked = torch.cat([mlr(ids[:, a:b], cache=cache, use_cache=True).logits for a, b in bounds], dim=1)
+    torch.testing.assert_close(chunked, uncached, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_left_padded_rows_equal_rows_alone(arch):
+    _, mlr = patched(arch)
+    ids = torch.randint(1, VOCAB, (3, 30))
+    pads = [0, 5, 11]
+    batch, mask, positions = left_padded(ids, pads, 30)
+    logits = mlr(batch, attention_mask=mask, position_ids=positions).logits
+    for row, pad in enumerate(pads):
+        alone = mlr(ids[row:row + 1, :30 - pad]).logits[0]
+        torch.testing.assert_close(logits[row, pad:], alone, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_generate_cached_equals_uncached(arch):
+    _, mlr = patched(arch)
+    ids = torch.randint(3, VOCAB, (3, 20))
+    batch, mask, _ = left_padded(ids, [0, 3, 7], 20)
+    kwargs = dict(attention_mask=mask, max_new_tokens=14, do_sample=False, min_new_tokens=14)
+    cached = mlr.generate(batch, **kwargs)
+    uncached = mlr.generate(batch, use_cache=False, **kwargs)
+    assert torch.equal(cached, uncached)
+    for row, pad in enumerate([0, 3, 7]):  # and each row generates what it generates alone
+        alone = mlr.generate(ids[row:row + 1, :20 - pad], max_new_tokens=14, do_sample=False, min_new_tokens=14)
+        assert torch.equal(alone[0], cached[row, pad:])
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_sampling_and_beam_cached_equal_uncached(arch):
+    _, mlr = patched(arch)
+    ids = torch.randint(3, VOCAB, (2, 20))
+    for kwargs in (dict(do_sample=True, top_k=0, num_return_sequences=2), dict(num_beams=3, do_sample=False)):
+        results = []
+        for use_cache in (True, False):
+            torch.manual_seed(7)
+            results.append(mlr.generate(ids, max_new_tokens=12, min_new_tokens=12, use_cache=use_cache, **kwargs))
+        assert torch.equal(*results), kwargs
+
+
+def _level_scores(q, k, order, ranks):
+    """Per-level q.k of single vectors whose dims are taken in ``order``."""
+    q, k = q[..., order], k[..., order]
+    scores, start = [], 0
+    for rank in ranks:
+        scores.append((q[..., start:start + rank] * k[..., start:start + rank]).sum(-1))
+        start += rank
+    return torch.stack(scores)
+
+
+@pytest.mark.parametrize("arch", ["llama", "phi3", "neox", "gemma3"])
+def test_rope_levels_depend_only_on_relative_position(arch):
+    model = tiny_decoder(arch)
+    rotary, apply_rotary = find_rotary(model)
+    layer_types = (("full_attention",) if arch == "gemma3" else (None,))
+    order, rotated = rotary_pair_order(rotary, apply_rotary, HEAD_DIM, layer_types)
+    assert sorted(order) == list(range(HEAD_DIM)) and rotated == {"phi3": 8, "neox": 4}.get(arch, HEAD_DIM)
+    torch.manual_seed(1)
+    q, k = torch.randn(2, 1, 1, 1, HEAD_DIM, dtype=torch.float64).unbind(0)  # (B, H, T, d) each
+    ranks = [4, 2, 2, 8] if rotated >= 8 else [2, 2, 12]
+
+    def scores_at(query_pos, key_pos, dims):
+        extra = {"layer_type": "full_attention"} if arch == "gemma3" else {}
+        rotated_q = apply_rotary(q, q, *rotary(q, torch.tensor([[query_pos]]), **extra))[0]
+        rotated_k = apply_rotary(k, k, *rotary(k, torch.tensor([[key_pos]]), **extra))[0]
+        return _level_scores(rotated_q.flatten(), rotated_k.flatten(), dims, ranks)
+
+    reference = scores_at(9, 4, order)
+    for shift in (1, 7, 100, 1000):
+        # transformers computes the RoPE angles in float32 (inv_freq.float() @ positions): ~1e-6 at position 1000
+        torch.testing.assert_close(scores_at(9 + shift, 4 + shift, order), reference, rtol=0, atol=1e-5)
+    # contiguous prefixes of the model's own dim order split pairs: level scores then move with absolute position
+    naive = list(range(HEAD_DIM))
+    moved = max(float((scores_at(9 + s, 4 + s, naive) - scores_at(9, 4, naive)).abs().max()) for s in (1, 7, 100))
+    assert moved > 0.05
+
+
+def test_pair_splitting_ranks_are_refused():
+    with pytest.raises(ValueError, match="splits a RoPE rotation pair"):
+        patched("llama", ranks=[7, 9], blocks=[16])
+    with pytest.raises(ValueError, match="splits a RoPE rotation pair"):
+        patched("phi3", ranks=[3, 13], blocks=[16])  # 8 rotated dims (partial rotary 0.5)
+    patched("phi3", ranks=[9, 7], blocks=[16])  # the boundary lies in the unrotated dims: allowed
+    patched("gpt2", ranks=[7, 9], blocks=[16])  # no RoPE: any split
+
+
+class _RecordShapes(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in (out if isinstance(out, (tuple, list)) else [out]):
+            if isinstance(tensor, torch.Tensor):
+                self.shapes.append(tuple(tensor.shape))
+        return out
+
+
+def test_gqa_decode_does_not_repeat_cached_keys():
+    _, mlr = patched("llama")  # 4 query heads, 2 KV heads
+    ids = torch.randint(1, VOCAB, (1, 41))
+    cache = DynamicCache(config=mlr.config)
+    mlr(ids[:, :40], cache=cache, use_cache=True)
+    recorder = _RecordShapes()
+    with recorder:
+        step = mlr(ids[:, 40:], cache=cache, use_cache=True).logits
+    assert (1, 2, 41, HEAD_DIM) in recorder.shapes  # the cached keys of one layer, per KV head
+    assert not [shape for shape in recorder.shapes if len(shape) == 4 and shape[1] == 4 and shape[2] == 41]
+    torch.testing.assert_close(step[:, -1], mlr(ids).logits[:, -1], rtol=0, atol=1e-12)
+
+
+def test_key_cache_bytes_follow_the_formula():
+    _, mlr = patched("llama")
+    report = decoder_cache_report(mlr.config, 37, dtype_bytes=torch.float64)
+    per_head = 37 * 8 + min(16, 37) * 4 + min(8, 37) * 4  # level 1 every key, finer levels the current block
+    assert per_head == key_cache_elements("mlr", 37, RANKS, BLOCKS)
+    assert report["key_cache_bytes"] == 2 * 2 * per_head * 8  # layers x KV heads x entries x bytes
+    assert report["dense_key_cache_bytes"] == 2 * 2 * 37 * HEAD_DIM * 8
+    assert report["key_cache_ratio"] == pytest.approx(per_head / (37 * HEAD_DIM))
+    _, gemma3 = patched("gemma3")  # sliding layers 0, 1 keep min(T, 8) full keys
+    mixed = decoder_cache_report(gemma3.config, 37, dtype_bytes=2)
+    assert mixed["key_cache_bytes"] == 2 * 2 * (2 * 8 * HEAD_DIM + per_head)
+
+
+def test_sliding_window_layers_are_refused_unless_replaced_or_excluded():
+    model = tiny_decoder("gemma3")
+    with pytest.raises(ValueError, match=r"layers \[0, 1\] use sliding-window attention"):
+        hf_structattn.patch(model, mlr_ranks=RANKS, mlr_block_sizes=BLOCKS)
+    replaced = hf_structattn.patch(model, mlr_ranks=RANKS, mlr_block_sizes=BLOCKS, sliding_window_layers="replace")
+    assert replaced.config.layer_types == ["full_attention"] * 3 and model.config.layer_types[0] == "sliding_attention"
+    # the replaced model is the model its saved config describes
+    rebuilt = type(replaced)(copy.deepcopy(replaced.config)).double().eval()
+    rebuilt.load_state_dict(replaced.state_dict())
+    ids = torch.randint(1, VOCAB, (2, 37))
+    torch.testing.assert_close(rebuilt(ids).logits, replaced(ids).logits, rtol=0, atol=1e-12)
+    mistral = transformers.MistralForCausalLM(transformers.MistralConfig(**COMMON, num_key_value_heads=2,
+                                                                         sliding_window=16))
+    with pytest.raises(ValueError, match="sliding-window"):
+        hf_structattn.patch(mistral, mlr_ranks=RANKS, mlr_block_sizes=BLOCKS)
+    with pytest.raises(ValueError, match="replace all layers or none"):
+        hf_structattn.patch(mistral, mlr_ranks=RANKS, mlr_block_sizes=BLOCKS, layers=[0],
+                            sliding_window_layers="replace")
+    whole = hf_structattn.patch(mistral, mlr_ranks=RANKS, mlr_block_sizes=BLOCKS, sliding_window_layers="replace")
+    assert whole.config.sliding_window is None and mistral.config.sliding_window == 16
+
+
+def test_soft_capping_and_multimodal_are_refused():
+    gemma2 = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+        **COMMON, num_key_value_heads=2, head_dim=HEAD_DIM, layer_types=["full_attention"] * 2))
+    with pytest.raises(ValueError, match="soft-capping"):
+        hf_structattn.patch(gemma2, mlr_ranks=RANKS, mlr_block_sizes=BLOCKS)
+    _, mlr = patched("llama")
+    attention = mlr.model.layers[0].self_attn
+    q = torch.randn(1, 4, 5, HEAD_DIM, dtype=torch.float64)
+    k = torch.randn(1, 2, 5, HEAD_DIM, dtype=torch.float64)
+    with pytest.raises(ValueError, match="multimodal"):
+        mlr_attention_forward(attention, q, k, k, None, position_ids=torch.zeros(3, 1, 5, dtype=torch.long))
+    with pytest.raises(ValueError, match="soft-capping"):
+        mlr_attention_forward(attention, q, k, k, None, softcap=30.0)
+
+
+def test_packed_sequences_are_refused():
+    _, mlr = patched("llama")
+    ids = torch.randint(1, VOCAB, (1, 20))
+    with pytest.raises(ValueError, match="packed sequences"):
+        mlr(ids, position_ids=torch.cat([torch.arange(10), torch.arange(10)])[None])
+
+
+def test_assisted_decoding_and_static_cache_are_refused():
+    _, mlr = patched("llama")
+    ids = torch.randint(3, VOCAB, (1, 10))
+    with pytest.raises(ValueError, match="assisted decoding"):
+        mlr.generate(ids, prompt_lookup_num_tokens=3, max_new_tokens=4, do_sample=False)
+    with pytest.raises(ValueError, match="assisted decoding"):
+        mlr.generate(ids, assistant_model=copy.deepcopy(mlr), max_new_tokens=4, do_sample=False)
+    with pytest.raises(ValueError, match="cache_implementation='static'"):
+        mlr.generate(ids, cache_implementation="static", max_new_tokens=4, do_sample=False)
+
+
+def test_bad_patch_arguments_name_the_field():
+    model = tiny_decoder("llama")
+    with pytest.raises(ValueError, match="mlr_max_length"):
+        hf_structattn.patch(model, mlr_ranks=RANKS)  # never from max_position_embeddings
+    with pytest.raises(ValueError, match="mlr_ranks"):
+        hf_structattn.patch(model, mlr_ranks=[8, 4], mlr_block_sizes=[16])
+    with pytest.raises(ValueError, match="layers"):
+        hf_structattn.patch(model, mlr_ranks=RANKS, mlr_block_sizes=BLOCKS, layers=[5])
+    with pytest.raises(ValueError, match="init="):
+        hf_structattn.patch(model, mlr_ranks=RANKS, mlr_block_sizes=BLOCKS, init="svd")
+    mlr = hf_structattn.patch(model, mlr_ranks=RANKS, mlr_max_length=32)
+    assert mlr.config.mlr_block_sizes == [16, 8]
+    with pytest.raises(ValueError, match="already has MLR attention"):
+        hf_structattn.patch(mlr, mlr_ranks=RANKS, mlr_max_length=32)
+
+
+def test_stock_checkpoint_loads_with_attn_implementation_mlr(tmp_path):
+    model, mlr = patched("llama")
+    model.save_pretrained(tmp_path / "stock")
+    ids = torch.randint(1, VOCAB, (2, 37))
+    config = transformers.AutoConfig.from_pretrained(tmp_path / "stock")
+    config.mlr_ranks, config.mlr_block_sizes = RANKS, BLOCKS
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "stock", config=config,
+                                                               attn_implementation="mlr", dtype=torch.float64)
+    assert type(loaded) is transformers.LlamaForCausalLM
+    torch.testing.assert_close(loaded(ids).logits, mlr(ids).logits, rtol=0, atol=1e-12)
+    assert loaded.config.mlr_dim_order == mlr.config.mlr_dim_order  # found from the model's own rotary embedding
+
+
+def test_save_and_load_with_remote_code_without_the_plugin(tmp_path):
+    from test_remote_code import run_isolated
+
+    checks = []
+    for arch in ("llama", "gpt2"):  # one RoPE + GQA model, one learned-position model; one interpreter for both
+        _, mlr = patched(arch)
+        save_dir = tmp_path / arch
+        mlr.save_pretrained(save_dir)
+        ids = torch.randint(3, VOCAB, (2, 23))
+        torch.save({"ids": ids, "logits": mlr(ids).logits.detach(),
+                    "generated": mlr.generate(ids[:, :9], max_new_tokens=10, min_new_tokens=10, do_sample=False)},
+                   save_dir / "expected.pt")
+        files = {path.name for path in save_dir.iterdir()}
+        assert {"structattn_decoder.py", "structattn_mlr.py", "structattn_geometry.py", "README.md"} <= files
+        assert "WARNING: this is not a stock" in (save_dir / "README.md").read_text()
+        config = transformers.AutoConfig.from_pretrained(save_dir)
+        assert config.model_type == "mlr_" + mlr.config.mlr_patch["source_model_type"]
+        assert "DENSE" in config.mlr_notice
+        checks.append((str(save_dir), type(mlr).__name__, type(mlr).__mro__[1].__name__))
+
+    out = run_isolated(f"""
+        import torch, transformers
+        for path, name, stock_name in {checks!r}:
+            expected = torch.load(path + "/expected.pt")
+            try:
+                transformers.AutoModelForCausalLM.from_pretrained(path)
+            except ValueError as error:
+                print(name, "no_trust_refused", "trust_remote_code" in str(error))
+            model = transformers.AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True,
+                                                                      dtype=torch.float64)
+            assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+            assert type(model).__name__ == name and model.config._attn_implementation == "mlr"
+            print(name, "max_diff", float((model(expected["ids"]).logits - expected["logits"]).abs().max()))
+            generated = model.generate(expected["ids"][:, :9], max_new_tokens=10, min_new_tokens=10,
+                                       do_sample=False)
+            print(name, "generate_equal", torch.equal(generated, expected["generated"]))
+            stock = getattr(transformers, stock_name).from_pretrained(path, dtype=torch.float64)
+            print(name, "stock_dense_diff", float((stock(expected["ids"]).logits - expected["logits"]).abs().max()))
+    """, tmp_path)
+    for _, name, _ in checks:
+        result = dict(re.findall(rf"{name} (\w+) (\S+)", out))  # the trust prompt shares a line with one of them
+        assert result.get("no_trust_refused") == "True", out
+        assert float(result["max_diff"]) <= 1e-12
+        assert result["generate_equal"] == "True"
+        # the documented outcome of a stock-class load (stated in README.md and config.mlr_notice): a dense model
+        assert float(result["stock_dense_diff"]) > 1e-6
