@@ -126,7 +126,7 @@ def find_rotary(model):
     return None
 
 
-def patch_decoder(model, attention: str = "mlr", *, mlr_ranks: Sequence[int], mlr_block_sizes=None,
+def patch_decoder(model, attention: str = "mlr", *, mlr_ranks: Optional[Sequence[int]] = None, mlr_block_sizes=None,
                   mlr_max_length: Optional[int] = None, layers: Optional[Sequence[int]] = None, init: str = "split",
                   sliding_window_layers: str = "refuse", mlr_level_scales: Optional[Sequence[float]] = None):
     """Return an MLR copy of a transformers decoder (``model`` is not modified); see the module docstring.
@@ -150,6 +150,8 @@ def patch_decoder(model, attention: str = "mlr", *, mlr_ranks: Sequence[int], ml
     if sliding_window_layers not in SLIDING_WINDOW_CHOICES:
         raise ValueError(f"sliding_window_layers={sliding_window_layers!r} is not one of {SLIDING_WINDOW_CHOICES}")
     _refuse_unsupported(model)
+    if mlr_ranks is None:
+        raise ValueError("mlr_ranks (r_1..r_L summing to the head dim) is required to patch a decoder")
     config = model.config
     ranks = list(mlr_ranks)
     head_dim = head_dim_of(config)
@@ -249,5 +251,48 @@ def drift_report(original, patched, input_ids: torch.Tensor, attention_mask: Opt
             "loss_original": float(reference.loss), "loss_patched": float(moved.loss)}
 
 
-__all__ = ["TESTED_ARCHITECTURES", "drift_report", "find_rotary", "is_patchable_decoder", "patch_decoder",
-           "register_local", "register_supported_decoders", "sliding_layers"]
+def _tiny_common(vocab_size: int) -> dict:
+    return dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+TINY_DECODERS = {
+    # head dim 16 everywhere; GQA where the architecture has it; random init (tests, benchmarks, recipes)
+    "llama": lambda v: transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(**_tiny_common(v), num_key_value_heads=2)),
+    "qwen2": lambda v: transformers.Qwen2ForCausalLM(
+        transformers.Qwen2Config(**_tiny_common(v), num_key_value_heads=2)),
+    "qwen3": lambda v: transformers.Qwen3ForCausalLM(
+        transformers.Qwen3Config(**_tiny_common(v), num_key_value_heads=2, head_dim=16)),
+    "mistral": lambda v: transformers.MistralForCausalLM(
+        transformers.MistralConfig(**_tiny_common(v), num_key_value_heads=2, sliding_window=None)),
+    "gemma": lambda v: transformers.GemmaForCausalLM(
+        transformers.GemmaConfig(**_tiny_common(v), num_key_value_heads=1, head_dim=16)),
+    "gemma3": lambda v: transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+        **{**_tiny_common(v), "num_hidden_layers": 3}, num_key_value_heads=2, head_dim=16, sliding_window=8,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"])),
+    "phi3": lambda v: transformers.Phi3ForCausalLM(
+        transformers.Phi3Config(**_tiny_common(v), num_key_value_heads=2, partial_rotary_factor=0.5)),
+    "gpt2": lambda v: transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=v, n_embd=64, n_layer=2, n_head=4, n_positions=256, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0, scale_attn_by_inverse_layer_idx=True)),
+    "neox": lambda v: transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+        **_tiny_common(v), rotary_pct=0.25)),
+}
+
+
+def tiny_decoder(arch: str, seed: int = 0, vocab_size: int = 61, dtype: torch.dtype = torch.float64):
+    """A tiny random decoder of one of ``TINY_DECODERS`` (head dim 16), in eval mode, with every weight nudged by
+    N(0, 0.05) so that symmetric inits (zero biases, unit norms) cannot hide head or level mix-ups."""
+    if arch not in TINY_DECODERS:
+        raise ValueError(f"arch={arch!r} is not one of {sorted(TINY_DECODERS)}")
+    torch.manual_seed(seed)
+    model = TINY_DECODERS[arch](vocab_size).to(dtype).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    return model
+
+
+__all__ = ["TESTED_ARCHITECTURES", "TINY_DECODERS", "drift_report", "find_rotary", "is_patchable_decoder",
+           "patch_decoder", "register_local", "register_supported_decoders", "sliding_layers", "tiny_decoder"]

@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache
 
 import hf_structattn
-from hf_structattn.decoder_patching import find_rotary, patch_decoder
+from hf_structattn.decoder_patching import TINY_DECODERS, find_rotary, tiny_decoder
 from hf_structattn.flops import decoder_cache_report, key_cache_elements
 from hf_structattn.modeling.structattn_decoder import mlr_attention_forward, rotary_pair_order
 
@@ -21,47 +21,10 @@ RANKS = [8, 4, 4]
 BLOCKS = [16, 8]
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
               max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-
-
-def _gemma3_config(**overrides):
-    fields = dict(COMMON, num_hidden_layers=3, num_key_value_heads=2, head_dim=HEAD_DIM, sliding_window=8,
-                  layer_types=["sliding_attention", "sliding_attention", "full_attention"])
-    fields.update(overrides)
-    return transformers.Gemma3TextConfig(**fields)
-
-
-BUILDERS = {
-    "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON, num_key_value_heads=2)),
-    "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**COMMON, num_key_value_heads=2)),
-    "qwen3": lambda: transformers.Qwen3ForCausalLM(
-        transformers.Qwen3Config(**COMMON, num_key_value_heads=2, head_dim=HEAD_DIM)),
-    "mistral": lambda: transformers.MistralForCausalLM(
-        transformers.MistralConfig(**COMMON, num_key_value_heads=2, sliding_window=None)),
-    "gemma": lambda: transformers.GemmaForCausalLM(
-        transformers.GemmaConfig(**COMMON, num_key_value_heads=1, head_dim=HEAD_DIM)),
-    "gemma3": lambda: transformers.Gemma3ForCausalLM(_gemma3_config()),
-    "phi3": lambda: transformers.Phi3ForCausalLM(
-        transformers.Phi3Config(**COMMON, num_key_value_heads=2, partial_rotary_factor=0.5)),
-    "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256, bos_token_id=1, eos_token_id=2,
-        pad_token_id=0, scale_attn_by_inverse_layer_idx=True)),
-    "neox": lambda: transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        max_position_embeddings=256, rotary_pct=0.25, bos_token_id=1, eos_token_id=2, pad_token_id=0)),
-}
-ARCHS = list(BUILDERS)
+ARCHS = list(TINY_DECODERS)
 # Gemma-3's first two layers use a sliding window: the exactness tests convert its global layer and keep the
 # sliding ones (SDPA through the same attention function); replacing them is tested separately
 ARCH_PATCH_KWARGS = {"gemma3": dict(layers=[2])}
-
-
-def tiny_decoder(arch: str, seed: int = 0):
-    torch.manual_seed(seed)
-    model = BUILDERS[arch]().double().eval()
-    with torch.no_grad():  # break the symmetric inits (zero biases, unit norms) so mix-ups cannot cancel out
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * 0.05)
-    return model
 
 
 def patched(arch, ranks=RANKS, blocks=BLOCKS, **kwargs):
@@ -237,6 +200,7 @@ def test_key_cache_bytes_follow_the_formula():
 
 def test_sliding_window_layers_are_refused_unless_replaced_or_excluded():
     model = tiny_decoder("gemma3")
+    assert model.config.layer_types[:2] == ["sliding_attention"] * 2
     with pytest.raises(ValueError, match=r"layers \[0, 1\] use sliding-window attention"):
         hf_structattn.patch(model, mlr_ranks=RANKS, mlr_block_sizes=BLOCKS)
     replaced = hf_structattn.patch(model, mlr_ranks=RANKS, mlr_block_sizes=BLOCKS, sliding_window_layers="replace")
@@ -292,6 +256,8 @@ def test_assisted_decoding_and_static_cache_are_refused():
 
 def test_bad_patch_arguments_name_the_field():
     model = tiny_decoder("llama")
+    with pytest.raises(ValueError, match="mlr_ranks"):
+        hf_structattn.patch(tiny_decoder("gpt2"))
     with pytest.raises(ValueError, match="mlr_max_length"):
         hf_structattn.patch(model, mlr_ranks=RANKS)  # never from max_position_embeddings
     with pytest.raises(ValueError, match="mlr_ranks"):

@@ -187,8 +187,9 @@ def test_patch_refuses_bad_requests():
         hf_structattn.patch(model, init="random", **MLR)
     with pytest.raises(ValueError, match="already has structured attention"):
         hf_structattn.patch(hf_structattn.patch(model, **MLR), **MLR)
-    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
-        hf_structattn.patch(transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2)))
+    with pytest.raises(ValueError, match="BertModel"):  # decoders are patched too (tests/test_decoder_patching.py)
+        hf_structattn.patch(transformers.BertModel(transformers.BertConfig(
+            num_hidden_layers=1, hidden_size=16, num_attention_heads=2, intermediate_size=16, vocab_size=20)))
 
 
 def _train_copy_task(model, steps=300):

@@ -73,8 +73,8 @@ def layer_ranks(config) -> list:
     blocks = getattr(config, "mlr_block_sizes", None)
     if ranks is None or blocks is None:
         raise ValueError(f"attn_implementation='mlr' needs config.mlr_ranks and config.mlr_block_sizes; got "
-                         f"mlr_ranks={ranks!r}, mlr_block_sizes={blocks!r} (use hf_structattn.patch, or set both on the "
-                         f"config: config = AutoConfig.from_pretrained(path); config.mlr_ranks = [...]; "
+                         f"mlr_ranks={ranks!r}, mlr_block_sizes={blocks!r} (use hf_structattn.patch, or set both "
+                         f"on the config: config = AutoConfig.from_pretrained(path); config.mlr_ranks = [...]; "
                          f"config.mlr_block_sizes = [...]; from_pretrained(path, config=config, "
                          f"attn_implementation='mlr'))")
     return list(ranks), list(blocks)
@@ -87,7 +87,8 @@ def rotary_pair_order(rotary, apply_rotary_pos_emb, head_dim: int, layer_types=(
     Each basis vector e_i of the head dim is rotated by ``apply_rotary_pos_emb`` at a few positions; dims that
     rotate together form a pair, dims that never move are unrotated. Works for half-split, interleaved and
     partial RoPE. Returns (``[a_1, b_1, a_2, b_2, ..., unrotated...]`` with pairs ordered by their first dim, i.e.
-    the model's own frequency order; the number of rotated dims). Raises ValueError when the rotation couples more than two dims.
+    the model's own frequency order; the number of rotated dims). Raises ValueError when the rotation couples
+    more than two dims.
     """
     basis = torch.eye(head_dim, dtype=torch.float64)[None, None]  # (1, 1, d, d): query "token" i is e_i
     takes_layer_type = "layer_type" in inspect.signature(rotary.forward).parameters
@@ -338,8 +339,9 @@ _CLASSES = {}
 
 def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
                                   max_cache_length):
-    if "assisted" in str(getattr(generation_mode, "value", generation_mode)) or \
-            model_kwargs.get("assistant_model") is not None or getattr(generation_config, "prompt_lookup_num_tokens", None):
+    assisted = "assisted" in str(getattr(generation_mode, "value", generation_mode))
+    if assisted or model_kwargs.get("assistant_model") is not None or \
+            getattr(generation_config, "prompt_lookup_num_tokens", None):
         raise ValueError("assisted decoding (assistant_model / prompt lookup) rolls the cache back, which the MLR "
                          "key cache cannot do; generate without an assistant")
     implementation = generation_config.cache_implementation
