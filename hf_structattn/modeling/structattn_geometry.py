@@ -13,14 +13,104 @@ Conventions (DESIGN.md §2):
 """
 
 import math
+import numbers
 from typing import Optional, Sequence, Union
 
 import torch
 
 MLR_SCALINGS = ("standard", "mup")
 MASK_VALUE = -1e30
-"""Additive value for masked pairs. Finite on purpose: a group whose keys are all masked then has a finite
-log-sum-exp and contributes exactly zero weight when merged, where ``-inf`` would produce NaN."""
+"""Legacy float32-only fill; use ``mask_value(dtype)`` (finite in every dtype) in new code."""
+
+
+def mask_value(dtype: torch.dtype) -> float:
+    """Additive value for masked pairs, finite in ``dtype``: half its lowest value, so a mask plus a bias (or a
+    second mask) of up to the same magnitude stays finite. Finite on purpose: a group whose keys are all masked
+    then has a finite log-sum-exp and contributes exactly zero weight when merged, where ``-inf`` gives NaN."""
+    return torch.finfo(dtype).min / 2
+
+
+def softmax_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Working dtype of a softmax over scores of ``dtype``: at least float32 (fp16/bf16 scores are upcast), and
+    float64 stays float64 so float64 paths are exact to ~1e-12."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, same_length: bool = True) -> None:
+    """Raise ``ValueError`` unless q, k (B, H, Tq|Tk, E) and v (B, H, Tk, dv) share one floating dtype and
+    consistent shapes, with at least one query and one key."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be 4-D (B, H, T, E); got q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype) or not q.dtype.is_floating_point:
+        raise ValueError(f"q, k, v must share one floating dtype (float16, bfloat16, float32 or float64); got "
+                         f"q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if k.shape[:2] != q.shape[:2] or k.shape[-1] != q.shape[-1] or v.shape[:3] != k.shape[:3] or (
+            same_length and k.shape[2] != q.shape[2]):
+        raise ValueError(f"expected q, k of shape (B, H, T, r) and v of shape (B, H, T, dv); got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.shape[2] == 0 or k.shape[2] == 0:
+        raise ValueError(f"attention needs at least one query and one key position; got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)} (sequence length 0)")
+
+
+def keep_mask(attention_mask: Optional[torch.Tensor], batch: int, length: int, device=None,
+              name: str = "attention_mask") -> Optional[torch.Tensor]:
+    """The (B, T) bool keep-mask (True = attend) of a (B, T) or (1, T) mask, or None.
+
+    Accepted: bool, or integer / floating tensors holding only 0 and 1 (what tokenizers return, also as float).
+    An additive mask (0 = attend, -inf or a large negative number = masked) is refused rather than guessed: read
+    as a keep-mask it would be silently inverted."""
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor of shape ({batch}, {length}), got {type(attention_mask).__name__}")
+    if attention_mask.dim() != 2 or attention_mask.shape[0] not in (1, batch) or attention_mask.shape[1] != length:
+        raise ValueError(f"{name} must have shape ({batch}, {length}) (batch, key positions; 1 = attend), got "
+                         f"{tuple(attention_mask.shape)}")
+    if attention_mask.dtype != torch.bool:
+        if attention_mask.is_complex():
+            raise ValueError(f"{name} must be a bool, integer or 0/1 float keep-mask, got {attention_mask.dtype}")
+        outside = (attention_mask != 0) & (attention_mask != 1)
+        if bool(outside.any()):
+            value = float(attention_mask[outside].flatten()[0])
+            raise ValueError(f"{name} must be a keep-mask holding only 0 and 1 (1 = attend), got a {attention_mask.dtype} "
+                             f"mask holding {value}: additive masks (0 = attend, -inf = masked) are not accepted; "
+                             f"pass (mask == 0) instead")
+    return attention_mask.to(device=device).bool().expand(batch, length)
+
+
+def check_positions(positions: Optional[torch.Tensor], batch: int, length: int, device=None,
+                    name: str = "positions") -> Optional[torch.Tensor]:
+    """(B, T) int64 positions from a (B, T), (1, T) or (T,) integer tensor, or None."""
+    if positions is None:
+        return None
+    if not isinstance(positions, torch.Tensor) or positions.dtype.is_floating_point or positions.is_complex() \
+            or positions.dtype == torch.bool:
+        kind = positions.dtype if isinstance(positions, torch.Tensor) else type(positions).__name__
+        raise ValueError(f"{name} must be an integer tensor of shape ({batch}, {length}), got {kind}")
+    if positions.dim() == 1:
+        positions = positions[None]
+    if positions.dim() != 2 or positions.shape[0] not in (1, batch) or positions.shape[1] != length:
+        raise ValueError(f"{name} must have shape ({batch}, {length}) (or ({length},)), got {tuple(positions.shape)}")
+    return positions.to(device=device, dtype=torch.long).expand(batch, length)
+
+
+def check_bias(bias: Optional[torch.Tensor], shape: tuple, name: str = "bias") -> None:
+    """Raise ``ValueError`` unless ``bias`` is a floating tensor broadcastable to ``shape`` (B, H, Tq, Tk)."""
+    if bias is None:
+        return
+    if not isinstance(bias, torch.Tensor) or not bias.dtype.is_floating_point:
+        kind = bias.dtype if isinstance(bias, torch.Tensor) else type(bias).__name__
+        raise ValueError(f"{name} must be a floating tensor broadcastable to {tuple(shape)}, got {kind}")
+    if bias.dim() > 4:
+        raise ValueError(f"{name} must be broadcastable to {tuple(shape)} (B, H, Tq, Tk), got {tuple(bias.shape)}")
+    try:
+        broadcast = torch.broadcast_shapes(tuple(bias.shape), tuple(shape))
+    except RuntimeError:
+        broadcast = None
+    if broadcast != tuple(shape):
+        raise ValueError(f"{name} must be broadcastable to {tuple(shape)} (B, H, Tq, Tk), got {tuple(bias.shape)}")
 
 
 def default_block_sizes(n_positions: int, num_levels: int) -> list[int]:
@@ -81,12 +171,15 @@ def resolve_level_scales(ranks: Sequence[int], scales: Union[None, str, float, S
         return [1.0 / rank for rank in ranks]
     if isinstance(scales, str):
         raise ValueError(f"{field}={scales!r} is not one of {MLR_SCALINGS}, a number or a list of numbers")
-    if isinstance(scales, (int, float)):
-        return [float(scales)] * len(ranks)
-    scales = [float(s) for s in scales]
-    if len(scales) != len(ranks):
-        raise ValueError(f"{field}={scales} must have one value per level ({len(ranks)} levels)")
-    return scales
+    if isinstance(scales, bool):
+        raise ValueError(f"{field}={scales!r} is not one of {MLR_SCALINGS}, a number or a list of numbers")
+    values = [scales] * len(ranks) if isinstance(scales, numbers.Real) else list(scales)
+    if len(values) != len(ranks):
+        raise ValueError(f"{field}={values} must have one value per level ({len(ranks)} levels)")
+    for value in values:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+            raise ValueError(f"{field}={scales!r}: every level scale must be a finite number > 0, got {value!r}")
+    return [float(value) for value in values]
 
 
 def level_prefix_widths(ranks: Sequence[int]) -> list[int]:

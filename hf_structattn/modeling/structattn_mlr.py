@@ -24,10 +24,15 @@ import torch
 import torch.nn.functional as F
 
 from .structattn_geometry import (
-    MASK_VALUE,
+    check_bias,
+    check_positions,
+    check_qkv,
     depth_scale_vector,
+    keep_mask,
     level_prefix_widths,
+    mask_value,
     resolve_level_scales,
+    softmax_dtype,
     validate_mlr_geometry,
 )
 from .structattn_reference import mlr_attention_reference
@@ -76,17 +81,16 @@ class _Group:
         """lse (B, H, Tc) -> (B, H, n_parents, count, child) view of the query rows."""
         return self.view(lse[..., None], self.query_children)[..., 0]
 
-    def additive_mask(self, key_valid: Optional[torch.Tensor], bias: Optional[torch.Tensor], heads: int,
+    def additive_mask(self, key_valid: Optional[torch.Tensor], bias: Optional[torch.Tensor], batch: int, heads: int,
                       dtype: torch.dtype) -> Optional[torch.Tensor]:
         """Additive mask (B, H*N, 1|child, child) for this group from the canonical key validity (B, Tc) and
-        bias (Bb, Hb, Tc, Tc), or None."""
+        bias (Bb, Hb, Tc, Tc) with Bb in (1, B), Hb in (1, H), or None."""
         result = None
         if key_valid is not None:
-            batch = key_valid.shape[0]
             valid = key_valid.view(batch, 1, self.n_parents, self.n_children, 1, self.child)[:, :, :, self.key_children]
             valid = valid.expand(batch, heads, self.n_parents, self.count, 1, self.child)
             valid = valid.reshape(batch, heads * self.n_parents * self.count, 1, self.child)
-            result = torch.zeros(valid.shape, dtype=dtype, device=valid.device).masked_fill_(~valid, MASK_VALUE)
+            result = torch.zeros(valid.shape, dtype=dtype, device=valid.device).masked_fill_(~valid, mask_value(dtype))
         if bias is not None:
             bias_batch, bias_heads, length, _ = bias.shape
             blocks = bias.view(bias_batch, bias_heads, self.n_parents, self.parent, self.n_parents, self.parent)
@@ -94,7 +98,6 @@ class _Group:
             blocks = blocks.reshape(bias_batch, bias_heads, self.n_parents, self.n_children, self.child,
                                     self.n_children, self.child)
             blocks = blocks.diagonal(offset=-self.offset, dim1=3, dim2=5).permute(0, 1, 2, 5, 3, 4)
-            batch = key_valid.shape[0] if key_valid is not None else bias_batch
             blocks = blocks.expand(batch, heads, self.n_parents, self.count, self.child, self.child)
             blocks = blocks.reshape(batch, heads * self.n_parents * self.count, self.child, self.child).to(dtype)
             result = blocks if result is None else result + blocks
@@ -123,13 +126,12 @@ class _Group:
             return t.squeeze(1).unflatten(0, (batch, heads, self.n_parents, self.count))
         return t.unflatten(0, (batch, self.n_parents, self.count)).movedim(3, 1)
 
-    def fold_mask(self, key_valid: Optional[torch.Tensor], bias: Optional[torch.Tensor], heads: int,
+    def fold_mask(self, key_valid: Optional[torch.Tensor], bias: Optional[torch.Tensor], batch: int, heads: int,
                   dtype: torch.dtype, heads_in_batch: bool) -> Optional[torch.Tensor]:
         """``additive_mask`` in the fused path's fold, or None."""
-        mask = self.additive_mask(key_valid, bias, heads, dtype)
+        mask = self.additive_mask(key_valid, bias, batch, heads, dtype)
         if mask is None:
             return None
-        batch = mask.shape[0]
         mask = mask.view(batch, heads, self.n_parents, self.count, *mask.shape[2:])
         if heads_in_batch:
             return mask.reshape(batch * heads * self.n_parents * self.count, 1, *mask.shape[-2:])
@@ -233,7 +235,7 @@ class _GroupInputs:
         return group.unfold(t, self.q.shape[0], self.q.shape[1], self.heads_in_batch)
 
     def mask(self, group: _Group, key_valid, bias, dtype):
-        return group.fold_mask(key_valid, bias, self.q.shape[1], dtype, self.heads_in_batch)
+        return group.fold_mask(key_valid, bias, self.q.shape[0], self.q.shape[1], dtype, self.heads_in_batch)
 
     def kernel_grad(self, group: _Group, grad: torch.Tensor) -> torch.Tensor:
         """The group's output-gradient rows with (B', L, H, E) memory: the fused backward reads that layout
@@ -252,7 +254,7 @@ class _FusedMLRFunction(torch.autograd.Function):
         batch, heads, length, _ = q.shape
         inputs = _GroupInputs(q, k, v, plan, scale_vectors)
         value_dim = inputs.value_dim
-        acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        acc_dtype = softmax_dtype(q.dtype)
         out = lse = None
         for group in plan.groups:
             mask = inputs.mask(group, key_valid, bias, q.dtype)
@@ -295,8 +297,8 @@ class _FusedMLRFunction(torch.autograd.Function):
         value_dim, width = inputs.value_dim, inputs.width
         out_pad, grad_pad = (F.pad(t, (0, width - t.shape[-1])) if t.shape[-1] < width else t
                              for t in (out, grad_out))
-        lse = lse.to(torch.float32) if q.dtype != torch.float64 else lse
-        acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        acc_dtype = softmax_dtype(q.dtype)
+        lse = lse.to(acc_dtype)
         grad_q = grad_k = grad_v = None
         for group in plan.groups:
             mask = inputs.mask(group, key_valid, bias, q.dtype)
@@ -448,8 +450,8 @@ def _math_attention(q, k, v, key_valid, bias, ranks, block_sizes, first_depth, l
         future = torch.ones(length, length, dtype=torch.bool, device=q.device).triu_(1)
         masked = future if masked is None else masked | future
     if masked is not None:
-        scores = scores.masked_fill(masked, MASK_VALUE)
-    return torch.softmax(scores, dim=-1) @ v
+        scores = scores.masked_fill(masked, mask_value(scores.dtype))
+    return torch.softmax(scores, dim=-1, dtype=softmax_dtype(scores.dtype)).to(v.dtype) @ v
 
 
 def _row_offsets(positions: torch.Tensor, valid: torch.Tensor):
@@ -480,41 +482,47 @@ def mlr_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ranks: S
         block_sizes: (b_2, ..., b_L) nested block sizes of levels 2..L (level 1 is global). These come from
             the training length, never from T.
         causal: causal (key position <= query position) or bidirectional.
-        scales: per-level logit multipliers: None/"standard" = 1/sqrt(r), "mup" = 1/r_l, a float, or a list.
-        positions: (B, T) absolute positions (default ``arange(T)``); blocks are aligned to them.
-        attention_mask: (B, T), 1 = keep (padding mask over keys).
-        bias: additive score bias broadcastable to (B, H, T, T) (e.g. T5's relative position bias), added in
-            every level group.
+        scales: per-level logit multipliers: None/"standard" = 1/sqrt(r), "mup" = 1/r_l, a float, or a list
+            (each finite and > 0).
+        positions: (B, T), (1, T) or (T,) non-negative integer absolute positions (default ``arange(T)``);
+            blocks are aligned to them. Any per-row offset works, with or without a mask.
+        attention_mask: (B, T) or (1, T) keep-mask over keys: bool, or integer/float holding only 0 and 1
+            (1 = attend). Additive masks (0 / -inf) are refused with an error; pass them as ``bias``.
+        bias: additive floating score bias broadcastable to (B, H, T, T) (e.g. T5's relative position bias, or an
+            additive mask), added in every level group.
         average_levels: divide each score by the number of levels the pair shares.
         implementation: "auto", "fused" (CPU), "math", "triton" (CUDA) or "reference" (naive, for tests).
 
     Returns:
-        (B, H, T, dv). Rows whose keys are all masked hold an unspecified finite value.
+        (B, H, T, dv) in the inputs' dtype (float16, bfloat16, float32 or float64; the softmax and the level merge
+        run in ``promote_types(dtype, float32)``). Rows whose keys are all masked hold an unspecified finite value.
     """
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation={implementation!r} is not one of {IMPLEMENTATIONS}")
-    if q.dim() != 4 or k.shape != q.shape or v.shape[:3] != q.shape[:3]:
-        raise ValueError(f"expected q, k of shape (B, H, T, r) and v of shape (B, H, T, dv); got q {tuple(q.shape)}, "
-                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    check_qkv(q, k, v)
     validate_mlr_geometry(ranks, block_sizes, q.shape[-1])
     level_scales = resolve_level_scales(ranks, scales)
     batch, heads, length, _ = q.shape
+    valid = keep_mask(attention_mask, batch, length, q.device)
+    positions = check_positions(positions, batch, length, q.device)
+    check_bias(bias, (batch, heads, length, length))
     if implementation == "reference":
         return mlr_attention_reference(q, k, v, ranks=ranks, block_sizes=block_sizes, causal=causal,
-                                       scales=level_scales, positions=positions, attention_mask=attention_mask,
+                                       scales=level_scales, positions=positions, attention_mask=valid,
                                        bias=bias, average_levels=average_levels)
 
-    valid = None if attention_mask is None else attention_mask.to(device=q.device).bool().expand(batch, length)
     if positions is None:
         offsets, uniform = None, True
     else:
-        positions = positions.to(device=q.device, dtype=torch.long).expand(batch, length)
         offsets = _row_offsets(positions, valid if valid is not None else torch.ones_like(positions, dtype=torch.bool))
         if offsets is None:  # non-contiguous positions (e.g. packed sequences): only the naive path is exact
             return mlr_attention_reference(q, k, v, ranks=ranks, block_sizes=block_sizes, causal=causal,
-                                           scales=level_scales, positions=positions, attention_mask=attention_mask,
+                                           scales=level_scales, positions=positions, attention_mask=valid,
                                            bias=bias, average_levels=average_levels)
         uniform = bool((offsets == offsets[0]).all())
+        if not uniform and valid is None:
+            # per-row offsets go through the canonical scatter, which marks real tokens with the mask
+            valid = torch.ones(batch, length, dtype=torch.bool, device=q.device)
 
     # Range of positions that carry real tokens decides which levels every pair shares.
     if uniform:

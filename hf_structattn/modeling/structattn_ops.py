@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .structattn_geometry import MASK_VALUE
+from .structattn_geometry import mask_value
 
 
 def sliding_window_allowed(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int,
@@ -42,13 +42,13 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
         v = F.pad(v, (0, width - value_width))
     mask = None
     if allowed is not None:
-        mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, MASK_VALUE)
+        mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, mask_value(q.dtype))
     if bias is not None:
         mask = bias.to(q.dtype) if mask is None else mask + bias.to(q.dtype)
     is_causal = causal and mask is None and q.shape[-2] > 1
     if causal and mask is not None and allowed is None:
         future = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).triu_(
             1 + k.shape[-2] - q.shape[-2])
-        mask = mask.masked_fill(future, MASK_VALUE)
+        mask = mask.masked_fill(future, mask_value(q.dtype))
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal, scale=scale)
     return out[..., :value_width] if value_width < width else out

@@ -8,13 +8,24 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from .structattn_geometry import MASK_VALUE, pair_depth, resolve_level_scales, validate_mlr_geometry
+from .structattn_geometry import (
+    check_bias,
+    check_positions,
+    check_qkv,
+    keep_mask,
+    mask_value,
+    pair_depth,
+    resolve_level_scales,
+    softmax_dtype,
+    validate_mlr_geometry,
+)
 
 
-def _positions_or_arange(positions: Optional[torch.Tensor], batch: int, length: int, device) -> torch.Tensor:
+def _positions_or_arange(positions: Optional[torch.Tensor], batch: int, length: int, device,
+                         name: str = "positions") -> torch.Tensor:
     if positions is None:
         return torch.arange(length, device=device).expand(batch, length)
-    return positions.to(device=device, dtype=torch.long).expand(batch, length)
+    return check_positions(positions, batch, length, device, name)
 
 
 def query_key_positions(q: torch.Tensor, k: torch.Tensor, positions: Optional[torch.Tensor],
@@ -25,14 +36,15 @@ def query_key_positions(q: torch.Tensor, k: torch.Tensor, positions: Optional[to
     query_positions = _positions_or_arange(positions, batch, q_len, q.device)
     if key_positions is None:
         key_positions = query_positions if k_len == q_len else _positions_or_arange(None, batch, k_len, q.device)
-    return query_positions, _positions_or_arange(key_positions, batch, k_len, q.device)
+    return query_positions, _positions_or_arange(key_positions, batch, k_len, q.device, "key_positions")
 
 
 def masked_softmax_attention(scores: torch.Tensor, v: torch.Tensor, allowed: Optional[torch.Tensor]) -> torch.Tensor:
-    """softmax(scores with disallowed pairs set to MASK_VALUE) @ v. scores (B,H,Tq,Tk), allowed broadcastable."""
+    """softmax(scores with disallowed pairs set to ``mask_value``) @ v, the softmax in at least float32.
+    scores (B,H,Tq,Tk), allowed broadcastable."""
     if allowed is not None:
-        scores = scores.masked_fill(~allowed, MASK_VALUE)
-    return torch.softmax(scores, dim=-1) @ v
+        scores = scores.masked_fill(~allowed, mask_value(scores.dtype))
+    return torch.softmax(scores, dim=-1, dtype=softmax_dtype(scores.dtype)).to(v.dtype) @ v
 
 
 def allowed_pairs(query_positions: torch.Tensor, key_positions: torch.Tensor, causal: bool,
@@ -83,10 +95,22 @@ def mlr_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     """Naive MLR attention. q, k: (B, H, Tq|Tk, r); v: (B, H, Tk, dv) -> (B, H, Tq, dv).
 
     positions: (B, Tq) absolute positions of the queries (default ``arange``); key_positions: (B, Tk)
-    (default: the query positions when Tq == Tk). Causality compares positions. attention_mask: (B, Tk),
-    1 = keep. bias: additive, broadcastable to (B, H, Tq, Tk), added to every score.
+    (default: the query positions when Tq == Tk). Causality compares positions. attention_mask: (B, Tk)
+    keep-mask (bool or 0/1, 1 = attend; additive masks are refused). bias: additive, broadcastable to
+    (B, H, Tq, Tk), added to every score. The softmax runs in ``promote_types(dtype, float32)``.
     """
+    check_qkv(q, k, v, same_length=False)
+    attention_mask = keep_mask(attention_mask, q.shape[0], k.shape[2], q.device)
+    check_bias(bias, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]))
     query_positions, key_positions = query_key_positions(q, k, positions, key_positions)
+    # padding slots may carry any position (e.g. -1); only real tokens must be at non-negative positions
+    real_keys = key_positions if attention_mask is None else key_positions[attention_mask]
+    real_queries = query_positions if attention_mask is None or q.shape[2] != k.shape[2] else \
+        query_positions[attention_mask]
+    lowest = min([int(t.min()) for t in (real_keys, real_queries) if t.numel()] or [0])
+    if lowest < 0:
+        raise ValueError(f"positions must be non-negative for MLR attention (blocks are aligned to position 0), "
+                         f"got {lowest}")
     scores = mlr_scores_reference(q, k, ranks=ranks, block_sizes=block_sizes, scales=scales,
                                   positions=query_positions, key_positions=key_positions,
                                   average_levels=average_levels)
@@ -103,6 +127,9 @@ def dense_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               key_positions: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Standard (optionally sliding-window) attention, materialised. Window ``w`` keeps keys with
     ``|i - j| < w`` (w keys including the query itself when causal), as in transformers' ``sliding_window``."""
+    check_qkv(q, k, v, same_length=False)
+    attention_mask = keep_mask(attention_mask, q.shape[0], k.shape[2], q.device)
+    check_bias(bias, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]))
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     query_positions, key_positions = query_key_positions(q, k, positions, key_positions)
     scores = (q @ k.transpose(-1, -2)) * scale
