@@ -22,7 +22,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.pytorch_utils import Conv1D
 from transformers.utils import ModelOutput, can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
-from transformers.utils.output_capturing import capture_outputs
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_structattn_gpt2 import StructAttnGPT2Config
 from .structattn_bilinear import (
@@ -32,9 +32,10 @@ from .structattn_bilinear import (
     default_btt_factors,
 )
 from .structattn_cache import StructAttnCache, mlr_attention_cached, plain_cached_keys
-from .structattn_geometry import resolve_level_scales
+from .structattn_geometry import check_positions, keep_mask, resolve_level_scales
 from .structattn_mlr import mlr_attention
 from .structattn_ops import fused_attention
+from .structattn_reference import allowed_pairs, masked_softmax, mlr_scores_reference
 
 
 def eager_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -116,10 +117,13 @@ class StructAttnGPT2Attention(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, cache: Optional[Cache] = None, attention_masks=None,
                 padding_mask: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
-                positions_are_arange: bool = False, **kwargs) -> torch.Tensor:
+                positions_are_arange: bool = False, output_attentions: bool = False,
+                **kwargs) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """hidden_states (B, T, D); attention_masks: dict with transformers' 4-D masks ("full", "sliding");
         padding_mask: (B, S) over cached + new slots (1 = real token); position_ids: (B, T);
-        positions_are_arange: position_ids is ``arange(T)`` (lets MLR skip its position analysis)."""
+        positions_are_arange: position_ids is ``arange(T)`` (lets MLR skip its position analysis);
+        output_attentions: also return the probabilities (B, H, T, T) from the materialised path (uncached only).
+        Returns (output (B, T, D), probabilities or None)."""
         batch, length, _ = hidden_states.shape
         dropout = self.attn_dropout.p if self.training else 0.0
         attention_masks = attention_masks or {}
@@ -130,6 +134,12 @@ class StructAttnGPT2Attention(nn.Module):
         else:
             value = self._split_heads(self.c_v(hidden_states))
 
+        if output_attentions:
+            output, probabilities = self._materialised(hidden_states, query if self.variant in ("dense", "mlr", "swa")
+                                                       else None, key if self.variant in ("dense", "mlr", "swa")
+                                                       else None, value, padding_mask, position_ids)
+            output = output.transpose(1, 2).reshape(batch, length, self.embed_dim)
+            return self.resid_dropout(self.c_proj(output)), probabilities
         if self.variant == "mlr":
             output = self._mlr(query, key, value, cache, padding_mask, position_ids, length, positions_are_arange)
         elif self.variant in ("dense", "swa"):
@@ -152,7 +162,26 @@ class StructAttnGPT2Attention(nn.Module):
             output = fused_attention(query, key, value, scale=1.0, causal=allowed is None and bias is None,
                                      allowed=allowed, bias=bias, dropout=dropout)
         output = output.transpose(1, 2).reshape(batch, length, self.embed_dim)
-        return self.resid_dropout(self.c_proj(output))
+        return self.resid_dropout(self.c_proj(output)), None
+
+    def _materialised(self, hidden_states, query, key, value, padding_mask, position_ids):
+        """Uncached attention with the T x T probabilities materialised (the reference semantics of every variant;
+        slow, for ``output_attentions``). Returns (output (B, H, T, dv), probabilities (B, H, T, T))."""
+        batch, length = hidden_states.shape[:2]
+        positions = position_ids.expand(batch, length)
+        if self.variant == "mlr":
+            scores = mlr_scores_reference(query, key, ranks=self.ranks, block_sizes=self.block_sizes,
+                                          scales=self.level_scales, positions=positions,
+                                          average_levels=self.config.mlr_average_levels)
+        elif self.variant in ("dense", "swa"):
+            scores = (query @ key.transpose(-1, -2)) * self.scaling
+        else:
+            query, key = self._bilinear_qk(hidden_states)  # logit scales folded into the queries
+            scores = query @ key.transpose(-1, -2)
+        window = self.config.sliding_window if self.variant == "swa" else None
+        allowed = allowed_pairs(positions, positions, True, padding_mask, sliding_window=window)
+        probabilities = masked_softmax(scores, allowed)
+        return self.attn_dropout(probabilities).to(value.dtype) @ value, probabilities
 
     def _bilinear_qk(self, hidden_states):
         """Structured queries and keys (B, H, T, E) with the logit scale folded into the queries."""
@@ -227,10 +256,11 @@ class StructAttnGPT2Block(GradientCheckpointingLayer):
         self.mlp = StructAttnGPT2MLP(inner_dim, config)
 
     def forward(self, hidden_states, cache=None, attention_masks=None, padding_mask=None, position_ids=None,
-                positions_are_arange=False, **kwargs):
-        hidden_states = hidden_states + self.attn(self.ln_1(hidden_states), cache=cache,
-                                                  attention_masks=attention_masks, padding_mask=padding_mask,
-                                                  position_ids=position_ids, positions_are_arange=positions_are_arange)
+                positions_are_arange=False, output_attentions=False, **kwargs):
+        attention, _ = self.attn(self.ln_1(hidden_states), cache=cache, attention_masks=attention_masks,
+                                 padding_mask=padding_mask, position_ids=position_ids,
+                                 positions_are_arange=positions_are_arange, output_attentions=output_attentions)
+        hidden_states = hidden_states + attention
         return hidden_states + self.mlp(self.ln_2(hidden_states))
 
 
@@ -248,7 +278,8 @@ class StructAttnGPT2PreTrainedModel(PreTrainedModel):
     _supports_flash_attn = False
     _supports_flex_attn = False
     _can_compile_fullgraph = False
-    _can_record_outputs = {"hidden_states": StructAttnGPT2Block}
+    _can_record_outputs = {"hidden_states": StructAttnGPT2Block,
+                           "attentions": OutputRecorder(StructAttnGPT2Attention, index=1)}
     _keys_to_ignore_on_load_unexpected = [r"attn\.bias", r"attn\.masked_bias"]
 
     def post_init(self):
@@ -306,13 +337,29 @@ class StructAttnGPT2Model(StructAttnGPT2PreTrainedModel):
                 attention_mask: Optional[torch.Tensor] = None, position_ids: Optional[torch.LongTensor] = None,
                 inputs_embeds: Optional[torch.Tensor] = None, use_cache: Optional[bool] = None,
                 **kwargs) -> BaseModelOutputWithPast:
-        """input_ids (B, T) or inputs_embeds (B, T, D); attention_mask (B, S) over cached + new tokens
-        (1 = real token); position_ids (B, T) (default: continue from the cache)."""
+        """input_ids (B, T) or inputs_embeds (B, T, D); attention_mask (B, S) keep-mask over cached + new tokens
+        (bool or 0/1, 1 = real token; additive masks are refused); position_ids (B, T), (1, T) or (T,)
+        non-negative integers (default: continue from the cache); output_attentions=True returns every layer's
+        probabilities (B, H, T, T) from the materialised path and runs without a cache."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if input_ids is not None and (input_ids.dim() != 2 or input_ids.dtype.is_floating_point):
+            raise ValueError(f"input_ids must be an integer tensor of shape (B, T), got {input_ids.dtype} "
+                             f"{tuple(input_ids.shape)}")
         if inputs_embeds is None:
             inputs_embeds = self.wte(input_ids)
+        if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != self.embed_dim:
+            raise ValueError(f"inputs_embeds must have shape (B, T, {self.embed_dim}), got {tuple(inputs_embeds.shape)}")
         batch, length = inputs_embeds.shape[:2]
+        if length == 0:
+            raise ValueError(f"the input has sequence length 0 (shape {tuple(inputs_embeds.shape[:2])}): pass at "
+                             f"least one token")
+        output_attentions = bool(kwargs.pop("output_attentions", self.config.output_attentions))
+        if output_attentions:
+            if cache is not None and cache.get_seq_length() > 0:
+                raise ValueError("output_attentions=True materialises the attention of an uncached forward; pass "
+                                 "use_cache=False (e.g. generate(..., use_cache=False)) and no filled cache")
+            cache, use_cache = None, False
         if use_cache and cache is None and self.training and torch.is_grad_enabled():
             # a training step never reads a cache back, and the MLR key cache costs real time to fill (~40 ms per
             # step at T = 1024, 6 layers); pass a cache explicitly to get one anyway
@@ -321,15 +368,19 @@ class StructAttnGPT2Model(StructAttnGPT2PreTrainedModel):
             cache = self.new_cache()
         # MLR layers skip their position checks (host syncs, graph breaks under torch.compile) when the positions
         # are the model's own arange from 0
-        positions_are_arange = position_ids is None and (cache is None or cache.get_seq_length() == 0)
-        last_position = None
+        past = cache.get_seq_length() if cache is not None else 0
+        positions_are_arange = position_ids is None and past == 0
         if position_ids is None:
-            past = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(past, past + length, device=inputs_embeds.device)[None]
             last_position = past + length - 1
-        elif position_ids.numel():
+        else:
+            position_ids = check_positions(position_ids, batch, length, inputs_embeds.device, "position_ids")
             last_position = int(position_ids.max())
-        if last_position is not None and last_position >= self.config.n_positions:
+            if int(position_ids.min()) < 0:
+                raise ValueError(f"position_ids must be non-negative, got {int(position_ids.min())}")
+        if attention_mask is not None:
+            attention_mask = keep_mask(attention_mask, batch, past + length, inputs_embeds.device, "attention_mask")
+        if last_position >= self.config.n_positions:
             raise ValueError(f"position {last_position} is beyond n_positions={self.config.n_positions}: "
                              f"this model has learned position embeddings for positions < {self.config.n_positions}")
         hidden_states = self.drop(inputs_embeds + self.wpe(position_ids))
@@ -348,7 +399,8 @@ class StructAttnGPT2Model(StructAttnGPT2PreTrainedModel):
         for block in self.h:
             hidden_states = block(hidden_states, cache if not (self.gradient_checkpointing and self.training) else None,
                                   attention_masks, attention_mask, position_ids,
-                                  positions_are_arange=positions_are_arange, **kwargs)
+                                  positions_are_arange=positions_are_arange, output_attentions=output_attentions,
+                                  **kwargs)
         hidden_states = self.ln_f(hidden_states)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache if use_cache else None)
 
@@ -388,17 +440,18 @@ class StructAttnGPT2LMHeadModel(StructAttnGPT2PreTrainedModel, GenerationMixin):
         if labels is not None:
             loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size, **kwargs)
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=outputs.cache,
-                                      hidden_states=outputs.hidden_states)
+                                      hidden_states=outputs.hidden_states, attentions=outputs.attentions)
 
 
 @dataclass
 class InContextRegressionOutput(ModelOutput):
     """loss: mean squared error over the y positions; predictions: (B, N) prediction of y_i from (x_1, y_1, ...,
-    x_i); hidden_states: optional per-layer states."""
+    x_i); hidden_states, attentions: optional per-layer states and probabilities (B, H, 2N, 2N)."""
 
     loss: Optional[torch.Tensor] = None
     predictions: Optional[torch.Tensor] = None
     hidden_states: Optional[tuple] = None
+    attentions: Optional[tuple] = None
 
 
 class StructAttnGPT2ForInContextRegression(StructAttnGPT2PreTrainedModel):
@@ -431,7 +484,8 @@ class StructAttnGPT2ForInContextRegression(StructAttnGPT2PreTrainedModel):
         hidden = self.transformer(inputs_embeds=self.read_in(tokens), use_cache=False, **kwargs)
         predictions = self.read_out(hidden.last_hidden_state[:, ::2])[..., 0]
         loss = ((predictions - ys) ** 2).mean()
-        return InContextRegressionOutput(loss=loss, predictions=predictions, hidden_states=hidden.hidden_states)
+        return InContextRegressionOutput(loss=loss, predictions=predictions, hidden_states=hidden.hidden_states,
+                                         attentions=hidden.attentions)
 
 
 StructAttnGPT2Config.register_for_auto_class()

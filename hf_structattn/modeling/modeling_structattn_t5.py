@@ -36,9 +36,10 @@ from .structattn_bilinear import (
     default_btt_factors,
 )
 from .structattn_cache import StructAttnCache, mlr_attention_cached, plain_cached_keys
-from .structattn_geometry import MASK_VALUE
+from .structattn_geometry import keep_mask, mask_value
 from .structattn_mlr import mlr_attention
 from .structattn_ops import fused_attention
+from .structattn_reference import allowed_pairs, masked_softmax, mlr_scores_reference
 
 T5_AUTO_MAP = {
     "AutoConfig": "configuration_structattn_t5.StructAttnT5Config",
@@ -132,12 +133,17 @@ class StructAttnT5Attention(nn.Module):
             return torch.cat([s * q for s, q in zip(self.level_scales, self.q_proj(hidden_states))], dim=-1)
         return (hidden_states[:, None] * self.btt_scale).expand(-1, self.n_heads, -1, -1)
 
-    def forward(self, hidden_states, mask=None, key_value_states=None, position_bias=None, cache=None, **kwargs):
+    def forward(self, hidden_states, mask=None, key_value_states=None, position_bias=None, cache=None,
+                output_attentions=False, **kwargs):
         """hidden_states (B, Q, D); key_value_states (B, K, D) for cross-attention; mask: T5's 4-D mask
-        (B, 1, Q, K) or None; position_bias (1, H, Q, K) from block 0 (computed here when None).
-        Returns (output (B, Q, D), position_bias, None)."""
+        (B, 1, Q, K) or None; position_bias (1, H, Q, K) from block 0 (computed here when None);
+        output_attentions: also return the probabilities (B, H, Q, K) from the materialised path (no cache).
+        Returns (output (B, Q, D), position_bias, probabilities or None)."""
         batch, length, _ = hidden_states.shape
         is_cross = key_value_states is not None
+        if output_attentions and cache is not None:
+            raise ValueError("output_attentions=True materialises the attention of an uncached forward; pass "
+                             "use_cache=False (e.g. generate(..., use_cache=False))")
         past = cache.get_seq_length(self.layer_idx) if cache is not None else 0
         is_updated = False
         if isinstance(cache, EncoderDecoderCache):
@@ -153,9 +159,10 @@ class StructAttnT5Attention(nn.Module):
             states = key_value_states if is_cross else hidden_states
             key, value = self._keys(states), self._heads(self.v(states))
 
+        probabilities = None
         if self.variant == "mlr":  # the config refuses MLR cross-attention
-            output, position_bias = self._mlr(query, key, value, mask, position_bias, current_cache, past, batch,
-                                              length)
+            output, position_bias, probabilities = self._mlr(query, key, value, mask, position_bias, current_cache,
+                                                             past, batch, length, output_attentions)
         else:
             if cache is not None and not (is_cross and is_updated):
                 key, value = current_cache.update(key, value, self.layer_idx)
@@ -164,21 +171,27 @@ class StructAttnT5Attention(nn.Module):
             key_length = key.shape[-2]
             if position_bias is None:
                 position_bias = self._position_bias(length, key_length, past, query)
-            additive = position_bias
+            fill = mask_value(query.dtype)
+            additive = position_bias.to(query.dtype)
             if mask is not None:
-                mask_bias = mask if mask.dtype != torch.bool else torch.zeros(
-                    mask.shape, dtype=query.dtype, device=query.device).masked_fill(~mask, MASK_VALUE)
-                additive = additive + mask_bias
+                if mask.dtype == torch.bool:
+                    additive = additive.masked_fill(~mask, fill)
+                else:  # transformers' additive mask (0 / dtype min): clamp so that bias + mask stays finite
+                    additive = (additive + mask.to(query.dtype)).clamp(min=fill)
             elif self.is_causal and not is_cross:
                 # no explicit mask (SDPA-style "rely on is_causal"): causality by slot index, queries are the
                 # newest ``length`` slots
                 future = torch.ones(length, key_length, dtype=torch.bool, device=query.device).triu_(
                     1 + key_length - length)
-                additive = additive.masked_fill(future, MASK_VALUE)
-            dropout = self.dropout if self.training else 0.0
-            output = fused_attention(query, key, value, scale=1.0, causal=False, bias=additive, dropout=dropout)
+                additive = additive.masked_fill(future, fill)
+            if output_attentions:
+                probabilities = masked_softmax(query @ key.transpose(-1, -2) + additive, None)
+                output = nn.functional.dropout(probabilities, self.dropout, self.training).to(value.dtype) @ value
+            else:
+                dropout = self.dropout if self.training else 0.0
+                output = fused_attention(query, key, value, scale=1.0, causal=False, bias=additive, dropout=dropout)
         output = output.transpose(1, 2).reshape(batch, length, self.inner_dim)
-        return self.o(output), position_bias, None
+        return self.o(output), position_bias, probabilities
 
     def _position_bias(self, query_length, key_length, past, reference):
         """(1, H, Q, K): T5's learned relative bias in block 0, zeros elsewhere (as T5Attention does)."""
@@ -186,10 +199,11 @@ class StructAttnT5Attention(nn.Module):
             return self.compute_bias(query_length, key_length, device=reference.device, past_seen_tokens=past)
         return torch.zeros(1, self.n_heads, query_length, key_length, device=reference.device, dtype=reference.dtype)
 
-    def _mlr(self, query, key, value, mask, position_bias, self_cache, past, batch, length):
+    def _mlr(self, query, key, value, mask, position_bias, self_cache, past, batch, length, output_attentions=False):
         """MLR self-attention. Blocks follow positions counted over real tokens (``cumsum(mask) - 1``), so a
         left-padded row (Chronos left-pads contexts) is computed exactly as the row alone; T5's relative bias
-        (index differences, equal to position differences inside a contiguous row) is added in every level."""
+        (index differences, equal to position differences inside a contiguous row) is added in every level.
+        Returns (output, position_bias, probabilities or None)."""
         total = past + length
         key_valid = key_validity_from_mask(mask, batch, total)
         if key_valid is None:
@@ -209,7 +223,7 @@ class StructAttnT5Attention(nn.Module):
             cached = layer.update(key, value, positions=positions, valid=valid)
             if past > 0:
                 return mlr_attention_cached(query, cached, level_scales=self.level_scales, query_positions=positions,
-                                            bias=position_bias, **kwargs), position_bias
+                                            bias=position_bias, **kwargs), position_bias, None
         elif self_cache is not None:  # an ordinary DynamicCache: full-width keys, every level keeps every slot
             keys, values = self_cache.update(key, value, self.layer_idx)
             if keys.shape[-2] > length:
@@ -217,12 +231,18 @@ class StructAttnT5Attention(nn.Module):
                     batch, keys.shape[-2], dtype=torch.bool, device=keys.device)
                 cached = plain_cached_keys(keys, values, key_positions, valid_all, self.ranks)
                 return mlr_attention_cached(query, cached, level_scales=self.level_scales, query_positions=positions,
-                                            bias=position_bias, **kwargs), position_bias
-        # the bias is expanded to the batch: mlr_attention's fused CPU path mis-shapes a batch-1 bias in some causal
-        # group plans (seen with T=9, blocks 8|4, batch 2)
+                                            bias=position_bias, **kwargs), position_bias, None
+        if output_attentions:  # the reference semantics, materialised
+            scores = mlr_scores_reference(query, key, ranks=self.ranks, block_sizes=self.block_sizes,
+                                          scales=self.level_scales, positions=positions,
+                                          average_levels=kwargs["average_levels"])
+            allowed = allowed_pairs(positions, positions, self.is_causal, valid)
+            probabilities = masked_softmax(scores + position_bias.to(scores.dtype), allowed)
+            output = nn.functional.dropout(probabilities, self.dropout, self.training).to(value.dtype) @ value
+            return output, position_bias, probabilities
         output = mlr_attention(query, key, value, scales=self.level_scales, positions=positions,
-                               attention_mask=valid, bias=position_bias.expand(batch, -1, -1, -1), **kwargs)
-        return output, position_bias
+                               attention_mask=valid, bias=position_bias, **kwargs)
+        return output, position_bias, None
 
 
 def install_structured_attention(stack: nn.Module, config, specs: dict) -> int:
@@ -304,9 +324,30 @@ class StructAttnT5Stack(StructAttnT5PreTrainedModel, T5Stack):
 
     def forward(self, input_ids=None, attention_mask=None, encoder_hidden_states=None, encoder_attention_mask=None,
                 inputs_embeds=None, cache=None, use_cache=None, **kwargs):
-        """See ``transformers.T5Stack.forward``; input_ids (B, T), attention_mask (B, T) (1 = real token)."""
+        """See ``transformers.T5Stack.forward``; input_ids (B, T), attention_mask (B, T) over cached + new tokens and
+        encoder_attention_mask (B, S): keep-masks (bool or 0/1, 1 = real token; additive masks are refused).
+        ``output_attentions=True`` returns the probabilities of every layer from the materialised path and runs
+        without a cache (dense roles need ``attn_implementation="eager"``)."""
         if "past_key_values" in kwargs and cache is None:
             cache = kwargs.pop("past_key_values")
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        shape = tuple((input_ids if input_ids is not None else inputs_embeds).shape)
+        if len(shape) < 2 or shape[1] == 0:
+            raise ValueError(f"the input has sequence length 0 or no batch axis (shape {shape}): pass at least one "
+                             f"token as (B, T)")
+        past = cache.get_seq_length() if cache is not None else 0
+        attention_mask = keep_mask(attention_mask, shape[0], past + shape[1], name="attention_mask")
+        if encoder_hidden_states is not None:
+            encoder_attention_mask = keep_mask(encoder_attention_mask, shape[0], encoder_hidden_states.shape[1],
+                                               name="encoder_attention_mask")
+        output_attentions = kwargs.get("output_attentions")
+        if output_attentions is None:
+            output_attentions = bool(self.config.output_attentions)
+        if output_attentions:
+            self._check_can_output_attentions(past)
+            kwargs["output_attentions"] = True
+            cache, use_cache = None, False
         wants_cache = use_cache if use_cache is not None else self.config.use_cache
         if self.is_decoder and cache is None and wants_cache and self.config.is_encoder_decoder:
             cache = EncoderDecoderCache(StructAttnCache(self.config.cache_layer_specs()), DynamicCache())
@@ -314,6 +355,18 @@ class StructAttnT5Stack(StructAttnT5PreTrainedModel, T5Stack):
                                encoder_hidden_states=encoder_hidden_states,
                                encoder_attention_mask=encoder_attention_mask, inputs_embeds=inputs_embeds,
                                cache=cache, use_cache=use_cache, **kwargs)
+
+    def _check_can_output_attentions(self, past: int) -> None:
+        """Refuse ``output_attentions`` where it would silently give no probabilities."""
+        if past > 0:
+            raise ValueError("output_attentions=True materialises the attention of an uncached forward; pass "
+                             "use_cache=False (e.g. generate(..., use_cache=False)) and no filled cache")
+        dense_roles = [module for module in self.modules() if isinstance(module, T5Attention)]
+        if dense_roles and self.config._attn_implementation != "eager":
+            raise ValueError(f"output_attentions=True: the dense attention roles of this model run transformers' "
+                             f"T5Attention, which returns probabilities only with attn_implementation='eager' "
+                             f"(this model uses {self.config._attn_implementation!r}); build or load it with "
+                             f"attn_implementation='eager'")
 
 
 def _stack_configs(config):

@@ -39,12 +39,17 @@ def query_key_positions(q: torch.Tensor, k: torch.Tensor, positions: Optional[to
     return query_positions, _positions_or_arange(key_positions, batch, k_len, q.device, "key_positions")
 
 
-def masked_softmax_attention(scores: torch.Tensor, v: torch.Tensor, allowed: Optional[torch.Tensor]) -> torch.Tensor:
-    """softmax(scores with disallowed pairs set to ``mask_value``) @ v, the softmax in at least float32.
-    scores (B,H,Tq,Tk), allowed broadcastable."""
+def masked_softmax(scores: torch.Tensor, allowed: Optional[torch.Tensor]) -> torch.Tensor:
+    """Attention probabilities (B, H, Tq, Tk) in the scores' dtype: softmax over keys, computed in at least float32,
+    of the scores with disallowed pairs set to ``mask_value``. allowed: bool, broadcastable, True = attend."""
     if allowed is not None:
         scores = scores.masked_fill(~allowed, mask_value(scores.dtype))
-    return torch.softmax(scores, dim=-1, dtype=softmax_dtype(scores.dtype)).to(v.dtype) @ v
+    return torch.softmax(scores, dim=-1, dtype=softmax_dtype(scores.dtype)).to(scores.dtype)
+
+
+def masked_softmax_attention(scores: torch.Tensor, v: torch.Tensor, allowed: Optional[torch.Tensor]) -> torch.Tensor:
+    """``masked_softmax(scores, allowed) @ v``. scores (B,H,Tq,Tk), v (B,H,Tk,dv)."""
+    return masked_softmax(scores, allowed).to(v.dtype) @ v
 
 
 def allowed_pairs(query_positions: torch.Tensor, key_positions: torch.Tensor, causal: bool,

@@ -1,0 +1,260 @@
+"""Model-level contracts (docs/contracts.md): caller positions in uncached forwards, float16/bfloat16 for every
+variant, output_attentions, and clear errors for bad input. Exactness checks run in float64."""
+
+import pytest
+import torch
+import transformers
+
+from hf_structattn import StructAttnT5Config, StructAttnT5ForConditionalGeneration
+
+from conftest import tiny_lm
+from test_t5_models import BASE, MLR, tiny_t5
+
+GPT2_VARIANTS = ["dense", "mlr", "mlr_avg_mup", "bilinear_mlr", "bilinear_btt", "swa", "mixed"]
+T5_VARIANTS = {
+    "dense": {},
+    "mlr": MLR,
+    "mlr_avg": dict(MLR, mlr_average_levels=True, mlr_scaling="mup"),
+    "bilinear": dict(encoder_attention="bilinear_mlr", decoder_attention="bilinear_btt",
+                     cross_attention="bilinear_mlr", bilinear_mlr_ranks=[4, 4]),
+}
+EXACT = dict(atol=1e-12, rtol=1e-12)
+
+
+def _ids(batch=2, length=20, seed=3, vocab=61):
+    return torch.randint(2, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+# -------------------------------------------------------------------------------------------- positions (item 2)
+
+
+@pytest.mark.parametrize("variant", GPT2_VARIANTS)
+@pytest.mark.parametrize("training", [False, True])
+def test_gpt2_uncached_forward_honours_offset_and_per_row_positions(variant, training):
+    """Positions not starting at 0 and per-row offsets without a mask: the fast path equals the materialised
+    reference path (output_attentions) in float64, and every row equals the row alone."""
+    model = tiny_lm(variant).double().train(training)
+    ids = _ids(3)
+    positions = torch.stack([torch.arange(5, 25), torch.arange(0, 20), torch.arange(19, 39)])
+    fast = model(ids, position_ids=positions, use_cache=False)
+    reference = model(ids, position_ids=positions, use_cache=False, output_attentions=True)
+    torch.testing.assert_close(fast.logits, reference.logits, **EXACT)
+    for row in range(3):
+        alone = model(ids[row:row + 1], position_ids=positions[row:row + 1], use_cache=False).logits
+        torch.testing.assert_close(fast.logits[row:row + 1], alone, **EXACT)
+    if training:
+        fast.logits.sum().backward()
+        assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)
+
+
+def test_t5_mlr_unpadded_batch_with_bias_matches_rows_alone():
+    """T = 9 with blocks 8|4, batch 2 and no padding mask: the (1, H, T, T) relative bias reaches the fused op
+    unexpanded (the call-site workaround is gone)."""
+    model = tiny_t5(**MLR).double()
+    ids = _ids(2, 9, vocab=50)
+    decoder_ids = _ids(2, 9, seed=4, vocab=50)
+    both = model(input_ids=ids, decoder_input_ids=decoder_ids, use_cache=False).logits
+    for row in range(2):
+        alone = model(input_ids=ids[row:row + 1], decoder_input_ids=decoder_ids[row:row + 1], use_cache=False).logits
+        torch.testing.assert_close(both[row:row + 1], alone, **EXACT)
+
+
+# --------------------------------------------------------------------------------------- low precision (item 3)
+
+# A tiny model's logits and gradients in fp16/bf16 against float32 on the same (rounded) weights: every matmul,
+# norm and softmax rounds, so the tolerance is a multiple of the dtype's epsilon times the values' magnitude.
+# 64 eps covers 2-3 layers of rounding with margin (measured errors are ~4-16 eps).
+LOW_PRECISION_EPS = 64
+
+
+def _assert_low_precision_close(low, exact, dtype, what):
+    assert low.dtype == dtype, what
+    assert torch.isfinite(low).all(), what
+    scale = max(1.0, float(exact.abs().max()))
+    torch.testing.assert_close(low.float(), exact, atol=LOW_PRECISION_EPS * torch.finfo(dtype).eps * scale, rtol=0,
+                               msg=lambda m: f"{what}: {m}")
+
+
+def _forward_backward(model, rows, **inputs):
+    """Logits of the real rows (B, T, 1) and parameter gradients of a loss over them (padded rows are
+    unspecified)."""
+    model.zero_grad()
+    logits = model(**inputs, use_cache=False).logits * rows
+    logits.float().square().mean().backward()
+    grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    return logits.detach(), grads
+
+
+def _compare_low_precision(model, dtype, rows, **inputs):
+    low_model = model.to(dtype)
+    exact_model = type(model)(model.config).float().eval()
+    exact_model.load_state_dict({k: v.float() for k, v in low_model.state_dict().items()})
+    low, low_grads = _forward_backward(low_model, rows.to(dtype), **inputs)
+    exact, exact_grads = _forward_backward(exact_model, rows.float(), **inputs)
+    _assert_low_precision_close(low, exact, dtype, "logits")
+    assert low_grads.keys() == exact_grads.keys()
+    for name in exact_grads:
+        _assert_low_precision_close(low_grads[name], exact_grads[name], dtype, f"grad {name}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("variant", GPT2_VARIANTS)
+def test_gpt2_low_precision_forward_backward(variant, dtype):
+    model = tiny_lm(variant)
+    ids = _ids()
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    _compare_low_precision(model, dtype, mask[..., None], input_ids=ids, attention_mask=mask)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("variant", list(T5_VARIANTS))
+def test_t5_low_precision_forward_backward(variant, dtype):
+    # T5's own init (initializer_factor 1, no 1/sqrt(d)) gives such sharp attention in a 32-wide model that float32
+    # itself is ~7000 eps from float64; at factor 0.3 every dtype is within a few eps of float64, so the check
+    # measures our code, not the conditioning of the model
+    torch.manual_seed(0)
+    model = StructAttnT5ForConditionalGeneration(StructAttnT5Config(
+        **BASE, **T5_VARIANTS[variant], initializer_factor=0.3)).eval()
+    ids = _ids(2, 21, vocab=50)
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0
+    _compare_low_precision(model, dtype, torch.ones(2, 9, 1), input_ids=ids, attention_mask=mask,
+                           decoder_input_ids=_ids(2, 9, seed=5, vocab=50))
+
+
+# ------------------------------------------------------------------------------------ output_attentions (item 8)
+
+
+@pytest.mark.parametrize("variant", GPT2_VARIANTS)
+def test_gpt2_output_attentions_are_real_probabilities(variant):
+    model = tiny_lm(variant).double()
+    ids = _ids()
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    out = model(ids, attention_mask=mask, output_attentions=True)
+    assert out.cache is None  # the materialised path runs uncached
+    assert len(out.attentions) == model.config.n_layer
+    for probabilities in out.attentions:
+        assert probabilities.shape == (2, model.config.n_head, 20, 20)
+        torch.testing.assert_close(probabilities.sum(-1), torch.ones(2, model.config.n_head, 20, dtype=torch.float64),
+                                   **EXACT)
+        future = probabilities.detach().triu(1)
+        assert float(future[0].abs().max()) == 0.0 and float(future[1, :, 4:].abs().max()) == 0.0  # causal
+        assert float(probabilities.detach()[1, :, 4:, :4].abs().max()) < 1e-300  # padding keys get no weight
+    torch.testing.assert_close(out.logits[0], model(ids, attention_mask=mask, use_cache=False).logits[0], **EXACT)
+    torch.testing.assert_close(out.logits[1, 4:], model(ids, attention_mask=mask, use_cache=False).logits[1, 4:],
+                               **EXACT)
+
+
+def test_gpt2_dense_attentions_equal_transformers_gpt2():
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=61, n_positions=64, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager")
+    reference = transformers.GPT2LMHeadModel(config).double().eval()
+    ours = tiny_lm("dense").double()
+    ours.load_state_dict(reference.state_dict(), strict=False)
+    ids = _ids()
+    expected = reference(ids, output_attentions=True).attentions
+    got = ours(ids, output_attentions=True).attentions
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, **EXACT)
+
+
+def test_gpt2_output_attentions_refuses_a_filled_cache():
+    model = tiny_lm("mlr")
+    cache = model(_ids(), use_cache=True).cache
+    with pytest.raises(ValueError, match="output_attentions=True.*use_cache=False"):
+        model(_ids(length=1), cache=cache, output_attentions=True)
+    generated = model.generate(_ids()[:, :5], max_new_tokens=3, do_sample=False, use_cache=False,
+                               output_attentions=True, return_dict_in_generate=True)
+    assert len(generated.attentions) == 3 and len(generated.attentions[0]) == model.config.n_layer
+
+
+def test_t5_mlr_attentions_equal_transformers_t5_when_blocks_cover_the_sequence():
+    """MLR whose blocks cover the whole sequence is dense attention: its probabilities must be T5's own."""
+    torch.manual_seed(0)
+    config = transformers.T5Config(**BASE, attn_implementation="eager")
+    reference = transformers.T5ForConditionalGeneration(config).double().eval()
+    ours = StructAttnT5ForConditionalGeneration(StructAttnT5Config(
+        **BASE, attn_implementation="eager", encoder_attention="mlr", decoder_attention="mlr", mlr_ranks=[4, 2, 2],
+        mlr_block_sizes=[64, 32])).double().eval()
+    ours.load_state_dict(reference.state_dict())
+    ids = _ids(2, 21, vocab=50)
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0
+    decoder_ids = _ids(2, 9, seed=5, vocab=50)
+    expected = reference(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids, output_attentions=True)
+    got = ours(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids, output_attentions=True)
+    for name in ("encoder_attentions", "decoder_attentions", "cross_attentions"):
+        assert len(getattr(got, name)) == len(getattr(expected, name)) > 0, name
+        for a, b in zip(getattr(got, name), getattr(expected, name)):
+            # padded query rows are unspecified; compare the real ones
+            rows = mask[:, None, :, None].bool() if name == "encoder_attentions" else True
+            torch.testing.assert_close(a * rows, b * rows, **EXACT, msg=lambda m: f"{name}: {m}")
+    torch.testing.assert_close(got.logits, expected.logits, **EXACT)
+
+
+@pytest.mark.parametrize("variant", ["mlr", "bilinear"])
+def test_t5_output_attentions_every_structured_variant(variant):
+    model = tiny_t5(**T5_VARIANTS[variant], attn_implementation="eager").double()
+    ids = _ids(2, 21, vocab=50)
+    decoder_ids = _ids(2, 9, seed=5, vocab=50)
+    out = model(input_ids=ids, decoder_input_ids=decoder_ids, output_attentions=True)
+    plain = model(input_ids=ids, decoder_input_ids=decoder_ids, use_cache=False)
+    torch.testing.assert_close(out.logits, plain.logits, **EXACT)
+    for name, count, shape in (("encoder_attentions", 2, (21, 21)), ("decoder_attentions", 3, (9, 9)),
+                               ("cross_attentions", 3, (9, 21))):
+        maps = getattr(out, name)
+        assert len(maps) == count, name
+        for probabilities in maps:
+            assert probabilities.shape == (2, 4, *shape)
+            torch.testing.assert_close(probabilities.sum(-1), torch.ones(2, 4, shape[0], dtype=torch.float64),
+                                       **EXACT)
+    with pytest.raises(ValueError, match="attn_implementation='eager'"):
+        tiny_t5(**MLR)(input_ids=ids, decoder_input_ids=decoder_ids, output_attentions=True)
+
+
+# ------------------------------------------------------------------------------------- bad input (items 12, 13)
+
+
+def test_gpt2_bad_inputs_name_the_argument():
+    model = tiny_lm("mlr")
+    ids = _ids()
+    with pytest.raises(ValueError, match=r"attention_mask must have shape \(2, 20\).*got \(2, 19\)"):
+        model(ids, attention_mask=torch.ones(2, 19), use_cache=False)
+    additive = torch.zeros(2, 20)
+    additive[1, :3] = -torch.inf
+    with pytest.raises(ValueError, match=r"attention_mask must be a keep-mask.*additive"):
+        model(ids, attention_mask=additive, use_cache=False)
+    with pytest.raises(ValueError, match=r"position_ids must have shape \(2, 20\).*got \(1, 21\)"):
+        model(ids, position_ids=torch.arange(21)[None], use_cache=False)
+    with pytest.raises(ValueError, match=r"position_ids must be an integer tensor"):
+        model(ids, position_ids=torch.arange(20.0)[None], use_cache=False)
+    with pytest.raises(ValueError, match=r"position_ids must be non-negative"):
+        model(ids, position_ids=torch.arange(20)[None] - 1, use_cache=False)
+    with pytest.raises(ValueError, match=r"sequence length 0"):
+        model(ids[:, :0], use_cache=False)
+    with pytest.raises(ValueError, match=r"input_ids must be an integer tensor"):
+        model(ids.float(), use_cache=False)
+    # the 0/1 float mask tokenizers sometimes give is the same keep-mask as the integer one
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    torch.testing.assert_close(model(ids, attention_mask=mask.float(), use_cache=False).logits,
+                               model(ids, attention_mask=mask, use_cache=False).logits, atol=0, rtol=0)
+
+
+def test_t5_bad_inputs_name_the_argument():
+    model = tiny_t5(**MLR)
+    ids = _ids(2, 21, vocab=50)
+    decoder_ids = _ids(2, 9, seed=5, vocab=50)
+    with pytest.raises(ValueError, match=r"attention_mask must have shape \(2, 21\).*got \(2, 20\)"):
+        model(input_ids=ids, attention_mask=torch.ones(2, 20), decoder_input_ids=decoder_ids)
+    additive = torch.zeros(2, 21)
+    additive[1, :3] = torch.finfo(torch.float32).min
+    with pytest.raises(ValueError, match=r"attention_mask must be a keep-mask.*additive"):
+        model(input_ids=ids, attention_mask=additive, decoder_input_ids=decoder_ids)
+    with pytest.raises(ValueError, match=r"decoder|attention_mask must have shape \(2, 9\)"):
+        model(input_ids=ids, decoder_input_ids=decoder_ids, decoder_attention_mask=torch.ones(2, 4))
+    with pytest.raises(ValueError, match=r"sequence length 0"):
+        model(input_ids=ids[:, :0], decoder_input_ids=decoder_ids)
