@@ -1,7 +1,29 @@
 #!/usr/bin/env bash
 # Sets everything up on a fresh machine and runs the default test suite.
+#   bash scripts/test.sh                 # the default suite (-m "not slow"); extra arguments go to pytest
+#   bash scripts/test.sh --portability   # the model, op and cache tests once per CPU kernel set torch can
+#                                        # dispatch to here: ATEN_CPU_CAPABILITY=default, avx2, and avx512 where
+#                                        # /proc/cpuinfo lists avx512f (tolerances must hold on any x86 CPU)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
-exec python -m pytest -q -m "not slow" "$@"
+if [ "${1:-}" != "--portability" ]; then
+  exec python -m pytest -q -m "not slow" "$@"
+fi
+shift
+capabilities=(default)
+grep -qw avx2 /proc/cpuinfo 2>/dev/null && capabilities+=(avx2)
+grep -qw avx512f /proc/cpuinfo 2>/dev/null && capabilities+=(avx512)
+tests=(tests/test_mlr_ops.py tests/test_bilinear_ops.py tests/test_attention_contracts.py tests/test_gpt2_models.py
+       tests/test_t5_models.py tests/test_model_contracts.py tests/test_remote_code.py tests/test_patching.py)
+failed=()
+for capability in "${capabilities[@]}"; do
+  echo "== ATEN_CPU_CAPABILITY=$capability"
+  ATEN_CPU_CAPABILITY=$capability python -m pytest -q -m "not slow" "${tests[@]}" "$@" || failed+=("$capability")
+done
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "portability: FAILED under ATEN_CPU_CAPABILITY=${failed[*]}"
+  exit 1
+fi
+echo "portability: passed under ATEN_CPU_CAPABILITY=${capabilities[*]}"

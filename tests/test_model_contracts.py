@@ -258,3 +258,46 @@ def test_t5_bad_inputs_name_the_argument():
         model(input_ids=ids, decoder_input_ids=decoder_ids, decoder_attention_mask=torch.ones(2, 4))
     with pytest.raises(ValueError, match=r"sequence length 0"):
         model(input_ids=ids[:, :0], decoder_input_ids=decoder_ids)
+
+
+# ------------------------------------------------------------------------------------ config validation (item 12)
+
+
+@pytest.mark.parametrize("fields,match", [
+    (dict(n_head=0), r"n_head must be an integer >= 1, got 0"),
+    (dict(n_layer=0), r"n_layer must be an integer >= 1, got 0"),
+    (dict(layer_norm_epsilon=-1e-5), r"layer_norm_epsilon must be a finite number >= 0"),
+    (dict(mlr_scaling=float("nan")), r"mlr_scaling=nan: every level scale must be a finite number > 0"),
+    (dict(mlr_scaling=[1.0, -1.0, 1.0, 1.0]), r"mlr_scaling=.*finite number > 0"),
+])
+def test_gpt2_config_rejects_degenerate_numbers(fields, match):
+    from conftest import tiny_gpt2_config
+
+    with pytest.raises(ValueError, match=match):
+        tiny_gpt2_config("mlr", **fields)
+
+
+@pytest.mark.parametrize("fields,match", [
+    (dict(num_heads=0), r"num_heads must be an integer >= 1, got 0"),
+    (dict(num_layers=0), r"num_layers must be an integer >= 1, got 0"),
+    (dict(layer_norm_epsilon=-1.0), r"layer_norm_epsilon must be a finite number >= 0"),
+    (dict(mlr_scaling=float("nan")), r"mlr_scaling=nan: every level scale must be a finite number > 0"),
+])
+def test_t5_config_rejects_degenerate_numbers(fields, match):
+    with pytest.raises(ValueError, match=match):
+        StructAttnT5Config(**{**BASE, **MLR, **fields})
+
+
+def test_configs_changed_after_construction_cannot_be_saved_invalid(tmp_path):
+    from conftest import tiny_gpt2_config
+
+    config = tiny_gpt2_config("mlr")
+    config.mlr_ranks = [3, 3]
+    with pytest.raises(Exception, match=r"mlr_ranks=\[3, 3\] sums to 6, but the head dim is 16"):
+        config.save_pretrained(tmp_path / "gpt2")
+    assert not (tmp_path / "gpt2" / "config.json").exists()
+    t5_config = StructAttnT5Config(**BASE, **MLR)
+    t5_config.mlr_block_sizes = [4, 8]
+    with pytest.raises(Exception, match=r"mlr_block_sizes=\[4, 8\] are not nested"):
+        t5_config.save_pretrained(tmp_path / "t5")
+    assert not (tmp_path / "t5" / "config.json").exists()

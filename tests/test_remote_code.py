@@ -46,7 +46,9 @@ def test_remote_code_round_trip(tmp_path, variant):
     model.save_pretrained(save_dir)
     build_byte_tokenizer().save_pretrained(save_dir)
     ids = torch.randint(0, 256, (2, 23))
-    torch.save({"ids": ids, "logits": model(ids).logits.detach()}, tmp_path / "expected.pt")
+    # the reload is compared in float64 with a tolerance: another interpreter may pick other kernels, so float32
+    # logits need not be bitwise equal across processes
+    torch.save({"ids": ids, "logits": model.double()(ids, use_cache=False).logits.detach()}, tmp_path / "expected.pt")
 
     config = json.loads((save_dir / "config.json").read_text())
     assert config["auto_map"] == {
@@ -69,12 +71,13 @@ def test_remote_code_round_trip(tmp_path, variant):
         model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)
         assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
         expected = torch.load({str(tmp_path / "expected.pt")!r})
-        logits = model(expected["ids"]).logits
+        logits = model.double()(expected["ids"], use_cache=False).logits
         print("max_diff", float((logits - expected["logits"]).abs().max()))
         generated = model.generate(expected["ids"][:, :5], max_new_tokens=12, do_sample=False)
         assert generated.shape == (2, 17), generated.shape
-        cached = model.generate(expected["ids"][:, :5], max_new_tokens=12, do_sample=False, use_cache=False)
-        assert torch.equal(generated, cached)
+        uncached = model.generate(expected["ids"][:, :5], max_new_tokens=12, do_sample=False, use_cache=False)
+        assert torch.equal(generated, uncached)  # same process, float64: cached and uncached pick the same tokens
+        model.float()
         generator = pipeline("text-generation", model=path, trust_remote_code=True)
         text = generator("def main(", max_new_tokens=8, do_sample=False)[0]["generated_text"]
         assert isinstance(text, str) and text.startswith("def main("), text
@@ -83,7 +86,7 @@ def test_remote_code_round_trip(tmp_path, variant):
     """, tmp_path)
     assert "pipeline_ok" in out
     max_diff = float(out.split("max_diff")[1].split()[0])
-    assert max_diff == 0.0
+    assert max_diff < 1e-12
     assert (tmp_path / "resaved" / "modeling_structattn_gpt2.py").exists()
 
 

@@ -6,7 +6,13 @@ from transformers import PreTrainedConfig
 # transformers' own re-export of huggingface_hub's `strict` keeps the payload's imports to torch/transformers
 from transformers.configuration_utils import strict
 
-from .structattn_geometry import MLR_SCALINGS, default_block_sizes, resolve_level_scales, validate_mlr_geometry
+from .structattn_geometry import (
+    MLR_SCALINGS,
+    default_block_sizes,
+    resolve_level_scales,
+    validate_config_numbers,
+    validate_mlr_geometry,
+)
 
 ATTENTION_VARIANTS = ("dense", "mlr", "bilinear_mlr", "bilinear_btt", "swa")
 PAPER_MLR_RANKS_64 = [32, 8, 6, 4, 4, 4, 4, 2]
@@ -82,8 +88,14 @@ class StructAttnGPT2Config(PreTrainedConfig):
     icl_input_dim: Optional[int] = None
 
     def __post_init__(self, **kwargs):
-        self._validate_structured_attention()
+        self._validate_structured_attention()  # a plain ValueError at construction
         super().__post_init__(**kwargs)
+
+    def validate_architecture(self):
+        """transformers' strict-config hook: runs at construction and again at ``save_pretrained``, so a field
+        changed after construction cannot be saved into an invalid config."""
+        super().validate_architecture()
+        self._validate_structured_attention()
 
     @property
     def head_dim(self) -> int:
@@ -116,6 +128,10 @@ class StructAttnGPT2Config(PreTrainedConfig):
         return specs
 
     def _validate_structured_attention(self) -> None:
+        validate_config_numbers(self, ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"),
+                                ("layer_norm_epsilon", "initializer_range", "resid_pdrop", "embd_pdrop", "attn_pdrop"))
+        if self.n_inner is not None:
+            validate_config_numbers(self, ("n_inner",))
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
         check_attention_variant(self.attention, "attention")

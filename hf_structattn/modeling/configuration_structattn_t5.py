@@ -7,7 +7,13 @@ from transformers import T5Config
 from transformers.configuration_utils import strict
 
 from .structattn_bilinear import validate_bilinear_mlr, validate_btt
-from .structattn_geometry import MLR_SCALINGS, default_block_sizes, resolve_level_scales, validate_mlr_geometry
+from .structattn_geometry import (
+    MLR_SCALINGS,
+    default_block_sizes,
+    resolve_level_scales,
+    validate_config_numbers,
+    validate_mlr_geometry,
+)
 
 T5_ATTENTION_VARIANTS = ("dense", "mlr", "bilinear_mlr", "bilinear_btt")
 T5_ATTENTION_ROLES = {"encoder_self": "encoder_attention", "decoder_self": "decoder_attention",
@@ -59,6 +65,12 @@ class StructAttnT5Config(T5Config):
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
+        self._validate_structured_attention()  # a plain ValueError at construction
+
+    def validate_architecture(self):
+        """transformers' strict-config hook: runs at construction and again at ``save_pretrained``, so a field
+        changed after construction cannot be saved into an invalid config."""
+        super().validate_architecture()
         self._validate_structured_attention()
 
     def role_attention(self, role: str) -> str:
@@ -95,6 +107,11 @@ class StructAttnT5Config(T5Config):
         return [dict(layer) for _ in range(self.num_decoder_layers)]
 
     def _validate_structured_attention(self) -> None:
+        validate_config_numbers(self, ("vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_heads",
+                                       "relative_attention_num_buckets", "relative_attention_max_distance"),
+                                ("layer_norm_epsilon", "dropout_rate", "initializer_factor"))
+        if self.num_decoder_layers is not None:
+            validate_config_numbers(self, ("num_decoder_layers",))
         for role, field in T5_ATTENTION_ROLES.items():
             value = getattr(self, field)
             if value not in T5_ATTENTION_VARIANTS:

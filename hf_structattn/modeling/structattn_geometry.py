@@ -113,6 +113,19 @@ def check_bias(bias: Optional[torch.Tensor], shape: tuple, name: str = "bias") -
         raise ValueError(f"{name} must be broadcastable to {tuple(shape)} (B, H, Tq, Tk), got {tuple(bias.shape)}")
 
 
+def validate_config_numbers(config, positive_ints: Sequence[str], non_negative_floats: Sequence[str] = ()) -> None:
+    """Raise ``ValueError`` naming the field unless each of ``positive_ints`` is an integer >= 1 and each of
+    ``non_negative_floats`` a finite number >= 0 (epsilons, dropout rates, init scales). Shared by the configs."""
+    for field in positive_ints:
+        value = getattr(config, field)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{field} must be an integer >= 1, got {value!r}")
+    for field in non_negative_floats:
+        value = getattr(config, field)
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"{field} must be a finite number >= 0, got {value!r}")
+
+
 def default_block_sizes(n_positions: int, num_levels: int) -> list[int]:
     """Dyadic blocks ``b_l = n_positions / 2^(l-1)`` for levels 2..L (paper §3.4)."""
     if num_levels < 1:
