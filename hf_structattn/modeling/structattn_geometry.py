@@ -113,61 +113,85 @@ def check_bias(bias: Optional[torch.Tensor], shape: tuple, name: str = "bias") -
         raise ValueError(f"{name} must be broadcastable to {tuple(shape)} (B, H, Tq, Tk), got {tuple(bias.shape)}")
 
 
+def check_int(field: str, value, minimum: int = 1) -> int:
+    """``value`` if it is an integer >= ``minimum``, else ``ValueError`` naming the field."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{field} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def check_non_negative(field: str, value) -> float:
+    """``value`` if it is a finite number >= 0 (epsilons, dropout rates, init scales), else ``ValueError``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{field} must be a finite number >= 0, got {value!r}")
+    return value
+
+
 def validate_config_numbers(config, positive_ints: Sequence[str], non_negative_floats: Sequence[str] = ()) -> None:
     """Raise ``ValueError`` naming the field unless each of ``positive_ints`` is an integer >= 1 and each of
-    ``non_negative_floats`` a finite number >= 0 (epsilons, dropout rates, init scales). Shared by the configs."""
+    ``non_negative_floats`` a finite number >= 0. Shared by the GPT-2 and T5 configs."""
     for field in positive_ints:
-        value = getattr(config, field)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{field} must be an integer >= 1, got {value!r}")
+        check_int(field, getattr(config, field))
     for field in non_negative_floats:
-        value = getattr(config, field)
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
-            raise ValueError(f"{field} must be a finite number >= 0, got {value!r}")
+        check_non_negative(field, getattr(config, field))
 
 
-def default_block_sizes(n_positions: int, num_levels: int) -> list[int]:
+def check_ranks(ranks, field: str = "ranks") -> list[int]:
+    """Level ranks as a list: a non-empty sequence of positive integers, else ``ValueError`` naming the field."""
+    if ranks is None:
+        raise ValueError(f"{field} is required for this variant, got None")
+    if isinstance(ranks, (str, bytes)) or not hasattr(ranks, "__iter__"):
+        raise ValueError(f"{field} must be a sequence of positive integers, got {ranks!r}")
+    ranks = list(ranks)
+    if not ranks:
+        raise ValueError(f"{field} must name at least one level, got {ranks!r}")
+    for rank in ranks:
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
+            raise ValueError(f"{field} must be positive integers, got {ranks!r}")
+    return ranks
+
+
+def check_block_sizes(block_sizes, num_levels: int, field: str = "block_sizes",
+                      ranks_field: str = "ranks") -> list[int]:
+    """Block sizes of levels 2..L as a list: one positive integer per level, strictly nested (each a proper
+    divisor of the previous one, which the group decomposition needs), else ``ValueError`` naming the field."""
+    if isinstance(block_sizes, (str, bytes)) or not hasattr(block_sizes, "__iter__"):
+        raise ValueError(f"{field} must be a sequence of positive integers, got {block_sizes!r}")
+    block_sizes = list(block_sizes)
+    if len(block_sizes) != num_levels - 1:
+        raise ValueError(f"{field}={block_sizes} must give one block size per level 2..L "
+                         f"({num_levels - 1} values for the {num_levels} levels of {ranks_field})")
+    for size in block_sizes:
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+            raise ValueError(f"{field} must be positive integers, got {block_sizes!r}")
+    for coarse, fine in zip(block_sizes, block_sizes[1:]):
+        if fine >= coarse or coarse % fine:
+            raise ValueError(f"{field}={block_sizes} are not nested: each block size must be a proper divisor of "
+                             f"the previous one ({fine} vs {coarse})")
+    return block_sizes
+
+
+def default_block_sizes(n_positions: int, num_levels: int, field: str = "n_positions") -> list[int]:
     """Dyadic blocks ``b_l = n_positions / 2^(l-1)`` for levels 2..L (paper §3.4)."""
-    if num_levels < 1:
+    check_int(field, n_positions)
+    if isinstance(num_levels, bool) or not isinstance(num_levels, int) or num_levels < 1:
         raise ValueError(f"mlr_ranks must name at least one level, got {num_levels} levels")
-    sizes = []
-    for level in range(2, num_levels + 1):
-        divisor = 2 ** (level - 1)
-        if n_positions % divisor:
-            raise ValueError(
-                f"n_positions={n_positions} is not divisible by 2^{level - 1}={divisor}: the default dyadic "
-                f"mlr_block_sizes need it; pass mlr_block_sizes explicitly"
-            )
-        sizes.append(n_positions // divisor)
-    return sizes
+    divisor = 2 ** (num_levels - 1)
+    if n_positions % divisor:
+        raise ValueError(f"{field}={n_positions} is not divisible by 2^{num_levels - 1}={divisor}, which the "
+                         f"default dyadic block sizes of {num_levels} levels need; pass the block sizes explicitly")
+    return [n_positions // 2 ** (level - 1) for level in range(2, num_levels + 1)]
 
 
 def validate_mlr_geometry(ranks: Sequence[int], block_sizes: Sequence[int], head_dim: Optional[int] = None,
                           ranks_field: str = "ranks", blocks_field: str = "block_sizes") -> None:
     """Raise ``ValueError`` naming the field for any invalid rank split or block geometry."""
-    ranks = list(ranks)
-    block_sizes = list(block_sizes)
-    if len(ranks) == 0:
+    if ranks is not None and not isinstance(ranks, (str, bytes)) and hasattr(ranks, "__len__") and len(ranks) == 0:
         raise ValueError(f"{ranks_field} must not be empty")
-    for rank in ranks:
-        if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
-            raise ValueError(f"{ranks_field} must be positive integers, got {ranks}")
+    ranks = check_ranks(ranks, ranks_field)
     if head_dim is not None and sum(ranks) != head_dim:
         raise ValueError(f"{ranks_field}={ranks} sums to {sum(ranks)}, but the head dim is {head_dim}")
-    if len(block_sizes) != len(ranks) - 1:
-        raise ValueError(
-            f"{blocks_field}={block_sizes} must give one block size per level 2..L "
-            f"({len(ranks) - 1} values for {ranks_field}={ranks})"
-        )
-    for size in block_sizes:
-        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
-            raise ValueError(f"{blocks_field} must be positive integers, got {block_sizes}")
-    for coarse, fine in zip(block_sizes, block_sizes[1:]):
-        if fine >= coarse or coarse % fine:
-            raise ValueError(
-                f"{blocks_field}={block_sizes} are not nested: each block size must be a proper divisor of the "
-                f"previous one ({fine} vs {coarse})"
-            )
+    check_block_sizes(block_sizes, len(ranks), blocks_field, ranks_field)
 
 
 def resolve_level_scales(ranks: Sequence[int], scales: Union[None, str, float, Sequence[float]],
