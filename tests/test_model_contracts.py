@@ -67,8 +67,8 @@ def test_t5_mlr_unpadded_batch_with_bias_matches_rows_alone():
 LOW_PRECISION_EPS = 64
 
 
-def _assert_low_precision_close(low, exact, dtype, what):
-    assert low.dtype == dtype, what
+def _assert_low_precision_close(low, exact, dtype, what, same_dtype=True):
+    assert low.dtype == dtype or not same_dtype, what
     assert torch.isfinite(low).all(), what
     scale = max(1.0, float(exact.abs().max()))
     torch.testing.assert_close(low.float(), exact, atol=LOW_PRECISION_EPS * torch.finfo(dtype).eps * scale, rtol=0,
@@ -108,6 +108,17 @@ def test_gpt2_low_precision_forward_backward(variant, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("variant", ["dense", "swa", "mixed"])
+def test_gpt2_eager_low_precision_with_padding(variant, dtype):
+    """The eager path adds transformers' finfo.min mask: done in float32, it cannot overflow to -inf rows."""
+    model = tiny_lm(variant, attn_implementation="eager")
+    ids = _ids()
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    _compare_low_precision(model, dtype, mask[..., None], input_ids=ids, attention_mask=mask)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("variant", list(T5_VARIANTS))
 def test_t5_low_precision_forward_backward(variant, dtype):
     # T5's own init (initializer_factor 1, no 1/sqrt(d)) gives such sharp attention in a 32-wide model that float32
@@ -121,6 +132,39 @@ def test_t5_low_precision_forward_backward(variant, dtype):
     mask[1, :6] = 0
     _compare_low_precision(model, dtype, torch.ones(2, 9, 1), input_ids=ids, attention_mask=mask,
                            decoder_input_ids=_ids(2, 9, seed=5, vocab=50))
+
+
+def _generate_scores(model, ids, **kwargs):
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, output_scores=True,
+                         return_dict_in_generate=True, **kwargs)
+    return out.sequences, torch.stack(out.scores, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("variant", GPT2_VARIANTS)
+def test_gpt2_low_precision_generate(variant, dtype):
+    """Cached half-precision decoding: every step's scores equal a float32 forward over the generated tokens."""
+    model = tiny_lm(variant)
+    exact_model = tiny_lm(variant)
+    exact_model.load_state_dict({k: v.to(dtype).float() for k, v in model.state_dict().items()})
+    ids = _ids(2, 12)
+    sequences, scores = _generate_scores(model.to(dtype), ids, max_new_tokens=20)
+    exact = exact_model(sequences, use_cache=False).logits[:, ids.shape[1] - 1:-1]
+    _assert_low_precision_close(scores, exact, dtype, "scores", same_dtype=False)  # generate upcasts its scores
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("variant", list(T5_VARIANTS))
+def test_t5_low_precision_generate(variant, dtype):
+    torch.manual_seed(0)
+    config = StructAttnT5Config(**BASE, **T5_VARIANTS[variant], initializer_factor=0.3)
+    model = StructAttnT5ForConditionalGeneration(config).eval()
+    exact_model = StructAttnT5ForConditionalGeneration(config).eval()
+    exact_model.load_state_dict({k: v.to(dtype).float() for k, v in model.state_dict().items()})
+    ids = _ids(2, 21, vocab=50)
+    sequences, scores = _generate_scores(model.to(dtype), ids, max_new_tokens=12)
+    exact = exact_model(input_ids=ids, decoder_input_ids=sequences[:, :-1], use_cache=False).logits
+    _assert_low_precision_close(scores, exact, dtype, "scores", same_dtype=False)  # generate upcasts its scores
 
 
 # ------------------------------------------------------------------------------------ output_attentions (item 8)

@@ -32,20 +32,22 @@ from .structattn_bilinear import (
     default_btt_factors,
 )
 from .structattn_cache import StructAttnCache, mlr_attention_cached, plain_cached_keys
-from .structattn_geometry import check_positions, keep_mask, resolve_level_scales
+from .structattn_geometry import check_positions, keep_mask, mask_value, resolve_level_scales, softmax_dtype
 from .structattn_mlr import mlr_attention
 from .structattn_ops import fused_attention
 from .structattn_reference import allowed_pairs, masked_softmax, mlr_scores_reference
 
 
 def eager_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Materialised attention (GPT-2's eager path). Returns (B, T, H, dv) and the weights."""
-    weights = torch.matmul(query, key.transpose(-1, -2)) * scaling
+    """Materialised attention (GPT-2's eager path). Returns (B, T, H, dv) and the weights. Masking and softmax run
+    in ``promote_types(dtype, float32)``: a half-precision score plus transformers' ``finfo.min`` mask would
+    overflow to -inf (NaN rows)."""
+    weights = (torch.matmul(query, key.transpose(-1, -2)) * scaling).to(softmax_dtype(query.dtype))
     if attention_mask is not None:
         if attention_mask.dtype == torch.bool:
-            weights = weights.masked_fill(~attention_mask, torch.finfo(weights.dtype).min)
+            weights = weights.masked_fill(~attention_mask, mask_value(weights.dtype))
         else:
-            weights = weights + attention_mask
+            weights = weights + attention_mask.to(weights.dtype)
     weights = nn.functional.softmax(weights, dim=-1).type(value.dtype)
     weights = nn.functional.dropout(weights, p=dropout, training=module.training)
     return torch.matmul(weights, value).transpose(1, 2), weights
