@@ -742,14 +742,14 @@ def decoder_cache_report(config: Any, context_len: int, *, dtype_bytes: Any = 2)
     Returns ``key_cache_bytes``, ``dense_key_cache_bytes``, ``key_cache_ratio``, ``kv_cache_bytes``,
     ``dense_kv_cache_bytes``, ``kv_cache_ratio``.
     """
-    context = _check_int("context_len", context_len, minimum=0)
+    context = check_int("context_len", context_len, minimum=0)
     item = _dtype_bytes(dtype_bytes)
-    n_layer = _check_int("num_hidden_layers", _field(config, "num_hidden_layers"))
-    n_head = _check_int("num_attention_heads", _field(config, "num_attention_heads"))
-    kv_heads = _check_int("num_key_value_heads", _field(config, "num_key_value_heads", None) or n_head)
-    head_dim = _field(config, "head_dim", None) or _check_int("hidden_size", _field(config, "hidden_size")) // n_head
-    ranks = _check_ranks(_field(config, "mlr_ranks"), "mlr_ranks")
-    block_sizes = _check_block_sizes(_field(config, "mlr_block_sizes"), len(ranks), "mlr_block_sizes", "mlr_ranks")
+    n_layer = check_int("num_hidden_layers", _field(config, "num_hidden_layers"))
+    n_head = check_int("num_attention_heads", _field(config, "num_attention_heads"))
+    kv_heads = check_int("num_key_value_heads", _field(config, "num_key_value_heads", None) or n_head)
+    head_dim = _field(config, "head_dim", None) or check_int("hidden_size", _field(config, "hidden_size")) // n_head
+    ranks = check_ranks(_field(config, "mlr_ranks"), "mlr_ranks")
+    block_sizes = check_block_sizes(_field(config, "mlr_block_sizes"), len(ranks), "mlr_block_sizes", "mlr_ranks")
     if sum(ranks) != head_dim:
         raise ValueError(f"mlr_ranks={ranks} sums to {sum(ranks)}, but the head dim is {head_dim}")
     mlr_layers = _field(config, "mlr_layers", None)
