@@ -3,8 +3,11 @@
 With AdamW, a weight matrix with fan-in ``n`` gets learning rate ``lr * base_width / n`` and init std
 ``1/sqrt(n)``; embeddings, norms and biases keep ``lr``; the residual output projections, the LM head and the
 ICL read-out start at zero. Structured factors follow the same rule with their own fan-in (bilinear MLR level l:
-``D / p_l``; BTT: ``d`` for R and ``c*s`` for L). Attention logits use ``1/r_l`` per MLR level and ``1/width``
-for bilinear scores (``mup_config_overrides``).
+``D / p_l``; BTT: ``d`` for R and ``c*s`` for L) and are used through the authors' RMS weight clamp. Attention
+logits use ``1/r`` for dense and SWA heads, ``1/r_l`` per MLR level and ``1/width`` for bilinear scores
+(``mup_config_overrides``). The LM head is a read-out (zero init, ``1/fan_in`` learning rate), so it cannot share
+its weight with the input embedding: muP needs ``tie_word_embeddings=False`` (the authors do not tie either) and
+:func:`mup_rules` refuses a tied model.
 
 Usage::
 
@@ -23,8 +26,20 @@ from .modeling.structattn_bilinear import BilinearBTTKeyProjection, BilinearMLRP
 
 
 def mup_config_overrides() -> dict:
-    """Config fields for muP logit scaling: ``1/r_l`` per MLR level, ``1/width`` for bilinear scores."""
-    return {"mlr_scaling": "mup", "bilinear_scaling": "mup"}
+    """Config fields of muP (paper App. E): logit scales ``1/r`` (dense, SWA), ``1/r_l`` per MLR level and
+    ``1/width`` for bilinear scores; the RMS clamp of the bilinear factors; an untied LM head (the read-out)."""
+    return {"mlr_scaling": "mup", "bilinear_scaling": "mup", "dense_scaling": "mup",
+            "bilinear_weight_rms_clamp": True, "tie_word_embeddings": False}
+
+
+def check_untied_readout(model: nn.Module) -> None:
+    """Raise if the model's LM head shares its weight with the input embedding (muP needs a separate read-out)."""
+    head = getattr(model, "lm_head", None)
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if head is not None and embeddings is not None and head.weight is embeddings.weight:
+        raise ValueError("mup: the LM head is tied to the input embedding (tie_word_embeddings=True); muP treats it "
+                         "as a read-out (zero init, 1/fan_in learning rate), so build the model with "
+                         "tie_word_embeddings=False (mup_config_overrides() does)")
 
 
 @dataclass(frozen=True)
@@ -41,7 +56,9 @@ def _is_output_projection(name: str) -> bool:
 
 
 def mup_rules(model: nn.Module) -> dict[str, MupRule]:
-    """The muP rule of every trainable parameter, by name. Raises ValueError for a parameter it does not know."""
+    """The muP rule of every trainable parameter, by name. Raises ValueError for a parameter it does not know and
+    for a tied LM head."""
+    check_untied_readout(model)
     rules: dict[str, MupRule] = {}
     structured = {}
     for module_name, module in model.named_modules():

@@ -5,11 +5,11 @@ from hf_structattn import StructAttnGPT2Config, StructAttnGPT2LMHeadModel
 from hf_structattn.mup import mup_config_overrides, mup_init_, mup_param_groups, mup_rules
 
 
-def _model(width, attention="mlr", tie=True):
+def _model(width, attention="mlr", tie=False):
     fields = dict(mlr_ranks=[4, 2, 1, 1]) if attention == "mlr" else dict(bilinear_mlr_ranks=[4, 2, 1, 1])
     config = StructAttnGPT2Config(vocab_size=50, n_positions=32, n_embd=width, n_head=width // 8, n_layer=2,
-                                  attention=attention, tie_word_embeddings=tie, **fields,
-                                  **mup_config_overrides())
+                                  attention=attention, **fields, **{**mup_config_overrides(),
+                                                                    "tie_word_embeddings": tie})
     return StructAttnGPT2LMHeadModel(config)
 
 
@@ -39,7 +39,7 @@ def test_bilinear_levels_get_their_own_fan_in():
 
 def test_mup_init_zeroes_outputs_and_scales_hidden():
     torch.manual_seed(0)
-    model = _model(64, tie=False)  # the authors' muP runs untie the LM head
+    model = _model(64)  # muP's read-out: the authors' muP runs untie the LM head
     mup_init_(model)
     assert torch.count_nonzero(model.lm_head.weight) == 0
     assert _multipliers(model, 32)["lm_head.weight"] == 0.5
@@ -48,10 +48,10 @@ def test_mup_init_zeroes_outputs_and_scales_hidden():
     assert std == pytest.approx(64 ** -0.5, rel=0.1)
     rules = mup_rules(model)
     assert rules["transformer.h.0.attn.c_attn.weight"].fan_in == 64
-    tied = _model(64)  # a tied head is the embedding: initialised and stepped as one
-    mup_init_(tied)
-    assert "lm_head.weight" not in mup_rules(tied)
-    assert tied.lm_head.weight.std().item() == pytest.approx(0.02, rel=0.2)
+    tied = _model(64, tie=True)  # a tied head cannot be both the embedding and the zero-initialised read-out
+    for refused in (mup_init_, mup_rules, lambda m: mup_param_groups(m, 1e-3, 64)):
+        with pytest.raises(ValueError, match="tie_word_embeddings=False"):
+            refused(tied)
 
 
 def test_param_groups_cover_every_parameter_once():
@@ -66,3 +66,83 @@ def test_param_groups_cover_every_parameter_once():
             assert group["weight_decay"] == (0.1 if rules[name].fan_in is not None else 0.0), name
     with pytest.raises(ValueError, match="base_width"):
         mup_param_groups(model, 1e-3, 0)
+
+
+def test_mup_overrides_set_every_logit_scale_and_the_weight_clamp():
+    model = _model(64, attention="bilinear_mlr")
+    config = model.config
+    assert (config.dense_scaling, config.mlr_scaling, config.bilinear_scaling) == ("mup", "mup", "mup")
+    assert config.bilinear_weight_rms_clamp and not config.tie_word_embeddings
+    attention = model.transformer.h[0].attn
+    assert attention.level_scales == [1 / 4, 1 / 4, 1 / 4, 1 / 8]  # 1/(p_l r_l): widths 4, 2*2, 4*1, 8*1
+    dense = StructAttnGPT2LMHeadModel(StructAttnGPT2Config(vocab_size=50, n_positions=32, n_embd=64, n_head=4,
+                                                           n_layer=1, **mup_config_overrides()))
+    assert dense.transformer.h[0].attn.scaling == 1 / 16  # 1/r, not 1/sqrt(r)
+    swa = StructAttnGPT2Config(vocab_size=50, n_positions=32, n_embd=64, n_head=4, n_layer=1, attention="swa",
+                               sliding_window=4, dense_scaling=8 / 16)  # the authors' 8/r
+    assert StructAttnGPT2LMHeadModel(swa).transformer.h[0].attn.scaling == 0.5
+    with pytest.raises(ValueError, match="dense_scaling"):
+        StructAttnGPT2Config(dense_scaling="sqrt")
+
+
+def test_rms_clamp_caps_factor_rms_at_the_authors_threshold():
+    from hf_structattn.modeling.structattn_bilinear import BilinearBTTKeyProjection, rms_clamped
+
+    torch.manual_seed(0)
+    weight = torch.randn(2, 16, 8, dtype=torch.float64)  # rms 1, fan-in 16, fan-out 8: tau = sqrt(8)/16
+    clamped = rms_clamped(weight, 16, 8)
+    assert clamped.pow(2).mean().sqrt().item() == pytest.approx(8 ** 0.5 / 16, rel=1e-12)
+    small = weight * 1e-3  # below tau: unchanged
+    torch.testing.assert_close(rms_clamped(small, 16, 8), small, rtol=0, atol=0)
+    btt = BilinearBTTKeyProjection(16, 2, rms_clamp=True).double()  # factors (4, 4, 4, 4), 2 heads
+    with torch.no_grad():
+        btt.weight_r.mul_(10.0)  # rms ~5 against tau = sqrt(min(d=4, H*b*s=8))/4 = 0.5
+    reference = BilinearBTTKeyProjection(16, 2).double()  # no clamp, weights replaced by the clamped ones
+    with torch.no_grad():
+        reference.weight_r.copy_(rms_clamped(btt.weight_r, 4, 8))
+        reference.weight_l.copy_(rms_clamped(btt.weight_l, 4, 4))
+    assert reference.weight_r.pow(2).mean().sqrt().item() == pytest.approx(0.5, rel=1e-12)
+    x = torch.randn(1, 3, 16, dtype=torch.float64)
+    torch.testing.assert_close(btt(x), reference(x), rtol=1e-12, atol=1e-12)
+
+
+COORD_VARIANTS = {"dense": {}, "mlr": dict(mlr_ranks=[8, 4, 2, 2]), "bilinear_mlr": dict(bilinear_mlr_ranks=[8, 4, 2, 2]),
+                  "bilinear_btt": {}}
+
+
+def _activation_scales(variant, width, mup, steps=3, lr=1e-2):
+    """RMS of the first block's output and of the logits after ``steps`` AdamW steps on one fixed batch."""
+    torch.manual_seed(0)
+    fields = dict(vocab_size=64, n_positions=16, n_embd=width, n_head=width // 16, n_layer=2, attention=variant,
+                  qk_layernorm=True, qk_norm="rms", resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0,
+                  eos_token_id=0, **COORD_VARIANTS[variant])
+    if mup:
+        fields.update(mup_config_overrides())
+    model = StructAttnGPT2LMHeadModel(StructAttnGPT2Config(**fields))
+    if mup:
+        mup_init_(model)
+        groups = mup_param_groups(model, lr, base_width=64)
+    else:
+        groups = [{"params": list(model.parameters()), "lr": lr}]
+    optimizer = torch.optim.AdamW(groups, betas=(0.9, 0.95), weight_decay=0.0)
+    ids = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(1))
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=ids).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    with torch.no_grad():
+        out = model(input_ids=ids, output_hidden_states=True)
+    return torch.tensor([out.hidden_states[1].pow(2).mean().sqrt(), out.logits.pow(2).mean().sqrt()])
+
+
+@pytest.mark.parametrize("variant", list(COORD_VARIANTS))
+def test_coordinate_check_activation_scale_is_flat_across_width(variant):
+    # the standard muP check: after a few steps the activations' scale does not grow with the width (64 .. 512);
+    # in the standard parameterisation the same check fails (the first block's output grows ~30x over 8x width)
+    scales = torch.stack([_activation_scales(variant, width, mup=True) for width in (64, 128, 256, 512)])
+    spread = scales.max(0).values / scales.min(0).values
+    assert (spread < 1.6).all(), (variant, scales)
+    if variant == "dense":
+        standard = torch.stack([_activation_scales(variant, width, mup=False) for width in (64, 512)])
+        assert standard[1, 0] / standard[0, 0] > 8, standard

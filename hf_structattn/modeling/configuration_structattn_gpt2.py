@@ -18,6 +18,7 @@ from .structattn_geometry import (
 
 ATTENTION_VARIANTS = ("dense", "mlr", "bilinear_mlr", "bilinear_btt", "swa")
 PAPER_MLR_RANKS_64 = [32, 8, 6, 4, 4, 4, 4, 2]
+QK_NORMS = ("layernorm", "rms")
 
 
 def check_attention_variant(value, field: str) -> None:
@@ -38,11 +39,25 @@ class StructAttnGPT2Config(PreTrainedConfig):
         mlr_scaling: "standard" (1/sqrt(r) on every level), "mup" (1/r_l, the authors' choice), or explicit
             per-level floats.
         mlr_average_levels: divide each logit by the number of levels the pair shares (the authors' LM runs).
-        qk_layernorm: LayerNorm on queries and keys per head (per level for bilinear MLR; on x and M_h x for BTT).
+        qk_layernorm: normalise queries and keys (the kind is ``qk_norm``).
+        qk_norm: "layernorm" (default, and what every config saved before this field existed used: LayerNorm
+            per head for dense/MLR/SWA, per level for bilinear MLR, on x and on M_h x for BTT) or "rms" (RMSNorm
+            with a learned gain over the whole head: width r for dense/MLR/SWA, all levels together for bilinear
+            MLR, D for BTT). LayerNorm removes the mean direction of each normalised slice and a width-1 or
+            width-2 slice collapses to a constant or a sign, so per-level LayerNorm loses rank; RMSNorm over the
+            whole head keeps the rank of the score form (``hf_structattn.diagnostics.effective_rank``).
+        dense_scaling: logit multiplier of dense and SWA layers: "standard" (1/sqrt(r)), "mup" (1/r, paper App. E)
+            or an explicit number (the authors' code uses 8/r). Ignored when ``scale_attn_weights`` is false.
         bilinear_mlr_ranks: per-level ranks of bilinear MLR (level l splits the features into 2^(l-1) chunks).
         bilinear_scaling: "standard" (1/sqrt(width) of each level / of D) or "mup" (1/width).
+        bilinear_scale_constant: the tunable constant C (C*) of App. E multiplying every bilinear logit scale.
+        bilinear_weight_rms_clamp: the authors' RMS weight normalisation of the bilinear factors (App. E, "for
+            training stability"): a factor W of fan-in n and fan-out m is used as ``W / max(1, rms(W) / tau)``
+            with ``tau = sqrt(min(n, m)) / n``. Part of muP (``mup_config_overrides``); off by default.
         btt_rank, btt_factors: BTT rank s and factors (a, b, c, d) with a*b = c*d = n_embd (default: balanced).
-        sliding_window: window w of "swa" layers (keys with 0 <= i - j < w).
+        sliding_window: window w of "swa" layers: query i sees the w keys j with 0 <= i - j < w (itself and the
+            w - 1 before it; transformers' convention). The paper's T' and the authors' code (keys i - T' .. i)
+            see T' + 1 keys, so their window T' is ``sliding_window = T' + 1``.
         attn_pdrop: attention-probability dropout (default 0; must be 0 when a layer is MLR).
         icl_input_dim: input dimension of the in-context regression head.
     """
@@ -82,8 +97,12 @@ class StructAttnGPT2Config(PreTrainedConfig):
     mlr_scaling: Union[str, float, list[float]] = "standard"
     mlr_average_levels: bool = False
     qk_layernorm: bool = False
+    qk_norm: str = "layernorm"
+    dense_scaling: Union[str, float] = "standard"
     bilinear_mlr_ranks: Optional[list[int]] = None
     bilinear_scaling: str = "standard"
+    bilinear_scale_constant: float = 1.0
+    bilinear_weight_rms_clamp: bool = False
     btt_rank: int = 1
     btt_factors: Optional[list[int]] = None
     sliding_window: Optional[int] = None
@@ -137,6 +156,15 @@ class StructAttnGPT2Config(PreTrainedConfig):
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
         check_attention_variant(self.attention, "attention")
+        if self.qk_norm not in QK_NORMS:
+            raise ValueError(f"qk_norm={self.qk_norm!r} is not one of {QK_NORMS}")
+        if isinstance(self.dense_scaling, str) and self.dense_scaling not in MLR_SCALINGS:
+            raise ValueError(f"dense_scaling={self.dense_scaling!r} is not one of {MLR_SCALINGS} or a number")
+        if isinstance(self.dense_scaling, bool) or (not isinstance(self.dense_scaling, str) and
+                                                     not self.dense_scaling > 0):
+            raise ValueError(f"dense_scaling={self.dense_scaling!r} must be 'standard', 'mup' or a positive number")
+        if isinstance(self.bilinear_scale_constant, bool) or not self.bilinear_scale_constant > 0:
+            raise ValueError(f"bilinear_scale_constant={self.bilinear_scale_constant!r} must be a positive number")
         if self.attention_layers is not None:
             if len(self.attention_layers) != self.n_layer:
                 raise ValueError(f"attention_layers has {len(self.attention_layers)} entries but n_layer={self.n_layer}")

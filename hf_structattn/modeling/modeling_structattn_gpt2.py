@@ -53,6 +53,22 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling=N
     return torch.matmul(weights, value).transpose(1, 2), weights
 
 
+def qk_norm_layer(config, width: int) -> nn.Module:
+    """The q/k normalisation of ``config.qk_norm`` over the last dim of size ``width``."""
+    if config.qk_norm == "rms":
+        return nn.RMSNorm(width, eps=config.layer_norm_epsilon)
+    return nn.LayerNorm(width, eps=config.layer_norm_epsilon)
+
+
+def dense_logit_scale(head_dim: int, scaling) -> float:
+    """Logit multiplier of dense/SWA heads: 1/sqrt(r) ("standard"), 1/r ("mup", paper App. E) or a number."""
+    if scaling == "standard":
+        return head_dim ** -0.5
+    if scaling == "mup":
+        return 1.0 / head_dim
+    return float(scaling)
+
+
 def _self_attention_cache(cache):
     return cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
 
@@ -77,12 +93,11 @@ class StructAttnGPT2Attention(nn.Module):
         self.num_heads = config.n_head
         self.head_dim = self.embed_dim // self.num_heads
         self.is_causal = True
-        self.scaling = self.head_dim ** -0.5 if config.scale_attn_weights else 1.0
+        self.scaling = dense_logit_scale(self.head_dim, config.dense_scaling) if config.scale_attn_weights else 1.0
         if self.variant in ("dense", "mlr", "swa"):
             self.c_attn = Conv1D(3 * self.embed_dim, self.embed_dim)
             if config.qk_layernorm:
-                self.q_norm = nn.LayerNorm(self.head_dim, eps=config.layer_norm_epsilon)
-                self.k_norm = nn.LayerNorm(self.head_dim, eps=config.layer_norm_epsilon)
+                self.q_norm, self.k_norm = qk_norm_layer(config, self.head_dim), qk_norm_layer(config, self.head_dim)
         else:
             self.c_v = Conv1D(self.embed_dim, self.embed_dim)
         if self.variant == "mlr":
@@ -94,21 +109,24 @@ class StructAttnGPT2Attention(nn.Module):
             self.level_scales = resolve_level_scales(self.ranks, scaling, "mlr_scaling")
         elif self.variant == "bilinear_mlr":
             ranks = list(config.bilinear_mlr_ranks)
-            self.q_proj = BilinearMLRProjection(self.embed_dim, self.num_heads, ranks)
-            self.k_proj = BilinearMLRProjection(self.embed_dim, self.num_heads, ranks)
+            clamp = config.bilinear_weight_rms_clamp
+            self.q_proj = BilinearMLRProjection(self.embed_dim, self.num_heads, ranks, rms_clamp=clamp)
+            self.k_proj = BilinearMLRProjection(self.embed_dim, self.num_heads, ranks, rms_clamp=clamp)
             widths = self.q_proj.level_widths
-            self.level_scales = bilinear_level_scales(widths, config.bilinear_scaling)
-            if config.qk_layernorm:
-                eps = config.layer_norm_epsilon
-                self.q_norms = nn.ModuleList(nn.LayerNorm(w, eps=eps) for w in widths)
-                self.k_norms = nn.ModuleList(nn.LayerNorm(w, eps=eps) for w in widths)
+            self.level_scales = bilinear_level_scales(widths, config.bilinear_scaling, config.bilinear_scale_constant)
+            if config.qk_layernorm and config.qk_norm == "layernorm":  # per level (the paper's App. E form)
+                self.q_norms = nn.ModuleList(qk_norm_layer(config, w) for w in widths)
+                self.k_norms = nn.ModuleList(qk_norm_layer(config, w) for w in widths)
+            elif config.qk_layernorm:  # over the whole head: all levels together
+                self.q_norm, self.k_norm = qk_norm_layer(config, sum(widths)), qk_norm_layer(config, sum(widths))
         elif self.variant == "bilinear_btt":
             factors = config.btt_factors or default_btt_factors(self.embed_dim)
-            self.k_proj = BilinearBTTKeyProjection(self.embed_dim, self.num_heads, factors, config.btt_rank)
-            self.btt_scale = bilinear_level_scales([self.embed_dim], config.bilinear_scaling)[0]
+            self.k_proj = BilinearBTTKeyProjection(self.embed_dim, self.num_heads, factors, config.btt_rank,
+                                                   rms_clamp=config.bilinear_weight_rms_clamp)
+            self.btt_scale = bilinear_level_scales([self.embed_dim], config.bilinear_scaling,
+                                                   config.bilinear_scale_constant)[0]
             if config.qk_layernorm:
-                self.q_norm = nn.LayerNorm(self.embed_dim, eps=config.layer_norm_epsilon)
-                self.k_norm = nn.LayerNorm(self.embed_dim, eps=config.layer_norm_epsilon)
+                self.q_norm, self.k_norm = qk_norm_layer(config, self.embed_dim), qk_norm_layer(config, self.embed_dim)
         self.c_proj = Conv1D(self.embed_dim, self.embed_dim)
         self.attn_dropout = nn.Dropout(config.attn_pdrop)
         self.resid_dropout = nn.Dropout(config.resid_pdrop)
@@ -189,9 +207,13 @@ class StructAttnGPT2Attention(nn.Module):
         """Structured queries and keys (B, H, T, E) with the logit scale folded into the queries."""
         if self.variant == "bilinear_mlr":
             q_levels, k_levels = self.q_proj(hidden_states), self.k_proj(hidden_states)
-            if self.config.qk_layernorm:
+            if self.config.qk_layernorm and self.config.qk_norm == "layernorm":
                 q_levels = [norm(q) for norm, q in zip(self.q_norms, q_levels)]
                 k_levels = [norm(k) for norm, k in zip(self.k_norms, k_levels)]
+            elif self.config.qk_layernorm:
+                widths = self.q_proj.level_widths
+                q_levels = self.q_norm(torch.cat(q_levels, dim=-1)).split(widths, dim=-1)
+                k_levels = self.k_norm(torch.cat(k_levels, dim=-1)).split(widths, dim=-1)
             query = torch.cat([scale * q for scale, q in zip(self.level_scales, q_levels)], dim=-1)
             return query, torch.cat(k_levels, dim=-1)
         query = hidden_states[:, None]
@@ -306,6 +328,8 @@ class StructAttnGPT2PreTrainedModel(PreTrainedModel):
             a, b, c, d = module.factors
             init.normal_(module.weight_r, mean=0.0, std=d ** -0.5)
             init.normal_(module.weight_l, mean=0.0, std=(c * module.rank) ** -0.5)
+        if isinstance(module, nn.RMSNorm):
+            init.ones_(module.weight)
         if isinstance(module, ZeroInitLinear):
             init.zeros_(module.weight)
             init.zeros_(module.bias)

@@ -18,9 +18,19 @@ from torch import nn
 from .structattn_geometry import check_int, check_ranks
 
 
-def bilinear_level_scales(widths: Sequence[int], scaling: str) -> list[float]:
-    """Logit multiplier per level of query/key width w: ``1/sqrt(w)`` ("standard") or ``1/w`` ("mup", App. E)."""
-    return [(width ** -0.5) if scaling == "standard" else 1.0 / width for width in widths]
+def bilinear_level_scales(widths: Sequence[int], scaling: str, constant: float = 1.0) -> list[float]:
+    """Logit multiplier per level of query/key width w: ``C/sqrt(w)`` ("standard") or ``C/w`` ("mup", App. E),
+    with App. E's tunable constant ``C``."""
+    return [constant * ((width ** -0.5) if scaling == "standard" else 1.0 / width) for width in widths]
+
+
+def rms_clamped(weight: torch.Tensor, fan_in: int, fan_out: int) -> torch.Tensor:
+    """The authors' RMS weight normalisation of a structured factor (paper App. E, after Qiu et al. 2024):
+    ``W / max(1, rms(W) / tau)`` with ``tau = sqrt(min(fan_in, fan_out)) / fan_in``. Differentiable; a tensor
+    ``clamp`` (no host sync, unlike the authors' Python ``max``)."""
+    tau = math.sqrt(min(fan_in, fan_out)) / fan_in
+    rms = weight.pow(2).mean().sqrt()
+    return weight / (rms / tau).clamp(min=1.0)
 
 
 def validate_bilinear_mlr(hidden_size: int, num_heads: int, ranks: Sequence[int], field: str = "bilinear_mlr_ranks",
@@ -70,10 +80,11 @@ class BilinearMLRProjection(nn.Module):
     level by level, chunk-major within a level.
     """
 
-    def __init__(self, hidden_size: int, num_heads: int, ranks: Sequence[int]):
+    def __init__(self, hidden_size: int, num_heads: int, ranks: Sequence[int], rms_clamp: bool = False):
         super().__init__()
         validate_bilinear_mlr(hidden_size, num_heads, ranks)
         self.hidden_size, self.num_heads, self.ranks = hidden_size, num_heads, list(ranks)
+        self.rms_clamp = rms_clamp
         self.weights = nn.ParameterList(
             nn.Parameter(torch.empty(2 ** level, hidden_size // 2 ** level, num_heads * rank))
             for level, rank in enumerate(self.ranks)
@@ -95,6 +106,8 @@ class BilinearMLRProjection(nn.Module):
         for weight, rank in zip(self.weights, self.ranks):
             chunks = weight.shape[0]
             x = hidden_states.reshape(batch * length, chunks, -1).transpose(0, 1)  # (p, BT, D/p)
+            if self.rms_clamp:
+                weight = rms_clamped(weight, weight.shape[1], weight.shape[2])
             y = torch.bmm(x, weight)  # (p, BT, H*r)
             y = y.view(chunks, batch, length, self.num_heads, rank).permute(1, 3, 2, 0, 4)
             levels.append(y.reshape(batch, self.num_heads, length, chunks * rank))
@@ -108,10 +121,12 @@ class BilinearBTTKeyProjection(nn.Module):
     forward: x (B, T, D) -> (B, H, T, D).
     """
 
-    def __init__(self, hidden_size: int, num_heads: int, factors: Optional[Sequence[int]] = None, rank: int = 1):
+    def __init__(self, hidden_size: int, num_heads: int, factors: Optional[Sequence[int]] = None, rank: int = 1,
+                 rms_clamp: bool = False):
         super().__init__()
         factors = validate_btt(hidden_size, factors, rank)
         self.hidden_size, self.num_heads, self.factors, self.rank = hidden_size, num_heads, factors, rank
+        self.rms_clamp = rms_clamp
         a, b, c, d = factors
         self.weight_r = nn.Parameter(torch.empty(c, d, num_heads * b * rank))
         self.weight_l = nn.Parameter(torch.empty(num_heads * b, a, c * rank))
@@ -126,11 +141,15 @@ class BilinearBTTKeyProjection(nn.Module):
         a, b, c, d = self.factors
         heads, rank = self.num_heads, self.rank
         batch, length, _ = hidden_states.shape
+        weight_r, weight_l = self.weight_r, self.weight_l
+        if self.rms_clamp:  # fan-in d -> fan-out H*b*s; fan-in c*s -> fan-out a
+            weight_r = rms_clamped(weight_r, d, heads * b * rank)
+            weight_l = rms_clamped(weight_l, c * rank, a)
         x = hidden_states.reshape(batch * length, c, d).transpose(0, 1)  # (c, N, d)
-        y = torch.bmm(x, self.weight_r)  # (c, N, H*b*s): block k applies R_k^T
+        y = torch.bmm(x, weight_r)  # (c, N, H*b*s): block k applies R_k^T
         # P_R: (c, b, s) -> (b, c, s), per head
         y = y.view(c, batch * length, heads, b, rank).permute(2, 3, 1, 0, 4).reshape(heads * b, batch * length, c * rank)
-        z = torch.bmm(y, self.weight_l.transpose(1, 2))  # (H*b, N, a): block k' applies L_k'
+        z = torch.bmm(y, weight_l.transpose(1, 2))  # (H*b, N, a): block k' applies L_k'
         # P_L: (b, a) -> (a, b)
         z = z.view(heads, b, batch, length, a).permute(2, 0, 3, 4, 1)
         return z.reshape(batch, heads, length, a * b)

@@ -1,0 +1,104 @@
+"""Diagnostics of trained or fresh structured-attention models (not part of the checkpoint payload).
+
+``effective_rank(model)`` measures the rank of each head's score function. A head scores a query input x and a
+key input x' (both the layer's attention input, i.e. the ``ln_1`` output; the q/k norms' eps is set to 0 in the probe) with ``s(x, x') = <q(x), k(x')>``,
+the logit scale folded into q. Without q/k normalisation this is the bilinear form ``x^T M x'`` and its rank is
+the matrix rank of M: r for dense, D for bilinear BTT, ``min(D, sum_l p_l r_l)`` for bilinear MLR (DESIGN.md §2).
+With a normalisation the form depends on the point, so the probe takes the mixed second derivative
+``H(x, x') = d^2 s / dx dx' = J_q(x)^T J_k(x')`` (D x D) at sampled pairs and reports
+
+* ``span``: the rank of all sampled ``H`` stacked (``min`` of the row- and column-stacked ranks): the number of
+  input directions the head's score can tell apart anywhere. This is the rank the experiments' labels use.
+  LayerNorm over a slice of width w removes its mean direction (w - 1 left), and for w <= 2 its output is a
+  constant or a sign (0 left); RMSNorm removes nothing here.
+* ``local``: the median rank of ``H`` at one pair: every normalisation also removes the radial direction at a
+  point (RMSNorm r - 1, LayerNorm r - 2).
+
+For sequence MLR the nearest pairs (all levels shared) are probed; distant pairs use only the level-1 slice.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+from .modeling.structattn_geometry import depth_scale_vector
+
+
+@dataclass
+class HeadRank:
+    layer: int
+    head: int
+    span: int
+    local: int
+
+
+def _queries_keys(attention, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden (N, D) -> query, key (H, N, E) of one ``StructAttnGPT2Attention`` with the logit scale in the query."""
+    if attention.variant in ("dense", "mlr", "swa"):
+        query, key, _ = attention.c_attn(hidden[None]).split(attention.embed_dim, -1)
+        query, key = attention._split_heads(query)[0], attention._split_heads(key)[0]
+        if attention.config.qk_layernorm:
+            query, key = attention.q_norm(query), attention.k_norm(key)
+        if attention.variant == "mlr":
+            scale = depth_scale_vector(attention.ranks, attention.level_scales, len(attention.ranks),
+                                       attention.config.mlr_average_levels, query.dtype, query.device)
+            return query * scale, key
+        return query * attention.scaling, key
+    query, key = attention._bilinear_qk(hidden[None])
+    return query[0], key[0]
+
+
+def _rank(matrix: torch.Tensor, rtol: float) -> int:
+    singular = torch.linalg.svdvals(matrix)
+    if singular.numel() == 0 or singular[0] == 0:
+        return 0
+    return int((singular > rtol * singular[0]).sum())
+
+
+@torch.no_grad()
+def effective_rank(model, num_pairs: int = 8, inputs: torch.Tensor | None = None, seed: int = 0,
+                   rtol: float = 1e-7) -> list[HeadRank]:
+    """Rank of every head's score function (see the module docstring), computed in float64 on a copy.
+
+    model: a ``StructAttnGPT2*`` model (LM, base or ICL head). inputs: optional (N, D) attention inputs to probe
+    at (default ``N(0, I)`` samples); pairs are (inputs[2i], inputs[2i+1]). Returns one ``HeadRank`` per
+    (layer, head), layer-major.
+    """
+    probe = copy.deepcopy(model).to(torch.float64).eval()
+    blocks = probe.transformer.h if hasattr(probe, "transformer") else probe.h
+    width = probe.config.n_embd
+    if inputs is None:
+        generator = torch.Generator().manual_seed(seed)
+        inputs = torch.randn(2 * num_pairs, width, generator=generator, dtype=torch.float64)
+    inputs = inputs.to(torch.float64)
+    if inputs.dim() != 2 or inputs.shape[1] != width or inputs.shape[0] < 2:
+        raise ValueError(f"inputs must have shape (N >= 2, {width}), got {tuple(inputs.shape)}")
+    results = []
+    for layer_idx, block in enumerate(blocks):
+        attention = block.attn
+        for module in attention.modules():
+            # the q/k norms' eps is a regulariser of tiny inputs; without it the normalisation is exactly
+            # scale-invariant, so the directions it removes give exact zeros, not eps-sized singular values
+            if isinstance(module, (torch.nn.LayerNorm, torch.nn.RMSNorm)):
+                module.eps = 0.0
+        jac_q = torch.func.jacrev(lambda x: _queries_keys(attention, x[None])[0][:, 0])
+        jac_k = torch.func.jacrev(lambda x: _queries_keys(attention, x[None])[1][:, 0])
+        with torch.enable_grad():
+            forms = []  # (pairs, H, D, D)
+            for first, second in zip(inputs[0::2], inputs[1::2]):
+                dq, dk = jac_q(first), jac_k(second)  # (H, E, D)
+                forms.append(dq.transpose(1, 2) @ dk)
+        forms = torch.stack(forms)
+        for head in range(forms.shape[1]):
+            head_forms = forms[:, head]
+            span = min(_rank(head_forms.reshape(-1, width), rtol),
+                       _rank(head_forms.transpose(0, 1).reshape(width, -1), rtol))
+            local = int(torch.tensor([_rank(form, rtol) for form in head_forms]).median())
+            results.append(HeadRank(layer=layer_idx, head=head, span=span, local=local))
+    return results
+
+
+__all__ = ["HeadRank", "effective_rank"]
