@@ -25,8 +25,8 @@ from .loop import CommonArgs, build_optimizer, finish_run, make_accelerator, tra
 TRAIN_STREAM, EVAL_STREAM = 2, 3
 
 DEFAULT_MODEL = dict(n_embd=64, n_layer=3, n_head=4, vocab_size=1, attention="bilinear_mlr",
-                     bilinear_mlr_ranks=[8, 4, 2, 2], qk_layernorm=True, resid_pdrop=0.0, embd_pdrop=0.0,
-                     attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+                     bilinear_mlr_ranks=[8, 4, 2, 2], qk_layernorm=True, qk_norm="rms", resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0)
 
 
 @dataclass
