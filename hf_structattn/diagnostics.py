@@ -101,4 +101,32 @@ def effective_rank(model, num_pairs: int = 8, inputs: torch.Tensor | None = None
     return results
 
 
-__all__ = ["HeadRank", "effective_rank"]
+
+
+
+@torch.no_grad()
+def mlr_logit_std_by_depth(model, num_tokens: int = 256, seed: int = 0) -> list[float]:
+    """Standard deviation of the pre-softmax logits of the MLR layers by pair depth (1 = only the global level
+    shared, L = all levels shared), pooled over layers, heads and token pairs; attention inputs ``N(0, I)``.
+
+    Shows the logit scale the configuration gives each distance at init: e.g. a uniform ``1/sqrt(r)`` with level
+    averaging makes the nearest pairs' logits several times smaller than the distant pairs' (``docs/models.md``).
+    """
+    blocks = model.transformer.h if hasattr(model, "transformer") else model.h
+    layers = [block.attn for block in blocks if block.attn.variant == "mlr"]
+    if not layers:
+        raise ValueError("mlr_logit_std_by_depth: the model has no MLR layer")
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(num_tokens, model.config.n_embd, generator=generator)
+    per_depth = [[] for _ in layers[0].ranks]
+    for attention in layers:
+        query, key, _ = attention.c_attn(hidden[None]).split(attention.embed_dim, -1)
+        query, key = attention._split_heads(query)[0], attention._split_heads(key)[0]
+        if attention.config.qk_layernorm:
+            query, key = attention.q_norm(query), attention.k_norm(key)
+        for depth in range(1, len(attention.ranks) + 1):
+            scale = depth_scale_vector(attention.ranks, attention.level_scales, depth,
+                                       attention.config.mlr_average_levels, query.dtype, query.device)
+            per_depth[depth - 1].append(((query * scale) @ key.transpose(-1, -2)).flatten())
+    return [float(torch.cat(values).std()) for values in per_depth]
+__all__ = ["HeadRank", "effective_rank", "mlr_logit_std_by_depth"]

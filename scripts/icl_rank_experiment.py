@@ -8,6 +8,7 @@ is the capacity control. The decision rule is written in docs/results.md (§1c) 
         --steps 2500 --jobs 2 > outputs/icl_rank/d4.log 2>&1 &
     python scripts/icl_rank_experiment.py report --out outputs/icl_rank --d 4   # table + plot + verdict
     python scripts/icl_rank_experiment.py time --d 4                            # seconds per step per arm
+    python scripts/icl_rank_experiment.py earlier-ranks      # score rank of the models of docs/results.md §1, §1b
 
 Each run (arm, lr, seed) trains in its own process, evaluates every ``--eval_every`` steps on 1024 fresh prompts
 (a random stream training never draws from), stops early when solved (last-query error < 0.05), writes its
@@ -150,6 +151,21 @@ def train_run(d: int, arm: str, lr: float, seed: int, steps: int, eval_every: in
     return result
 
 
+def claim(folder: Path) -> bool:
+    """Mark ``folder`` as trained by this process (two launchers may share an output folder); False if a live
+    process already holds it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    marker = folder / "running.pid"
+    if marker.exists():
+        try:
+            os.kill(int(marker.read_text()), 0)
+            return False
+        except (ProcessLookupError, ValueError):
+            pass  # a dead run: resume it
+    marker.write_text(str(os.getpid()))
+    return True
+
+
 def run_name(arm: str, lr: float, seed: int) -> str:
     return f"{arm}_lr{lr:g}_s{seed}"
 
@@ -202,9 +218,37 @@ def time_arms(args) -> None:
               f"{sum(p.numel() for p in models[arm].parameters())}")
 
 
+def ranks_of_earlier_runs() -> None:
+    """Effective score rank of the models of docs/results.md §1 and §1b (q/k LayerNorm, as run) and with RMSNorm."""
+    variants = {"dense8": dict(attention="dense", n_head=8), "dense1": dict(attention="dense", n_head=1),
+                "btt8": dict(attention="bilinear_btt", n_head=8, btt_rank=1)}
+    mlr_ranks = {16: [1, 1], 32: [2, 1, 1], 64: [4, 2, 1, 1], 128: [8, 4, 2, 2]}
+    print("| d | variant | D | nominal r | span rank, LayerNorm (as run) | span rank, RMSNorm | r >= d as run? |")
+    print("|---|---|---|---|---|---|---|")
+    for d, widths in ((8, (32, 64, 128)), (16, (64, 128))):
+        for name in ("dense8", "dense1", "btt8", "mlr8"):
+            for width in widths:
+                if width == 128 and name != "dense8":
+                    continue
+                fields = variants.get(name) or dict(attention="bilinear_mlr", n_head=8,
+                                                    bilinear_mlr_ranks=mlr_ranks[width])
+                spans = []
+                for norm in ("layernorm", "rms"):
+                    torch.manual_seed(0)
+                    model = StructAttnGPT2ForInContextRegression(StructAttnGPT2Config(
+                        vocab_size=1, n_positions=4 * d, n_layer=1, n_embd=width, icl_input_dim=d,
+                        qk_layernorm=True, qk_norm=norm, **fields))
+                    spans.append(min(head.span for head in effective_rank(model, num_pairs=4)))
+                nominal = width if name in ("dense1", "btt8") else width // 8
+                if name == "mlr8":
+                    nominal = sum(2 ** level * rank for level, rank in enumerate(mlr_ranks[width]))
+                print(f"| {d} | {name} | {width} | {nominal} | {spans[0]} | {spans[1]} | "
+                      f"{'yes' if spans[0] >= d else '**no**'} |")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", choices=["run", "one", "time", "report"])
+    parser.add_argument("command", choices=["run", "one", "time", "report", "earlier-ranks"])
     parser.add_argument("--d", type=int, default=4)
     parser.add_argument("--out", default="outputs/icl_rank")
     parser.add_argument("--steps", type=int, default=2500)
@@ -220,9 +264,17 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)
     if args.command == "time":
         time_arms(args)
+    elif args.command == "earlier-ranks":
+        ranks_of_earlier_runs()
     elif args.command == "one":
         folder = Path(args.out) / f"d{args.d}" / run_name(args.arm, args.lr, args.seed)
-        result = train_run(args.d, args.arm, args.lr, args.seed, args.steps, args.eval_every, folder)
+        if (folder / "result.json").exists() or not claim(folder):
+            print(f"skip {folder}: finished or running in another process")
+            return
+        try:
+            result = train_run(args.d, args.arm, args.lr, args.seed, args.steps, args.eval_every, folder)
+        finally:
+            (folder / "running.pid").unlink(missing_ok=True)
         print(json.dumps(result))
     elif args.command == "run":
         launch_all(args)

@@ -30,6 +30,18 @@ STYLES = {"dense8": ("tab:red", "o"), "dense1": ("tab:blue", "s"), "btt8": ("tab
           "mlr8": ("tab:purple", "D")}
 
 
+def step0_last_error(run: Path):
+    """Last-query error at step 0: the zero-initialised read-out predicts 0, so this is the "predict 0" level of
+    the y-axis quantity (the recipe's ``eval_baseline_zero_mse`` is over all positions)."""
+    path = run / "metrics.jsonl"
+    if not path.exists():
+        return None
+    for record in map(json.loads, path.read_text().splitlines()):
+        if record.get("step") == 0 and "eval/mse_last" in record:
+            return record["eval/mse_last"]
+    return None
+
+
 def collect(root: Path) -> list[dict]:
     rows = []
     for path in sorted(root.glob("d*/*_D*/final_metrics.json")):
@@ -44,7 +56,7 @@ def collect(root: Path) -> list[dict]:
             ranks="|".join(map(str, config.get("bilinear_mlr_ranks") or [])) if config["attention"] == "bilinear_mlr"
             else "",
             steps=metrics["step"], mse_last=metrics["eval_mse_last"], mse_all=metrics["eval_mse"],
-            baseline=metrics["eval_baseline_zero_mse"],
+            baseline=metrics["eval_baseline_zero_mse"], baseline_last=step0_last_error(path.parent),
             train_flops=metrics["flops_per_token"] * metrics["tokens_per_step"] * metrics["step"],
             train_seconds=metrics["train_seconds"]))
     return rows
@@ -63,8 +75,10 @@ def plot(rows: list[dict], out: Path) -> None:
                     continue
                 color, marker = STYLES[variant]
                 ax.plot(*zip(*pts), marker=marker, color=color, label=LABELS[variant])
-            base = [r["baseline"] for r in rows if r["d"] == d]
-            ax.axhline(sum(base) / len(base), color="gray", ls="--", lw=1, label='"predict 0" baseline (all positions)')
+            base = [r["baseline_last"] for r in rows if r["d"] == d and r["baseline_last"] is not None]
+            if base:  # the y-axis is the last-query error, so the baseline is the last-query "predict 0" level
+                ax.axhline(sum(base) / len(base), color="gray", ls="--", lw=1,
+                           label='"predict 0" at the last query (step-0 error)')
             if xkey == "D":
                 ax.axvline(8 * d, color="tab:red", ls=":", lw=1, label=f"8 heads: r = D/8 = d at D = {8 * d}")
             steps = sorted({r["steps"] for r in rows if r["d"] == d})
@@ -86,11 +100,14 @@ def plot(rows: list[dict], out: Path) -> None:
 def plot_curves(root: Path, out: Path) -> Path:
     """OUT/icl_curves.png: last-query MSE on fresh prompts against the training step, one line per run."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for path in sorted(root.glob("d*/*_D*/metrics.jsonl")):
+    paths = sorted(root.glob("d*/*_D*/metrics.jsonl"))
+    palette = plt.get_cmap("tab20" if len(paths) > 10 else "tab10")
+    for index, path in enumerate(paths):  # one colour per run (variant colours repeat across widths otherwise)
         variant, width = re.fullmatch(r"(\w+?)_D(\d+)", path.parent.name).groups()
         points = [(r["step"], r["eval/mse_last"]) for r in map(json.loads, path.read_text().splitlines())
                   if "eval/mse_last" in r]
-        color, marker = STYLES.get(variant, ("gray", "."))
+        _, marker = STYLES.get(variant, ("gray", "."))
+        color = palette(index % palette.N)
         ax.plot(*zip(*points), color=color, marker=marker, label=f"{LABELS.get(variant, variant)}, D = {width}, "
                                                                  f"{path.parent.parent.name.replace('d', 'd = ')}")
     ax.set(xlabel="training step", ylabel="MSE at last query (N = 2d), fresh prompts",

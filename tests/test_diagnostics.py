@@ -75,3 +75,22 @@ def test_rms_norm_config_round_trips_and_default_keeps_old_checkpoints(tmp_path)
     torch.testing.assert_close(reloaded(input_ids=ids).logits, new(input_ids=ids).logits)
     with pytest.raises(ValueError, match="qk_norm='batch'"):
         StructAttnGPT2Config(qk_norm="batch")
+
+
+def test_mlr_logit_scale_by_depth_shows_what_averaging_does_to_each_scaling():
+    # q/k LayerNorm gives unit-variance components, so a level of rank r_l with scale a contributes std a*sqrt(r_l):
+    # ranks 32|16|8|8 -> distant pairs sqrt(32)*a_1; nearest pairs sqrt(sum a_l^2 r_l) / 4 when averaged
+    from hf_structattn.diagnostics import mlr_logit_std_by_depth
+
+    def stds(scaling):
+        model = _model(attention="mlr", n_embd=64, n_head=1, n_positions=64, mlr_ranks=[32, 16, 8, 8],
+                       qk_layernorm=True, mlr_scaling=scaling, mlr_average_levels=True)
+        return mlr_logit_std_by_depth(model, num_tokens=128)
+
+    standard, authors = stds("standard"), stds("mup")
+    assert standard[0] == pytest.approx(32 ** 0.5 / 8, rel=0.15)
+    assert standard[-1] == pytest.approx(1 / 4, rel=0.15)  # nearest pairs 2.8x smaller here (5.7x at 8 levels)
+    assert authors[0] == pytest.approx(32 ** -0.5, rel=0.15)
+    assert authors[-1] == pytest.approx((1 / 32 + 1 / 16 + 1 / 8 + 1 / 8) ** 0.5 / 4, rel=0.15)
+    with pytest.raises(ValueError, match="no MLR layer"):
+        mlr_logit_std_by_depth(_model())

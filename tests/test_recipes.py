@@ -246,7 +246,9 @@ def test_main_job_reload_script_uses_only_the_saved_code(tmp_path):
 
 ICL_TINY = ["--n_dims", "2", "--per_device_batch_size", "64", "--learning_rate", "1e-3", "--warmup_steps", "10",
             "--lr_schedule", "constant", "--eval_prompts", "128", "--disable_tqdm", "--n_embd", "32", "--n_layer", "2",
-            "--n_head", "2", "--attention", "dense"]
+            "--n_head", "2", "--attention", "dense", "--qk_norm", "layernorm"]
+# (LayerNorm: at d = 2 it leaves the plateau within the 100 steps these tests afford; the recipe's default RMSNorm
+# measured 0.940 -> 0.946 at step 100 with this config and seed, LayerNorm 0.940 -> 0.866)
 
 
 def test_icl_learns_on_fresh_prompts(tmp_path):
