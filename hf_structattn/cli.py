@@ -3,24 +3,35 @@
     hf-structattn patch SRC_DIR OUT_DIR --attention mlr --mlr-ranks 32,16,8,8 --mlr-block-sizes 256,128,64 [--init svd]
 
 converts a T5, Chronos-T5 or Chronos-Bolt checkpoint on disk (see ``hf_structattn.patch``), prints how far the
-outputs moved on synthetic inputs, and saves the result. Bad arguments exit with code 2 and write nothing.
+outputs moved on synthetic inputs, and saves the result. The save is atomic: everything is written into a hidden
+folder next to OUT_DIR that is renamed to OUT_DIR at the end, so a failure leaves no OUT_DIR. Bad arguments or
+an unusable SRC_DIR / OUT_DIR exit with code 2 and write nothing; a failure while writing exits with code 1.
 """
 
 import argparse
 import json
+import os
+import secrets
 import shutil
 import sys
 from pathlib import Path
 
 import torch
 
-# files of a checkpoint directory that the converted model rewrites itself
-_REWRITTEN = {"config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
-              "pytorch_model.bin"}
+# files the converted model writes itself; weight files of the source (single, sharded, other formats) never travel
+_REWRITTEN = {"config.json", "generation_config.json"}
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx", ".index.json")
+_SOURCE_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                   "pytorch_model.bin.index.json")
+_PATCHED_MODEL_TYPES = ("structattn_t5", "structattn_chronos_bolt")
 
 
 class CliError(Exception):
-    """A user error: reported on stderr with exit code 2."""
+    """A user-facing failure: one line on stderr, exit code ``code`` (2: bad input, 1: writing failed)."""
+
+    def __init__(self, message: str, code: int = 2):
+        super().__init__(message)
+        self.code = code
 
 
 def _int_list(text: str) -> list[int]:
@@ -30,23 +41,74 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
-def _checkpoint_kind(src: Path) -> tuple[str, dict]:
+def _checkpoint_kind(src: Path) -> str:
+    """"t5", "chronos_t5" or "chronos_bolt" from SRC_DIR/config.json; CliError for anything else."""
     config_path = src / "config.json"
     if not config_path.is_file():
         raise CliError(f"{src}: no config.json (not a Hugging Face checkpoint directory)")
-    config = json.loads(config_path.read_text())
+    try:
+        config = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise CliError(f"{config_path} is not valid JSON: {error}") from None
+    if not isinstance(config, dict):
+        raise CliError(f"{config_path} must hold a JSON object, got {type(config).__name__}")
+    if not any((src / name).is_file() for name in _SOURCE_WEIGHTS):
+        raise CliError(f"{src}: no weights ({', '.join(_SOURCE_WEIGHTS)})")
     model_type = config.get("model_type")
-    if model_type == "structattn_t5":
-        raise CliError(f"{src}: already a structured-attention checkpoint (model_type 'structattn_t5'); patch the "
-                       f"original T5 checkpoint")
+    if model_type in _PATCHED_MODEL_TYPES:
+        raise CliError(f"{src}: already a structured-attention checkpoint (model_type {model_type!r}); patch the "
+                       f"original checkpoint")
     if model_type != "t5":
         raise CliError(f"{src}: model_type={model_type!r}; hf-structattn patch converts T5 checkpoints (T5, "
                        f"Chronos-T5, Chronos-Bolt) only")
-    if "ChronosBoltModelForForecasting" in (config.get("architectures") or []):
-        return "chronos_bolt", config
+    architectures = config.get("architectures") or []
+    if "ChronosBoltModelForForecasting" in architectures or config.get("chronos_pipeline_class") == \
+            "ChronosBoltPipeline":
+        return "chronos_bolt"
     if "chronos_config" in config:
-        return "chronos_t5", config
-    return "t5", config
+        return "chronos_t5"
+    return "t5"
+
+
+def _check_out_dir(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise CliError(f"OUT_DIR {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()):
+        raise CliError(f"OUT_DIR {out} exists and is not empty")
+    for parent in out.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise CliError(f"OUT_DIR {out}: {parent} is not a directory")
+            break
+
+
+def _one_line(error: Exception) -> str:
+    return f"{type(error).__name__}: {' '.join(str(error).split())}"
+
+
+def _is_weight_file(name: str) -> bool:
+    return name.endswith(_WEIGHT_SUFFIXES)
+
+
+def save_atomically(out: Path, write) -> None:
+    """Call ``write(folder)`` on a fresh hidden folder next to ``out`` and rename it to ``out`` (which must be
+    absent or empty). On any failure, interruption included, the folder and the parents this call created are
+    removed and the error is re-raised: ``out`` either appears complete or not at all."""
+    created = [parent for parent in out.parents if not parent.exists()]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.parent / f".{out.name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
+    staging.mkdir()
+    try:
+        write(staging)
+        os.rename(staging, out)  # replaces an empty directory; fails (ENOTEMPTY) if someone filled it meanwhile
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        for parent in created:  # innermost first
+            try:
+                parent.rmdir()
+            except OSError:
+                break
+        raise
 
 
 def _synthetic_context(batch: int = 4, length: int = 96) -> torch.Tensor:
@@ -58,47 +120,52 @@ def _synthetic_context(batch: int = 4, length: int = 96) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def _patch_command(args) -> int:
-    import hf_structattn
-
-    src, out = Path(args.src_dir), Path(args.out_dir)
-    if not src.is_dir():
-        raise CliError(f"SRC_DIR {src} is not a directory")
-    if out.exists() and any(out.iterdir()):
-        raise CliError(f"OUT_DIR {out} exists and is not empty")
-    kind, _ = _checkpoint_kind(src)
-    fields = {}
-    if args.mlr_ranks is not None:
-        fields["mlr_ranks"] = args.mlr_ranks
-    if args.mlr_block_sizes is not None:
-        fields["mlr_block_sizes"] = args.mlr_block_sizes
-    if args.mlr_max_length is not None:
-        fields["mlr_max_length"] = args.mlr_max_length
-    targets = tuple(t.strip() for t in args.targets.split(",") if t.strip())
-
+def _load(kind: str, src: Path):
+    """(original model or pipeline, inputs for ``patch_report``)."""
     if kind == "t5":
         from transformers import T5ForConditionalGeneration
 
         original = T5ForConditionalGeneration.from_pretrained(src).eval()
         generator = torch.Generator().manual_seed(0)
         vocab = original.config.vocab_size
-        inputs = dict(input_ids=torch.randint(0, vocab, (2, 64), generator=generator),
-                      decoder_input_ids=torch.randint(0, vocab, (2, 16), generator=generator))
-    elif kind == "chronos_t5":
+        return original, dict(input_ids=torch.randint(0, vocab, (2, 64), generator=generator),
+                              decoder_input_ids=torch.randint(0, vocab, (2, 16), generator=generator))
+    if kind == "chronos_t5":
         from chronos import ChronosPipeline
 
         original = ChronosPipeline.from_pretrained(src, device_map="cpu", dtype=torch.float32)
         original.model.model.eval()
-        inputs = {"context": _synthetic_context(), "prediction_length": original.model.config.prediction_length}
-    else:
-        from chronos.chronos_bolt import ChronosBoltPipeline
+        return original, {"context": _synthetic_context(),
+                          "prediction_length": original.model.config.prediction_length}
+    from chronos.chronos_bolt import ChronosBoltPipeline
 
-        original = ChronosBoltPipeline.from_pretrained(src, device_map="cpu", dtype=torch.float32)
-        original.model.eval()
-        inputs = {"context": _synthetic_context(),
-                  "prediction_length": original.model.chronos_config.prediction_length}
+    original = ChronosBoltPipeline.from_pretrained(src, device_map="cpu", dtype=torch.float32)
+    original.model.eval()
+    return original, {"context": _synthetic_context(),
+                      "prediction_length": original.model.chronos_config.prediction_length}
+
+
+def _patch_command(args) -> int:
+    import hf_structattn
+
+    src, out = Path(args.src_dir), Path(args.out_dir)
+    if not src.is_dir():
+        raise CliError(f"SRC_DIR {src} is not a directory")
+    _check_out_dir(out)
+    kind = _checkpoint_kind(src)
+    fields = {}
+    for name in ("mlr_ranks", "mlr_block_sizes", "mlr_max_length", "mlr_block_steps"):
+        if getattr(args, name) is not None:
+            fields[name] = getattr(args, name)
+    targets = tuple(t.strip() for t in args.targets.split(",") if t.strip())
+
     try:
-        patched = hf_structattn.patch(original, attention=args.attention, targets=targets, init=args.init, **fields)
+        original, inputs = _load(kind, src)
+    except Exception as error:  # OSError, strict-config validation, Chronos' asserts, ...: all about SRC_DIR
+        raise CliError(f"{src}: cannot load as a {kind} checkpoint: {_one_line(error)}") from None
+    try:
+        patched = hf_structattn.patch(original, attention=args.attention, targets=targets, init=args.init,
+                                      allow_identity=args.allow_identity, **fields)
     except ValueError as error:
         raise CliError(str(error)) from None
     report = hf_structattn.patch_report(original, patched, inputs)
@@ -106,20 +173,23 @@ def _patch_command(args) -> int:
     print("drift before fine-tuning (synthetic inputs):")
     print(hf_structattn.patching.format_report(report))
 
-    out.mkdir(parents=True, exist_ok=True)
-    if kind == "t5":
-        patched.save_pretrained(out)
-    elif kind == "chronos_t5":
-        patched.model.model.save_pretrained(out)
-    else:
-        patched.model.save_pretrained(out)
-    for item in src.iterdir():  # tokenizer and other side files travel along
-        if item.is_file() and item.name not in _REWRITTEN and not (out / item.name).exists():
-            shutil.copy2(item, out / item.name)
-    how = ("hf_structattn.load_patched_chronos_bolt(OUT_DIR)" if kind == "chronos_bolt" else
+    model = patched if kind == "t5" else patched.model.model if kind == "chronos_t5" else patched.model
+
+    def write(folder: Path) -> None:
+        model.save_pretrained(folder)
+        for item in src.iterdir():  # tokenizer and other side files travel along; old weights never do
+            if (item.is_file() and item.name not in _REWRITTEN and not _is_weight_file(item.name)
+                    and not (folder / item.name).exists()):
+                shutil.copy2(item, folder / item.name)
+
+    try:
+        save_atomically(out, write)
+    except Exception as error:  # OSError, safetensors' own error type, ...: the staging folder is already gone
+        raise CliError(f"writing OUT_DIR {out} failed, nothing was left behind: {_one_line(error)}", code=1) from None
+    how = ("BaseChronosPipeline.from_pretrained(OUT_DIR, trust_remote_code=True)" if kind == "chronos_bolt" else
            "ChronosPipeline.from_pretrained(OUT_DIR, trust_remote_code=True)" if kind == "chronos_t5" else
            "AutoModelForSeq2SeqLM.from_pretrained(OUT_DIR, trust_remote_code=True)")
-    print(f"saved to {out}; load with {how}")
+    print(f"saved to {out}; load with {how} (or without the flag after `import hf_structattn`)")
     return 0
 
 
@@ -128,15 +198,22 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     patch = commands.add_parser("patch", help="convert a T5 / Chronos-T5 / Chronos-Bolt checkpoint to MLR attention")
     patch.add_argument("src_dir")
-    patch.add_argument("out_dir")
+    patch.add_argument("out_dir", help="created atomically; must not exist or be an empty directory")
     patch.add_argument("--attention", default="mlr", help="structured attention to install (mlr)")
     patch.add_argument("--mlr-ranks", type=_int_list, help="per-level ranks summing to d_kv, e.g. 32,16,8,8")
-    patch.add_argument("--mlr-block-sizes", type=_int_list,
-                       help="block sizes of levels 2..L, e.g. 256,128,64 (default: dyadic from --mlr-max-length)")
-    patch.add_argument("--mlr-max-length", type=int, help="training length for the default dyadic blocks")
+    blocks = patch.add_mutually_exclusive_group()
+    blocks.add_argument("--mlr-block-sizes", type=_int_list,
+                        help="block sizes of levels 2..L in tokens (Chronos-Bolt: patches), e.g. 256,128,64 "
+                             "(default: dyadic from --mlr-max-length; for Chronos from the context length)")
+    blocks.add_argument("--mlr-block-steps", type=_int_list,
+                        help="Chronos only: block sizes of levels 2..L in time steps (Bolt: multiples of the patch "
+                             "stride), e.g. 1024,256,64")
+    patch.add_argument("--mlr-max-length", type=int, help="length in tokens the default dyadic blocks derive from")
     patch.add_argument("--targets", default="encoder_self,decoder_self",
                        help="comma-separated roles among encoder_self, decoder_self")
     patch.add_argument("--init", choices=("split", "svd"), default="split", help="level split of pretrained q/k")
+    patch.add_argument("--allow-identity", action="store_true",
+                       help="accept a patch that changes nothing (one level, or blocks covering the whole context)")
     return parser
 
 
@@ -146,7 +223,7 @@ def main(argv=None) -> int:
         return _patch_command(args)
     except CliError as error:
         print(f"hf-structattn: error: {error}", file=sys.stderr)
-        return 2
+        return error.code
 
 
 if __name__ == "__main__":

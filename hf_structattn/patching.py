@@ -8,9 +8,15 @@ spec, and which saves with the payload code. The original is left untouched so `
   (model_type ``structattn_t5``; reloads with ``trust_remote_code=True`` and through
   ``ChronosPipeline.from_pretrained(dir, trust_remote_code=True)``).
 * ``ChronosPipeline`` -> a ``ChronosPipeline`` around the converted inner model.
-* Chronos-Bolt (``ChronosBoltPipeline`` or ``ChronosBoltModelForForecasting``): Chronos resolves the Bolt class
-  by name, so the attention modules are replaced in place on a copy and the spec is stored in
-  ``config.structattn_t5``; ``load_patched_chronos_bolt(dir)`` re-applies it after loading.
+* Chronos-Bolt (``ChronosBoltPipeline`` or ``ChronosBoltModelForForecasting``) ->
+  ``StructAttnChronosBoltModelForForecasting`` (model_type ``structattn_chronos_bolt``), a subclass that Chronos
+  finds by name: it reloads as MLR through ``BaseChronosPipeline.from_pretrained(dir, trust_remote_code=True)``
+  (see ``modeling/modeling_structattn_chronos_bolt.py``).
+
+Chronos models have a fixed context, so their block sizes can be given in time steps (``mlr_block_steps``;
+Bolt's encoder tokens are patches of ``input_patch_stride`` steps) and blocks that cover the whole sequence of
+every patched role are refused: such a level is the global level again, and a patch made only of those is the
+dense model (``allow_identity=True`` asks for that on purpose).
 
 Level split of pretrained q/k (``init``):
 * ``"split"``: the first r_1 dims of each head are level 1, the next r_2 level 2, ...
@@ -23,22 +29,20 @@ Level split of pretrained q/k (``init``):
 
 import copy
 import math
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
 from .modeling.configuration_structattn_t5 import T5_ATTENTION_ROLES, T5_STRUCTATTN_FIELDS, StructAttnT5Config
-from .modeling.modeling_structattn_t5 import (
-    StructAttnT5Attention,
-    StructAttnT5ForConditionalGeneration,
-    install_structured_attention,
-)
+from .modeling.modeling_structattn_chronos_bolt import BOLT_MODEL_CLASS_NAME, StructAttnChronosBoltConfig
+from .modeling import modeling_structattn_chronos_bolt as _bolt_payload
+from .modeling.modeling_structattn_t5 import StructAttnT5Attention, StructAttnT5ForConditionalGeneration
 
 PATCH_TARGETS = tuple(T5_ATTENTION_ROLES)
 PATCH_ATTENTIONS = ("mlr",)
 INITS = ("split", "svd")
 _DROP_KEYS = ("model_type", "transformers_version", "auto_map", "architectures", "_name_or_path")
-BOLT_SPEC_KEY = "structattn_t5"
+_PATCHED_MODEL_TYPES = (StructAttnT5Config.model_type, StructAttnChronosBoltConfig.model_type)
 
 
 def _chronos_classes():
@@ -52,25 +56,33 @@ def _chronos_classes():
 
 
 def _kind(obj) -> str:
+    return _kind_and_model(obj)[0]
+
+
+def _kind_and_model(obj):
+    """("t5" | "chronos_t5" | "chronos_bolt_pipeline" | "chronos_bolt", the transformers model inside ``obj``);
+    ValueError for anything else, including a model that already has structured attention."""
+    kind, model = None, None
     classes = _chronos_classes()
     if classes is not None:
         chronos_pipeline, _, bolt_pipeline, bolt_model = classes
         if isinstance(obj, chronos_pipeline):
-            return "chronos_t5"
-        if isinstance(obj, bolt_pipeline):
-            return "chronos_bolt_pipeline"
-        if isinstance(obj, bolt_model):
-            return "chronos_bolt"
-    from transformers import T5ForConditionalGeneration
+            kind, model = "chronos_t5", obj.model.model
+        elif isinstance(obj, bolt_pipeline):
+            kind, model = "chronos_bolt_pipeline", obj.model
+        elif isinstance(obj, bolt_model):
+            kind, model = "chronos_bolt", obj
+    if kind is None:
+        from transformers import T5ForConditionalGeneration
 
-    if isinstance(obj, StructAttnT5ForConditionalGeneration) or getattr(getattr(obj, "config", None), "model_type",
-                                                                          None) == "structattn_t5":
-        raise ValueError("this model already has structured attention (model_type 'structattn_t5'); patch the "
-                         "original T5 checkpoint instead")
-    if isinstance(obj, T5ForConditionalGeneration):
-        return "t5"
-    raise ValueError(f"patch accepts a transformers.T5ForConditionalGeneration, a chronos.ChronosPipeline, a "
-                     f"ChronosBoltPipeline or a ChronosBoltModelForForecasting; got {type(obj).__name__}")
+        if not isinstance(obj, T5ForConditionalGeneration):
+            raise ValueError(f"patch accepts a transformers.T5ForConditionalGeneration, a chronos.ChronosPipeline, a "
+                             f"ChronosBoltPipeline or a ChronosBoltModelForForecasting; got {type(obj).__name__}")
+        kind, model = "t5", obj
+    if model.config.model_type in _PATCHED_MODEL_TYPES:
+        raise ValueError(f"this model already has structured attention (model_type {model.config.model_type!r}); "
+                         f"patch the original checkpoint instead")
+    return kind, model
 
 
 def _structattn_fields(attention: str, targets: Sequence[str], variant_fields: dict) -> dict:
@@ -92,17 +104,16 @@ def _structattn_fields(attention: str, targets: Sequence[str], variant_fields: d
     return fields
 
 
-def _structattn_config(t5_config, fields: dict, provenance: Optional[dict] = None) -> StructAttnT5Config:
-    """StructAttnT5Config from a T5Config's values plus the structured fields (raises ValueError naming the
-    field on a bad spec, e.g. mlr_ranks that do not sum to d_kv or cross_attention='mlr')."""
+def _structattn_config(config_class, t5_config, fields: dict, provenance: dict):
+    """``config_class`` (StructAttnT5Config or its Bolt subclass) from a T5Config's values plus the structured
+    fields (raises ValueError naming the field on a bad spec, e.g. mlr_ranks that do not sum to d_kv)."""
     values = {k: v for k, v in t5_config.to_dict().items() if k not in _DROP_KEYS}
     # T5Config derives these from feed_forward_proj; passing them back would be rejected as unknown
     for derived in ("dense_act_fn", "is_gated_act"):
         values.pop(derived, None)
     values.update(fields)
-    if provenance is not None:
-        values["structattn_patch"] = provenance
-    return StructAttnT5Config(**values)
+    values["structattn_patch"] = provenance
+    return config_class(**values)
 
 
 @torch.no_grad()
@@ -142,46 +153,100 @@ def _structured_modules(model):
     return [m for m in model.modules() if isinstance(m, StructAttnT5Attention) and m.variant == "mlr"]
 
 
-def _patch_t5(model, fields: dict, init: str, source: str):
-    config = _structattn_config(model.config, fields, {"source": source, "init": init})
+def _convert(model, target_class, config, init: str):
+    """``target_class(config)`` holding ``model``'s tensors (cloned, same state-dict names), q/k level-aligned."""
     with torch.device("meta"):
-        patched = StructAttnT5ForConditionalGeneration(config)
+        patched = target_class(config)
     state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
     patched.load_state_dict(state, strict=True, assign=True)
+    originals = dict(model.named_buffers())
+    for name, buffer in list(patched.named_buffers()):  # non-persistent buffers (Bolt's quantiles) are no state
+        if buffer.is_meta:
+            owner, _, attribute = name.rpartition(".")
+            setattr(patched.get_submodule(owner), attribute, originals[name].detach().clone())
     patched.tie_weights()
-    patched.generation_config = copy.deepcopy(model.generation_config)
+    if getattr(model, "generation_config", None) is not None:
+        patched.generation_config = copy.deepcopy(model.generation_config)
     with torch.no_grad():
         _align_modules(_structured_modules(patched), init)
     return patched.train(model.training)
 
 
-def _bolt_specs(config: StructAttnT5Config) -> tuple[dict, dict]:
-    return ({"self": config.attention_spec("encoder_self")},
-            {"self": config.attention_spec("decoder_self"), "cross": config.attention_spec("cross")})
+class _ChronosGeometry(NamedTuple):
+    """What block sizes mean for a Chronos model."""
+
+    steps_per_token: int  # time steps between consecutive encoder tokens (1 for Chronos-T5, the patch stride for Bolt)
+    context_tokens: int  # tokens of a full context, without the appended EOS / [REG] token
+    role_tokens: dict  # {role: longest sequence that role attends over, in tokens}
 
 
-def _patch_bolt_in_place(model, fields: dict) -> StructAttnT5Config:
-    """Install the structured attention described by ``fields`` into a Chronos-Bolt model (in place)."""
-    config = _structattn_config(model.config, fields)
-    encoder_specs, decoder_specs = _bolt_specs(config)
-    install_structured_attention(model.encoder, model.encoder.config, encoder_specs)
-    install_structured_attention(model.decoder, model.decoder.config, decoder_specs)
-    return config
+def _chronos_geometry(obj, kind: str) -> Optional[_ChronosGeometry]:
+    """The geometry of a ``ChronosPipeline``, ``ChronosBoltPipeline`` or Bolt model; None for a plain T5."""
+    if kind == "chronos_t5":
+        chronos = obj.model.config  # ChronosConfig: one token per time step, EOS appended to the context
+        eos = int(chronos.use_eos_token and chronos.model_type == "seq2seq")
+        # generate() feeds the start token and prediction_length - 1 sampled tokens to the decoder
+        return _ChronosGeometry(1, chronos.context_length, {"encoder_self": chronos.context_length + eos,
+                                                           "decoder_self": chronos.prediction_length})
+    if kind in ("chronos_bolt", "chronos_bolt_pipeline"):
+        chronos = (obj.model if kind == "chronos_bolt_pipeline" else obj).chronos_config
+        size, stride = chronos.input_patch_size, chronos.input_patch_stride
+        padded = -(-chronos.context_length // size) * size  # Bolt left-pads the context to whole patches
+        patches = (padded - size) // stride + 1
+        # Bolt's decoder runs one step: its self-attention sees a single token
+        return _ChronosGeometry(stride, patches, {"encoder_self": patches + int(chronos.use_reg_token),
+                                                 "decoder_self": 1})
+    return None
 
 
-def _patch_bolt(model, fields: dict, init: str):
-    _structattn_config(model.config, fields)  # validate before copying anything
-    patched = copy.deepcopy(model)
-    _patch_bolt_in_place(patched, fields)
-    with torch.no_grad():
-        _align_modules(_structured_modules(patched), init)
-    # the spec is re-applied on load; the weights are already aligned, so the init is provenance only
-    patched.config.structattn_t5 = {"fields": dict(fields), "init": init}
-    return patched
+def _block_fields(geometry: Optional[_ChronosGeometry], fields: dict, block_steps) -> dict:
+    """``mlr_block_steps`` (time steps) -> ``mlr_block_sizes`` (tokens); Chronos models without explicit blocks
+    get dyadic blocks from their context instead of the generic ``mlr_max_length`` default."""
+    fields = dict(fields)
+    if block_steps is not None:
+        if geometry is None:
+            raise ValueError("mlr_block_steps counts time steps of a Chronos model's context; for a T5 give "
+                             "mlr_block_sizes (tokens)")
+        if "mlr_block_sizes" in fields:
+            raise ValueError("give either mlr_block_steps (time steps) or mlr_block_sizes (tokens), not both")
+        block_steps, step = list(block_steps), geometry.steps_per_token
+        for steps in block_steps:
+            if isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0 or steps % step:
+                raise ValueError(f"mlr_block_steps={block_steps}: each must be a positive multiple of {step} (the "
+                                 f"time steps one encoder token covers), got {steps!r}")
+        fields["mlr_block_sizes"] = [steps // step for steps in block_steps]
+    elif geometry is not None and "mlr_block_sizes" not in fields and "mlr_max_length" not in fields:
+        fields["mlr_max_length"] = geometry.context_tokens
+    return fields
+
+
+def _refuse_identity(config, geometry: Optional[_ChronosGeometry], targets: Sequence[str]) -> None:
+    """Raise unless every level 2..L splits at least one patched sequence: a block at least as long as every
+    sequence it is applied to puts all positions in one block, which makes that level the global level again."""
+    block_sizes = config.resolved_mlr_block_sizes
+    hint = "pass allow_identity=True (CLI --allow-identity) for a deliberate identity patch"
+    if not block_sizes:
+        raise ValueError(f"mlr_ranks={list(config.mlr_ranks)} has one level, so the patched model is the dense model "
+                         f"again; give two or more levels, or {hint}")
+    if geometry is None:
+        return
+    longest = max(geometry.role_tokens[target] for target in targets)
+    idle = [size for size in block_sizes if size >= longest]
+    if not idle:
+        return
+    step = geometry.steps_per_token
+    units = "tokens = time steps" if step == 1 else \
+        f"tokens = {[size * step for size in block_sizes]} time steps at {step} time steps per token"
+    seen = ", ".join(f"{target} {geometry.role_tokens[target]} tokens" for target in targets)
+    raise ValueError(f"mlr_block_sizes={block_sizes} ({units}): block(s) {idle} cover the whole sequence of every "
+                     f"patched role ({seen}, from the model's context_length), so those levels would change "
+                     f"nothing; give smaller blocks (in time steps: mlr_block_steps, CLI --mlr-block-steps), or "
+                     f"{hint}")
 
 
 def patch(obj, attention: str = "mlr", targets: Sequence[str] = ("encoder_self", "decoder_self"),
-          init: str = "split", **variant_fields):
+          init: str = "split", *, mlr_block_steps: Optional[Sequence[int]] = None, allow_identity: bool = False,
+          **variant_fields):
     """Convert ``obj`` to structured attention and return the converted copy (``obj`` is not modified).
 
     Args:
@@ -193,12 +258,19 @@ def patch(obj, attention: str = "mlr", targets: Sequence[str] = ("encoder_self",
         attention: "mlr".
         targets: roles to convert among "encoder_self", "decoder_self" ("cross" is refused for MLR).
         init: "split" (naive level split of each head's dims) or "svd" (see the module docstring).
+        mlr_block_steps: Chronos models only: block sizes of levels 2..L in time steps (multiples of Bolt's
+            patch stride), converted to ``mlr_block_sizes`` in tokens. Without any block field, a Chronos model
+            gets dyadic blocks from its context (``mlr_max_length`` = context tokens).
+        allow_identity: accept a patch that changes nothing (one level, or for Chronos models blocks covering
+            the whole sequence of every patched role); refused by default because it is almost always a unit
+            mistake (Bolt blocks count patches, not time steps).
         variant_fields: StructAttnT5Config fields, e.g. ``mlr_ranks=[32, 16, 8, 8]``,
-            ``mlr_block_sizes=[256, 128, 64]`` or ``mlr_max_length=512``, ``mlr_scaling``, ``mlr_average_levels``.
+            ``mlr_block_sizes=[256, 128, 64]`` (tokens) or ``mlr_max_length=512``, ``mlr_scaling``,
+            ``mlr_average_levels``.
 
     Returns:
         The same kind of object as ``obj``: a ``StructAttnT5ForConditionalGeneration`` for T5, a new
-        ``ChronosPipeline`` / ``ChronosBoltPipeline`` or a Bolt model.
+        ``ChronosPipeline`` / ``ChronosBoltPipeline`` or a ``StructAttnChronosBoltModelForForecasting``.
     """
     from .decoder_patching import is_patchable_decoder, patch_decoder
 
@@ -207,35 +279,44 @@ def patch(obj, attention: str = "mlr", targets: Sequence[str] = ("encoder_self",
     if init not in INITS:
         raise ValueError(f"init={init!r} is not one of {INITS}")
     fields = _structattn_fields(attention, targets, variant_fields)
-    kind = _kind(obj)
-    if kind == "t5":
-        return _patch_t5(obj, fields, init, type(obj).__name__)
-    chronos_pipeline, chronos_model, bolt_pipeline, _ = _chronos_classes()
-    if kind == "chronos_t5":
-        inner = _patch_t5(obj.model.model, fields, init, "ChronosPipeline")
+    kind, source = _kind_and_model(obj)
+    geometry = _chronos_geometry(obj, kind)
+    fields = _block_fields(geometry, fields, mlr_block_steps)
+    provenance = {"source": type(obj).__name__, "init": init}
+    if geometry is not None:
+        provenance["time_steps_per_token"] = geometry.steps_per_token
+    bolt = kind in ("chronos_bolt", "chronos_bolt_pipeline")
+    config_class = StructAttnChronosBoltConfig if bolt else StructAttnT5Config
+    config = _structattn_config(config_class, source.config, fields, provenance)
+    if not allow_identity:
+        _refuse_identity(config, geometry, tuple(targets))
+    if not bolt:
+        inner = _convert(source, StructAttnT5ForConditionalGeneration, config, init)
+        if kind == "t5":
+            return inner
+        chronos_pipeline, chronos_model = _chronos_classes()[:2]
         return chronos_pipeline(tokenizer=obj.tokenizer, model=chronos_model(config=obj.model.config, model=inner))
-    if kind == "chronos_bolt_pipeline":
-        return bolt_pipeline(model=_patch_bolt(obj.model, fields, init))
-    return _patch_bolt(obj, fields, init)
+    patched = _convert(source, getattr(_bolt_payload, BOLT_MODEL_CLASS_NAME), config, init)
+    return _chronos_classes()[2](model=patched) if kind == "chronos_bolt_pipeline" else patched
 
 
 def load_patched_chronos_bolt(path, **kwargs):
-    """Load a Chronos-Bolt checkpoint saved after ``patch`` and re-apply its recorded structured attention.
+    """``BaseChronosPipeline.from_pretrained(path, **kwargs)`` for a Chronos-Bolt checkpoint saved after ``patch``,
+    refusing any other checkpoint (a dense Bolt would otherwise load without a word).
 
-    Returns a ``ChronosBoltPipeline``. Chronos resolves the Bolt class by name (``config.architectures``), so
-    the spec in ``config.structattn_t5`` is installed after loading; the saved q/k are already level-aligned.
+    Importing ``hf_structattn`` already makes the plain Chronos entry points load such a checkpoint as MLR; this
+    helper only adds the check. Returns a ``ChronosBoltPipeline``.
     """
     classes = _chronos_classes()
     if classes is None:
         raise ImportError("load_patched_chronos_bolt needs chronos-forecasting (pip install 'hf-structattn[chronos]')")
-    bolt_pipeline = classes[2]
-    pipeline = bolt_pipeline.from_pretrained(path, **kwargs)
-    record = getattr(pipeline.model.config, BOLT_SPEC_KEY, None)
-    if not record:
-        raise ValueError(f"{path}: config.json has no {BOLT_SPEC_KEY!r} entry; this Bolt checkpoint was not saved "
-                         f"by hf_structattn.patch")
-    _patch_bolt_in_place(pipeline.model, dict(record["fields"]))
-    return pipeline
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path, **{k: v for k, v in kwargs.items() if k == "trust_remote_code"})
+    if config.model_type != StructAttnChronosBoltConfig.model_type:
+        raise ValueError(f"{path}: model_type={config.model_type!r} is not a structured-attention Chronos-Bolt "
+                         f"checkpoint ({StructAttnChronosBoltConfig.model_type!r}, written by hf_structattn.patch)")
+    return classes[2].from_pretrained(path, **kwargs)
 
 
 def _relative(diff: torch.Tensor, reference: torch.Tensor) -> float:

@@ -1,5 +1,6 @@
-"""hf_structattn.patch on T5, Chronos-T5 and Chronos-Bolt (tiny models built locally), remote reload, the SVD
-level alignment, and the ``hf-structattn patch`` CLI."""
+"""hf_structattn.patch on T5, Chronos-T5 and Chronos-Bolt (tiny models built locally), remote reload (also through
+Chronos' own entry points), block sizes in time steps, the SVD level alignment, and the ``hf-structattn patch``
+CLI's basic runs (atomicity and error handling: test_cli.py)."""
 
 import contextlib
 import json
@@ -17,7 +18,7 @@ from hf_structattn.patching import svd_align_qk
 from test_remote_code import run_isolated
 
 chronos = pytest.importorskip("chronos")
-from chronos import ChronosPipeline  # noqa: E402
+from chronos import BaseChronosPipeline, ChronosPipeline  # noqa: E402
 from chronos.chronos import left_pad_and_stack_1D  # noqa: E402
 from chronos.chronos_bolt import ChronosBoltModelForForecasting, ChronosBoltPipeline  # noqa: E402
 
@@ -73,7 +74,7 @@ def t5_inputs():
 def test_degenerate_patch_leaves_t5_unchanged(fields, init):
     original = tiny_t5()
     before = {k: v.clone() for k, v in original.state_dict().items()}
-    patched = hf_structattn.patch(original, attention="mlr", init=init, **fields)
+    patched = hf_structattn.patch(original, attention="mlr", init=init, allow_identity=True, **fields)
     assert type(patched).__name__ == "StructAttnT5ForConditionalGeneration"
     assert list(patched.state_dict()) == list(before)
     assert patched.config.structattn_patch == {"source": "T5ForConditionalGeneration", "init": init}
@@ -103,7 +104,7 @@ def test_svd_alignment_keeps_every_q_dot_k_and_orders_singular_values():
 
 
 def test_patched_t5_reloads_remotely_and_generates_the_same(tmp_path):
-    original = tiny_t5()
+    original = tiny_t5().double()
     patched = hf_structattn.patch(original, init="svd", **MLR)
     patched.save_pretrained(tmp_path / "ckpt")
     inputs = t5_inputs()
@@ -113,7 +114,8 @@ def test_patched_t5_reloads_remotely_and_generates_the_same(tmp_path):
     out = run_isolated(f"""
         import torch
         from transformers import AutoModelForSeq2SeqLM
-        model = AutoModelForSeq2SeqLM.from_pretrained({str(tmp_path / "ckpt")!r}, trust_remote_code=True).eval()
+        model = AutoModelForSeq2SeqLM.from_pretrained({str(tmp_path / "ckpt")!r}, trust_remote_code=True,
+                                                      dtype=torch.float64).eval()
         assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
         ref = torch.load({str(tmp_path / "ref.pt")!r})
         model = model.double()
@@ -129,7 +131,7 @@ def test_patched_t5_reloads_remotely_and_generates_the_same(tmp_path):
 
 def test_chronos_t5_patch_unchanged_then_remote_reload_predicts_the_same(tmp_path):
     pipe = tiny_chronos_t5(tmp_path / "tiny")
-    one_level = hf_structattn.patch(pipe, attention="mlr", init="svd", **ONE_LEVEL)
+    one_level = hf_structattn.patch(pipe, attention="mlr", init="svd", allow_identity=True, **ONE_LEVEL)
     assert isinstance(one_level, ChronosPipeline)
     torch.manual_seed(0)
     expected = pipe.predict(contexts(), prediction_length=8)
@@ -163,23 +165,95 @@ def test_chronos_t5_patch_unchanged_then_remote_reload_predicts_the_same(tmp_pat
     assert float(out.split("max_diff")[1].split()[0]) < 1e-12, out
 
 
-def test_chronos_bolt_patch_unchanged_then_helper_reload(tmp_path):
-    pipe = tiny_bolt(tmp_path / "bolt")
+def test_chronos_bolt_identity_patches_need_allow_identity_and_change_nothing(tmp_path):
+    pipe = tiny_bolt(tmp_path / "bolt")  # context 64 steps in patches of 4: 16 patch tokens + [REG]
     expected = pipe.predict(contexts(), prediction_length=8)
     for fields in (ONE_LEVEL, LONG_BLOCKS):
+        with pytest.raises(ValueError, match="allow_identity=True"):
+            hf_structattn.patch(pipe, **fields)
         for init in ("split", "svd"):
-            same = hf_structattn.patch(pipe, attention="mlr", init=init, **fields)
+            same = hf_structattn.patch(pipe, init=init, allow_identity=True, **fields)
             torch.testing.assert_close(same.predict(contexts(), prediction_length=8), expected, atol=1e-5, rtol=1e-5)
+    # block sizes meant as time steps but read as patch tokens: the message gives both units and the way out
+    with pytest.raises(ValueError, match=r"mlr_block_sizes=\[64, 32\] \(tokens = \[256, 128\] time steps at 4 time "
+                                         r"steps per token\).*encoder_self 17 tokens.*mlr_block_steps"):
+        hf_structattn.patch(pipe, mlr_ranks=[4, 2, 2], mlr_block_sizes=[64, 32])
+    with pytest.raises(ValueError, match=r"block\(s\) \[32\] cover"):  # one level of two is dense again
+        hf_structattn.patch(pipe, mlr_ranks=[4, 2, 2], mlr_block_sizes=[32, 4])
+    with pytest.raises(ValueError, match="decoder_self 1 tokens"):  # Bolt's decoder attends over one token
+        hf_structattn.patch(pipe, targets=("decoder_self",), **MLR)
+
+
+def test_block_sizes_in_time_steps_and_context_defaults_for_chronos(tmp_path):
+    bolt = tiny_bolt(tmp_path / "bolt")
+    by_steps = hf_structattn.patch(bolt, init="svd", mlr_ranks=[4, 2, 2], mlr_block_steps=[32, 16])
+    by_tokens = hf_structattn.patch(bolt, init="svd", **MLR)
+    assert by_steps.model.config.mlr_block_sizes == [8, 4]
+    assert by_steps.model.config.structattn_patch == {"source": "ChronosBoltPipeline", "init": "svd",
+                                                      "time_steps_per_token": 4}
+    assert torch.equal(by_steps.predict(contexts(), prediction_length=8),
+                       by_tokens.predict(contexts(), prediction_length=8))
+    # without block fields the dyadic blocks come from the context (16 patch tokens), not the generic 512
+    assert hf_structattn.patch(bolt, mlr_ranks=[4, 2, 2]).model.config.resolved_mlr_block_sizes == [8, 4]
+    with pytest.raises(ValueError, match=r"mlr_block_steps=\[30, 15\].*multiple of 4"):
+        hf_structattn.patch(bolt, mlr_ranks=[4, 2, 2], mlr_block_steps=[30, 15])
+    with pytest.raises(ValueError, match="not both"):
+        hf_structattn.patch(bolt, mlr_block_steps=[32, 16], **MLR)
+    with pytest.raises(ValueError, match="Chronos"):
+        hf_structattn.patch(tiny_t5(), mlr_ranks=[4, 2, 2], mlr_block_steps=[8, 4])
+
+    chronos_t5 = tiny_chronos_t5(tmp_path / "chronos_t5")  # one token per time step, context 64 (+ EOS)
+    patched = hf_structattn.patch(chronos_t5, mlr_ranks=[4, 2, 2], mlr_block_steps=[16, 8])
+    assert patched.model.model.config.mlr_block_sizes == [16, 8]
+    assert hf_structattn.patch(chronos_t5, mlr_ranks=[4, 2, 2]).model.model.config.resolved_mlr_block_sizes == [32, 16]
+    with pytest.raises(ValueError, match=r"block\(s\) \[128\]"):
+        hf_structattn.patch(chronos_t5, mlr_ranks=[4, 2, 2], mlr_block_steps=[128, 8])
+
+
+def test_patched_chronos_bolt_loads_as_mlr_through_chronos_entry_points(tmp_path):
+    pipe = tiny_bolt(tmp_path / "bolt")
+    expected = pipe.predict(contexts(), prediction_length=8)
     patched = hf_structattn.patch(pipe.model, attention="mlr", init="svd", **MLR)
-    assert type(patched) is ChronosBoltModelForForecasting
+    assert type(patched).__name__ == "StructAttnChronosBoltModelForForecasting"
+    assert isinstance(patched, ChronosBoltModelForForecasting)
+    assert list(patched.state_dict()) == list(pipe.model.state_dict())
     assert sum(type(m).__name__ == "StructAttnT5Attention" for m in patched.modules()) == 2 + 3
     moved = ChronosBoltPipeline(patched).predict(contexts(), prediction_length=8)
     assert not torch.allclose(moved, expected, atol=1e-4)
     patched.save_pretrained(tmp_path / "patched")
-    reloaded = hf_structattn.load_patched_chronos_bolt(tmp_path / "patched", device_map="cpu", dtype=torch.float32)
-    torch.testing.assert_close(reloaded.predict(contexts(), prediction_length=8), moved)
-    with pytest.raises(ValueError, match="structattn_t5"):
+    # hf_structattn is imported here: Chronos' own entry points find the class without trust_remote_code
+    for load in (BaseChronosPipeline.from_pretrained, ChronosBoltPipeline.from_pretrained,
+                 hf_structattn.load_patched_chronos_bolt):
+        reloaded = load(tmp_path / "patched", device_map="cpu", dtype=torch.float32)
+        assert type(reloaded.model) is type(patched), load
+        torch.testing.assert_close(reloaded.predict(contexts(), prediction_length=8), moved)
+    with pytest.raises(ValueError, match="structattn_chronos_bolt"):
         hf_structattn.load_patched_chronos_bolt(tmp_path / "bolt")
+
+    torch.save({"moved": moved}, tmp_path / "ref.pt")
+    out = run_isolated(f"""
+        import io, sys
+        import torch
+        from chronos import BaseChronosPipeline
+        sys.stdin = io.StringIO()  # transformers would ask on a terminal whether to run the code
+        path = {str(tmp_path / "patched")!r}
+        try:
+            BaseChronosPipeline.from_pretrained(path, device_map="cpu", dtype=torch.float32)
+        except ValueError as error:
+            print("refused", "trust_remote_code=True" in str(error))
+        else:
+            print("loaded without trust_remote_code")
+        pipe = BaseChronosPipeline.from_pretrained(path, trust_remote_code=True, device_map="cpu",
+                                                   dtype=torch.float32)
+        print("class", type(pipe).__name__, type(pipe.model).__module__.split(".")[0], type(pipe.model).__name__)
+        t = torch.arange(60, dtype=torch.float32)
+        ctx = [10 + 4 * torch.sin(t / 3), 5 + 0.1 * t[:37] + torch.cos(t[:37])]
+        moved = torch.load({str(tmp_path / "ref.pt")!r})["moved"]
+        print("rel_diff", float((pipe.predict(ctx, prediction_length=8) - moved).abs().max() / moved.abs().max()))
+    """, tmp_path)
+    assert "refused True" in out, out
+    assert "class ChronosBoltPipeline transformers_modules StructAttnChronosBoltModelForForecasting" in out, out
+    assert float(out.split("rel_diff")[1].split()[0]) < 1e-5, out  # float32 forecasts, another process
 
 
 def test_patch_refuses_bad_requests():
@@ -192,6 +266,8 @@ def test_patch_refuses_bad_requests():
         hf_structattn.patch(model, targets=("cross",), **MLR)
     with pytest.raises(ValueError, match="init="):
         hf_structattn.patch(model, init="random", **MLR)
+    with pytest.raises(ValueError, match=r"mlr_ranks=\[8\] has one level.*allow_identity=True"):
+        hf_structattn.patch(model, **ONE_LEVEL)
     with pytest.raises(ValueError, match="already has structured attention"):
         hf_structattn.patch(hf_structattn.patch(model, **MLR), **MLR)
     with pytest.raises(ValueError, match="BertModel"):  # decoders are patched too (tests/test_decoder_patching.py)
@@ -243,7 +319,7 @@ def test_cli_patches_checkpoints_and_refuses_bad_arguments(tmp_path, capsys):
     assert main(["patch", str(tmp_path / "bolt"), str(tmp_path / "bolt_out"), "--mlr-ranks", "4,2,2",
                  "--mlr-block-sizes", "8,4"]) == 0
     assert "forecast_rel" in capsys.readouterr().out
-    assert "structattn_t5" in json.loads((tmp_path / "bolt_out" / "config.json").read_text())
+    assert json.loads((tmp_path / "bolt_out" / "config.json").read_text())["model_type"] == "structattn_chronos_bolt"
 
     transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2)).save_pretrained(
         tmp_path / "gpt2")

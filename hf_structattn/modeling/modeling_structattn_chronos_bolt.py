@@ -1,0 +1,75 @@
+"""Chronos-Bolt with structured (MLR) attention, loadable through Chronos' own entry points.
+
+Chronos-Bolt is not an Auto class: ``ChronosBoltPipeline.from_pretrained`` reads the config with ``AutoConfig``
+and then looks the model class up *by name* (``config.architectures[0]``) in the ``chronos.chronos_bolt`` module,
+falling back to the dense ``ChronosBoltModelForForecasting`` with only a log line. A patched Bolt checkpoint
+therefore records
+
+* ``model_type = "structattn_chronos_bolt"`` with ``auto_map["AutoConfig"]`` pointing here, so ``AutoConfig``
+  refuses to read it without this code (``trust_remote_code=True``, or ``import hf_structattn``), and
+* ``architectures = ["StructAttnChronosBoltModelForForecasting"]``, a class that importing this module registers
+  under that name in ``chronos.chronos_bolt`` (that lookup is the whole of Chronos' class resolution).
+
+So ``BaseChronosPipeline.from_pretrained(dir, trust_remote_code=True)`` (or, with ``hf_structattn`` imported,
+without the flag) returns the MLR model; a load that cannot run this code fails instead of silently returning
+dense attention. chronos-forecasting is optional: without it only the config class exists.
+"""
+
+from .configuration_structattn_t5 import StructAttnT5Config
+from .modeling_structattn_t5 import install_structured_attention
+
+try:  # optional extra: the payload imports only torch and transformers unconditionally
+    from chronos import chronos_bolt
+except ImportError:
+    chronos_bolt = None
+
+BOLT_MODEL_CLASS_NAME = "StructAttnChronosBoltModelForForecasting"
+BOLT_AUTO_MAP = {
+    "AutoConfig": "modeling_structattn_chronos_bolt.StructAttnChronosBoltConfig",
+    "AutoModel": f"modeling_structattn_chronos_bolt.{BOLT_MODEL_CLASS_NAME}",
+}
+# patching keeps pretrained q/k/v/o: only MLR rearranges them; the bilinear variants would need new parameters
+BOLT_ATTENTIONS = ("dense", "mlr")
+
+
+class StructAttnChronosBoltConfig(StructAttnT5Config):
+    r"""``StructAttnT5Config`` of a Chronos-Bolt model (Chronos' ``chronos_config`` and ``chronos_pipeline_class``
+    are kept as extra attributes). Block sizes count encoder tokens, i.e. patches of
+    ``chronos_config["input_patch_stride"]`` time steps (plus the ``[REG]`` token at the end)."""
+
+    model_type = "structattn_chronos_bolt"
+
+
+StructAttnChronosBoltConfig.register_for_auto_class()
+
+if chronos_bolt is not None:
+
+    class StructAttnChronosBoltModelForForecasting(chronos_bolt.ChronosBoltModelForForecasting):
+        """``chronos.chronos_bolt.ChronosBoltModelForForecasting`` whose encoder self-attention (and decoder
+        self-attention, which sees one token in Bolt) is MLR as configured. Same forward, outputs and
+        state-dict names (``StructAttnT5Attention`` adopts T5's ``q, k, v, o``).
+
+        context: (batch, time) -> ``quantile_preds`` (batch, num_quantiles, prediction_length), as the base class.
+        """
+
+        config_class = StructAttnChronosBoltConfig
+
+        def __init__(self, config: StructAttnChronosBoltConfig):
+            for field in ("encoder_attention", "decoder_attention", "cross_attention"):
+                if getattr(config, field) not in BOLT_ATTENTIONS:
+                    raise ValueError(f"{field}={getattr(config, field)!r}: a Chronos-Bolt model takes one of "
+                                     f"{BOLT_ATTENTIONS}")
+            super().__init__(config)
+            # T5Attention -> StructAttnT5Attention adopts the existing parameters, so nothing needs initialising
+            install_structured_attention(self.encoder, config, {"self": config.attention_spec("encoder_self")})
+            install_structured_attention(self.decoder, config, {"self": config.attention_spec("decoder_self"),
+                                                                "cross": config.attention_spec("cross")})
+            # remote loading needs the config class in config.json, not only the class being saved
+            self.config.auto_map = dict(BOLT_AUTO_MAP)
+
+    StructAttnChronosBoltModelForForecasting.register_for_auto_class("AutoModel")
+    # Chronos resolves config.architectures[0] with globals() of chronos.chronos_bolt: this is its registry
+    setattr(chronos_bolt, BOLT_MODEL_CLASS_NAME, StructAttnChronosBoltModelForForecasting)
+    __all__ = ["StructAttnChronosBoltConfig", "StructAttnChronosBoltModelForForecasting"]
+else:
+    __all__ = ["StructAttnChronosBoltConfig"]

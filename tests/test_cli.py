@@ -1,0 +1,165 @@
+"""The ``hf-structattn patch`` CLI: atomic output folder, no stale weight files, one-line errors with exit code 2,
+Chronos-Bolt block sizes in time steps."""
+
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+
+import hf_structattn
+from hf_structattn.cli import main
+
+from test_patching import contexts, tiny_bolt, tiny_t5
+
+chronos = pytest.importorskip("chronos")
+from chronos import BaseChronosPipeline  # noqa: E402
+
+MLR_ARGS = ["--mlr-ranks", "4,2,2", "--mlr-block-sizes", "8,4"]
+
+
+def _limit_file_size(limit_bytes):
+    def apply():  # in the child before exec: a write past the limit fails with EFBIG instead of killing the process
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
+    return apply
+
+
+def test_failure_while_writing_leaves_no_out_dir_and_a_rerun_succeeds(tmp_path, capsys):
+    tiny_t5().save_pretrained(tmp_path / "t5")  # ~220 kB of weights
+    weights = (tmp_path / "t5" / "model.safetensors").stat().st_size
+    limit = 64 * 1024  # config.json and the payload code fit, the weights do not: a real full-disk style failure
+    assert weights > 2 * limit
+    out = tmp_path / "parent" / "out"
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+    result = subprocess.run([sys.executable, "-m", "hf_structattn.cli", "patch", str(tmp_path / "t5"), str(out),
+                             *MLR_ARGS], capture_output=True, text=True, timeout=300, env=env,
+                            preexec_fn=_limit_file_size(limit))
+    assert not out.exists() and not (tmp_path / "parent").exists()  # nor the parent it had created
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t5"]  # no staging folder left either
+    assert result.returncode == 1, result.stderr
+    error_lines = [line for line in result.stderr.splitlines() if line.startswith("hf-structattn: error:")]
+    assert len(error_lines) == 1 and "nothing was left behind" in error_lines[0], result.stderr
+    assert "Traceback" not in result.stderr
+
+    assert main(["patch", str(tmp_path / "t5"), str(out), *MLR_ARGS]) == 0
+    assert "saved to" in capsys.readouterr().out
+    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
+    assert sorted(p.name for p in out.parent.iterdir()) == ["out"]
+
+
+def test_sharded_source_leaves_no_stale_weights_and_side_files_travel(tmp_path, capsys):
+    source = tmp_path / "sharded"
+    original = tiny_t5()
+    original.save_pretrained(source, max_shard_size="60KB")
+    shards = sorted(p.name for p in source.glob("model-*-of-*.safetensors"))
+    assert len(shards) > 1 and (source / "model.safetensors.index.json").is_file()
+    (source / "spiece.model").write_bytes(b"tokenizer bytes")
+    (source / "training_args.bin").write_bytes(b"stale pickle")
+    out = tmp_path / "out"
+    out.mkdir()  # an existing empty OUT_DIR is accepted
+
+    assert main(["patch", str(source), str(out), *MLR_ARGS]) == 0, capsys.readouterr().err
+    names = {p.name for p in out.iterdir()}
+    assert (out / "spiece.model").read_bytes() == b"tokenizer bytes"
+    weight_files = {n for n in names if n.endswith((".safetensors", ".bin", ".index.json"))}
+    assert weight_files == {"model.safetensors"}, names  # no shard, index or pickle of the source
+    assert not any(p.name.startswith(".out") for p in tmp_path.iterdir())
+
+    reloaded = transformers.AutoModelForSeq2SeqLM.from_pretrained(out).eval()
+    assert type(reloaded).__name__ == "StructAttnT5ForConditionalGeneration"
+    expected = hf_structattn.patch(original, mlr_ranks=[4, 2, 2], mlr_block_sizes=[8, 4])
+    ids = torch.randint(2, 64, (2, 20), generator=torch.Generator().manual_seed(0))
+    inputs = dict(input_ids=ids, decoder_input_ids=ids[:, :7])
+    torch.testing.assert_close(reloaded(**inputs).logits, expected(**inputs).logits, atol=1e-6, rtol=1e-6)
+
+
+def _expect_refusal(capsys, argv, *fragments):
+    capsys.readouterr()  # drop the setup's output
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    # transformers' loading progress bars may precede it on stderr; the error itself is one line
+    lines = [line for line in captured.err.splitlines() if line.strip() and "Loading weights" not in line]
+    assert len(lines) == 1 and lines[0].startswith("hf-structattn: error:"), captured.err
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def test_unusable_source_or_out_dir_exits_2_with_one_line_and_writes_nothing(tmp_path, capsys):
+    good = tmp_path / "t5"
+    tiny_t5().save_pretrained(good)
+    out = tmp_path / "out"
+
+    malformed = tmp_path / "malformed"
+    malformed.mkdir()
+    (malformed / "config.json").write_text('{"model_type": "t5", "d_model": ')
+    (malformed / "model.safetensors").write_bytes((good / "model.safetensors").read_bytes())
+    _expect_refusal(capsys, ["patch", str(malformed), str(out), *MLR_ARGS], "config.json", "not valid JSON")
+
+    not_object = tmp_path / "list_config"
+    not_object.mkdir()
+    (not_object / "config.json").write_text("[1, 2]")
+    _expect_refusal(capsys, ["patch", str(not_object), str(out), *MLR_ARGS], "JSON object")
+
+    no_weights = tmp_path / "no_weights"
+    no_weights.mkdir()
+    (no_weights / "config.json").write_text((good / "config.json").read_text())
+    _expect_refusal(capsys, ["patch", str(no_weights), str(out), *MLR_ARGS], "no weights", "model.safetensors")
+
+    bad_values = tmp_path / "bad_values"
+    bad_values.mkdir()
+    config = json.loads((good / "config.json").read_text())
+    (bad_values / "config.json").write_text(json.dumps({**config, "d_model": "wide"}))
+    (bad_values / "model.safetensors").write_bytes((good / "model.safetensors").read_bytes())
+    _expect_refusal(capsys, ["patch", str(bad_values), str(out), *MLR_ARGS], "cannot load")
+    assert not out.exists()
+
+    as_file = tmp_path / "out_file"
+    as_file.write_text("keep me")
+    _expect_refusal(capsys, ["patch", str(good), str(as_file), *MLR_ARGS], "not a directory")
+    _expect_refusal(capsys, ["patch", str(good), str(as_file / "sub"), *MLR_ARGS], "not a directory")
+    assert as_file.read_text() == "keep me"
+
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "x").write_text("")
+    _expect_refusal(capsys, ["patch", str(good), str(full), *MLR_ARGS], "not empty")
+    assert [p.name for p in full.iterdir()] == ["x"]
+
+
+def test_bolt_block_sizes_in_time_steps_identity_refusal_and_chronos_reload(tmp_path, capsys):
+    tiny_bolt(tmp_path / "bolt")  # context 64 steps in patches of 4: 16 patch tokens + [REG]
+    source = str(tmp_path / "bolt")
+    ranks = ["--mlr-ranks", "4,2,2"]
+    # block sizes in tokens that cover the whole context (the user meant time steps): refused
+    _expect_refusal(capsys, ["patch", source, str(tmp_path / "a"), *ranks, "--mlr-block-sizes", "64,32"],
+                    "[64, 32]", "[256, 128] time steps", "encoder_self 17 tokens", "--mlr-block-steps",
+                    "--allow-identity")
+    _expect_refusal(capsys, ["patch", source, str(tmp_path / "a"), *ranks, "--mlr-block-steps", "32,6"],
+                    "mlr_block_steps=[32, 6]", "multiple of 4")
+    assert not (tmp_path / "a").exists()
+
+    assert main(["patch", source, str(tmp_path / "steps"), *ranks, "--mlr-block-steps", "32,16"]) == 0
+    stdout = capsys.readouterr().out
+    assert "BaseChronosPipeline.from_pretrained(OUT_DIR, trust_remote_code=True)" in stdout
+    config = json.loads((tmp_path / "steps" / "config.json").read_text())
+    assert config["model_type"] == "structattn_chronos_bolt" and config["mlr_block_sizes"] == [8, 4]
+    assert config["structattn_patch"]["time_steps_per_token"] == 4
+    assert config["architectures"] == ["StructAttnChronosBoltModelForForecasting"]
+    assert (tmp_path / "steps" / "modeling_structattn_chronos_bolt.py").is_file()
+    pipe = BaseChronosPipeline.from_pretrained(tmp_path / "steps", device_map="cpu", dtype=torch.float32)
+    assert type(pipe.model).__name__ == "StructAttnChronosBoltModelForForecasting"
+    expected = hf_structattn.patch(chronos.chronos_bolt.ChronosBoltPipeline.from_pretrained(source),
+                                   mlr_ranks=[4, 2, 2], mlr_block_sizes=[8, 4])
+    torch.testing.assert_close(pipe.predict(contexts(), prediction_length=8),
+                               expected.predict(contexts(), prediction_length=8))
+
+    assert main(["patch", source, str(tmp_path / "identity"), *ranks, "--mlr-block-sizes", "64,32",
+                 "--allow-identity"]) == 0
+    drift = capsys.readouterr().out.split("forecast_rel")[1].split()[0]
+    assert float(drift) < 1e-5  # an identity patch moves nothing beyond float32 rounding
