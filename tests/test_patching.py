@@ -333,5 +333,5 @@ def test_cli_patches_checkpoints_and_refuses_bad_arguments(tmp_path, capsys):
         code = exiting.value.code if "integers" in message else code
         assert code == 2 and message in capsys.readouterr().err
         assert not out.exists()
-    result = _cli("patch", tmp_path / "gpt2", tmp_path / "bad_gpt2", "--mlr-ranks", "4,4")
-    assert result.returncode == 2 and "model_type='gpt2'" in result.stderr and not (tmp_path / "bad_gpt2").exists()
+    assert main(["patch", str(tmp_path / "gpt2"), str(tmp_path / "bad_gpt2"), "--mlr-ranks", "4,4"]) == 2
+    assert "model_type='gpt2'" in capsys.readouterr().err and not (tmp_path / "bad_gpt2").exists()
