@@ -250,10 +250,13 @@ def test_patched_chronos_bolt_loads_as_mlr_through_chronos_entry_points(tmp_path
         ctx = [10 + 4 * torch.sin(t / 3), 5 + 0.1 * t[:37] + torch.cos(t[:37])]
         moved = torch.load({str(tmp_path / "ref.pt")!r})["moved"]
         print("rel_diff", float((pipe.predict(ctx, prediction_length=8) - moved).abs().max() / moved.abs().max()))
+        from transformers import AutoModel
+        print("auto", type(AutoModel.from_pretrained(path, trust_remote_code=True)).__name__)
     """, tmp_path)
     assert "refused True" in out, out
     assert "class ChronosBoltPipeline transformers_modules StructAttnChronosBoltModelForForecasting" in out, out
     assert float(out.split("rel_diff")[1].split()[0]) < 1e-5, out  # float32 forecasts, another process
+    assert "auto StructAttnChronosBoltModelForForecasting" in out, out
 
 
 def test_patch_refuses_bad_requests():
