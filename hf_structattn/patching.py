@@ -43,6 +43,8 @@ PATCH_ATTENTIONS = ("mlr",)
 INITS = ("split", "svd")
 _DROP_KEYS = ("model_type", "transformers_version", "auto_map", "architectures", "_name_or_path")
 _PATCHED_MODEL_TYPES = (StructAttnT5Config.model_type, StructAttnChronosBoltConfig.model_type)
+_NO_TIME_AXIS = ("mlr_block_steps counts time steps of a Chronos model's context; this model has no time axis: give "
+                 "mlr_block_sizes (tokens)")
 
 
 def _chronos_classes():
@@ -205,8 +207,7 @@ def _block_fields(geometry: Optional[_ChronosGeometry], fields: dict, block_step
     fields = dict(fields)
     if block_steps is not None:
         if geometry is None:
-            raise ValueError("mlr_block_steps counts time steps of a Chronos model's context; for a T5 give "
-                             "mlr_block_sizes (tokens)")
+            raise ValueError(_NO_TIME_AXIS)
         if "mlr_block_sizes" in fields:
             raise ValueError("give either mlr_block_steps (time steps) or mlr_block_sizes (tokens), not both")
         block_steps, step = list(block_steps), geometry.steps_per_token
@@ -275,6 +276,8 @@ def patch(obj, attention: str = "mlr", targets: Sequence[str] = ("encoder_self",
     from .decoder_patching import is_patchable_decoder, patch_decoder
 
     if is_patchable_decoder(obj):  # Llama, Qwen, Mistral, Gemma, Phi-3, GPT-2, ...: docs/patching.md
+        if mlr_block_steps is not None:
+            raise ValueError(_NO_TIME_AXIS)
         return patch_decoder(obj, attention, init=init, **variant_fields)
     if init not in INITS:
         raise ValueError(f"init={init!r} is not one of {INITS}")

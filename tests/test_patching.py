@@ -13,6 +13,7 @@ import transformers
 
 import hf_structattn
 from hf_structattn.cli import main
+from hf_structattn.decoder_patching import tiny_decoder
 from hf_structattn.patching import svd_align_qk
 
 from test_remote_code import run_isolated
@@ -199,8 +200,10 @@ def test_block_sizes_in_time_steps_and_context_defaults_for_chronos(tmp_path):
         hf_structattn.patch(bolt, mlr_ranks=[4, 2, 2], mlr_block_steps=[30, 15])
     with pytest.raises(ValueError, match="not both"):
         hf_structattn.patch(bolt, mlr_block_steps=[32, 16], **MLR)
-    with pytest.raises(ValueError, match="Chronos"):
+    with pytest.raises(ValueError, match="no time axis"):
         hf_structattn.patch(tiny_t5(), mlr_ranks=[4, 2, 2], mlr_block_steps=[8, 4])
+    with pytest.raises(ValueError, match="no time axis"):  # nor is it silently ignored for a decoder
+        hf_structattn.patch(tiny_decoder("llama"), mlr_ranks=[8, 4, 4], mlr_block_steps=[16, 8])
 
     chronos_t5 = tiny_chronos_t5(tmp_path / "chronos_t5")  # one token per time step, context 64 (+ EOS)
     patched = hf_structattn.patch(chronos_t5, mlr_ranks=[4, 2, 2], mlr_block_steps=[16, 8])
