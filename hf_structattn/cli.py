@@ -18,8 +18,9 @@ from pathlib import Path
 
 import torch
 
-# files the converted model writes itself; weight files of the source (single, sharded, other formats) never travel
-_REWRITTEN = {"config.json", "generation_config.json"}
+# files the converted model writes itself, and the source's model card (it describes the unconverted model); weight
+# files of the source (single, sharded, other formats) never travel either
+_NOT_COPIED = {"config.json", "generation_config.json", "README.md"}
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx", ".index.json")
 _SOURCE_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                    "pytorch_model.bin.index.json")
@@ -62,8 +63,11 @@ def _checkpoint_kind(src: Path) -> str:
         raise CliError(f"{src}: model_type={model_type!r}; hf-structattn patch converts T5 checkpoints (T5, "
                        f"Chronos-T5, Chronos-Bolt) only")
     architectures = config.get("architectures") or []
-    if "ChronosBoltModelForForecasting" in architectures or config.get("chronos_pipeline_class") == \
-            "ChronosBoltPipeline":
+    pipeline_class = config.get("chronos_pipeline_class")
+    if pipeline_class not in (None, "ChronosPipeline", "ChronosBoltPipeline"):  # e.g. Chronos-2: no T5 attention
+        raise CliError(f"{src}: chronos_pipeline_class={pipeline_class!r}; hf-structattn patch converts Chronos-T5 "
+                       f"(ChronosPipeline) and Chronos-Bolt (ChronosBoltPipeline) only")
+    if "ChronosBoltModelForForecasting" in architectures or pipeline_class == "ChronosBoltPipeline":
         return "chronos_bolt"
     if "chronos_config" in config:
         return "chronos_t5"
@@ -177,8 +181,8 @@ def _patch_command(args) -> int:
 
     def write(folder: Path) -> None:
         model.save_pretrained(folder)
-        for item in src.iterdir():  # tokenizer and other side files travel along; old weights never do
-            if (item.is_file() and item.name not in _REWRITTEN and not _is_weight_file(item.name)
+        for item in src.iterdir():  # tokenizer, license and other side files travel along; old weights never do
+            if (item.is_file() and item.name not in _NOT_COPIED and not _is_weight_file(item.name)
                     and not (folder / item.name).exists()):
                 shutil.copy2(item, folder / item.name)
 

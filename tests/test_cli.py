@@ -61,12 +61,15 @@ def test_sharded_source_leaves_no_stale_weights_and_side_files_travel(tmp_path, 
     assert len(shards) > 1 and (source / "model.safetensors.index.json").is_file()
     (source / "spiece.model").write_bytes(b"tokenizer bytes")
     (source / "training_args.bin").write_bytes(b"stale pickle")
+    (source / "README.md").write_text("# t5-tiny: a dense T5")  # the card of another model
+    (source / "LICENSE").write_text("license text")
     out = tmp_path / "out"
     out.mkdir()  # an existing empty OUT_DIR is accepted
 
     assert main(["patch", str(source), str(out), *MLR_ARGS]) == 0, capsys.readouterr().err
     names = {p.name for p in out.iterdir()}
     assert (out / "spiece.model").read_bytes() == b"tokenizer bytes"
+    assert (out / "LICENSE").read_text() == "license text" and "README.md" not in names
     weight_files = {n for n in names if n.endswith((".safetensors", ".bin", ".index.json"))}
     assert weight_files == {"model.safetensors"}, names  # no shard, index or pickle of the source
     assert not any(p.name.startswith(".out") for p in tmp_path.iterdir())
@@ -110,6 +113,13 @@ def test_unusable_source_or_out_dir_exits_2_with_one_line_and_writes_nothing(tmp
     no_weights.mkdir()
     (no_weights / "config.json").write_text((good / "config.json").read_text())
     _expect_refusal(capsys, ["patch", str(no_weights), str(out), *MLR_ARGS], "no weights", "model.safetensors")
+
+    chronos2 = tmp_path / "chronos2"
+    chronos2.mkdir()
+    (chronos2 / "config.json").write_text(json.dumps({"model_type": "t5", "chronos_pipeline_class": "Chronos2Pipeline",
+                                                      "chronos_config": {}}))
+    (chronos2 / "model.safetensors").write_bytes((good / "model.safetensors").read_bytes())
+    _expect_refusal(capsys, ["patch", str(chronos2), str(out), *MLR_ARGS], "'Chronos2Pipeline'")
 
     bad_values = tmp_path / "bad_values"
     bad_values.mkdir()
