@@ -6,7 +6,8 @@ All logic lives in ``hf_structattn.training.chronos_ft`` (chronos-forecasting is
 recipes/README.md.
 """
 
+from hf_structattn.training.args import run_main
 from hf_structattn.training.chronos_ft import main
 
 if __name__ == "__main__":
-    main()
+    run_main(main, "finetune_chronos.py")

@@ -5,7 +5,8 @@
 All logic lives in ``hf_structattn.training.clm``; see recipes/README.md.
 """
 
+from hf_structattn.training.args import run_main
 from hf_structattn.training.clm import main
 
 if __name__ == "__main__":
-    main()
+    run_main(main, "train_clm.py")

@@ -5,7 +5,8 @@
 All logic lives in ``hf_structattn.training.icl``; see recipes/README.md.
 """
 
+from hf_structattn.training.args import run_main
 from hf_structattn.training.icl import main
 
 if __name__ == "__main__":
-    main()
+    run_main(main, "train_icl.py")

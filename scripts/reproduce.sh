@@ -52,8 +52,9 @@ RUNNING=0
 launch() {
   local dir=$1 log=$2
   shift 2
-  echo "OMP_NUM_THREADS=1 $PY $*" | tee -a "$log"
-  ( s=$SECONDS; OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $PY "$@" > "$dir.log" 2>&1 \
+  # finished runs are skipped before launch; an unfinished one starts again from scratch
+  echo "OMP_NUM_THREADS=1 $PY $* --overwrite_output_dir" | tee -a "$log"
+  ( s=$SECONDS; OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $PY "$@" --overwrite_output_dir > "$dir.log" 2>&1 \
       && echo "done $dir in $((SECONDS - s)) s" | tee -a "$log" \
       || echo "FAILED $dir (see $dir.log)" | tee -a "$log" ) &
   RUNNING=$((RUNNING + 1))
@@ -72,11 +73,11 @@ finish_sweep() {
 # attention"), levels with 1, 2, 4, 8 chunks of the D features.
 mlr_ranks() {
   case "$1" in
-    16) echo "1|1" ;;
-    32) echo "2|1|1" ;;
-    64) echo "4|2|1|1" ;;
-    128) echo "8|4|2|2" ;;
-    256) echo "16|8|4|4" ;;
+    16) echo "1,1" ;;
+    32) echo "2,1,1" ;;
+    64) echo "4,2,1,1" ;;
+    128) echo "8,4,2,2" ;;
+    256) echo "16,8,4,4" ;;
     *) echo "no MLR ranks for D=$1" >&2; return 1 ;;
   esac
 }
@@ -84,7 +85,7 @@ mlr_ranks() {
 icl_args() {  # variant D d -> recipe arguments
   local variant=$1 D=$2 d=$3
   local common=(--config configs/icl_bilinear_mlr.yaml --n_dims "$d" --n_layer "$LAYERS" --n_embd "$D"
-                --max_steps "$STEPS" --learning_rate "$LR" --lr_schedule constant --warmup_steps 20
+                --max_steps "$STEPS" --learning_rate "$LR" --lr_schedule constant_with_warmup --warmup_steps 20
                 --per_device_batch_size 64
                 --curriculum --curriculum_dims_start 2 --curriculum_points_start 4
                 --curriculum_dims_increment 1 --curriculum_points_increment 2

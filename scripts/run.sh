@@ -14,7 +14,7 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-outputs/clm_mlr_stdlib}
 start=$(date +%s)
 accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no \
-  recipes/train_clm.py --config configs/clm_mlr_stdlib.yaml --output_dir "$OUT" "$@"
+  recipes/train_clm.py --config configs/clm_mlr_stdlib.yaml --output_dir "$OUT" --overwrite_output_dir "$@"
 # one intra-op thread: token-by-token decoding of a small model is latency bound, and on a shared 2-core machine two
 # OpenMP threads spin against other processes (measured 40 s instead of 1 s for 200 tokens)
 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} python scripts/reload_and_generate.py "$OUT"

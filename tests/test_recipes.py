@@ -1,6 +1,7 @@
 """The accelerate recipes end to end on tiny models: arguments, offline data, outputs, exact resume,
 accumulation / multi-process equivalence, Hub upload (only the network is faked), Chronos fine-tuning."""
 
+import dataclasses
 import json
 import os
 import re
@@ -47,22 +48,115 @@ def weights(path):
 # ------------------------------------------------------------------------------------------------ arguments
 
 
-def test_config_file_then_command_line_overrides(tmp_path):
+def parse_clm(argv):
     from hf_structattn.training.args import parse_recipe_args
-    from hf_structattn.training.clm import CLMArgs, model_config_fields
+    from hf_structattn.training.clm import CLMArgs, CLMModelArgs
 
+    return parse_recipe_args(CLMArgs, CLMModelArgs, argv)
+
+
+def test_config_file_then_command_line_overrides(tmp_path):
     config = tmp_path / "c.yaml"
-    config.write_text("max_steps: 7\nlearning_rate: 3e-3\nmodel:\n  n_embd: 64\n  attention: mlr\n")
-    args = parse_recipe_args(CLMArgs, ["--config", str(config), "--n_embd", "128", "--mlr_ranks", "32|8|6",
-                                       "--seed=3", "--mup", "--text_files", "a.txt,b.txt"], model_config_fields())
+    config.write_text("max_steps: 7\nlearning_rate: 3e-3\nmax_train_bytes: null\nmodel:\n  n_embd: 64\n"
+                      "  attention: mlr\n  mlr_ranks: [16, 8, 4, 4]\n")
+    args = parse_clm(["--config", str(config), "--n_embd", "128", "--mlr_ranks", "32,16,8,8", "--seed=3", "--mup",
+                      "--text_files", str(config), str(config)])
     assert args.max_steps == 7 and args.learning_rate == 3e-3 and args.seed == 3 and args.mup is True
-    assert args.model["n_embd"] == 128 and args.model["mlr_ranks"] == [32, 8, 6]
+    assert args.max_train_bytes is None  # null in the file: no cap
+    assert args.model["n_embd"] == 128 and args.model["mlr_ranks"] == [32, 16, 8, 8]
     assert args.model["n_layer"] == 4  # recipe default kept where neither the file nor the CLI says otherwise
-    assert args.text_files == ["a.txt", "b.txt"]
-    with pytest.raises(ValueError, match="unknown argument --n_embed"):
-        parse_recipe_args(CLMArgs, ["--n_embed", "3"], model_config_fields())
-    with pytest.raises(ValueError, match="max_steps"):
-        parse_recipe_args(CLMArgs, ["--max_steps", "many"], model_config_fields())
+    assert args.text_files == [str(config)] * 2
+    # lists: one comma word, several words, or both
+    assert parse_clm(["--mlr_ranks", "32", "16", "8,8"]).model["mlr_ranks"] == [32, 16, 8, 8]
+    assert parse_clm(["--max_train_bytes", "none"]).max_train_bytes is None
+    from hf_structattn.training.clm import gpt2_config_fields
+
+    scaled = parse_clm(["--mlr_scaling", "0.2,0.1", "--mlr_ranks", "32,32"])
+    assert gpt2_config_fields(scaled.model)["mlr_scaling"] == [0.2, 0.1]
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["--n_embed", "3"], "n_embed' (did you mean 'n_embd'"),
+    (["--max_steps", "many"], "--max_steps: invalid int value: 'many'"),
+    (["--max_steps", "-5"], "--max_steps must be >= 1, got -5"),
+    (["--per_device_batch_size", "0"], "--per_device_batch_size must be >= 1, got 0"),
+    (["--lr_schedule", "cosinus"], "--lr_schedule 'cosinus' is not one of"),
+    (["--lr_schedule", "constant"], "use constant_with_warmup"),
+    (["--mixed_precision", "fp8"], "--mixed_precision: invalid choice: 'fp8'"),
+    (["--report_to", "wandbb"], "--report_to 'wandbb' is not a tracker"),
+    (["--learning_rate", "-1"], "--learning_rate must be a finite number > 0"),
+    (["--resume_from", "latest", "--overwrite_output_dir"], "give one of them"),
+    (["--push_to_hub"], "--push_to_hub needs --hub_model_id"),
+    (["--mlr_ranks", "3,3"], "model: mlr_ranks=[3, 3] sums to 6"),
+    (["--attention", "mrl"], "model: attention='mrl' is not one of"),
+    (["--seq_len", "999"], "--seq_len 999 exceeds n_positions=256"),
+    (["--text_files", "no/such.txt"], "--text_files: no/such.txt is not a file"),
+    (["--config", "no/such.yaml"], "--config no/such.yaml: no such file"),
+    (["stray"], "unexpected argument 'stray'"),
+])
+def test_bad_arguments_are_one_line_errors_naming_the_field(argv, field):
+    from hf_structattn.training.args import ConfigError
+
+    with pytest.raises(ConfigError) as error:
+        parse_clm(argv)
+    assert field in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("max_steps: 3\nmodel:\n  resid_prdop: 0.1\n", "under model: unknown field 'resid_prdop' (did you mean "
+                                                    "'resid_pdrop'?)"),
+    ("max_step: 3\n", "unknown field 'max_step' (did you mean 'max_steps'?)"),
+    ("max_steps: 3\n  model: [1\n", "invalid YAML at line 2"),
+    ("- 1\n- 2\n", "must hold a mapping"),
+    ("lr_schedule: cosine_with_min_lrr\n", "--lr_schedule 'cosine_with_min_lrr' is not one of"),
+    ("per_device_batch_size: 0\n", "--per_device_batch_size must be >= 1, got 0"),
+    ("model:\n  mlr_ranks: [[1, 2]]\n", "mlr_ranks: expected a flat list"),
+])
+def test_bad_config_files_are_one_line_errors_naming_the_field(tmp_path, text, message):
+    from hf_structattn.training.args import ConfigError
+
+    config = tmp_path / "bad.yaml"
+    config.write_text(text)
+    with pytest.raises(ConfigError) as error:
+        parse_clm(["--config", str(config)])
+    assert message in str(error.value) and "\n" not in str(error.value)
+    broken_json = tmp_path / "bad.json"
+    broken_json.write_text('{"max_steps": 3,}')
+    with pytest.raises(ConfigError, match="bad.json: invalid JSON at line 1"):
+        parse_clm(["--config", str(broken_json)])
+
+
+def test_recipe_scripts_print_errors_as_one_line_without_traceback(tmp_path):
+    """The recipe entry points turn every ConfigError into `<recipe>: error: ...` and exit status 2."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  resid_prdop: 0.1\n")
+    for script, argv in (("train_clm.py", ["--config", str(bad)]), ("train_icl.py", ["--max_steps", "-5"]),
+                         ("finetune_chronos.py", ["--init", "random"])):
+        proc = subprocess.run([sys.executable, str(ROOT / "recipes" / script), *argv], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120,
+                              env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        assert proc.returncode == 2, proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"{script}: error: ") and "Traceback" not in proc.stderr
+
+
+def test_help_lists_every_field_with_default_and_help():
+    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "train_clm.py"), "--help"], capture_output=True,
+                          text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT), COLUMNS="200"))
+    assert proc.returncode == 0, proc.stderr
+    from hf_structattn.training.clm import CLMArgs, CLMModelArgs
+
+    blocks = re.split(r"\n  (?=--)", proc.stdout)
+    names = [f.name for cls in (CLMArgs, CLMModelArgs) for f in dataclasses.fields(cls) if f.init]
+    assert len(names) > 60
+    for name in names:
+        block = next((b for b in blocks if b.startswith(f"--{name} ") or b.startswith(f"--{name},")), None)
+        assert block is not None, name
+        text = " ".join(block.split())
+        assert "(default: " in text, name
+        help_text = text.split("  ")[-1] if "  " in text else text
+        assert len(text.split("(default:")[0].split()) > 3, f"{name}: no help text in {text!r}"
+    assert "--mlr_ranks MLR_RANKS [MLR_RANKS ...]" in proc.stdout
 
 
 # ------------------------------------------------------------------------------------------------ data
@@ -130,11 +224,73 @@ def test_clm_outputs_and_exact_resume(tmp_path):
     assert [r["step"] for r in records if "eval/loss" in r] == [0, 4, 8]
     assert all(r["flops"] > 0 for r in records if "train/loss" in r)
     assert full["sample_key_cache_bytes"] < full["sample_dense_key_cache_bytes"]
-    # the resumed run's log has each step once after de-duplication
-    from hf_structattn.training.tracking import read_jsonl
+    # the resumed run's log holds each step once (the resume dropped nothing it did not replay)
+    lines = [json.loads(x) for x in (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if "train/loss" in r] == list(range(1, 9))
+    assert [r["step"] for r in lines if "eval/loss" in r] == [0, 4, 8]
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    assert config["model_max_length"] == 64  # n_positions of the tiny model
+    # the card names no local path (the output folder is a pytest tmp dir)
+    assert str(tmp_path) not in card and "/tmp" not in card
 
-    steps = [r["step"] for r in read_jsonl(tmp_path / "part" / "metrics.jsonl") if "train/loss" in r]
-    assert steps == list(range(1, 9))
+
+def test_resume_from_an_earlier_checkpoint_replays_and_numbers_new_checkpoints_after_old_ones(tmp_path):
+    full = run_clm(tmp_path / "full", "--checkpoint_every", 2, "--checkpoints_total_limit", 3,
+                   "--sample_new_tokens", 0)
+    checkpoints = tmp_path / "full" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["checkpoint_1", "checkpoint_2", "checkpoint_3"]
+    assert json.loads((checkpoints / "checkpoint_1" / "run.json").read_text())["step"] == 4
+    replay = run_clm(tmp_path / "full", "--checkpoint_every", 2, "--checkpoints_total_limit", 3,
+                     "--sample_new_tokens", 0, "--resume_from", checkpoints / "checkpoint_1")
+    assert replay["eval_loss"] == pytest.approx(full["eval_loss"], rel=1e-6)
+    # accelerate kept the 3 newest saves; the replay's saves come after the old ones, so "latest" is the newest
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["checkpoint_3", "checkpoint_4", "checkpoint_5"]
+    assert json.loads((checkpoints / "checkpoint_5" / "run.json").read_text())["step"] == 8
+    lines = [json.loads(x) for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if "train/loss" in r] == list(range(1, 9))
+
+
+def test_a_new_run_never_continues_the_run_in_its_output_folder(tmp_path):
+    """Issue 11 item 1: a second run (another seed) into a finished run's folder used to pick up the old run's
+    checkpoint, train 0 steps and save the old weights as its result."""
+    from hf_structattn.training.args import ConfigError
+
+    out = tmp_path / "out"
+    first = run_clm(out, "--seed", 0, "--sample_new_tokens", 0)
+    old_weights = weights(out)
+    with pytest.raises(ConfigError, match=r"--output_dir .*out is not empty .*--overwrite_output_dir"):
+        run_clm(out, "--seed", 1, "--sample_new_tokens", 0)
+    # resuming with another configuration is refused, naming every differing field
+    with pytest.raises(ConfigError) as error:
+        run_clm(out, "--seed", 1, "--learning_rate", 0.01, "--n_layer", 1, "--sample_new_tokens", 0,
+                "--resume_from", "latest")
+    message = str(error.value)
+    assert "seed (0 -> 1)" in message and "learning_rate (0.003 -> 0.01)" in message
+    assert "model.n_layer (2 -> 1)" in message and "\n" not in message
+    # nothing was touched by the refused runs
+    for name, tensor in weights(out).items():
+        assert torch.equal(tensor, old_weights[name]), name
+    # --overwrite_output_dir: a clean new run, the same as one in a fresh folder
+    second = run_clm(out, "--seed", 1, "--sample_new_tokens", 0, "--overwrite_output_dir")
+    fresh = run_clm(tmp_path / "fresh", "--seed", 1, "--sample_new_tokens", 0)
+    assert second["eval_loss"] == pytest.approx(fresh["eval_loss"], rel=1e-6) != first["eval_loss"]
+    a, b = weights(out), weights(tmp_path / "fresh")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-6, atol=1e-7, msg=name)
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if "train/loss" in r] == list(range(1, 9))  # one run's log only
+    configs = [r for r in lines if r.get("event") == "config"]
+    assert len(configs) == 1 and configs[0]["config"]["args"]["seed"] == 1
+    assert json.loads((out / "run_config.json").read_text())["args"]["seed"] == 1
+    # a folder that holds something else is refused too, and a file is not a folder
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("keep me")
+    with pytest.raises(ConfigError, match="not empty"):
+        run_clm(tmp_path / "other")
+    with pytest.raises(ConfigError, match="no checkpoint under"):
+        run_clm(tmp_path / "empty", "--resume_from", "latest")
+    with pytest.raises(ConfigError, match="is not a folder"):
+        run_clm(tmp_path / "other" / "notes.txt")
 
 
 def test_gradient_accumulation_matches_the_large_batch(tmp_path):
@@ -148,42 +304,87 @@ def test_gradient_accumulation_matches_the_large_batch(tmp_path):
 def test_bf16_and_mup_flags_train(tmp_path):
     result = run_clm(tmp_path / "bf16", "--max_steps", 3, "--eval_every", 0, "--checkpoint_every", 0,
                      "--sample_new_tokens", 0, "--mixed_precision", "bf16", "--mup", "--attention", "bilinear_mlr",
-                     "--bilinear_mlr_ranks", "8|4", "--qk_layernorm", "true")
+                     "--bilinear_mlr_ranks", "8,4", "--qk_layernorm", "true")
     assert torch.isfinite(torch.tensor(result["eval_loss"]))
     config = json.loads((tmp_path / "bf16" / "config.json").read_text())
     assert config["attention"] == "bilinear_mlr" and config["bilinear_scaling"] == "mup"
 
 
-def test_push_to_hub_uploads_the_output_folder(tmp_path, monkeypatch):
+def test_push_to_hub_checks_the_hub_first_and_uploads_the_output_folder(tmp_path, monkeypatch):
+    """Only the Hub network boundary (HfApi.whoami / create_repo / upload_folder) is replaced."""
     import huggingface_hub
 
     calls = []
 
+    def fake_whoami(self, *args, **kwargs):
+        calls.append(("whoami", None, {"trained": (tmp_path / "hub" / "metrics.jsonl").exists()}))
+        return {"name": "someone"}
+
     def fake_create_repo(self, repo_id, **kwargs):
-        calls.append(("create_repo", repo_id, kwargs))
+        calls.append(("create_repo", repo_id, dict(kwargs, trained=(tmp_path / "hub" / "metrics.jsonl").exists())))
         return huggingface_hub.RepoUrl(f"https://huggingface.co/{repo_id}")
 
     def fake_upload_folder(self, *, repo_id, folder_path, **kwargs):
         listing = sorted(str(p.relative_to(folder_path)) for p in Path(folder_path).rglob("*") if p.is_file())
         calls.append(("upload_folder", repo_id, dict(kwargs, folder_path=folder_path, listing=listing)))
 
+    monkeypatch.setattr(huggingface_hub.HfApi, "whoami", fake_whoami)
     monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", fake_create_repo)
     monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", fake_upload_folder)
+    text_file = tmp_path / "corpus.txt"
+    text_file.write_text("def f(x):\n    return x + 1\n" * 3000)
     result = run_clm(tmp_path / "hub", "--max_steps", 2, "--eval_every", 0, "--sample_new_tokens", 0,
-                     "--push_to_hub", "--hub_model_id", "someone/tiny-mlr")
-    assert [c[0] for c in calls] == ["create_repo", "upload_folder"]
-    assert calls[0][1] == "someone/tiny-mlr" and calls[0][2]["exist_ok"] is True
-    upload = calls[1][2]
-    assert calls[1][1] == "someone/tiny-mlr" and upload["folder_path"] == str(tmp_path / "hub")
+                     "--push_to_hub", "--hub_model_id", "someone/tiny-mlr", "--text_files", text_file)
+    assert [c[0] for c in calls] == ["whoami", "create_repo", "upload_folder"]
+    assert not calls[0][2]["trained"] and not calls[1][2]["trained"]  # checked before any training
+    assert calls[1][1] == "someone/tiny-mlr" and calls[1][2]["exist_ok"] is True
+    upload = calls[2][2]
+    assert calls[2][1] == "someone/tiny-mlr" and upload["folder_path"] == str(tmp_path / "hub")
     assert "checkpoints/*" in upload["ignore_patterns"]
-    listing = set(upload["listing"])
+    import fnmatch
+
+    listing = {p for p in upload["listing"] if not any(fnmatch.fnmatch(p, pattern)
+                                                      for pattern in upload["ignore_patterns"])}
+    assert not any(p.startswith("checkpoints/") for p in listing) and "run_config.json" not in listing
     assert {"config.json", "model.safetensors", "modeling_structattn_gpt2.py", "structattn_mlr.py",
-            "tokenizer.json", "README.md", "plots/loss_vs_steps.png"} <= listing
+            "tokenizer.json", "README.md", "plots/loss_vs_steps.png", "metrics.jsonl"} <= listing
+    # no local absolute path in any uploaded text file
+    for name in listing:
+        if name.endswith((".json", ".jsonl", ".md", ".py", ".txt")):
+            assert str(tmp_path) not in (tmp_path / "hub" / name).read_text(), name
     card = (tmp_path / "hub" / "README.md").read_text()
     assert 'path = "someone/tiny-mlr"' in card and "from_pretrained(path, trust_remote_code=True)" in card
+    from huggingface_hub import ModelCard
+
+    data = ModelCard.load(tmp_path / "hub" / "README.md").data
+    assert data.library_name == "transformers" and data.license == "apache-2.0"
+    assert data.pipeline_tag == "text-generation" and "hf_structattn" in data.tags
+    assert data.eval_results[0].metric_type == "bits_per_byte"
+    assert data.eval_results[0].metric_value == pytest.approx(result["eval_bits_per_byte"])
     assert result["hub_repo_id"] == "someone/tiny-mlr"
-    with pytest.raises(ValueError, match="hub_model_id"):
-        run_clm(tmp_path / "nohub", "--push_to_hub")
+
+
+def test_push_to_hub_offline_or_without_token_fails_before_training(tmp_path, monkeypatch):
+    import time
+
+    import huggingface_hub
+
+    from hf_structattn.training.args import ConfigError
+
+    monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token")
+    started = time.perf_counter()
+    with pytest.raises(ConfigError, match="--push_to_hub: the Hub is unreachable in offline mode"):
+        run_clm(tmp_path / "offline", "--push_to_hub", "--hub_model_id", "someone/x")  # HF_HUB_OFFLINE=1 here
+    assert time.perf_counter() - started < 30 and not (tmp_path / "offline").exists()
+
+    def no_token(self, *args, **kwargs):
+        raise huggingface_hub.errors.LocalTokenNotFoundError("Token is required but no token found.")
+
+    monkeypatch.delenv("HF_TOKEN")
+    monkeypatch.setattr(huggingface_hub.HfApi, "whoami", no_token)
+    with pytest.raises(ConfigError, match="cannot authenticate with the Hub.*LocalTokenNotFoundError"):
+        run_clm(tmp_path / "notoken", "--push_to_hub", "--hub_model_id", "someone/x")
+    assert not (tmp_path / "notoken").exists()
 
 
 def _free_port() -> int:
@@ -216,7 +417,7 @@ def test_two_cpu_processes_match_one_process(tmp_path):
         return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
 
     extra = tree(tmp_path / "two") - tree(tmp_path / "one")
-    assert extra == {"checkpoints/step_2/random_states_1.pkl", "checkpoints/step_4/random_states_1.pkl"}
+    assert extra == {"checkpoints/checkpoint_0/random_states_1.pkl", "checkpoints/checkpoint_1/random_states_1.pkl"}
     assert tree(tmp_path / "one") - tree(tmp_path / "two") == set()
     lines = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines if "train/loss" in r] == [1, 2, 3, 4]
@@ -245,20 +446,21 @@ def test_main_job_reload_script_uses_only_the_saved_code(tmp_path):
 
 
 ICL_TINY = ["--n_dims", "2", "--per_device_batch_size", "64", "--learning_rate", "1e-3", "--warmup_steps", "10",
-            "--lr_schedule", "constant", "--eval_prompts", "128", "--disable_tqdm", "--n_embd", "32", "--n_layer", "2",
-            "--n_head", "2", "--attention", "dense", "--qk_norm", "layernorm"]
-# (LayerNorm: at d = 2 it leaves the plateau within the 100 steps these tests afford; the recipe's default RMSNorm
-# measured 0.940 -> 0.946 at step 100 with this config and seed, LayerNorm 0.940 -> 0.866)
+            "--lr_schedule", "constant_with_warmup", "--eval_prompts", "128", "--disable_tqdm", "--n_embd", "32",
+            "--n_layer", "2", "--n_head", "2", "--attention", "dense", "--qk_norm", "layernorm"]
+# (LayerNorm: at d = 2 it leaves the plateau within the 200 steps these tests afford; the recipe's default RMSNorm
+# stays on it longer with this config and seed)
 
 
 def test_icl_learns_on_fresh_prompts(tmp_path):
     from hf_structattn.training.icl import ICLArgs, eval_set, main, train_batch
 
-    result = main(ICL_TINY + ["--output_dir", str(tmp_path / "icl"), "--max_steps", "100", "--eval_every", "100",
+    # (the plateau escape of this tiny task is sensitive to the warm-up: 200 steps leave a margin)
+    result = main(ICL_TINY + ["--output_dir", str(tmp_path / "icl"), "--max_steps", "200", "--eval_every", "200",
                               "--checkpoint_every", "0"])
     records = [json.loads(x) for x in (tmp_path / "icl" / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if "eval/mse" in r]
-    assert evals[0]["step"] == 0 and evals[-1]["step"] == 100
+    assert evals[0]["step"] == 0 and evals[-1]["step"] == 200
     assert evals[-1]["eval/mse"] < 0.95 * evals[0]["eval/mse"]
     assert evals[0]["eval/baseline_zero_mse"] == pytest.approx(evals[0]["eval/mse"], rel=0.05)  # zero read-out
     assert result["eval_mse_last"] > 0
@@ -295,7 +497,7 @@ def test_icl_curriculum_and_exact_resume(tmp_path):
     full = main(ICL_TINY + curriculum + ["--output_dir", str(tmp_path / "full")])
     main(ICL_TINY + curriculum + ["--output_dir", str(tmp_path / "part"), "--stop_after_steps", "3"])
     resumed = main(ICL_TINY + curriculum + ["--output_dir", str(tmp_path / "part"), "--resume_from",
-                                            str(tmp_path / "part" / "checkpoints" / "step_3")])
+                                            str(tmp_path / "part" / "checkpoints" / "checkpoint_0")])
     assert resumed["eval_mse"] == pytest.approx(full["eval_mse"], rel=1e-6)
 
 
@@ -398,24 +600,28 @@ def test_finetune_chronos_resume_is_exact_with_dropout(tmp_path):
 @pytest.mark.parametrize("config_name", sorted(p.name for p in (ROOT / "configs").iterdir()
                                                if p.suffix in (".yaml", ".yml", ".json")))
 def test_shipped_configs_parse_and_build(config_name):
-    """Every config in configs/ is valid for its recipe (fields known, model buildable)."""
+    """Every config in configs/ is valid for its recipe (fields known, every field validated, model buildable)."""
     from hf_structattn.training import chronos_ft, clm, icl
     from hf_structattn.training.args import parse_recipe_args
 
     path = str(ROOT / "configs" / config_name)
     if config_name.startswith("clm"):
-        args = parse_recipe_args(clm.CLMArgs, ["--config", path], clm.model_config_fields())
+        args = parse_recipe_args(clm.CLMArgs, clm.CLMModelArgs, ["--config", path])
         model = clm.build_model(args)
         assert model.config.vocab_size == 257
     elif config_name.startswith("icl"):
-        args = parse_recipe_args(icl.ICLArgs, ["--config", path], clm.model_config_fields())
+        args = parse_recipe_args(icl.ICLArgs, icl.ICLModelArgs, ["--config", path])
         model = icl.build_model(args)
         assert model.config.icl_input_dim == args.n_dims
     elif config_name.startswith("chronos"):
-        args = parse_recipe_args(chronos_ft.ChronosArgs, ["--config", path], set(chronos_ft.TINY_T5))
+        args = parse_recipe_args(chronos_ft.ChronosArgs, chronos_ft.ChronosModelArgs, ["--config", path])
         assert args.init in ("split", "svd")
+    elif config_name.startswith("accelerate"):
+        import yaml
+
+        assert yaml.safe_load((ROOT / "configs" / config_name).read_text())["distributed_type"] == "FSDP"
     else:
-        pytest.fail(f"configs/{config_name}: no recipe prefix (clm_, icl_, chronos_)")
+        pytest.fail(f"configs/{config_name}: no recipe prefix (clm_, icl_, chronos_, accelerate_)")
 
 
 def test_eval_windows_cover_the_whole_validation_split():

@@ -1,158 +1,321 @@
-"""Recipe arguments: a dataclass of recipe fields plus a free-form ``model`` dict of model-config fields.
+"""Recipe arguments on ``transformers.HfArgumentParser``: a recipe dataclass plus a model dataclass, a YAML/JSON
+config file and command-line overrides.
 
-Precedence: dataclass defaults < ``--config FILE`` (YAML or JSON) < command-line ``--field value``.
-A command-line field that is not a recipe field but is one of ``model_fields`` goes into ``args.model``.
-Values are parsed with YAML (``128`` -> int, ``[32, 8]`` -> list, ``true`` -> bool); ``32|8|6`` and ``32,8,6`` are
-lists of numbers. A bare ``--flag`` means ``true``.
+Precedence: dataclass defaults < ``--config FILE`` < command line. The file's entries become ``--name=value`` tokens
+placed before the command line, so the file and the command line go through the same argparse types and choices
+(and the last occurrence wins). Model-config fields may sit under ``model:`` in the file or at its top level.
+
+Conventions on top of ``HfArgumentParser``:
+
+* list fields take ``--mlr_ranks 32,16,8,8`` (one shell word, no quoting) or ``--mlr_ranks 32 16 8 8``;
+* optional fields take ``none`` / ``null`` for ``None``;
+* every error is a :class:`ConfigError`, one line naming the field and the value; the recipes' entry points print it
+  as ``<recipe>: error: ...`` and exit with status 2 (never a traceback). Unknown names get a "did you mean".
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
+import sys
+import types
 import typing
+from argparse import Action, ArgumentTypeError
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import yaml
+from transformers import HfArgumentParser
+
+NONE_WORDS = ("none", "null", "~")
 
 
-def _scalar(text: str) -> Any:
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return yaml.safe_load(text)
+def arg(help: str, **kwargs) -> dataclasses.Field:
+    """A dataclass field with its one-line ``--help`` text (``default=`` / ``default_factory=`` as usual)."""
+    return dataclasses.field(metadata={"help": help}, **kwargs)
 
 
-def parse_value(text: str) -> Any:
-    """Parse one command-line value."""
-    try:
-        return int(text)
-    except ValueError:
-        pass
-    try:
-        return float(text)
-    except ValueError:
-        pass
-    if "|" in text or ("," in text and not text.strip().startswith(("[", "{"))):
-        parts = [p for p in text.replace("|", ",").split(",") if p.strip()]
-        return [_scalar(p.strip()) for p in parts]
-    value = yaml.safe_load(text)
-    return text if value is None and text not in ("null", "None", "~", "") else value
+class ConfigError(ValueError):
+    """A bad recipe argument or config file entry (the message is one line naming the field)."""
 
 
-def load_config_file(path: str | Path) -> dict:
-    text = Path(path).read_text()
-    data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: a config file must hold a mapping, got {type(data).__name__}")
-    return data
-
-
-def _coerce(name: str, value: Any, annotation: Any) -> Any:
-    """Best-effort check/conversion of ``value`` to a dataclass field's annotation."""
-    if value is None:
-        return None
+def _strip_optional(annotation) -> tuple[Any, bool]:
+    """(inner type, whether None is allowed) of ``Optional[X]`` / ``X | None``."""
     origin = typing.get_origin(annotation)
-    args = typing.get_args(annotation)
-    if origin is typing.Union or str(origin) == "types.UnionType":
-        for option in [a for a in args if a is not type(None)]:
-            try:
-                return _coerce(name, value, option)
-            except (TypeError, ValueError):
-                continue
-        raise ValueError(f"--{name}: cannot interpret {value!r} as {annotation}")
-    if annotation is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
-            return value.lower() in ("true", "1", "yes")
-        raise ValueError(f"--{name}: expected a boolean, got {value!r}")
-    if annotation is int:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
-            raise ValueError(f"--{name}: expected an integer, got {value!r}")
-        return int(value)
-    if annotation is float:
-        if isinstance(value, str):
-            try:
-                value = float(value)
-            except ValueError:
-                pass
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"--{name}: expected a number, got {value!r}")
-        return float(value)
-    if annotation is str:
-        return str(value)
-    if origin in (list, tuple) or annotation in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            value = [value]
-        inner = args[0] if args else Any
-        return [v if inner is Any else _coerce(name, v, inner) for v in value]
-    if origin is dict or annotation is dict:
-        if not isinstance(value, dict):
-            raise ValueError(f"--{name}: expected a mapping, got {value!r}")
-        return dict(value)
+    if origin is typing.Union or origin is types.UnionType:
+        options = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(options) < len(typing.get_args(annotation)) and len(options) == 1:
+            return options[0], True
+    return annotation, False
+
+
+def _nullable(convert: Callable[[str], Any]) -> Callable[[str], Any]:
+    def parse(text: str):
+        return None if text.strip().lower() in NONE_WORDS else convert(text)
+
+    parse.__name__ = getattr(convert, "__name__", "value")  # argparse names the type in its messages
+    return parse
+
+
+def _comma_list(convert: Callable[[str], Any]) -> Callable[[str], list]:
+    """One command-line word -> a list: ``32,16,8,8`` (also ``[32, 16]``); an empty word is the empty list."""
+
+    def parse(text: str) -> list:
+        text = text.strip()
+        if text.startswith("[") and text.endswith("]"):
+            text = text[1:-1]
+        return [convert(part.strip()) for part in text.split(",") if part.strip()]
+
+    parse.__name__ = f"comma-separated list of {getattr(convert, '__name__', 'value')}"
+    return parse
+
+
+def parse_mapping(text: str) -> dict:
+    """A YAML/JSON mapping given on the command line, e.g. ``{context_length: 512, n_tokens: 1024}``."""
+    value = yaml.safe_load(text)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ArgumentTypeError(f"expected a mapping like '{{key: value}}', got {text!r}")
     return value
 
 
-def parse_recipe_args(cls: type, argv: Optional[Sequence[str]] = None, model_fields: Iterable[str] = ()):
-    """Build ``cls`` (a dataclass with a ``model: dict`` field and a ``config: str`` field) from a config file
-    and command-line overrides. Unknown fields raise ``ValueError`` (typos must not pass silently)."""
-    import sys
+parse_mapping.__name__ = "mapping"
 
+
+class _FlattenLists(Action):
+    """``nargs="+"`` whose items are themselves comma lists: ``--x 1,2 3`` -> ``[1, 2, 3]``."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        flat = []
+        for value in values:
+            flat.extend(value if isinstance(value, list) else [value])
+        setattr(namespace, self.dest, flat)
+
+
+class RecipeArgumentParser(HfArgumentParser):
+    """``HfArgumentParser`` that raises :class:`ConfigError` instead of printing usage and exiting, and that reads
+    comma lists and ``none`` for optional fields."""
+
+    def __init__(self, dataclass_types, **kwargs):
+        super().__init__(dataclass_types, allow_abbrev=False, **kwargs)
+        hints = {}
+        for dtype in self.dataclass_types:
+            hints.update(typing.get_type_hints(dtype))
+        for action in self._actions:
+            annotation = hints.get(action.dest)
+            if annotation is None:
+                continue
+            inner, optional = _strip_optional(annotation)
+            if inner is dict:
+                action.type = parse_mapping
+            if typing.get_origin(inner) is list and action.nargs == "+":
+                action.type = _comma_list(action.type)
+                action.__class__ = _FlattenLists
+            if optional and action.type is not None:
+                action.type = _nullable(action.type)
+
+    def error(self, message: str):
+        # "argument --max_steps/--max-steps: invalid int value: 'x'" -> "--max_steps: invalid int value: 'x'"
+        import re
+
+        raise ConfigError(re.sub(r"^argument (--[\w]+)(/--[\w-]+)*: ", r"\1: ", message))
+
+
+def load_config_file(path: str | Path) -> dict:
+    """The mapping in a YAML or JSON file; one-line :class:`ConfigError` for a missing or unparsable file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"--config {path}: no such file")
+    text = path.read_text()
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"--config {path}: invalid JSON at line {error.lineno}: {error.msg}") from None
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise ConfigError(f"--config {path}: invalid YAML{where}: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: the file must hold a mapping of field: value, got {type(data).__name__}")
+    return data
+
+
+def _unknown(name: str, known: Sequence[str], where: str) -> ConfigError:
+    close = difflib.get_close_matches(name, list(known), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return ConfigError(f"{where}: unknown field {name!r}{hint}")
+
+
+def _as_token(name: str, value: Any) -> str:
+    """A config-file value as one ``--name=value`` word that the field's argparse type reads back."""
+    if value is None:
+        text = "none"
+    elif isinstance(value, bool):
+        text = "true" if value else "false"
+    elif isinstance(value, (list, tuple)):
+        if any(isinstance(v, (list, dict)) for v in value):
+            raise ConfigError(f"{name}: expected a flat list, got {value!r}")
+        text = ",".join("true" if v is True else "false" if v is False else str(v) for v in value)
+    elif isinstance(value, dict):
+        text = json.dumps(value)
+    else:
+        text = str(value)
+    return f"--{name}={text}"
+
+
+def _field_names(dtype) -> list[str]:
+    return [f.name for f in dataclasses.fields(dtype) if f.init]
+
+
+def config_file_tokens(path: str, recipe_fields: Sequence[str], model_fields: Sequence[str]) -> list[str]:
+    """The entries of a config file as ``--name=value`` words (``model:`` entries must be model fields)."""
+    tokens = []
+    for key, value in load_config_file(path).items():
+        if key == "model":
+            if not isinstance(value, dict):
+                raise ConfigError(f"--config {path}: 'model' must be a mapping of model-config fields")
+            for name, inner in value.items():
+                if name not in model_fields:
+                    raise _unknown(name, model_fields, f"--config {path}, under model")
+                tokens.append(_as_token(name, inner))
+        elif key == "config":
+            raise ConfigError(f"--config {path}: a config file cannot name another config file")
+        elif key in recipe_fields or key in model_fields:
+            tokens.append(_as_token(key, value))
+        else:
+            raise _unknown(key, [*recipe_fields, *model_fields], f"--config {path}")
+    return tokens
+
+
+def _config_path(argv: Sequence[str]) -> Optional[str]:
+    path = None
+    for index, token in enumerate(argv):
+        if token == "--config":
+            if index + 1 >= len(argv):
+                raise ConfigError("argument --config: expected one argument")
+            path = argv[index + 1]
+        elif token.startswith("--config="):
+            path = token.split("=", 1)[1]
+    return path
+
+
+def parse_recipe_args(recipe_cls: type, model_cls: type, argv: Optional[Sequence[str]] = None,
+                      prog: Optional[str] = None):
+    """Parse ``argv`` (default ``sys.argv[1:]``) into ``recipe_cls`` with ``.model`` = the dict of ``model_cls``.
+
+    Dataclass ``__post_init__`` checks run here, so every field is validated before any work starts; each problem
+    is one :class:`ConfigError` line naming the field.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    model_fields = set(model_fields)
-    overrides: dict[str, Any] = {}
-    index = 0
-    while index < len(argv):
-        token = argv[index]
-        if not token.startswith("--"):
-            raise ValueError(f"unexpected argument {token!r} (expected --field value)")
-        key, eq, inline = token[2:].partition("=")
-        key = key.replace("-", "_")
-        if eq:
-            value, index = inline, index + 1
-        elif index + 1 < len(argv) and not argv[index + 1].startswith("--"):
-            value, index = argv[index + 1], index + 2
+    parser = RecipeArgumentParser([recipe_cls, model_cls], prog=prog)
+    recipe_fields, model_fields = _field_names(recipe_cls), _field_names(model_cls)
+    path = _config_path(argv)
+    tokens = config_file_tokens(path, recipe_fields, model_fields) if path else []
+    namespace, unknown = parser.parse_known_args(tokens + argv)
+    if unknown:
+        name = next((u for u in unknown if u.startswith("--")), unknown[0])
+        if name.startswith("--"):
+            raise _unknown(name[2:].split("=")[0].replace("-", "_"), [*recipe_fields, *model_fields],
+                           "command line")
+        raise ConfigError(f"unexpected argument {name!r} (expected --field value)")
+    values = vars(namespace)
+    try:
+        model = model_cls(**{k: values[k] for k in model_fields})
+        args = recipe_cls(**{k: values[k] for k in recipe_fields})
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as error:  # a dataclass check that did not name itself as ConfigError
+        raise ConfigError(str(error).splitlines()[0]) from None
+    args.model = dataclasses.asdict(model)
+    try:
+        args.check_model()
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as error:  # the model config's own validation
+        raise ConfigError(f"model: {str(error).splitlines()[0]}") from None
+    return args
+
+
+def help_from_docstring(doc: Optional[str]) -> dict[str, str]:
+    """First line of each ``name (type, ...): text`` / ``name: text`` entry of a docstring (``a, b: text`` gives
+    both names the text)."""
+    import re
+
+    found: dict[str, str] = {}
+    lines = (doc or "").splitlines()
+    for index, line in enumerate(lines):
+        match = re.match(r"^\s+([a-z_][a-z0-9_]*(?:, [a-z_][a-z0-9_]*)*)(?: \([^)]*\))?:\s*(.*)$", line)
+        if not match:
+            continue
+        text = match.group(2).strip()
+        if not text and index + 1 < len(lines):
+            text = lines[index + 1].strip()
+        text = re.split(r"\. (?=[A-Z])", text)[0].rstrip(".")
+        for name in match.group(1).split(", "):
+            found.setdefault(name, text)
+    return found
+
+
+def _cli_annotation(annotation) -> Any:
+    """An argparse-friendly annotation for a config field: ``float | int`` -> float, ``int | list[int]`` -> int,
+    ``str | float | list[float]`` -> str (the field's own validation reads the string)."""
+    inner, optional = _strip_optional(annotation)
+    origin = typing.get_origin(inner)
+    if origin is typing.Union or origin is types.UnionType:
+        options = [a for a in typing.get_args(inner) if a is not type(None)]
+        optional = optional or len(options) < len(typing.get_args(inner))
+        inner = str if str in options else float if float in options else options[0]
+    if inner is dict or typing.get_origin(inner) is dict:
+        inner = dict
+    return Optional[inner] if optional else inner
+
+
+def model_args_dataclass(name: str, config_cls: type, defaults: dict, helps: dict,
+                         extra: Sequence[tuple[str, Any, Any, str]] = (), exclude: Sequence[str] = ()) -> type:
+    """A dataclass of ``config_cls``'s own fields (not ``PreTrainedConfig``'s) for ``HfArgumentParser``, in an
+    argument group "model (<config class>)". ``defaults`` override the config's defaults (the recipe's model);
+    ``extra`` adds ``(name, annotation, default, help)`` fields; ``exclude`` names fields the recipe sets itself."""
+    namespace = dict(vars(sys.modules[config_cls.__module__]))
+    hints = {name: eval(value, namespace) if isinstance(value, str) else value  # noqa: S307 (annotations)
+             for name, value in vars(config_cls).get("__annotations__", {}).items() if not name.startswith("_")}
+    own = list(hints)
+    base = {name for parent in config_cls.__mro__[1:] for name in vars(parent).get("__annotations__", {})}
+    doc_help = help_from_docstring(config_cls.__doc__)
+    specs = []
+    for field_name in own:
+        if field_name in exclude:
+            continue
+        if field_name in base and field_name not in ("vocab_size", "pad_token_id", "eos_token_id", "bos_token_id",
+                                                     "tie_word_embeddings", "use_cache"):
+            continue
+        default = defaults.get(field_name, getattr(config_cls, field_name, None))
+        text = helps.get(field_name) or doc_help.get(field_name) or f"{config_cls.__name__}.{field_name}"
+        annotation = _cli_annotation(hints[field_name])
+        if isinstance(default, (list, dict)):
+            value = dataclasses.field(default_factory=lambda v=default: type(v)(v), metadata={"help": text})
         else:
-            value, index = "true", index + 1
-        overrides[key] = value
-
-    values: dict[str, Any] = {}
-    model_default = next((f for f in dataclasses.fields(cls) if f.name == "model"), None)
-    model: dict[str, Any] = dict(model_default.default_factory()) if model_default is not None and \
-        model_default.default_factory is not dataclasses.MISSING else {}
-    config_path = overrides.pop("config", None)
-    if config_path is not None:
-        values["config"] = config_path
-        for key, value in load_config_file(config_path).items():
-            if key == "model":
-                model.update(value or {})
-            elif key in names:
-                values[key] = value
-            elif key in model_fields:
-                model[key] = value
-            else:
-                raise ValueError(f"{config_path}: unknown field {key!r}")
-    for key, text in overrides.items():
-        value = parse_value(text)
-        if key in names and key != "model":
-            values[key] = value
-        elif key in model_fields:
-            model[key] = value if not (key.endswith("ranks") or key.endswith("sizes") or key.endswith("factors")
-                                       or key == "attention_layers") or isinstance(value, list) else [value]
-        else:
-            raise ValueError(f"unknown argument --{key}")
-    values = {k: _coerce(k, v, hints[k]) for k, v in values.items()}
-    values["model"] = model
-    return cls(**values)
+            value = dataclasses.field(default=default, metadata={"help": text})
+        specs.append((field_name, annotation, value))
+    for field_name, annotation, default, text in extra:
+        factory = (lambda v=default: type(v)(v)) if isinstance(default, (list, dict)) else None
+        value = dataclasses.field(default_factory=factory, metadata={"help": text}) if factory else \
+            dataclasses.field(default=default, metadata={"help": text})
+        specs.append((field_name, annotation, value))
+    cls = dataclasses.make_dataclass(name, specs)
+    cls._argument_group_name = f"model ({config_cls.__name__} fields; also under 'model:' in a config file)"
+    return cls
 
 
-def to_dict(args) -> dict:
-    return dataclasses.asdict(args)
+def run_main(main: Callable[[Optional[Sequence[str]]], Any], prog: str) -> None:
+    """Entry point of a recipe script: a :class:`ConfigError` (bad argument, config file, output folder, Hub
+    access) becomes one line on stderr and exit status 2."""
+    try:
+        main(None)
+    except ConfigError as error:
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None

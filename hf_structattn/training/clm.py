@@ -6,41 +6,93 @@ import dataclasses
 import json
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-from .args import parse_recipe_args
-from .loop import CommonArgs, build_optimizer, finish_run, make_accelerator, train
+from ..modeling.configuration_structattn_gpt2 import StructAttnGPT2Config
+from .args import ConfigError, arg, model_args_dataclass, parse_recipe_args, run_main
+from .loop import CommonArgs, build_optimizer, finish_run, start_run, train
 
 DEFAULT_MODEL = dict(vocab_size=257, n_positions=256, n_embd=128, n_layer=4, n_head=2, attention="mlr",
                      mlr_ranks=[32, 8, 6, 4, 4, 4, 4, 2], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                      bos_token_id=256, eos_token_id=256, pad_token_id=256)
 
+# --help text of the GPT-2 fields that StructAttnGPT2Config's docstring does not describe
+GPT2_FIELD_HELP = dict(
+    vocab_size="vocabulary size (257 = bytes + <|endoftext|> for the byte tokenizer)",
+    n_positions="maximum sequence length; MLR block sizes default to n_positions / 2^(l-1)",
+    n_embd="model width", n_layer="number of transformer blocks", n_head="attention heads (head dim = n_embd / n_head)",
+    n_inner="MLP hidden width (none: 4 x n_embd)", activation_function="MLP activation (transformers ACT2FN name)",
+    resid_pdrop="dropout after attention and MLP", embd_pdrop="dropout of the embeddings",
+    layer_norm_epsilon="LayerNorm epsilon", initializer_range="std of the normal weight init",
+    scale_attn_weights="scale dense attention scores by 1/sqrt(head dim)", use_cache="return a cache from forward",
+    bos_token_id="beginning-of-sequence token id", eos_token_id="end-of-sequence token id",
+    pad_token_id="padding token id", tie_word_embeddings="tie the LM head to the token embedding",
+    mlr_scaling="standard, mup, or per-level floats like 0.2,0.3")
+
+CLMModelArgs = model_args_dataclass("CLMModelArgs", StructAttnGPT2Config, DEFAULT_MODEL, GPT2_FIELD_HELP)
+
+
+def gpt2_config_fields(model: dict) -> dict:
+    """The model dict as StructAttnGPT2Config keywords (``mlr_scaling`` "0.2,0.3" -> floats)."""
+    fields = dict(model)
+    scaling = fields.get("mlr_scaling")
+    if isinstance(scaling, str) and scaling not in ("standard", "mup"):
+        try:
+            values = [float(v) for v in scaling.split(",") if v.strip()]
+        except ValueError:
+            raise ValueError(f"mlr_scaling={scaling!r} is not standard, mup or per-level floats") from None
+        fields["mlr_scaling"] = values if len(values) > 1 else values[0]
+    return fields
+
 
 @dataclass
 class CLMArgs(CommonArgs):
-    output_dir: str = "outputs/clm"
-    text_files: Optional[list[str]] = None     # local text files (datasets' text loader) instead of the stdlib
-    dataset_name: Optional[str] = None         # a datasets Hub name (online users only)
-    dataset_config: Optional[str] = None
-    text_column: str = "text"
-    validation_percent: float = 5.0
-    max_train_bytes: Optional[int] = 8_000_000
-    max_validation_bytes: Optional[int] = 1_000_000
-    seq_len: Optional[int] = None               # default: n_positions
-    eval_windows: int = 64                      # validation windows of seq_len tokens per evaluation
-    sample_prompt: str = "def "
-    sample_new_tokens: int = 160                # generated with the hierarchical key cache after training
-    model: dict = field(default_factory=lambda: dict(DEFAULT_MODEL))
+    PATH_FIELDS = ("text_files",)  # published as file names only (public_configuration)
+
+    output_dir: str = arg("the run's folder; a loadable checkpoint with model card when done",
+                            default="outputs/clm")
+    text_files: Optional[list[str]] = arg("local text files (datasets' text loader, one document per file) "
+                                            "instead of the standard library", default=None)
+    dataset_name: Optional[str] = arg("a datasets Hub dataset (needs the network; never used by default)",
+                                        default=None)
+    dataset_config: Optional[str] = arg("its configuration name", default=None)
+    text_column: str = arg("its text column", default="text")
+    validation_percent: float = arg("percent of documents held out (split by sha1 of their name)", default=5.0)
+    max_train_bytes: Optional[int] = arg("cap on training bytes (none: all)", default=8_000_000)
+    max_validation_bytes: Optional[int] = arg("cap on validation bytes (none: all)", default=1_000_000)
+    seq_len: Optional[int] = arg("training window length (none: n_positions)", default=None)
+    eval_windows: int = arg("validation windows of seq_len tokens per evaluation", default=64)
+    sample_prompt: str = arg("prompt of the sample generated after training", default="def ")
+    sample_new_tokens: int = arg("tokens sampled after training with the hierarchical key cache (0: none)",
+                                   default=160)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not 0 < self.validation_percent < 100:
+            raise ConfigError(f"--validation_percent must be in (0, 100), got {self.validation_percent}")
+        for name in ("max_train_bytes", "max_validation_bytes", "seq_len"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError(f"--{name} must be >= 1 or none, got {getattr(self, name)}")
+        if self.eval_windows < 1:
+            raise ConfigError(f"--eval_windows must be >= 1, got {self.eval_windows}")
+        if self.sample_new_tokens < 0:
+            raise ConfigError(f"--sample_new_tokens must be >= 0, got {self.sample_new_tokens}")
+        for path in self.text_files or []:
+            if not Path(path).is_file():
+                raise ConfigError(f"--text_files: {path} is not a file")
+
+    def check_model(self) -> None:
+        config = StructAttnGPT2Config(**gpt2_config_fields(self.model))
+        if self.seq_len is not None and self.seq_len > config.n_positions:
+            raise ConfigError(f"--seq_len {self.seq_len} exceeds n_positions={config.n_positions}")
 
 
 def model_config_fields() -> set[str]:
-    from ..modeling.configuration_structattn_gpt2 import StructAttnGPT2Config
-
-    return {f.name for f in dataclasses.fields(StructAttnGPT2Config)}
+    return {f.name for f in dataclasses.fields(CLMModelArgs)}
 
 
 def load_corpus(args: CLMArgs):
@@ -58,7 +110,7 @@ def load_corpus(args: CLMArgs):
 def build_model(args: CLMArgs):
     from .. import StructAttnGPT2Config, StructAttnGPT2LMHeadModel
 
-    fields = dict(args.model)
+    fields = gpt2_config_fields(args.model)
     if args.mup:
         from ..mup import mup_config_overrides
 
@@ -120,45 +172,45 @@ print(tokenizer.decode(model.generate(ids, max_new_tokens=100, do_sample=False)[
 
 
 def main(argv=None) -> dict:
-    args = parse_recipe_args(CLMArgs, argv, model_config_fields())
-    run_name = args.run_name or "train_clm"
-    accelerator = make_accelerator(args, run_name)
+    args = parse_recipe_args(CLMArgs, CLMModelArgs, argv, prog="train_clm.py")
+    accelerator, checkpoint = start_run(args, "train_clm")
     from ..flops import attention_cost_report, flops_per_token
     from ..tokenization import build_byte_tokenizer
+    from .data import eval_windows, lm_micro_batch
     from .metrics import load_metric
+    from .outputs import public_configuration
 
     corpus = load_corpus(args)
     model = build_model(args)
     config = model.config
     seq_len = args.seq_len or config.n_positions
-    if seq_len > config.n_positions:
-        raise ValueError(f"seq_len={seq_len} exceeds n_positions={config.n_positions}")
     accelerator.print(f"data: {corpus.description}: {corpus.train.numel():,} train / "
                       f"{corpus.validation.numel():,} validation tokens")
     optimizer = build_optimizer(model, args)
     model, optimizer = accelerator.prepare(model, optimizer)
-    accelerator.init_trackers(run_name, config={k: v for k, v in dataclasses.asdict(args).items()})
-
-    from .data import eval_windows, lm_micro_batch
+    accelerator.init_trackers(args.run_name or "train_clm", config=public_configuration(args, "train_clm"))
 
     windows = eval_windows(corpus.validation, seq_len, args.eval_windows)
     metric = load_metric("bits_per_byte")
     world, rank = accelerator.num_processes, accelerator.process_index
+    device = accelerator.device
 
     def micro_batch_fn(step, micro, rank_, world_):
         return lm_micro_batch(corpus.train, seq_len, step, micro, rank_, world_, args.per_device_batch_size,
-                              args.gradient_accumulation_steps, args.seed)
+                              args.gradient_accumulation_steps, args.seed).to(device)
 
     def loss_fn(model_, ids):
         return model_(input_ids=ids, labels=ids, use_cache=False).loss
 
     def eval_fn(unwrapped) -> dict:
+        # each rank scores every world-th window; the sums are reduced on accelerator.device
         index = torch.arange(windows.shape[0])[rank::world]
-        nll = torch.zeros(windows.shape[0], dtype=torch.float64)
-        nbytes = torch.zeros(windows.shape[0], dtype=torch.long)
+        nll = torch.zeros(windows.shape[0], dtype=torch.float64, device=device)
+        nbytes = torch.zeros(windows.shape[0], dtype=torch.long, device=device)
         if index.numel():
-            nll[index], nbytes[index] = window_nll(unwrapped, windows[index], args.per_device_batch_size)
-        nll, nbytes = accelerator.reduce(nll, "sum"), accelerator.reduce(nbytes, "sum")
+            mine_nll, mine_bytes = window_nll(unwrapped, windows[index].to(device), args.per_device_batch_size)
+            nll[index.to(device)], nbytes[index.to(device)] = mine_nll, mine_bytes
+        nll, nbytes = accelerator.reduce(nll, "sum").cpu(), accelerator.reduce(nbytes, "sum").cpu()
         result = metric.compute(nll_sum=nll.tolist(), num_bytes=nbytes.tolist())
         tokens = windows.shape[0] * (seq_len - 1)
         return {"loss": float(nll.sum()) / tokens, "bits_per_byte": result["bits_per_byte"]}
@@ -167,24 +219,20 @@ def main(argv=None) -> dict:
     train_flops_per_token = flops_per_token(config, seq_len, training=True)
     result = train(accelerator, args, model, optimizer, micro_batch_fn=micro_batch_fn, loss_fn=loss_fn,
                    eval_fn=eval_fn, tokens_per_step=tokens_per_step, flops_per_token=train_flops_per_token,
-                   desc="train_clm")
-    summary = {"step": result.step, "interrupted": result.interrupted, "train_seconds": result.train_seconds,
-               **{f"eval_{k}": v for k, v in result.final_eval.items()}}
-    if result.interrupted:
-        accelerator.end_training()
-        return summary
+                   recipe="train_clm", resume_checkpoint=checkpoint)
+    cost = attention_cost_report(config, dtype_bytes=4, context_len=seq_len)
+    summary = dict(flops_per_token=train_flops_per_token, tokens_per_step=tokens_per_step,
+                   key_cache_ratio_formula=cost.key_cache_ratio, score_flops_ratio=cost.score_ratio)
 
-    accelerator.wait_for_everyone()
-    unwrapped = accelerator.unwrap_model(model)
-    out = Path(args.output_dir)
-    if accelerator.is_main_process:
+    def save_outputs(summary: dict) -> str:
+        from .outputs import write_model_card, write_plots
+
+        out = Path(args.output_dir)
+        unwrapped = accelerator.unwrap_model(model)
         tokenizer = build_byte_tokenizer()
+        tokenizer.model_max_length = config.n_positions  # what the model can attend to, not a tokenizer default
         unwrapped.save_pretrained(out)
         tokenizer.save_pretrained(out)
-        cost = attention_cost_report(config, dtype_bytes=4, context_len=seq_len)
-        summary.update(flops_per_token=train_flops_per_token, tokens_per_step=tokens_per_step,
-                       total_train_flops=result.step * tokens_per_step * train_flops_per_token,
-                       key_cache_ratio_formula=cost.key_cache_ratio, score_flops_ratio=cost.score_ratio)
         sections = {}
         if args.sample_new_tokens > 0:
             with torch.random.fork_rng(devices=[]):
@@ -196,24 +244,25 @@ def main(argv=None) -> dict:
                 f"{sample['dense_key_cache_bytes']:,} bytes for a dense cache ({sample['key_cache_ratio']:.3f}x).\n\n"
                 "```python\n" + sample["text"].replace("```", "'''") + "\n```")
             summary["sample_text"] = sample["text"]
-        from .outputs import write_metrics_json, write_model_card, write_plots
-
-        write_metrics_json(out, summary)
         write_plots(out, loss_key="train/loss", eval_key="eval/loss")
         variant = config.attention if not config.attention_layers else "+".join(config.attention_layers)
         write_model_card(
-            out, title=f"StructAttn GPT-2 ({variant}) causal LM",
+            out, args, recipe="train_clm", title=f"StructAttn GPT-2 ({variant}) causal LM",
             summary=(f"A {config.n_layer}-layer, width-{config.n_embd} GPT-2-style byte-level language model with "
                      f"`{variant}` attention (Kuang et al., ICML 2025, *Customizing the Inductive Biases of Softmax "
                      f"Attention using Structured Matrices*), trained for {result.step} steps "
                      f"({result.step * tokens_per_step:,} tokens) with `recipes/train_clm.py` of hf_structattn."),
-            config=config.to_dict(), data=corpus.description,
+            config=config.to_dict(), data=corpus.description, pipeline_tag="text-generation",
+            datasets=[args.dataset_name] if args.dataset_name else None,
+            eval_results=[("text-generation", "bits_per_byte", "validation bits per byte",
+                           summary.get("eval_bits_per_byte"))],
             metrics={k: v for k, v in summary.items() if k.startswith("eval_") or k in ("step", "train_seconds")},
-            usage=loading_snippet(args.hub_model_id or str(out), args.sample_prompt),
-            cost_markdown=cost.to_markdown(), flops_per_token=train_flops_per_token, extra_sections=sections,
-            recipe_args=dataclasses.asdict(args))
-    return finish_run(accelerator, args, out, summary)
+            usage=loading_snippet(args.hub_model_id or "path/to/this/folder", args.sample_prompt),
+            cost_markdown=cost.to_markdown(), flops_per_token=train_flops_per_token, extra_sections=sections)
+        return cost.to_markdown()
+
+    return finish_run(accelerator, args, result, summary, save_outputs)
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main, "train_clm.py")

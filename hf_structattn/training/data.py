@@ -108,7 +108,7 @@ def load_stdlib_corpus(validation_percent: float = 5.0, max_train_bytes: Optiona
     train, n_train = encode_documents(texts(False), max_train_bytes)
     validation, n_val = encode_documents(texts(True), max_validation_bytes)
     description = (f"Python {sys.version_info.major}.{sys.version_info.minor} standard library sources "
-                   f"(*.py files under {root}, site-packages excluded, sorted by path; validation = "
+                   f"(*.py files, site-packages excluded, sorted by path relative to the stdlib root; validation = "
                    f"{validation_percent:g}% of the {len(files)} files by sha1 of their relative path; "
                    f"{n_train} train files / {train.numel():,} bytes, {n_val} validation files / "
                    f"{validation.numel():,} bytes)")

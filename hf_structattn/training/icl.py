@@ -12,38 +12,61 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-from .args import parse_recipe_args
+from ..modeling.configuration_structattn_gpt2 import StructAttnGPT2Config
+from .args import ConfigError, arg, model_args_dataclass, parse_recipe_args, run_main
+from .clm import GPT2_FIELD_HELP, gpt2_config_fields
 from .data import step_generator
-from .loop import CommonArgs, build_optimizer, finish_run, make_accelerator, train
+from .loop import CommonArgs, build_optimizer, finish_run, start_run, train
 
 TRAIN_STREAM, EVAL_STREAM = 2, 3
 
 DEFAULT_MODEL = dict(n_embd=64, n_layer=3, n_head=4, vocab_size=1, attention="bilinear_mlr",
                      bilinear_mlr_ranks=[8, 4, 2, 2], qk_layernorm=True, qk_norm="rms", resid_pdrop=0.0,
-                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+                     n_positions=None)
+
+ICLModelArgs = model_args_dataclass("ICLModelArgs", StructAttnGPT2Config, DEFAULT_MODEL,
+                                    dict(GPT2_FIELD_HELP, n_positions="maximum prompt length in tokens (none: "
+                                                                      "2 x n_points)",
+                                         icl_input_dim="set from n_dims by the recipe"))
 
 
 @dataclass
 class ICLArgs(CommonArgs):
-    output_dir: str = "outputs/icl"
-    n_dims: int = 8
-    n_points: Optional[int] = None          # default 2 * n_dims
-    curriculum: bool = False
-    curriculum_dims_start: int = 4
-    curriculum_points_start: int = 8
-    curriculum_dims_increment: int = 1
-    curriculum_points_increment: int = 2
-    curriculum_interval: int = 100
-    eval_prompts: int = 256
-    learning_rate: float = 1e-3
-    per_device_batch_size: int = 32
-    model: dict = field(default_factory=lambda: dict(DEFAULT_MODEL))
+    output_dir: str = arg("the run's folder; a loadable checkpoint with model card when done",
+                          default="outputs/icl")
+    n_dims: int = arg("dimension d of x and w", default=8)
+    n_points: Optional[int] = arg("(x, y) pairs per prompt (none: 2 x n_dims)", default=None)
+    curriculum: bool = arg("grow the active dimension and the number of points during training", default=False)
+    curriculum_dims_start: int = arg("active dimension at step 0", default=4)
+    curriculum_points_start: int = arg("points at step 0", default=8)
+    curriculum_dims_increment: int = arg("active-dimension increase per curriculum update", default=1)
+    curriculum_points_increment: int = arg("points increase per curriculum update", default=2)
+    curriculum_interval: int = arg("steps between curriculum updates", default=100)
+    eval_prompts: int = arg("fixed fresh evaluation prompts (full dimension and length)", default=256)
+    learning_rate: float = arg("peak learning rate of AdamW", default=1e-3)
+    per_device_batch_size: int = arg("prompts per process per micro-step", default=32)
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name in ("n_dims", "curriculum_dims_start", "curriculum_points_start", "curriculum_interval",
+                     "eval_prompts"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("curriculum_dims_increment", "curriculum_points_increment"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{name} must be >= 0, got {getattr(self, name)}")
+        if self.n_points is not None and self.n_points < 1:
+            raise ConfigError(f"--n_points must be >= 1 or none, got {self.n_points}")
+
+    def check_model(self) -> None:
+        build_model(self, meta=True)
 
 
 def curriculum_state(args: ICLArgs, step: int) -> tuple[int, int]:
@@ -84,15 +107,19 @@ def eval_set(args: ICLArgs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
                           args.n_points or 2 * args.n_dims, args.n_dims)
 
 
-def build_model(args: ICLArgs):
-    from .. import StructAttnGPT2Config, StructAttnGPT2ForInContextRegression
+def build_model(args: ICLArgs, meta: bool = False):
+    """The ICL model of ``args`` (``meta``: only build and validate its config)."""
+    from .. import StructAttnGPT2ForInContextRegression
 
-    fields = dict(args.model)
+    fields = gpt2_config_fields(args.model)
     n_points = args.n_points or 2 * args.n_dims
     fields["icl_input_dim"] = args.n_dims
-    fields.setdefault("n_positions", 2 * n_points)
+    if fields.get("n_positions") is None:
+        fields["n_positions"] = 2 * n_points
     if fields["n_positions"] < 2 * n_points:
-        raise ValueError(f"n_positions={fields['n_positions']} < 2 * n_points = {2 * n_points}")
+        raise ConfigError(f"--n_positions {fields['n_positions']} < 2 x n_points = {2 * n_points}")
+    if meta:
+        return StructAttnGPT2Config(**fields)
     if args.mup:
         from ..mup import mup_config_overrides
 
@@ -117,20 +144,19 @@ print(model(xs=xs, ys=ys).predictions[0, -1].item(), ys[0, -1].item())"""
 
 
 def main(argv=None) -> dict:
-    from .clm import model_config_fields
-
-    args = parse_recipe_args(ICLArgs, argv, model_config_fields())
-    run_name = args.run_name or "train_icl"
-    accelerator = make_accelerator(args, run_name)
+    args = parse_recipe_args(ICLArgs, ICLModelArgs, argv, prog="train_icl.py")
+    accelerator, checkpoint = start_run(args, "train_icl")
     from ..flops import attention_cost_report, flops_per_token
     from .metrics import load_metric
+    from .outputs import public_configuration
 
     model = build_model(args)
     config = model.config
     optimizer = build_optimizer(model, args)
     model, optimizer = accelerator.prepare(model, optimizer)
-    accelerator.init_trackers(run_name, config=dataclasses.asdict(args))
+    accelerator.init_trackers(args.run_name or "train_icl", config=public_configuration(args, "train_icl"))
     world, rank = accelerator.num_processes, accelerator.process_index
+    device = accelerator.device
     eval_xs, eval_ys, _ = eval_set(args)
     metric = load_metric("icl_mse")
     n_points = args.n_points or 2 * args.n_dims
@@ -138,18 +164,21 @@ def main(argv=None) -> dict:
     def micro_batch_fn(step, micro, rank_, world_):
         xs, ys, _ = train_batch(args, step, world_)
         first = (micro * world_ + rank_) * args.per_device_batch_size
-        return xs[first:first + args.per_device_batch_size], ys[first:first + args.per_device_batch_size]
+        rows = slice(first, first + args.per_device_batch_size)
+        return xs[rows].to(device), ys[rows].to(device)
 
     def loss_fn(model_, batch):
         xs, ys = batch
         return model_(xs=xs, ys=ys).loss
 
     def eval_fn(unwrapped) -> dict:
-        predictions = torch.zeros_like(eval_ys)
+        # each rank predicts every world-th prompt; the sum over ranks is reduced on accelerator.device
+        predictions = torch.zeros(eval_ys.shape, device=device)
         index = torch.arange(eval_ys.shape[0])[rank::world]
         for chunk in index.split(args.per_device_batch_size):
-            predictions[chunk] = unwrapped(xs=eval_xs[chunk], ys=eval_ys[chunk]).predictions.float()
-        predictions = accelerator.reduce(predictions, "sum")
+            predictions[chunk.to(device)] = unwrapped(xs=eval_xs[chunk].to(device),
+                                                      ys=eval_ys[chunk].to(device)).predictions.float()
+        predictions = accelerator.reduce(predictions, "sum").cpu()
         result = metric.compute(predictions=predictions.tolist(), references=eval_ys.tolist(),
                                 input_dim=args.n_dims)
         return {"loss": result["mse"], "mse": result["mse"], "mse_last": result["mse_last"],
@@ -161,42 +190,39 @@ def main(argv=None) -> dict:
     train_flops_per_token = flops_per_token(config, 2 * n_points, training=True)
     result = train(accelerator, args, model, optimizer, micro_batch_fn=micro_batch_fn, loss_fn=loss_fn,
                    eval_fn=eval_fn, tokens_per_step=tokens_per_step, flops_per_token=train_flops_per_token,
-                   desc="train_icl")
-    summary = {"step": result.step, "interrupted": result.interrupted, "train_seconds": result.train_seconds,
-               **{f"eval_{k}": v for k, v in result.final_eval.items()}}
-    if result.interrupted:
-        accelerator.end_training()
-        return summary
-    accelerator.wait_for_everyone()
-    out = Path(args.output_dir)
-    if accelerator.is_main_process:
+                   recipe="train_icl", resume_checkpoint=checkpoint)
+    cost = attention_cost_report(config, causal=True, dtype_bytes=4, context_len=2 * n_points)
+
+    def save_outputs(summary: dict) -> str:
+        from .outputs import write_model_card, write_plots
+
+        out = Path(args.output_dir)
         unwrapped = accelerator.unwrap_model(model)
         # the payload registers only the LM classes; map AutoModel of *this* checkpoint to the ICL head so that
         # save_pretrained copies the code and AutoModel.from_pretrained(..., trust_remote_code=True) returns it
         type(unwrapped).register_for_auto_class("AutoModel")
         unwrapped.save_pretrained(out)
-        cost = attention_cost_report(config, causal=True, dtype_bytes=4, context_len=2 * n_points)
-        summary.update(flops_per_token=train_flops_per_token, tokens_per_step=tokens_per_step)
-        from .outputs import write_metrics_json, write_model_card, write_plots
-
-        write_metrics_json(out, summary)
         write_plots(out, loss_key="train/loss", eval_key="eval/loss")
         variant = config.attention if not config.attention_layers else "+".join(config.attention_layers)
         write_model_card(
-            out, title=f"StructAttn GPT-2 ({variant}) for in-context linear regression",
+            out, args, recipe="train_icl", title=f"StructAttn GPT-2 ({variant}) for in-context linear regression",
             summary=(f"In-context linear regression in d = {args.n_dims} with N = {n_points} points per prompt "
                      f"(Kuang et al., ICML 2025, §4): {config.n_layer} layers, width {config.n_embd}, "
                      f"{config.n_head} heads, `{variant}` attention, trained {result.step} steps with "
                      f"`recipes/train_icl.py` of hf_structattn. Evaluation: {args.eval_prompts} fresh prompts "
                      "never seen in training; `mse_last` is the error at the last position."),
-            config=config.to_dict(),
-            data=(f"Synthetic: x ~ N(0, I/{args.n_dims}), w ~ N(0, I), y = <x, w>, noiseless; curriculum "
-                  f"{'on' if args.curriculum else 'off'}."),
+            config=config.to_dict(), pipeline_tag="feature-extraction", dataset_type="synthetic",
+            data=(f"Synthetic in-context linear regression: x ~ N(0, I/{args.n_dims}), w ~ N(0, I), y = <x, w>, "
+                  f"noiseless; curriculum {'on' if args.curriculum else 'off'}."),
+            eval_results=[("regression", "mse", "MSE on fresh prompts", summary.get("eval_mse"))],
             metrics={k: v for k, v in summary.items() if k.startswith("eval_") or k in ("step", "train_seconds")},
-            usage=loading_snippet(args.hub_model_id or str(out)), cost_markdown=cost.to_markdown(),
-            flops_per_token=train_flops_per_token, recipe_args=dataclasses.asdict(args))
-    return finish_run(accelerator, args, out, summary)
+            usage=loading_snippet(args.hub_model_id or "path/to/this/folder"), cost_markdown=cost.to_markdown(),
+            flops_per_token=train_flops_per_token, tags=("in-context-learning",))
+        return cost.to_markdown()
+
+    return finish_run(accelerator, args, result, dict(flops_per_token=train_flops_per_token,
+                                                      tokens_per_step=tokens_per_step), save_outputs)
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main, "train_icl.py")

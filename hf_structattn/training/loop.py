@@ -1,12 +1,19 @@
-"""The recipes' training loop on ``accelerate``.
+"""The recipes' training loop on ``accelerate``, and the output-folder contract every recipe run follows.
 
-Exact resume by construction: the data of optimizer step ``s`` is a pure function of ``(seed, s)`` (each recipe's
-``micro_batch_fn`` slices the step's *global* batch by rank and micro-step), the learning rate is a pure function of
-``s`` (set on every step, so no scheduler state), evaluation runs inside ``torch.random.fork_rng`` with its own
-seed, and ``accelerator.save_state`` stores model, optimizer and RNG states (dropout) together with the step. A run
-resumed from the checkpoint of step ``k`` therefore replays steps ``k+1..`` exactly as the uninterrupted run did.
-The same slicing makes ``n`` processes with per-device batch ``B`` train on the same global batch as one process
-with ``n*B`` (gradient all-reduce averages equal-sized shards).
+**Output folder.** A run owns its ``output_dir``. A non-empty folder is refused unless ``--overwrite_output_dir``
+(which deletes its contents first) or ``--resume_from`` is given. A new run stores its configuration in
+``run_config.json`` (and in every checkpoint); a resume compares the checkpoint's stored configuration with the
+current one and refuses, naming the fields, when anything that shapes training differs (seed, model, data, optimizer,
+schedule, batch; only the fields in :data:`FREE_ON_RESUME` may change). On resume ``metrics.jsonl`` keeps only the
+records up to the checkpoint's step, so the file always holds one run's history.
+
+**Exact resume.** The data of optimizer step ``s`` is a pure function of ``(seed, s)`` (each recipe's
+``micro_batch_fn`` slices the step's *global* batch by rank and micro-step), evaluation runs inside
+``torch.random.fork_rng`` with its own seed, and ``accelerator.save_state`` stores model, optimizer, learning-rate
+scheduler (``transformers.get_scheduler``), RNG states (dropout) and the step. Checkpoints are accelerate's
+``checkpoints/checkpoint_<i>`` (``ProjectConfiguration(automatic_checkpoint_naming=True, total_limit=...)``). The same
+slicing makes ``n`` processes with per-device batch ``B`` train on the same global batch as one process with ``n*B``
+(gradient all-reduce averages equal-sized shards).
 """
 
 from __future__ import annotations
@@ -15,93 +22,266 @@ import contextlib
 import dataclasses
 import json
 import math
+import re
 import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Literal, Optional
 
 import torch
 from accelerate import Accelerator, PartialState
-from accelerate.utils import ProjectConfiguration, parse_flag_from_env, set_seed
+from accelerate.utils import LoggerType, ProjectConfiguration, parse_flag_from_env, set_seed
 from tqdm.auto import tqdm
 
+from .args import ConfigError, arg
 from .tracking import JSONLTracker
+
+RUN_CONFIG = "run_config.json"   # in the output folder and in every checkpoint
+CHECKPOINT_STATE = "run.json"    # in every checkpoint: {"step": ..., "configuration": ...}
+LR_SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_min_lr", "cosine_with_restarts",
+                "polynomial", "inverse_sqrt")
+# fields that may change when a run is resumed: they do not change what the run computes
+FREE_ON_RESUME = ("config", "output_dir", "overwrite_output_dir", "resume_from", "stop_after_steps", "log_every",
+                  "checkpoint_every", "checkpoints_total_limit", "report_to", "run_name", "disable_tqdm",
+                  "push_to_hub", "hub_model_id", "hub_private", "hub_token")
 
 
 @dataclass
 class CommonArgs:
-    """Fields shared by every recipe (all overridable as ``--name value``)."""
+    """Fields shared by every recipe (each is ``--name value`` on the command line or ``name: value`` in a file)."""
 
-    config: Optional[str] = None          # YAML/JSON config file
-    output_dir: str = "outputs/run"
-    seed: int = 0
-    max_steps: int = 100
-    per_device_batch_size: int = 8
-    gradient_accumulation_steps: int = 1
-    learning_rate: float = 1e-3
-    lr_schedule: str = "cosine"          # constant | linear | cosine (after linear warm-up)
-    warmup_steps: int = 10
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
-    max_grad_norm: float = 1.0
-    mixed_precision: Optional[str] = None  # no | bf16 | fp16; None: whatever `accelerate launch` was given
-    mup: bool = False                     # hf_structattn.mup: muP logits, init and per-layer learning rates
-    mup_base_width: int = 128
-    log_every: int = 1
-    eval_every: int = 50
-    checkpoint_every: int = 50
-    checkpoints_total_limit: int = 2
-    resume_from: Optional[str] = None     # a checkpoint folder, or "latest" (newest under output_dir/checkpoints)
-    stop_after_steps: Optional[int] = None  # stop (after checkpointing) at this step: simulates an interruption
-    report_to: str = "all"                # "all" installed trackers (+ jsonl, always), "none", or a comma list
-    run_name: Optional[str] = None
-    disable_tqdm: bool = False
-    push_to_hub: bool = False
-    hub_model_id: Optional[str] = None
-    hub_private: bool = False
-    model: dict = field(default_factory=dict)
+    config: Optional[str] = arg("YAML or JSON file of field: value entries (the command line overrides it)",
+                                  default=None)
+    output_dir: str = arg("the run's folder; a loadable checkpoint with model card when done", default="outputs/run")
+    overwrite_output_dir: bool = arg("delete the contents of a non-empty output_dir and start a new run",
+                                       default=False)
+    resume_from: Optional[str] = arg("continue a run: 'latest' (newest checkpoint in output_dir) or a "
+                                       "checkpoints/checkpoint_<i> folder; its stored configuration must match",
+                                       default=None)
+    seed: int = arg("model init, data order, evaluation sampling", default=0)
+    max_steps: int = arg("number of optimizer steps", default=100)
+    per_device_batch_size: int = arg("sequences per process per micro-step", default=8)
+    gradient_accumulation_steps: int = arg("micro-steps per optimizer step (global batch = per-device x "
+                                             "processes x this)", default=1)
+    learning_rate: float = arg("peak learning rate of AdamW", default=1e-3)
+    lr_schedule: str = arg("transformers.get_scheduler name: " + ", ".join(LR_SCHEDULES),
+                             default="cosine_with_min_lr")
+    warmup_steps: int = arg("linear warm-up steps of the schedule", default=10)
+    min_lr_ratio: float = arg("final learning rate / peak for cosine_with_min_lr", default=0.1)
+    weight_decay: float = arg("AdamW weight decay of matrices (biases and norms: 0)", default=0.0)
+    adam_beta1: float = arg("AdamW beta1", default=0.9)
+    adam_beta2: float = arg("AdamW beta2", default=0.95)
+    adam_eps: float = arg("AdamW epsilon", default=1e-8)
+    max_grad_norm: float = arg("gradient clipping norm (0: no clipping)", default=1.0)
+    mixed_precision: Optional[Literal["no", "bf16", "fp16"]] = arg(
+        "no, bf16 or fp16; none: whatever `accelerate launch --mixed_precision` says", default=None)
+    mup: bool = arg("muP: logit scales, init and per-layer learning rates (hf_structattn.mup)", default=False)
+    mup_base_width: int = arg("muP base width", default=128)
+    log_every: int = arg("log train/loss every this many steps", default=1)
+    eval_every: int = arg("evaluate every this many steps (also at step 0 and at the end); 0: only at the end",
+                            default=50)
+    checkpoint_every: int = arg("save a resumable checkpoint every this many steps (and at the end); 0: only at "
+                                  "the end", default=50)
+    checkpoints_total_limit: int = arg("checkpoints kept (accelerate deletes the oldest)", default=2)
+    stop_after_steps: Optional[int] = arg("stop after checkpointing at this step (simulates an interruption)",
+                                            default=None)
+    report_to: str = arg("trackers besides metrics.jsonl: 'all' installed ones, 'none', or a comma list of "
+                           "accelerate trackers (tensorboard, wandb, ...)", default="all")
+    run_name: Optional[str] = arg("tracker run name (default: the recipe's name)", default=None)
+    disable_tqdm: bool = arg("no progress bar", default=False)
+    push_to_hub: bool = arg("upload the finished output folder to the Hub (token and access checked first)",
+                              default=False)
+    hub_model_id: Optional[str] = arg("Hub repository id (user/name) for push_to_hub", default=None)
+    hub_private: bool = arg("create the Hub repository private", default=False)
+    # the model-config fields (set by parse_recipe_args from the recipe's model dataclass; not a CLI option itself)
+    model: dict = field(default_factory=dict, init=False)
 
     def __post_init__(self):
+        positive = ("max_steps", "per_device_batch_size", "gradient_accumulation_steps", "log_every",
+                    "checkpoints_total_limit", "mup_base_width")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("warmup_steps", "eval_every", "checkpoint_every", "weight_decay", "max_grad_norm", "adam_eps"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("learning_rate", "adam_eps"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise ConfigError(f"--{name} must be a finite number > 0, got {getattr(self, name)}")
+        for name in ("adam_beta1", "adam_beta2", "min_lr_ratio"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ConfigError(f"--{name} must be in [0, 1], got {getattr(self, name)}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ConfigError(f"--lr_schedule {self.lr_schedule!r} is not one of {', '.join(LR_SCHEDULES)}")
+        if self.lr_schedule == "constant" and self.warmup_steps:
+            raise ConfigError(f"--lr_schedule constant has no warm-up but --warmup_steps is {self.warmup_steps}; use "
+                              "constant_with_warmup (or --warmup_steps 0)")
+        if self.stop_after_steps is not None and not 1 <= self.stop_after_steps:
+            raise ConfigError(f"--stop_after_steps must be >= 1, got {self.stop_after_steps}")
+        if self.resume_from is not None and self.overwrite_output_dir:
+            raise ConfigError("--resume_from continues the run in output_dir and --overwrite_output_dir deletes it: "
+                              "give one of them")
+        report_trackers(self.report_to)
         if self.push_to_hub and not self.hub_model_id:
-            raise ValueError("push_to_hub=True needs hub_model_id (e.g. --hub_model_id user/name)")
+            raise ConfigError("--push_to_hub needs --hub_model_id (e.g. --hub_model_id user/name)")
+        if self.hub_model_id is not None and not re.fullmatch(r"[\w.-]+/[\w.-]+|[\w.-]+", self.hub_model_id):
+            raise ConfigError(f"--hub_model_id {self.hub_model_id!r} is not a Hub repository id like user/name")
+
+    def check_model(self) -> None:
+        """Recipes validate ``self.model`` here (build the model config); raise ValueError/ConfigError."""
 
 
-def finish_run(accelerator: Accelerator, args: CommonArgs, output_dir, summary: dict) -> dict:
-    """Rank 0 uploads the finished output folder when asked; then every rank waits and closes the trackers."""
-    if accelerator.is_main_process and args.push_to_hub:
-        from .outputs import push_to_hub
+def report_trackers(report_to: str) -> list[str]:
+    """accelerate tracker names of ``--report_to`` (besides the JSONL log); unknown or missing ones are errors."""
+    from accelerate.tracking import get_available_trackers
 
-        summary["hub_repo_id"] = push_to_hub(output_dir, args.hub_model_id, private=args.hub_private)
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
-    return summary
+    names = [t.strip().lower() for t in (report_to or "none").split(",") if t.strip()]
+    known = {t.value for t in LoggerType}
+    available = {str(getattr(t, "value", t)) for t in get_available_trackers()}
+    trackers = []
+    for name in names:
+        if name in ("none", "jsonl"):
+            continue
+        if name not in known:
+            raise ConfigError(f"--report_to {name!r} is not a tracker: use all, none or some of "
+                              f"{', '.join(sorted(known - {'all'}))}")
+        if name != "all" and name not in available:
+            raise ConfigError(f"--report_to {name!r}: that tracker is not installed (pip install {name})")
+        trackers.append(name)
+    return trackers
 
 
-def make_accelerator(args: CommonArgs, run_name: str) -> Accelerator:
-    """Accelerator with the JSONL tracker (+ any installed tracker) and the recipe's mixed precision."""
+# ------------------------------------------------------------------------------------------ output-folder contract
+
+
+def run_configuration(args: CommonArgs, recipe: str) -> dict:
+    """What defines a run: the recipe, every field that shapes training or evaluation, the model fields."""
+    values = dataclasses.asdict(args)
+    model = values.pop("model")
+    return {"recipe": recipe, "args": {k: v for k, v in values.items() if k not in FREE_ON_RESUME}, "model": model}
+
+
+def configuration_differences(stored: dict, current: dict) -> list[str]:
+    """``name (stored -> now)`` for every differing field; model fields are prefixed ``model.``."""
+    found = []
+    if stored.get("recipe") != current.get("recipe"):
+        found.append(f"recipe ({stored.get('recipe')} -> {current.get('recipe')})")
+    for section, prefix in (("args", ""), ("model", "model.")):
+        old, new = stored.get(section, {}), current.get(section, {})
+        for name in sorted(set(old) | set(new)):
+            if json.dumps(old.get(name), sort_keys=True) != json.dumps(new.get(name), sort_keys=True):
+                found.append(f"{prefix}{name} ({old.get(name, '<absent>')!r} -> {new.get(name, '<absent>')!r})")
+    return found
+
+
+def checkpoint_dirs(output_dir: str | Path) -> list[Path]:
+    """accelerate's ``checkpoints/checkpoint_<i>`` folders of a run, oldest save first."""
+    root = Path(output_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and re.fullmatch(r"checkpoint_\d+", p.name)]
+    return sorted(found, key=lambda p: int(p.name.split("_")[1]))
+
+
+def resolve_checkpoint(resume_from: str, output_dir: str | Path) -> Path:
+    if resume_from == "latest":
+        found = [p for p in checkpoint_dirs(output_dir) if (p / CHECKPOINT_STATE).exists()]
+        if not found:
+            raise ConfigError(f"--resume_from latest: no checkpoint under {Path(output_dir) / 'checkpoints'}")
+        return found[-1]
+    path = Path(resume_from)
+    if not (path / CHECKPOINT_STATE).exists():
+        raise ConfigError(f"--resume_from {path}: not a checkpoint folder of a recipe run (no {CHECKPOINT_STATE})")
+    return path
+
+
+def prepare_output_dir(args: CommonArgs, recipe: str, state: PartialState) -> Optional[Path]:
+    """Apply the output-folder contract (module docstring); returns the checkpoint to resume from, if any.
+
+    Every rank checks (so every rank raises the same error); only the main process changes the folder.
+    """
     out = Path(args.output_dir)
-    # The tracker's main-process check creates accelerate's PartialState; create it first the way Accelerator
-    # would, or ACCELERATE_USE_CPU (multi-process CPU runs) is ignored and every rank runs alone.
-    PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
-    trackers: list = [JSONLTracker(run_name, out)]
-    report = [t.strip() for t in (args.report_to or "none").split(",") if t.strip()]
-    if "all" in report:
-        trackers.append("all")
-    else:
-        trackers += [t for t in report if t not in ("none", "jsonl")]
+    current = run_configuration(args, recipe)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--output_dir {out} exists and is not a folder")
+    entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    checkpoint = None
+    if args.resume_from:
+        checkpoint = resolve_checkpoint(args.resume_from, out)
+        stored = json.loads((checkpoint / CHECKPOINT_STATE).read_text())["configuration"]
+        differences = configuration_differences(stored, current)
+        if not differences and entries and checkpoint.resolve().parent.parent != out.resolve():
+            if (out / RUN_CONFIG).exists():  # a checkpoint from elsewhere into a folder that holds a run
+                differences = configuration_differences(json.loads((out / RUN_CONFIG).read_text()), current)
+            else:
+                raise ConfigError(f"--output_dir {out} is not empty and holds no recipe run ({RUN_CONFIG} missing); "
+                                  f"resume into an empty folder or the checkpoint's own run folder")
+        if differences:
+            raise ConfigError(f"--resume_from {checkpoint}: the stored run configuration differs in "
+                              f"{'; '.join(differences)}. Resume with the same settings, or start a new run in "
+                              "another --output_dir")
+    elif entries and not args.overwrite_output_dir:
+        shown = ", ".join(entries[:4]) + (", ..." if len(entries) > 4 else "")
+        raise ConfigError(f"--output_dir {out} is not empty ({shown}): pass --overwrite_output_dir to delete it "
+                          "and start a new run, or --resume_from latest to continue the run it holds")
+    if entries and args.overwrite_output_dir:
+        here = Path.cwd().resolve()
+        if out.resolve() == here or out.resolve() in here.parents:
+            raise ConfigError(f"--overwrite_output_dir would delete {out}, which contains the working directory")
+    state.wait_for_everyone()  # every rank has checked before the main process changes anything
+    if state.is_main_process:
+        if entries and args.overwrite_output_dir:
+            for entry in out.iterdir():
+                shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+        out.mkdir(parents=True, exist_ok=True)
+        if checkpoint is None:
+            (out / RUN_CONFIG).write_text(json.dumps(current, indent=2, sort_keys=True))
+        else:
+            truncate_log(out / "metrics.jsonl", json.loads((checkpoint / CHECKPOINT_STATE).read_text())["step"])
+    state.wait_for_everyone()
+    return checkpoint
+
+
+def truncate_log(path: Path, last_step: int) -> None:
+    """Keep the records of steps ``<= last_step`` (and config events): a resumed run replays the rest."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            record = json.loads(line)
+            if record.get("step") is None or record["step"] <= last_step:
+                kept.append(line)
+    path.write_text("".join(f"{line}\n" for line in kept))
+
+
+# ------------------------------------------------------------------------------------------ accelerator and optimizer
+
+
+def start_run(args: CommonArgs, recipe: str) -> tuple[Accelerator, Optional[Path]]:
+    """Check the Hub first when ``--push_to_hub``, apply the output-folder contract, then build the Accelerator (JSONL tracker + ``report_to`` trackers, the
+    recipe's mixed precision, accelerate's automatic checkpoint naming). Returns it and the checkpoint to resume."""
+    # Create accelerate's PartialState the way Accelerator would: the tracker's main-process check needs it, and
+    # ACCELERATE_USE_CPU (multi-process CPU runs) would otherwise be ignored.
+    if args.push_to_hub:
+        from .outputs import check_hub_access
+
+        check_hub_access(args.hub_model_id, private=args.hub_private)
+    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
+    checkpoint = prepare_output_dir(args, recipe, state)
+    out = Path(args.output_dir)
+    trackers: list = [JSONLTracker(args.run_name or recipe, out), *report_trackers(args.report_to)]
+    project = ProjectConfiguration(project_dir=str(out), logging_dir=str(out), automatic_checkpoint_naming=True,
+                                   total_limit=args.checkpoints_total_limit)
     accelerator = Accelerator(mixed_precision=args.mixed_precision or None, log_with=trackers,
-                              project_config=ProjectConfiguration(project_dir=str(out), logging_dir=str(out)))
+                              project_config=project)
     set_seed(args.seed)  # identical on every rank: identical initialisation
-    return accelerator
+    return accelerator, checkpoint
 
 
 def build_optimizer(model: torch.nn.Module, args: CommonArgs) -> torch.optim.Optimizer:
-    """AdamW; with ``args.mup`` the muP groups of :func:`hf_structattn.mup.mup_param_groups`.
-    Every group remembers its ``base_lr`` (the schedule multiplies it each step)."""
+    """AdamW; with ``args.mup`` the muP groups of :func:`hf_structattn.mup.mup_param_groups`."""
     if args.mup:
         from ..mup import mup_param_groups
 
@@ -117,46 +297,20 @@ def build_optimizer(model: torch.nn.Module, args: CommonArgs) -> torch.optim.Opt
         groups = [{"params": decay, "weight_decay": args.weight_decay, "lr": args.learning_rate},
                   {"params": no_decay, "weight_decay": 0.0, "lr": args.learning_rate}]
         groups = [g for g in groups if g["params"]]
-    for group in groups:
-        group["base_lr"] = group["lr"]
     return torch.optim.AdamW(groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
                              eps=args.adam_eps)
 
 
-def lr_factor(step: int, args: CommonArgs) -> float:
-    """Multiplier of the base learning rate at (0-based) optimizer step ``step``."""
-    if args.warmup_steps > 0 and step < args.warmup_steps:
-        return (step + 1) / args.warmup_steps
-    if args.lr_schedule == "constant":
-        return 1.0
-    span = max(1, args.max_steps - args.warmup_steps)
-    progress = min(1.0, (step - args.warmup_steps) / span)
-    if args.lr_schedule == "linear":
-        return 1.0 - (1.0 - args.min_lr_ratio) * progress
-    if args.lr_schedule == "cosine":
-        return args.min_lr_ratio + (1.0 - args.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-    raise ValueError(f"lr_schedule must be constant, linear or cosine, got {args.lr_schedule!r}")
+def build_scheduler(optimizer: torch.optim.Optimizer, args: CommonArgs):
+    """``transformers.get_scheduler``: one scheduler step per optimizer step (not per process or micro-step)."""
+    from transformers import get_scheduler
+
+    specific = {"min_lr_rate": args.min_lr_ratio} if args.lr_schedule == "cosine_with_min_lr" else None
+    return get_scheduler(args.lr_schedule, optimizer, num_warmup_steps=args.warmup_steps,
+                         num_training_steps=args.max_steps, scheduler_specific_kwargs=specific)
 
 
-def checkpoint_dirs(output_dir: str | Path) -> list[Path]:
-    root = Path(output_dir) / "checkpoints"
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_") and
-             (p / "trainer_state.json").exists()]
-    return sorted(found, key=lambda p: int(p.name.split("_")[1]))
-
-
-def resolve_checkpoint(resume_from: str, output_dir: str | Path) -> Path:
-    if resume_from == "latest":
-        found = checkpoint_dirs(output_dir)
-        if not found:
-            raise FileNotFoundError(f"--resume_from latest: no checkpoint under {output_dir}/checkpoints")
-        return found[-1]
-    path = Path(resume_from)
-    if not (path / "trainer_state.json").exists():
-        raise FileNotFoundError(f"--resume_from {path}: not a checkpoint folder (no trainer_state.json)")
-    return path
+# ------------------------------------------------------------------------------------------ training loop
 
 
 @dataclass
@@ -165,28 +319,40 @@ class TrainResult:
     interrupted: bool
     final_eval: dict
     train_seconds: float
-    history: list = field(default_factory=list)
+    tokens_per_second: float = 0.0
+
+
+def _format_metrics(metrics: dict) -> str:
+    return ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
 
 
 def train(accelerator: Accelerator, args: CommonArgs, model, optimizer, *,
           micro_batch_fn: Callable[[int, int, int, int], object],
           loss_fn: Callable[[torch.nn.Module, object], torch.Tensor],
           eval_fn: Callable[[torch.nn.Module], dict],
-          tokens_per_step: int, flops_per_token: float, desc: str = "train") -> TrainResult:
+          tokens_per_step: int, flops_per_token: float, recipe: str,
+          resume_checkpoint: Optional[Path] = None) -> TrainResult:
     """Run optimizer steps ``start..max_steps``. ``model``/``optimizer`` must already be ``accelerator.prepare``d.
 
     ``micro_batch_fn(step, micro, rank, world)`` returns this rank's share of micro-step ``micro`` of step ``step``;
     ``loss_fn(model, batch)`` the mean loss of that share; ``eval_fn(unwrapped_model)`` a dict of metrics that is
-    identical on every rank (reduce inside it). Logs ``train/loss``, ``train/lr``, ``tokens``, ``flops`` every
-    ``log_every`` steps and ``eval/*`` every ``eval_every`` steps (and at step 0 and the end).
+    identical on every rank (reduce inside it, on ``accelerator.device``). Logs ``train/loss``, ``train/lr``,
+    ``tokens``, ``flops`` every ``log_every`` steps and ``eval/*`` every ``eval_every`` steps (and at step 0 and the
+    end); every evaluation is printed.
     """
-    out = Path(args.output_dir)
+    scheduler = build_scheduler(optimizer, args)
+    # not accelerator.prepare(scheduler): accelerate would step it once per process; registered so that
+    # save_state/load_state carry it
+    accelerator.register_for_checkpointing(scheduler)
+    configuration = run_configuration(args, recipe)
     start_step = 0
-    if args.resume_from:
-        path = resolve_checkpoint(args.resume_from, out)
-        accelerator.load_state(str(path))
-        start_step = json.loads((path / "trainer_state.json").read_text())["step"]
-        accelerator.print(f"resumed from {path} at step {start_step}")
+    if resume_checkpoint is not None:
+        accelerator.load_state(str(resume_checkpoint))
+        start_step = json.loads((resume_checkpoint / CHECKPOINT_STATE).read_text())["step"]
+        # new checkpoints number after every existing one, so "latest" is always the newest save
+        existing = checkpoint_dirs(args.output_dir)
+        accelerator.project_configuration.iteration = int(existing[-1].name.split("_")[1]) + 1 if existing else 0
+        accelerator.print(f"resumed from {resume_checkpoint} at step {start_step}")
     unwrapped = accelerator.unwrap_model(model)
     world, rank = accelerator.num_processes, accelerator.process_index
     accum = args.gradient_accumulation_steps
@@ -201,22 +367,30 @@ def train(accelerator: Accelerator, args: CommonArgs, model, optimizer, *,
         record = {f"eval/{k}": v for k, v in metrics.items()}
         record.update(tokens=step * tokens_per_step, flops=step * tokens_per_step * flops_per_token)
         accelerator.log(record, step=step)
+        message = f"step {step}/{args.max_steps} eval: {_format_metrics(metrics)}"
+        (progress.write(message) if progress is not None and not progress.disable else accelerator.print(message))
         return metrics
 
+    def save_checkpoint(step: int) -> None:
+        path = Path(accelerator.save_state())
+        if accelerator.is_main_process:
+            (path / CHECKPOINT_STATE).write_text(json.dumps({"step": step, "configuration": configuration},
+                                                            indent=2, sort_keys=True))
+        accelerator.wait_for_everyone()
+
+    progress = None
     final_eval: dict = {}
     if start_step == 0 and args.eval_every:
         final_eval = evaluate_now(0)
-    progress = tqdm(total=args.max_steps, initial=start_step, desc=desc,
+    progress = tqdm(total=args.max_steps, initial=start_step, desc=recipe,
                     disable=args.disable_tqdm or not accelerator.is_local_main_process)
     started = time.perf_counter()
     step = start_step
     interrupted = False
     model.train()
     while step < args.max_steps:
-        factor = lr_factor(step, args)
-        for group in optimizer.param_groups:
-            group["lr"] = group["base_lr"] * factor
-        total = torch.zeros(())
+        lr = scheduler.get_last_lr()[0]
+        total = torch.zeros((), device=accelerator.device)
         for micro in range(accum):
             batch = micro_batch_fn(step, micro, rank, world)
             sync = contextlib.nullcontext() if micro == accum - 1 else accelerator.no_sync(model)
@@ -225,46 +399,80 @@ def train(accelerator: Accelerator, args: CommonArgs, model, optimizer, *,
                 accelerator.backward(loss)
             total += loss.detach().float()
         grad_norm = None
-        if args.max_grad_norm and args.max_grad_norm > 0:
+        if args.max_grad_norm > 0:
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         optimizer.step()
+        scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
         loss_value = accelerator.reduce(total, reduction="mean").item()
         progress.update(1)
         progress.set_postfix(loss=f"{loss_value:.4f}")
-        if step % max(1, args.log_every) == 0 or step == args.max_steps:
-            record = {"train/loss": loss_value, "train/lr": args.learning_rate * factor,
+        if step % args.log_every == 0 or step == args.max_steps:
+            record = {"train/loss": loss_value, "train/lr": lr,
                       "tokens": step * tokens_per_step, "flops": step * tokens_per_step * flops_per_token}
             if grad_norm is not None:
                 record["train/grad_norm"] = float(grad_norm)
             accelerator.log(record, step=step)
         if args.eval_every and (step % args.eval_every == 0 or step == args.max_steps):
             final_eval = evaluate_now(step)
-        stop = args.stop_after_steps is not None and step >= args.stop_after_steps and step < args.max_steps
+        stop = args.stop_after_steps is not None and args.stop_after_steps <= step < args.max_steps
         if (args.checkpoint_every and step % args.checkpoint_every == 0) or step == args.max_steps or stop:
-            save_checkpoint(accelerator, args, step)
+            save_checkpoint(step)
         if stop:
             interrupted = True
             break
+    seconds = time.perf_counter() - started
     progress.close()
     if not final_eval or (not args.eval_every and not interrupted):
         final_eval = evaluate_now(step)
-    return TrainResult(step=step, interrupted=interrupted, final_eval=final_eval,
-                       train_seconds=time.perf_counter() - started)
+    return TrainResult(step=step, interrupted=interrupted, final_eval=final_eval, train_seconds=seconds,
+                       tokens_per_second=(step - start_step) * tokens_per_step / seconds if seconds > 0 else 0.0)
 
 
-def save_checkpoint(accelerator: Accelerator, args: CommonArgs, step: int) -> Path:
-    path = Path(args.output_dir) / "checkpoints" / f"step_{step}"
-    accelerator.save_state(str(path))
-    if accelerator.is_main_process:
-        (path / "trainer_state.json").write_text(json.dumps({"step": step, "seed": args.seed}))
-        old = checkpoint_dirs(args.output_dir)
-        for stale in old[:max(0, len(old) - max(1, args.checkpoints_total_limit))]:
-            shutil.rmtree(stale, ignore_errors=True)
+# ------------------------------------------------------------------------------------------ end of a run
+
+
+def finish_run(accelerator: Accelerator, args: CommonArgs, result: TrainResult, summary: dict,
+               save_outputs: Callable[[dict], Optional[str]]) -> dict:
+    """The shared ending of every recipe: an interrupted run only closes its trackers; a finished one has rank 0
+    call ``save_outputs(summary)`` (model, card, plots; it may add to ``summary`` and returns a printable cost table
+    or None), write ``final_metrics.json``, upload when ``--push_to_hub`` and print the run summary."""
+    summary = {"step": result.step, "interrupted": result.interrupted, "train_seconds": result.train_seconds,
+               "train_tokens_per_second": result.tokens_per_second,
+               **{f"eval_{k}": v for k, v in result.final_eval.items()}, **summary}
+    if "flops_per_token" in summary and "tokens_per_step" in summary:
+        summary["training_flops"] = result.step * summary["tokens_per_step"] * summary["flops_per_token"]
+    if result.interrupted:
+        accelerator.print(f"stopped at step {result.step} (--stop_after_steps); continue with --resume_from latest")
+        accelerator.end_training()
+        return summary
     accelerator.wait_for_everyone()
-    return path
+    out = Path(args.output_dir)
+    if accelerator.is_main_process:
+        from .outputs import push_to_hub, write_metrics_json
+
+        cost_table = save_outputs(summary)
+        write_metrics_json(out, summary)
+        if args.push_to_hub:
+            summary["hub_repo_id"] = push_to_hub(out, args.hub_model_id, private=args.hub_private)
+        print_summary(summary, out, cost_table)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return summary
 
 
-def args_as_dict(args) -> dict:
-    return dataclasses.asdict(args)
+def print_summary(summary: dict, out: Path, cost_table: Optional[str]) -> None:
+    final = {k[len("eval_"):]: v for k, v in summary.items() if k.startswith("eval_")}
+    lines = ["", f"== run finished: {summary['step']} steps in {summary['train_seconds']:.1f} s "
+                 f"({summary['train_tokens_per_second']:,.0f} training tokens/s)",
+             f"final evaluation: {_format_metrics(final)}"]
+    if "flops_per_token" in summary:
+        lines.append(f"training FLOPs: {summary['flops_per_token']:,.0f} per token, "
+                     f"{summary['training_flops']:.3g} in total")
+    lines += [f"output folder: {out}", f"model card: {out / 'README.md'}", f"metrics: {out / 'final_metrics.json'}"]
+    if "hub_repo_id" in summary:
+        lines.append(f"uploaded to https://huggingface.co/{summary['hub_repo_id']}")
+    if cost_table:
+        lines += ["", cost_table]
+    print("\n".join(lines), flush=True)

@@ -6,10 +6,11 @@ import json
 from pathlib import Path
 from typing import Optional
 
+from .args import ConfigError
 from .tracking import read_jsonl
 
 # what upload_folder leaves out: resumable training state is not part of the published model
-HUB_IGNORE_PATTERNS = ["checkpoints/*", "checkpoints/**", "base_tiny_chronos_t5/*", "*.pkl"]
+HUB_IGNORE_PATTERNS = ["checkpoints/*", "checkpoints/**", "base_tiny_chronos_t5/*", "*.pkl", "run_config.json"]
 
 
 def write_plots(output_dir: str | Path, log_path: Optional[str | Path] = None, loss_key: str = "train/loss",
@@ -60,14 +61,38 @@ def _fmt(value) -> str:
     return str(value)
 
 
-def write_model_card(output_dir: str | Path, *, title: str, summary: str, config: dict, data: str, metrics: dict,
-                     usage: str, cost_markdown: Optional[str] = None, flops_per_token: Optional[float] = None,
-                     extra_sections: Optional[dict] = None, recipe_args: Optional[dict] = None,
-                     tags: tuple = ("hf_structattn", "structured-attention")) -> Path:
-    """README.md with a YAML header, the variant/config, data, metrics, FLOPs and cache tables, and a loading
-    snippet."""
-    lines = ["---", "library_name: transformers", "tags:"] + [f"- {t}" for t in tags] + ["---", "",
-             f"# {title}", "", summary, ""]
+def public_configuration(args, recipe: str) -> dict:
+    """The run configuration as it may be published (tracker config, model card): the fields named in the args
+    class's ``PATH_FIELDS`` keep only their file names, so no local absolute path leaves the machine."""
+    from .loop import run_configuration
+
+    configuration = run_configuration(args, recipe)
+    for name in getattr(args, "PATH_FIELDS", ()):
+        value = configuration["args"].get(name)
+        if value is not None:
+            names = [Path(v).name for v in value] if isinstance(value, list) else Path(value).name
+            configuration["args"][name] = names
+    return configuration
+
+
+def write_model_card(output_dir: str | Path, args, *, recipe: str, title: str, summary: str, config: dict, data: str,
+                     metrics: dict, usage: str, pipeline_tag: str, eval_results: list[tuple] = (),
+                     dataset_type: str = "custom", datasets: Optional[list[str]] = None,
+                     cost_markdown: Optional[str] = None, flops_per_token: Optional[float] = None,
+                     extra_sections: Optional[dict] = None, tags: tuple = ()) -> Path:
+    """README.md through ``huggingface_hub.ModelCard`` with ``ModelCardData`` metadata (license, library_name,
+    pipeline_tag, tags, datasets where known, model-index from ``eval_results`` = [(task_type, metric_type,
+    metric_name, value)]), then the variant/config, data, metrics, FLOPs and cache tables and a loading snippet."""
+    from huggingface_hub import EvalResult, ModelCard, ModelCardData
+
+    model_name = (args.hub_model_id or Path(args.output_dir).name).split("/")[-1]
+    results = [EvalResult(task_type=task, dataset_type=dataset_type, dataset_name=data.split(" (")[0][:80],
+                          metric_type=metric, metric_name=name, metric_value=float(value))
+               for task, metric, name, value in eval_results if value is not None]
+    card_data = ModelCardData(license="apache-2.0", library_name="transformers", pipeline_tag=pipeline_tag,
+                              tags=["hf_structattn", "structured-attention", "custom_code", *tags],
+                              datasets=datasets or None, model_name=model_name, eval_results=results or None)
+    lines = [f"# {title}", "", summary, ""]
     lines += ["## Loading", "", "```python", usage.strip(), "```", ""]
     lines += ["## Evaluation", "", "| metric | value |", "|---|---:|"]
     lines += [f"| {k} | {_fmt(v)} |" for k, v in metrics.items() if not isinstance(v, (list, dict))]
@@ -83,25 +108,47 @@ def write_model_card(output_dir: str | Path, *, title: str, summary: str, config
         lines += [f"## {heading}", "", body, ""]
     lines += ["## Model configuration", "", "```json", json.dumps(config, indent=2, sort_keys=True, default=str),
               "```", ""]
-    if recipe_args is not None:
-        lines += ["## Recipe arguments", "", "```json", json.dumps(recipe_args, indent=2, sort_keys=True,
-                                                                   default=str), "```", ""]
+    lines += [f"## Recipe arguments (`recipes/{recipe}.py`)", "", "```json",
+              json.dumps(public_configuration(args, recipe), indent=2, sort_keys=True, default=str), "```", ""]
     lines += ["![loss vs steps](plots/loss_vs_steps.png)", "![loss vs FLOPs](plots/loss_vs_flops.png)", ""]
+    card = ModelCard(f"---\n{card_data.to_yaml()}\n---\n\n" + "\n".join(lines))
     path = Path(output_dir) / "README.md"
-    path.write_text("\n".join(lines))
+    card.save(path)
     return path
+
+
+def check_hub_access(repo_id: str, private: bool = False) -> str:
+    """Before any training: the token works (``whoami``) and the repository exists or can be created
+    (``create_repo(exist_ok=True)``). Offline, without a token or without write access this fails in seconds with a
+    one-line :class:`ConfigError`. Returns the repository id."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+
+    api = HfApi()
+    try:
+        user = api.whoami()
+    except OfflineModeIsEnabled:
+        raise ConfigError("--push_to_hub: the Hub is unreachable in offline mode (HF_HUB_OFFLINE is set)") from None
+    except Exception as error:  # no token (LocalTokenNotFoundError), bad token (401), no network
+        raise ConfigError(f"--push_to_hub: cannot authenticate with the Hub ({type(error).__name__}: "
+                          f"{str(error).splitlines()[0] if str(error) else 'no details'}); log in with `hf auth "
+                          "login` or set HF_TOKEN") from None
+    try:
+        repo = api.create_repo(repo_id=repo_id, private=private, exist_ok=True, repo_type="model")
+    except (HfHubHTTPError, OSError) as error:
+        raise ConfigError(f"--push_to_hub: cannot create or access {repo_id} as {user.get('name', '?')} "
+                          f"({str(error).splitlines()[0]})") from None
+    return getattr(repo, "repo_id", repo_id)
 
 
 def push_to_hub(output_dir: str | Path, repo_id: str, private: bool = False,
                 commit_message: str = "Upload model trained with hf_structattn") -> str:
-    """``HfApi().create_repo`` + ``upload_folder`` of the output folder (checkpoints left out). Returns the repo id."""
+    """``HfApi().upload_folder`` of the output folder (checkpoints and bookkeeping left out; the repository was
+    created by :func:`check_hub_access` before training). Returns the repository id."""
     from huggingface_hub import HfApi
 
-    api = HfApi()
-    repo = api.create_repo(repo_id=repo_id, private=private, exist_ok=True, repo_type="model")
-    repo_id = getattr(repo, "repo_id", repo_id)
-    api.upload_folder(repo_id=repo_id, folder_path=str(output_dir), commit_message=commit_message,
-                      ignore_patterns=HUB_IGNORE_PATTERNS, repo_type="model")
+    HfApi().upload_folder(repo_id=repo_id, folder_path=str(output_dir), commit_message=commit_message,
+                          ignore_patterns=HUB_IGNORE_PATTERNS, repo_type="model")
     return repo_id
 
 
