@@ -635,3 +635,24 @@ def test_eval_windows_cover_the_whole_validation_split():
     assert all(b - a >= 10 for a, b in zip(starts, starts[1:]))  # no overlap
     torch.testing.assert_close(windows[3], tokens[starts[3]:starts[3] + 10])
     assert eval_windows(tokens, 10, 1000).shape == (100, 10)  # capped by what fits
+
+
+def test_fsdp2_on_two_cpu_processes_trains_an_mlr_model_like_one_process(tmp_path):
+    """The MLR model trains under FSDP2 (torch's fully_shard per block + root, as configs/accelerate_fsdp.yaml asks
+    accelerate for on GPUs) on 2 gloo processes exactly like one process on the whole batch (float64)."""
+    worker = str(ROOT / "tests" / "fsdp_train_worker.py")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_port", str(_free_port()), worker, str(tmp_path / "two.pt")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = subprocess.run([sys.executable, worker, str(tmp_path / "one.pt")], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    assert one["losses"][-1] < one["losses"][0]
+    assert two["losses"] == pytest.approx(one["losses"], rel=1e-12)
+    assert one["state"].keys() == two["state"].keys()
+    for name, tensor in one["state"].items():
+        assert tensor.dtype == torch.float64
+        torch.testing.assert_close(two["state"][name], tensor, rtol=1e-9, atol=1e-11, msg=name)

@@ -262,11 +262,11 @@ def main(argv=None) -> dict:
     flops_line = (f"Training FLOPs per window of {encoder_len} encoder + {decoder_len} decoder tokens "
                   f"(`hf_structattn.flops.encoder_decoder_flops`): {flops_per_window:,.0f}")
 
-    def save_outputs(summary: dict) -> str:
+    def save_outputs(summary: dict, state_dict: dict) -> str:
         from .outputs import write_model_card, write_plots
 
         unwrapped = accelerator.unwrap_model(model)
-        unwrapped.save_pretrained(out)
+        unwrapped.save_pretrained(out, state_dict=state_dict)
         write_plots(out, loss_key="train/loss", eval_key="eval/loss")
         path = args.hub_model_id or "path/to/this/folder"
         base = f"`{Path(args.checkpoint).name}`" if args.checkpoint else "tiny, built locally"
@@ -293,7 +293,7 @@ quantiles, mean = pipe.predict_quantiles([torch.randn(100).cumsum(0)], predictio
             cost_markdown=flops_line, tags=("chronos", "time-series-forecasting"))
         return flops_line
 
-    return finish_run(accelerator, args, result, summary, save_outputs)
+    return finish_run(accelerator, args, model, result, summary, save_outputs)
 
 
 if __name__ == "__main__":

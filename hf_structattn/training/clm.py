@@ -14,7 +14,7 @@ import torch
 
 from ..modeling.configuration_structattn_gpt2 import StructAttnGPT2Config
 from .args import ConfigError, arg, model_args_dataclass, parse_recipe_args, run_main
-from .loop import CommonArgs, build_optimizer, finish_run, start_run, train
+from .loop import CommonArgs, build_optimizer, finish_run, rank_share, start_run, train
 
 DEFAULT_MODEL = dict(vocab_size=257, n_positions=256, n_embd=128, n_layer=4, n_head=2, attention="mlr",
                      mlr_ranks=[32, 8, 6, 4, 4, 4, 4, 2], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
@@ -204,12 +204,12 @@ def main(argv=None) -> dict:
 
     def eval_fn(unwrapped) -> dict:
         # each rank scores every world-th window; the sums are reduced on accelerator.device
-        index = torch.arange(windows.shape[0])[rank::world]
+        index, real = rank_share(windows.shape[0], rank, world)
         nll = torch.zeros(windows.shape[0], dtype=torch.float64, device=device)
         nbytes = torch.zeros(windows.shape[0], dtype=torch.long, device=device)
-        if index.numel():
-            mine_nll, mine_bytes = window_nll(unwrapped, windows[index].to(device), args.per_device_batch_size)
-            nll[index.to(device)], nbytes[index.to(device)] = mine_nll, mine_bytes
+        mine_nll, mine_bytes = window_nll(unwrapped, windows[index].to(device), args.per_device_batch_size)
+        mine = index[:real].to(device)
+        nll[mine], nbytes[mine] = mine_nll[:real], mine_bytes[:real]
         nll, nbytes = accelerator.reduce(nll, "sum").cpu(), accelerator.reduce(nbytes, "sum").cpu()
         result = metric.compute(nll_sum=nll.tolist(), num_bytes=nbytes.tolist())
         tokens = windows.shape[0] * (seq_len - 1)
@@ -224,15 +224,19 @@ def main(argv=None) -> dict:
     summary = dict(flops_per_token=train_flops_per_token, tokens_per_step=tokens_per_step,
                    key_cache_ratio_formula=cost.key_cache_ratio, score_flops_ratio=cost.score_ratio)
 
-    def save_outputs(summary: dict) -> str:
+    def save_outputs(summary: dict, state_dict: dict) -> str:
+        from accelerate.utils import DistributedType
+
         from .outputs import write_model_card, write_plots
 
         out = Path(args.output_dir)
         unwrapped = accelerator.unwrap_model(model)
         tokenizer = build_byte_tokenizer()
         tokenizer.model_max_length = config.n_positions  # what the model can attend to, not a tokenizer default
-        unwrapped.save_pretrained(out)
+        unwrapped.save_pretrained(out, state_dict=state_dict)
         tokenizer.save_pretrained(out)
+        if accelerator.distributed_type == DistributedType.FSDP:  # a sharded model cannot generate on one rank
+            unwrapped = type(unwrapped).from_pretrained(out)
         sections = {}
         if args.sample_new_tokens > 0:
             with torch.random.fork_rng(devices=[]):
@@ -261,7 +265,7 @@ def main(argv=None) -> dict:
             cost_markdown=cost.to_markdown(), flops_per_token=train_flops_per_token, extra_sections=sections)
         return cost.to_markdown()
 
-    return finish_run(accelerator, args, result, summary, save_outputs)
+    return finish_run(accelerator, args, model, result, summary, save_outputs)
 
 
 if __name__ == "__main__":

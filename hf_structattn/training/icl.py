@@ -22,7 +22,7 @@ from ..modeling.configuration_structattn_gpt2 import StructAttnGPT2Config
 from .args import ConfigError, arg, model_args_dataclass, parse_recipe_args, run_main
 from .clm import GPT2_FIELD_HELP, gpt2_config_fields
 from .data import step_generator
-from .loop import CommonArgs, build_optimizer, finish_run, start_run, train
+from .loop import CommonArgs, build_optimizer, finish_run, rank_share, start_run, train
 
 TRAIN_STREAM, EVAL_STREAM = 2, 3
 
@@ -174,10 +174,12 @@ def main(argv=None) -> dict:
     def eval_fn(unwrapped) -> dict:
         # each rank predicts every world-th prompt; the sum over ranks is reduced on accelerator.device
         predictions = torch.zeros(eval_ys.shape, device=device)
-        index = torch.arange(eval_ys.shape[0])[rank::world]
-        for chunk in index.split(args.per_device_batch_size):
-            predictions[chunk.to(device)] = unwrapped(xs=eval_xs[chunk].to(device),
-                                                      ys=eval_ys[chunk].to(device)).predictions.float()
+        index, real = rank_share(eval_ys.shape[0], rank, world)
+        for start in range(0, index.numel(), args.per_device_batch_size):
+            chunk = index[start:start + args.per_device_batch_size]
+            output = unwrapped(xs=eval_xs[chunk].to(device), ys=eval_ys[chunk].to(device)).predictions.float()
+            keep = max(0, min(chunk.numel(), real - start))
+            predictions[chunk[:keep].to(device)] = output[:keep]
         predictions = accelerator.reduce(predictions, "sum").cpu()
         result = metric.compute(predictions=predictions.tolist(), references=eval_ys.tolist(),
                                 input_dim=args.n_dims)
@@ -193,7 +195,7 @@ def main(argv=None) -> dict:
                    recipe="train_icl", resume_checkpoint=checkpoint)
     cost = attention_cost_report(config, causal=True, dtype_bytes=4, context_len=2 * n_points)
 
-    def save_outputs(summary: dict) -> str:
+    def save_outputs(summary: dict, state_dict: dict) -> str:
         from .outputs import write_model_card, write_plots
 
         out = Path(args.output_dir)
@@ -201,7 +203,7 @@ def main(argv=None) -> dict:
         # the payload registers only the LM classes; map AutoModel of *this* checkpoint to the ICL head so that
         # save_pretrained copies the code and AutoModel.from_pretrained(..., trust_remote_code=True) returns it
         type(unwrapped).register_for_auto_class("AutoModel")
-        unwrapped.save_pretrained(out)
+        unwrapped.save_pretrained(out, state_dict=state_dict)
         write_plots(out, loss_key="train/loss", eval_key="eval/loss")
         variant = config.attention if not config.attention_layers else "+".join(config.attention_layers)
         write_model_card(
@@ -220,7 +222,7 @@ def main(argv=None) -> dict:
             flops_per_token=train_flops_per_token, tags=("in-context-learning",))
         return cost.to_markdown()
 
-    return finish_run(accelerator, args, result, dict(flops_per_token=train_flops_per_token,
+    return finish_run(accelerator, args, model, result, dict(flops_per_token=train_flops_per_token,
                                                       tokens_per_step=tokens_per_step), save_outputs)
 
 

@@ -322,6 +322,17 @@ class TrainResult:
     tokens_per_second: float = 0.0
 
 
+def rank_share(count: int, rank: int, world: int) -> tuple[torch.Tensor, int]:
+    """Indices ``rank, rank + world, ...`` of ``count`` items, padded (by repeating one) to the same length on every
+    rank, and how many are real: under FSDP every rank must run the same number of forwards."""
+    index = torch.arange(count)[rank::world]
+    per_rank = -(-count // world)
+    real = index.numel()
+    if real < per_rank:
+        index = torch.cat([index, torch.zeros(per_rank - real, dtype=torch.long)])
+    return index, real
+
+
 def _format_metrics(metrics: dict) -> str:
     return ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
 
@@ -433,11 +444,12 @@ def train(accelerator: Accelerator, args: CommonArgs, model, optimizer, *,
 # ------------------------------------------------------------------------------------------ end of a run
 
 
-def finish_run(accelerator: Accelerator, args: CommonArgs, result: TrainResult, summary: dict,
-               save_outputs: Callable[[dict], Optional[str]]) -> dict:
-    """The shared ending of every recipe: an interrupted run only closes its trackers; a finished one has rank 0
-    call ``save_outputs(summary)`` (model, card, plots; it may add to ``summary`` and returns a printable cost table
-    or None), write ``final_metrics.json``, upload when ``--push_to_hub`` and print the run summary."""
+def finish_run(accelerator: Accelerator, args: CommonArgs, model, result: TrainResult, summary: dict,
+               save_outputs: Callable[[dict, dict], Optional[str]]) -> dict:
+    """The shared ending of every recipe: an interrupted run only closes its trackers; a finished one gathers the
+    full state dict on every rank (FSDP shards it), then rank 0 calls ``save_outputs(summary, state_dict)`` (model,
+    card, plots; it may add to ``summary`` and returns a printable cost table or None), writes
+    ``final_metrics.json``, uploads when ``--push_to_hub`` and prints the run summary."""
     summary = {"step": result.step, "interrupted": result.interrupted, "train_seconds": result.train_seconds,
                "train_tokens_per_second": result.tokens_per_second,
                **{f"eval_{k}": v for k, v in result.final_eval.items()}, **summary}
@@ -448,11 +460,12 @@ def finish_run(accelerator: Accelerator, args: CommonArgs, result: TrainResult, 
         accelerator.end_training()
         return summary
     accelerator.wait_for_everyone()
+    state_dict = accelerator.get_state_dict(model)  # a collective under FSDP: every rank takes part
     out = Path(args.output_dir)
     if accelerator.is_main_process:
         from .outputs import push_to_hub, write_metrics_json
 
-        cost_table = save_outputs(summary)
+        cost_table = save_outputs(summary, state_dict)
         write_metrics_json(out, summary)
         if args.push_to_hub:
             summary["hub_repo_id"] = push_to_hub(out, args.hub_model_id, private=args.hub_private)
