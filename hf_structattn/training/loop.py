@@ -318,8 +318,10 @@ class TrainResult:
     step: int
     interrupted: bool
     final_eval: dict
-    train_seconds: float
-    tokens_per_second: float = 0.0
+    train_seconds: float                    # wall time of the steps run here, evaluations included
+    tokens_per_second: float = 0.0          # training tokens / wall seconds of the optimizer steps (no evaluation)
+    tokens_per_cpu_second: float = 0.0      # the same per CPU second of the main thread (time.thread_time): a
+    #                                          load-independent throughput on a shared machine with one intra-op thread
 
 
 def rank_share(count: int, rank: int, world: int) -> tuple[torch.Tensor, int]:
@@ -368,7 +370,10 @@ def train(accelerator: Accelerator, args: CommonArgs, model, optimizer, *,
     world, rank = accelerator.num_processes, accelerator.process_index
     accum = args.gradient_accumulation_steps
 
+    eval_time = {"wall": 0.0, "cpu": 0.0}
+
     def evaluate_now(step: int) -> dict:
+        wall, cpu = time.perf_counter(), time.thread_time()
         was_training = unwrapped.training
         unwrapped.eval()
         with torch.random.fork_rng(devices=[]), torch.no_grad():
@@ -380,6 +385,8 @@ def train(accelerator: Accelerator, args: CommonArgs, model, optimizer, *,
         accelerator.log(record, step=step)
         message = f"step {step}/{args.max_steps} eval: {_format_metrics(metrics)}"
         (progress.write(message) if progress is not None and not progress.disable else accelerator.print(message))
+        eval_time["wall"] += time.perf_counter() - wall
+        eval_time["cpu"] += time.thread_time() - cpu
         return metrics
 
     def save_checkpoint(step: int) -> None:
@@ -395,7 +402,8 @@ def train(accelerator: Accelerator, args: CommonArgs, model, optimizer, *,
         final_eval = evaluate_now(0)
     progress = tqdm(total=args.max_steps, initial=start_step, desc=recipe,
                     disable=args.disable_tqdm or not accelerator.is_local_main_process)
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.thread_time()
+    eval_time.update(wall=0.0, cpu=0.0)
     step = start_step
     interrupted = False
     model.train()
@@ -433,12 +441,15 @@ def train(accelerator: Accelerator, args: CommonArgs, model, optimizer, *,
         if stop:
             interrupted = True
             break
-    seconds = time.perf_counter() - started
+    seconds, cpu_seconds = time.perf_counter() - started, time.thread_time() - cpu_started
+    step_seconds, step_cpu_seconds = seconds - eval_time["wall"], cpu_seconds - eval_time["cpu"]
     progress.close()
     if not final_eval or (not args.eval_every and not interrupted):
         final_eval = evaluate_now(step)
+    tokens = (step - start_step) * tokens_per_step
     return TrainResult(step=step, interrupted=interrupted, final_eval=final_eval, train_seconds=seconds,
-                       tokens_per_second=(step - start_step) * tokens_per_step / seconds if seconds > 0 else 0.0)
+                       tokens_per_second=tokens / step_seconds if step_seconds > 0 else 0.0,
+                       tokens_per_cpu_second=tokens / step_cpu_seconds if step_cpu_seconds > 0 else 0.0)
 
 
 # ------------------------------------------------------------------------------------------ end of a run
@@ -452,6 +463,7 @@ def finish_run(accelerator: Accelerator, args: CommonArgs, model, result: TrainR
     ``final_metrics.json``, uploads when ``--push_to_hub`` and prints the run summary."""
     summary = {"step": result.step, "interrupted": result.interrupted, "train_seconds": result.train_seconds,
                "train_tokens_per_second": result.tokens_per_second,
+               "train_tokens_per_cpu_second": result.tokens_per_cpu_second,
                **{f"eval_{k}": v for k, v in result.final_eval.items()}, **summary}
     if "flops_per_token" in summary and "tokens_per_step" in summary:
         summary["training_flops"] = result.step * summary["tokens_per_step"] * summary["flops_per_token"]
