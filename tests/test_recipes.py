@@ -126,18 +126,28 @@ def test_bad_config_files_are_one_line_errors_naming_the_field(tmp_path, text, m
         parse_clm(["--config", str(broken_json)])
 
 
-def test_recipe_scripts_print_errors_as_one_line_without_traceback(tmp_path):
+def test_recipe_scripts_print_errors_as_one_line_without_traceback(tmp_path, monkeypatch, capsys):
     """The recipe entry points turn every ConfigError into `<recipe>: error: ...` and exit status 2."""
     bad = tmp_path / "bad.yaml"
     bad.write_text("model:\n  resid_prdop: 0.1\n")
-    for script, argv in (("train_clm.py", ["--config", str(bad)]), ("train_icl.py", ["--max_steps", "-5"]),
-                         ("finetune_chronos.py", ["--init", "random"])):
-        proc = subprocess.run([sys.executable, str(ROOT / "recipes" / script), *argv], cwd=tmp_path,
-                              capture_output=True, text=True, timeout=120,
-                              env=dict(os.environ, PYTHONPATH=str(ROOT)))
-        assert proc.returncode == 2, proc.stderr
-        lines = proc.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith(f"{script}: error: ") and "Traceback" not in proc.stderr
+    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "train_clm.py"), "--config", str(bad)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"train_clm.py: error: --config {bad}, under model: unknown field 'resid_prdop' (did you mean 'resid_pdrop'?)"]
+    # the same entry point (run_main) in this process for the other two recipes
+    from hf_structattn.training import chronos_ft, icl
+    from hf_structattn.training.args import run_main
+
+    for module, script, argv in ((icl, "train_icl.py", ["--max_steps", "-5"]),
+                                 (chronos_ft, "finetune_chronos.py", ["--init", "random"])):
+        monkeypatch.setattr(sys, "argv", [script, *argv])
+        with pytest.raises(SystemExit) as exit_info:
+            run_main(module.main, script)
+        assert exit_info.value.code == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"{script}: error: --"), lines
 
 
 def test_help_lists_every_field_with_default_and_help():
