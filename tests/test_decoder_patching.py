@@ -331,3 +331,24 @@ def test_save_and_load_with_remote_code_without_the_plugin(tmp_path):
         assert result["generate_equal"] == "True"
         # the documented outcome of a stock-class load (stated in README.md and config.mlr_notice): a dense model
         assert float(result["stock_dense_diff"]) > 1e-6
+
+
+def test_finetune_patched_recipe_reports_drift_and_recovers(tmp_path):
+    from hf_structattn.training.decoder_ft import main
+
+    out = tmp_path / "run"
+    metrics = main(["--output_dir", str(out), "--pretrain_steps", "30", "--max_steps", "30", "--seq_len", "64",
+                    "--per_device_batch_size", "4", "--eval_windows", "8", "--max_train_bytes", "200000",
+                    "--mlr_ranks", "8", "8", "16", "--mlr_block_sizes", "16", "4", "--sample_new_tokens", "8",
+                    "--learning_rate", "3e-3"])
+    assert metrics["drift"]["logit_max_abs"] > 1e-3 and metrics["loss_gap_before"] != 0.0
+    assert metrics["loss_patched_after"] < metrics["loss_patched_before"]
+    saved = out / "model"
+    assert {"structattn_decoder.py", "config.json", "model.safetensors", "metrics.json", "tokenizer.json"} <= {
+        path.name for path in saved.iterdir()}
+    source = transformers.AutoModelForCausalLM.from_pretrained(out / "source")
+    assert type(source) is transformers.LlamaForCausalLM
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(saved)
+    assert type(reloaded).__name__ == "MLRLlamaForCausalLM" and reloaded.config.mlr_block_sizes == [16, 4]
+    with pytest.raises(ValueError, match="--seq_len"):
+        main(["--output_dir", str(tmp_path / "bad"), "--seq_len", "0"])
