@@ -352,3 +352,17 @@ def test_finetune_patched_recipe_reports_drift_and_recovers(tmp_path):
     assert type(reloaded).__name__ == "MLRLlamaForCausalLM" and reloaded.config.mlr_block_sizes == [16, 4]
     with pytest.raises(ValueError, match="--seq_len"):
         main(["--output_dir", str(tmp_path / "bad"), "--seq_len", "0"])
+
+
+# logits are ~1.5 here; the stock Llama's own error against float64 is 6e-7 (float32) and 0.011 (bfloat16, eps 2^-8)
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 0.05)])
+def test_lower_precision_matches_float64(dtype, tolerance):
+    _, mlr = patched("llama")
+    ids = torch.randint(1, VOCAB, (2, 37))
+    reference = mlr(ids).logits
+    low = copy.deepcopy(mlr).to(dtype)
+    torch.testing.assert_close(low(ids).logits.double(), reference, rtol=0, atol=tolerance)
+    cache = DynamicCache(config=low.config)
+    decoded = torch.cat([low(ids[:, :20], cache=cache, use_cache=True).logits] +
+                        [low(ids[:, i:i + 1], cache=cache, use_cache=True).logits for i in range(20, 37)], dim=1)
+    torch.testing.assert_close(decoded.double(), reference, rtol=0, atol=tolerance)
