@@ -2,7 +2,8 @@
 
     hf-structattn patch SRC_DIR OUT_DIR --attention mlr --mlr-ranks 32,16,8,8 --mlr-block-sizes 256,128,64 [--init svd]
 
-converts a T5, Chronos-T5 or Chronos-Bolt checkpoint on disk (see ``hf_structattn.patch``), prints how far the
+converts a T5, Chronos-T5, Chronos-Bolt or transformers decoder checkpoint (Llama, Qwen, Mistral, Gemma, Phi-3,
+GPT-2, ...: ``--layers``, ``--sliding-window-layers``) on disk (see ``hf_structattn.patch``), prints how far the
 outputs moved on synthetic inputs, and saves the result. The save is atomic: everything is written into a hidden
 folder next to OUT_DIR that is renamed to OUT_DIR at the end, so a failure leaves no OUT_DIR. Bad arguments or
 an unusable SRC_DIR / OUT_DIR exit with code 2 and write nothing; a failure while writing exits with code 1.
@@ -43,7 +44,7 @@ def _int_list(text: str) -> list[int]:
 
 
 def _checkpoint_kind(src: Path) -> str:
-    """"t5", "chronos_t5" or "chronos_bolt" from SRC_DIR/config.json; CliError for anything else."""
+    """"t5", "chronos_t5", "chronos_bolt" or "decoder" from SRC_DIR/config.json; CliError for anything else."""
     config_path = src / "config.json"
     if not config_path.is_file():
         raise CliError(f"{src}: no config.json (not a Hugging Face checkpoint directory)")
@@ -60,8 +61,15 @@ def _checkpoint_kind(src: Path) -> str:
         raise CliError(f"{src}: already a structured-attention checkpoint (model_type {model_type!r}); patch the "
                        f"original checkpoint")
     if model_type != "t5":
+        from .decoder_patching import MODEL_TYPE_PREFIX, is_decoder_architecture
+
+        if str(model_type).startswith(MODEL_TYPE_PREFIX):
+            raise CliError(f"{src}: already an MLR decoder checkpoint (model_type {model_type!r}); patch the "
+                           f"original checkpoint")
+        if is_decoder_architecture(config.get("architectures") or []):
+            return "decoder"
         raise CliError(f"{src}: model_type={model_type!r}; hf-structattn patch converts T5 checkpoints (T5, "
-                       f"Chronos-T5, Chronos-Bolt) only")
+                       f"Chronos-T5, Chronos-Bolt) and transformers decoders (*ForCausalLM, *LMHeadModel) only")
     architectures = config.get("architectures") or []
     pipeline_class = config.get("chronos_pipeline_class")
     if pipeline_class not in (None, "ChronosPipeline", "ChronosBoltPipeline"):  # e.g. Chronos-2: no T5 attention
@@ -126,7 +134,13 @@ def _synthetic_context(batch: int = 4, length: int = 96) -> torch.Tensor:
 
 
 def _load(kind: str, src: Path):
-    """(original model or pipeline, inputs for ``patch_report``)."""
+    """(original model or pipeline, inputs for ``patch_report`` / ``drift_report``)."""
+    if kind == "decoder":
+        from transformers import AutoModelForCausalLM
+
+        original = AutoModelForCausalLM.from_pretrained(src).eval()
+        generator = torch.Generator().manual_seed(0)
+        return original, torch.randint(0, original.config.vocab_size, (2, 64), generator=generator)
     if kind == "t5":
         from transformers import T5ForConditionalGeneration
 
@@ -161,7 +175,8 @@ def _patch_command(args) -> int:
     _check_out_dir(out)
     kind = _checkpoint_kind(src)
     fields = {}
-    for name in ("mlr_ranks", "mlr_block_sizes", "mlr_max_length", "mlr_block_steps"):
+    for name in ("mlr_ranks", "mlr_block_sizes", "mlr_max_length", "mlr_block_steps", "layers",
+                 "sliding_window_layers"):
         if getattr(args, name) is not None:
             fields[name] = getattr(args, name)
     targets = tuple(t.strip() for t in args.targets.split(",") if t.strip())
@@ -175,12 +190,17 @@ def _patch_command(args) -> int:
                                       allow_identity=args.allow_identity, **fields)
     except ValueError as error:
         raise CliError(str(error)) from None
-    report = hf_structattn.patch_report(original, patched, inputs)
+    if kind == "decoder":
+        from .decoder_patching import drift_report
+
+        report = drift_report(original, patched, inputs)
+    else:
+        report = hf_structattn.patch_report(original, patched, inputs)
     print(f"patched {kind} checkpoint {src} with attention={args.attention} init={args.init} targets={targets}")
     print("drift before fine-tuning (synthetic inputs):")
     print(hf_structattn.patching.format_report(report))
 
-    model = patched if kind == "t5" else patched.model.model if kind == "chronos_t5" else patched.model
+    model = patched if kind in ("t5", "decoder") else patched.model.model if kind == "chronos_t5" else patched.model
 
     def write(folder: Path) -> None:
         model.save_pretrained(folder)
@@ -195,6 +215,7 @@ def _patch_command(args) -> int:
         raise CliError(f"writing OUT_DIR {out} failed, nothing was left behind: {_one_line(error)}", code=1) from None
     how = ("BaseChronosPipeline.from_pretrained(OUT_DIR, trust_remote_code=True)" if kind == "chronos_bolt" else
            "ChronosPipeline.from_pretrained(OUT_DIR, trust_remote_code=True)" if kind == "chronos_t5" else
+           "AutoModelForCausalLM.from_pretrained(OUT_DIR, trust_remote_code=True)" if kind == "decoder" else
            "AutoModelForSeq2SeqLM.from_pretrained(OUT_DIR, trust_remote_code=True)")
     print(f"saved to {out}; load with {how} (or without the flag after `import hf_structattn`)")
     return 0
@@ -203,7 +224,8 @@ def _patch_command(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-structattn", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    patch = commands.add_parser("patch", help="convert a T5 / Chronos-T5 / Chronos-Bolt checkpoint to MLR attention")
+    patch = commands.add_parser("patch", help="convert a T5 / Chronos-T5 / Chronos-Bolt / transformers decoder "
+                                              "checkpoint to MLR attention")
     patch.add_argument("src_dir")
     patch.add_argument("out_dir", help="created atomically; must not exist or be an empty directory")
     patch.add_argument("--attention", default="mlr", help="structured attention to install (mlr)")
@@ -219,6 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
     patch.add_argument("--targets", default="encoder_self,decoder_self",
                        help="comma-separated roles among encoder_self, decoder_self")
     patch.add_argument("--init", choices=("split", "svd"), default="split", help="level split of pretrained q/k")
+    patch.add_argument("--layers", type=_int_list, help="decoders only: layers to convert, e.g. 0,1,2 (default all)")
+    patch.add_argument("--sliding-window-layers", choices=("refuse", "replace"),
+                       help="decoders only: refuse (default) or replace sliding-window layers by global MLR layers")
     patch.add_argument("--allow-identity", action="store_true",
                        help="accept a patch that changes nothing (one level, or blocks covering the whole context)")
     return parser

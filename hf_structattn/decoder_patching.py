@@ -12,6 +12,7 @@ the stated training length ``mlr_max_length`` (dyadic), never from ``max_positio
 """
 
 import copy
+import inspect
 import sys
 from typing import Optional, Sequence
 
@@ -45,6 +46,12 @@ def is_patchable_decoder(model) -> bool:
         model.config.model_type.startswith(MODEL_TYPE_PREFIX)
 
 
+def is_decoder_architecture(architectures) -> bool:
+    """Whether a config.json ``architectures`` list names a transformers causal-LM class (for the CLI)."""
+    return any((name.endswith("ForCausalLM") or name.endswith("LMHeadModel")) and
+               isinstance(getattr(transformers, name, None), type) for name in architectures)
+
+
 def _refuse_unsupported(model) -> None:
     config = model.config
     name = type(model).__name__
@@ -58,7 +65,6 @@ def _refuse_unsupported(model) -> None:
         raise ValueError(f"{name}: patch converts causal-LM heads (*ForCausalLM / *LMHeadModel)")
     source = sys.modules[type(model).__module__]
     try:
-        import inspect
         code = inspect.getsource(source)
     except (OSError, TypeError):
         code = ""
@@ -294,5 +300,6 @@ def tiny_decoder(arch: str, seed: int = 0, vocab_size: int = 61, dtype: torch.dt
     return model
 
 
-__all__ = ["TESTED_ARCHITECTURES", "TINY_DECODERS", "drift_report", "find_rotary", "is_patchable_decoder",
+__all__ = ["TESTED_ARCHITECTURES", "TINY_DECODERS", "drift_report", "find_rotary", "is_decoder_architecture",
+           "is_patchable_decoder",
            "patch_decoder", "register_local", "register_supported_decoders", "sliding_layers", "tiny_decoder"]

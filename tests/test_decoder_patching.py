@@ -366,3 +366,28 @@ def test_lower_precision_matches_float64(dtype, tolerance):
     decoded = torch.cat([low(ids[:, :20], cache=cache, use_cache=True).logits] +
                         [low(ids[:, i:i + 1], cache=cache, use_cache=True).logits for i in range(20, 37)], dim=1)
     torch.testing.assert_close(decoded.double(), reference, rtol=0, atol=tolerance)
+
+
+def test_cli_patches_a_decoder_checkpoint(tmp_path, capsys):
+    from hf_structattn.cli import main as cli
+    from hf_structattn.tokenization import build_byte_tokenizer
+
+    model = tiny_decoder("llama", vocab_size=257)
+    model.save_pretrained(tmp_path / "src")
+    build_byte_tokenizer().save_pretrained(tmp_path / "src")
+    assert cli(["patch", str(tmp_path / "src"), str(tmp_path / "out"), "--mlr-ranks", "8,4,4", "--mlr-block-sizes", "16,8",
+                "--layers", "1"]) == 0
+    assert "logit_rel" in capsys.readouterr().out
+    files = {path.name for path in (tmp_path / "out").iterdir()}
+    assert {"structattn_decoder.py", "tokenizer.json", "README.md", "model.safetensors"} <= files
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float64)
+    expected = hf_structattn.patch(model, mlr_ranks=RANKS, mlr_block_sizes=BLOCKS, layers=[1])
+    ids = torch.randint(0, 257, (2, 37))
+    assert type(loaded).__name__ == "MLRLlamaForCausalLM" and loaded.config.mlr_layers == [1]
+    torch.testing.assert_close(loaded(ids).logits, expected(ids).logits, rtol=0, atol=1e-12)
+    assert cli(["patch", str(tmp_path / "out"), str(tmp_path / "again"), "--mlr-ranks", "8,4,4",
+                "--mlr-block-sizes", "16,8"]) == 2
+    assert "already an MLR decoder checkpoint" in capsys.readouterr().err
+    tiny_decoder("gemma3", vocab_size=257).save_pretrained(tmp_path / "gemma3")
+    assert cli(["patch", str(tmp_path / "gemma3"), str(tmp_path / "g"), "--mlr-ranks", "8,4,4", "--mlr-block-sizes", "16,8"]) == 2
+    assert "sliding_window_layers='replace'" in capsys.readouterr().err and not (tmp_path / "g").exists()
