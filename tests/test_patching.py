@@ -327,8 +327,9 @@ def test_cli_patches_checkpoints_and_refuses_bad_arguments(tmp_path, capsys):
     assert "forecast_rel" in capsys.readouterr().out
     assert json.loads((tmp_path / "bolt_out" / "config.json").read_text())["model_type"] == "structattn_chronos_bolt"
 
-    transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2)).save_pretrained(
-        tmp_path / "gpt2")
+    bert = transformers.BertConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2, intermediate_size=16,
+                                   vocab_size=20)
+    transformers.BertModel(bert).save_pretrained(tmp_path / "bert")  # neither T5 nor a decoder
     bad = [(["--attention", "fancy", "--mlr-ranks", "4,2,2", "--mlr-block-sizes", "8,4"], "attention='fancy'"),
            (["--mlr-ranks", "4,2", "--mlr-block-sizes", "8"], "mlr_ranks"),
            (["--mlr-ranks", "4,2,2", "--mlr-block-sizes", "8,x"], "comma-separated integers")]
@@ -339,5 +340,5 @@ def test_cli_patches_checkpoints_and_refuses_bad_arguments(tmp_path, capsys):
         code = exiting.value.code if "integers" in message else code
         assert code == 2 and message in capsys.readouterr().err
         assert not out.exists()
-    assert main(["patch", str(tmp_path / "gpt2"), str(tmp_path / "bad_gpt2"), "--mlr-ranks", "4,4"]) == 2
-    assert "model_type='gpt2'" in capsys.readouterr().err and not (tmp_path / "bad_gpt2").exists()
+    assert main(["patch", str(tmp_path / "bert"), str(tmp_path / "bad_bert"), "--mlr-ranks", "4,4"]) == 2
+    assert "model_type='bert'" in capsys.readouterr().err and not (tmp_path / "bad_bert").exists()
