@@ -24,7 +24,7 @@ def test_logits_equal_gpt2_with_its_weights(attention, attn_implementation):
     torch.manual_seed(0)
     gpt2_config = transformers.GPT2Config(vocab_size=61, n_positions=64, n_embd=32, n_layer=3, n_head=2,
                                           attn_pdrop=0.0, attn_implementation=attn_implementation)
-    gpt2 = transformers.GPT2LMHeadModel(gpt2_config).eval()
+    gpt2 = transformers.GPT2LMHeadModel(gpt2_config).double().eval()  # float64: exact parity, any CPU
     fields = dict(attention="dense")
     if attention == "mlr_one_level":
         fields = dict(attention="mlr", mlr_ranks=[16], mlr_block_sizes=[])
@@ -32,19 +32,19 @@ def test_logits_equal_gpt2_with_its_weights(attention, attn_implementation):
         fields = dict(attention="mlr", mlr_ranks=[8, 4, 4], mlr_block_sizes=[64, 32])
     config = StructAttnGPT2Config(vocab_size=61, n_positions=64, n_embd=32, n_layer=3, n_head=2, **fields,
                                   attn_implementation=attn_implementation)
-    model = StructAttnGPT2LMHeadModel(config).eval()
+    model = StructAttnGPT2LMHeadModel(config).double().eval()
     result = model.load_state_dict(gpt2.state_dict(), strict=True)
     assert not result.missing_keys and not result.unexpected_keys
     ids = torch.randint(0, 61, (2, 30))
     mask = torch.ones(2, 30, dtype=torch.long)
     mask[1, :4] = 0
     length = 30  # < 32: with mlr_long_blocks every token shares every block
-    torch.testing.assert_close(model(ids[:, :length]).logits, gpt2(ids[:, :length]).logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(model(ids[:, :length]).logits, gpt2(ids[:, :length]).logits, **EXACT)
     if attention == "dense":
         ours = model(ids, attention_mask=mask).logits
         theirs = gpt2(ids, attention_mask=mask).logits
-        torch.testing.assert_close(ours[0], theirs[0], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(ours[1, 4:], theirs[1, 4:], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ours[0], theirs[0], **EXACT)
+        torch.testing.assert_close(ours[1, 4:], theirs[1, 4:], **EXACT)
 
 
 def _chunked_logits(model, ids, attention_mask, chunks):

@@ -12,6 +12,9 @@ BASE = dict(vocab_size=50, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decode
 MLR = dict(encoder_attention="mlr", decoder_attention="mlr", mlr_ranks=[4, 2, 2], mlr_max_length=16)  # blocks 8|4
 
 
+EXACT = dict(atol=1e-12, rtol=1e-12)  # float64 exactness
+
+
 def tiny_t5(seed=0, **fields):
     torch.manual_seed(seed)
     model = StructAttnT5ForConditionalGeneration(StructAttnT5Config(**{**BASE, **fields})).eval()
@@ -36,7 +39,8 @@ def test_logits_equal_t5_with_its_weights(attention, feed_forward_proj, attn_imp
     torch.manual_seed(0)
     config = transformers.T5Config(**BASE, feed_forward_proj=feed_forward_proj,
                                    attn_implementation=attn_implementation)
-    t5 = transformers.T5ForConditionalGeneration(config).eval()  # num_decoder_layers (3) != num_layers (2)
+    # float64: parity must be exact on any CPU (num_decoder_layers (3) != num_layers (2))
+    t5 = transformers.T5ForConditionalGeneration(config).double().eval()
     fields = {"dense": {},
               "mlr_one_level": dict(encoder_attention="mlr", decoder_attention="mlr", mlr_ranks=[8],
                                     mlr_block_sizes=[]),
@@ -44,24 +48,24 @@ def test_logits_equal_t5_with_its_weights(attention, feed_forward_proj, attn_imp
               "mlr_long_blocks": dict(encoder_attention="mlr", decoder_attention="mlr", mlr_ranks=[4, 2, 2],
                                       mlr_block_sizes=[64, 32])}[attention]
     ours = StructAttnT5ForConditionalGeneration(StructAttnT5Config(
-        **BASE, feed_forward_proj=feed_forward_proj, attn_implementation=attn_implementation, **fields)).eval()
+        **BASE, feed_forward_proj=feed_forward_proj, attn_implementation=attn_implementation, **fields)).double().eval()
     assert list(ours.state_dict()) == list(t5.state_dict())
     ours.load_state_dict(t5.state_dict(), strict=True)
     ids, mask = _padded_batch()
     decoder_ids = torch.randint(2, 50, (2, 9))
     expected = t5(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids).logits
     got = ours(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids).logits
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, expected, **EXACT)
     encoder = StructAttnT5EncoderModel(StructAttnT5Config(**BASE, feed_forward_proj=feed_forward_proj, **fields))
+    encoder = encoder.double()
     encoder.load_state_dict({k: v for k, v in t5.state_dict().items() if not k.startswith(("decoder", "lm_head"))})
     torch.testing.assert_close(encoder.eval()(input_ids=ids, attention_mask=mask).last_hidden_state[0],
-                               t5.encoder(input_ids=ids, attention_mask=mask).last_hidden_state[0],
-                               atol=1e-5, rtol=1e-5)
+                               t5.encoder(input_ids=ids, attention_mask=mask).last_hidden_state[0], **EXACT)
 
 
 def test_mlr_changes_the_function_and_follows_real_token_positions():
-    model = tiny_t5(**MLR)
-    dense = tiny_t5()  # same seed: same weights, dense attention
+    model = tiny_t5(**MLR).double()
+    dense = tiny_t5().double()  # same seed: same weights, dense attention
     ids, mask = _padded_batch()
     decoder_ids = torch.randint(2, 50, (2, 12))
     batched = model(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids).logits
@@ -69,7 +73,7 @@ def test_mlr_changes_the_function_and_follows_real_token_positions():
                               atol=1e-3)
     # a left-padded row is computed exactly as the row alone (blocks follow cumsum(mask) - 1)
     alone = model(input_ids=ids[1:, 6:], decoder_input_ids=decoder_ids[1:]).logits
-    torch.testing.assert_close(batched[1:], alone, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(batched[1:], alone, **EXACT)
 
 
 @pytest.mark.parametrize("average_levels", [False, True])
