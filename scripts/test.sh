@@ -19,7 +19,8 @@ tests=(tests/test_mlr_ops.py tests/test_bilinear_ops.py tests/test_attention_con
        tests/test_t5_models.py tests/test_model_contracts.py tests/test_remote_code.py tests/test_patching.py)
 failed=()
 for capability in "${capabilities[@]}"; do
-  echo "== ATEN_CPU_CAPABILITY=$capability"
+  echo "== ATEN_CPU_CAPABILITY=$capability (torch dispatches to" \
+       "$(ATEN_CPU_CAPABILITY=$capability python -c 'import torch; print(torch.backends.cpu.get_cpu_capability())'))"
   ATEN_CPU_CAPABILITY=$capability python -m pytest -q -m "not slow" "${tests[@]}" "$@" || failed+=("$capability")
 done
 if [ ${#failed[@]} -gt 0 ]; then

@@ -134,6 +134,43 @@ def test_t5_low_precision_forward_backward(variant, dtype):
                            decoder_input_ids=_ids(2, 9, seed=5, vocab=50))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("variant", GPT2_VARIANTS)
+def test_gpt2_autocast_training_step(variant, dtype):
+    """What ``--mixed_precision fp16 / bf16`` runs: float32 weights, half-precision matmuls under autocast."""
+    ids = _ids()
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    exact = tiny_lm(variant).train()(ids, attention_mask=mask, labels=labels).loss
+    model = tiny_lm(variant).train()
+    with torch.autocast("cpu", dtype=dtype):
+        loss = model(ids, attention_mask=mask, labels=labels).loss
+    loss.backward()
+    torch.testing.assert_close(loss.float(), exact, atol=LOW_PRECISION_EPS * torch.finfo(dtype).eps * float(exact),
+                               rtol=0)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("variant", list(T5_VARIANTS))
+def test_t5_autocast_training_step(variant, dtype):
+    torch.manual_seed(0)
+    config = StructAttnT5Config(**BASE, **T5_VARIANTS[variant], initializer_factor=0.3)
+    model = StructAttnT5ForConditionalGeneration(config).train()
+    ids = _ids(2, 21, vocab=50)
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0
+    labels = _ids(2, 9, seed=5, vocab=50)
+    exact = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    with torch.autocast("cpu", dtype=dtype):
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    loss.backward()
+    torch.testing.assert_close(loss.float(), exact.detach(),
+                               atol=LOW_PRECISION_EPS * torch.finfo(dtype).eps * float(exact), rtol=0)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
 def _generate_scores(model, ids, **kwargs):
     out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, output_scores=True,
                          return_dict_in_generate=True, **kwargs)
