@@ -350,6 +350,9 @@ def test_t5_bad_inputs_name_the_argument():
     (dict(layer_norm_epsilon=-1e-5), r"layer_norm_epsilon must be a finite number >= 0"),
     (dict(mlr_scaling=float("nan")), r"mlr_scaling=nan: every level scale must be a finite number > 0"),
     (dict(mlr_scaling=[1.0, -1.0, 1.0, 1.0]), r"mlr_scaling=.*finite number > 0"),
+    (dict(dense_scaling=float("inf")), r"dense_scaling=inf must be .*finite number > 0"),
+    (dict(bilinear_scale_constant=float("inf")), r"bilinear_scale_constant=inf must be a finite number > 0"),
+    (dict(bilinear_scale_constant=float("nan")), r"bilinear_scale_constant=nan must be a finite number > 0"),
 ])
 def test_gpt2_config_rejects_degenerate_numbers(fields, match):
     from conftest import tiny_gpt2_config

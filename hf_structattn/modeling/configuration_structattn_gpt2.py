@@ -11,6 +11,7 @@ from .structattn_geometry import (
     MLR_SCALINGS,
     check_int,
     default_block_sizes,
+    is_positive_scale,
     resolve_level_scales,
     validate_config_numbers,
     validate_mlr_geometry,
@@ -160,11 +161,10 @@ class StructAttnGPT2Config(PreTrainedConfig):
             raise ValueError(f"qk_norm={self.qk_norm!r} is not one of {QK_NORMS}")
         if isinstance(self.dense_scaling, str) and self.dense_scaling not in MLR_SCALINGS:
             raise ValueError(f"dense_scaling={self.dense_scaling!r} is not one of {MLR_SCALINGS} or a number")
-        if isinstance(self.dense_scaling, bool) or (not isinstance(self.dense_scaling, str) and
-                                                     not self.dense_scaling > 0):
-            raise ValueError(f"dense_scaling={self.dense_scaling!r} must be 'standard', 'mup' or a positive number")
-        if isinstance(self.bilinear_scale_constant, bool) or not self.bilinear_scale_constant > 0:
-            raise ValueError(f"bilinear_scale_constant={self.bilinear_scale_constant!r} must be a positive number")
+        if not isinstance(self.dense_scaling, str) and not is_positive_scale(self.dense_scaling):
+            raise ValueError(f"dense_scaling={self.dense_scaling!r} must be 'standard', 'mup' or a finite number > 0")
+        if not is_positive_scale(self.bilinear_scale_constant):
+            raise ValueError(f"bilinear_scale_constant={self.bilinear_scale_constant!r} must be a finite number > 0")
         if self.attention_layers is not None:
             if len(self.attention_layers) != self.n_layer:
                 raise ValueError(f"attention_layers has {len(self.attention_layers)} entries but n_layer={self.n_layer}")

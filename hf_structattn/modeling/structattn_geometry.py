@@ -127,6 +127,12 @@ def check_non_negative(field: str, value) -> float:
     return value
 
 
+def is_positive_scale(value) -> bool:
+    """A logit multiplier must be a finite number > 0: NaN and inf poison every score, 0 erases the level, and the
+    fused CPU kernel cannot take a negative scale."""
+    return not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value) and value > 0
+
+
 def validate_config_numbers(config, positive_ints: Sequence[str], non_negative_floats: Sequence[str] = ()) -> None:
     """Raise ``ValueError`` naming the field unless each of ``positive_ints`` is an integer >= 1 and each of
     ``non_negative_floats`` a finite number >= 0. Shared by the GPT-2 and T5 configs."""
@@ -214,7 +220,7 @@ def resolve_level_scales(ranks: Sequence[int], scales: Union[None, str, float, S
     if len(values) != len(ranks):
         raise ValueError(f"{field}={values} must have one value per level ({len(ranks)} levels)")
     for value in values:
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+        if not is_positive_scale(value):
             raise ValueError(f"{field}={scales!r}: every level scale must be a finite number > 0, got {value!r}")
     return [float(value) for value in values]
 
