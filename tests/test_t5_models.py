@@ -143,3 +143,15 @@ def test_auto_classes_and_save_load_keep_extra_keys(tmp_path):
     assert type(transformers.AutoModel.from_pretrained(tmp_path)).__name__ == "StructAttnT5Model"
     assert type(transformers.AutoModelForTextEncoding.from_pretrained(tmp_path)) is StructAttnT5EncoderModel
     assert (tmp_path / "modeling_structattn_t5.py").exists() and (tmp_path / "structattn_cache.py").exists()
+
+
+@pytest.mark.parametrize("average_levels", [False, True])
+def test_static_cache_generates_what_the_dynamic_cache_generates(average_levels):
+    model = tiny_t5(**MLR, mlr_average_levels=average_levels)
+    ids, mask = _padded_batch()
+    common = dict(attention_mask=mask, max_new_tokens=18, min_new_tokens=18, do_sample=False)
+    for kwargs in ({}, dict(num_beams=3, num_return_sequences=2)):
+        torch.testing.assert_close(model.generate(ids, cache_implementation="static", **common, **kwargs),
+                                   model.generate(ids, **common, **kwargs))
+    cache = model.new_cache(max_cache_len=24)
+    assert type(cache.self_attention_cache.layers[0]).__name__ == "MLRStaticKeyCacheLayer"

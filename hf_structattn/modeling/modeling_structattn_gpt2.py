@@ -14,7 +14,7 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
-from transformers.cache_utils import Cache, EncoderDecoderCache
+from transformers.cache_utils import Cache
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
@@ -31,7 +31,7 @@ from .structattn_bilinear import (
     bilinear_level_scales,
     default_btt_factors,
 )
-from .structattn_cache import StructAttnCache, mlr_attention_cached, plain_cached_keys
+from .structattn_cache import StructAttnCache, cached_mlr_attention, structattn_generation_cache
 from .structattn_geometry import check_positions, keep_mask, mask_value, resolve_level_scales, softmax_dtype
 from .structattn_mlr import mlr_attention
 from .structattn_ops import fused_attention
@@ -67,11 +67,6 @@ def dense_logit_scale(head_dim: int, scaling) -> float:
     if scaling == "mup":
         return 1.0 / head_dim
     return float(scaling)
-
-
-def _self_attention_cache(cache):
-    return cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
-
 
 
 GPT2_AUTO_MAP = {
@@ -229,31 +224,10 @@ class StructAttnGPT2Attention(nn.Module):
         valid = padding_mask[:, -length:].bool() if padding_mask is not None else None
         kwargs = dict(ranks=self.ranks, block_sizes=self.block_sizes, causal=True,
                       average_levels=self.config.mlr_average_levels)
-        self_cache = None if cache is None else _self_attention_cache(cache)
-        layer = None
-        if self_cache is not None and self.layer_idx < len(self_cache.layers):
-            layer = self_cache.layers[self.layer_idx]
-        if layer is not None and hasattr(layer, "level_keys"):
-            past = layer.get_seq_length()
-            cached = layer.update(key, value, positions=positions, valid=valid)
-            if past > 0:
-                return mlr_attention_cached(query, cached, level_scales=self.level_scales, query_positions=positions,
-                                            **kwargs)
-        elif self_cache is not None:
-            # an ordinary (possibly lazily grown) DynamicCache built by the caller: full keys; positions of the
-            # cached slots are rebuilt from the padding mask the way generate() builds position_ids
-            keys, values = self_cache.update(key, value, self.layer_idx)
-            slots = keys.shape[-2]
-            if slots > length:
-                if padding_mask is not None:
-                    key_valid = padding_mask.bool()
-                    key_positions = (key_valid.long().cumsum(-1) - 1).clamp(min=0)
-                else:
-                    key_valid = torch.ones(batch, slots, dtype=torch.bool, device=keys.device)
-                    key_positions = torch.arange(slots, device=keys.device).expand(batch, slots)
-                cached = plain_cached_keys(keys, values, key_positions, key_valid, self.ranks)
-                return mlr_attention_cached(query, cached, level_scales=self.level_scales, query_positions=positions,
-                                            **kwargs)
+        output = cached_mlr_attention(query, key, value, cache, self.layer_idx, positions=positions, valid=valid,
+                                      slot_valid=padding_mask, level_scales=self.level_scales, **kwargs)
+        if output is not None:
+            return output
         return mlr_attention(query, key, value, scales=self.level_scales,
                              positions=None if positions_are_arange else positions, attention_mask=valid, **kwargs)
 
@@ -353,9 +327,10 @@ class StructAttnGPT2Model(StructAttnGPT2PreTrainedModel):
     def set_input_embeddings(self, new_embeddings):
         self.wte = new_embeddings
 
-    def new_cache(self) -> StructAttnCache:
-        """An empty cache with one layer of the right kind per attention layer (MLR key cache for MLR layers)."""
-        return StructAttnCache(self.config.cache_layer_specs())
+    def new_cache(self, max_cache_len: Optional[int] = None) -> StructAttnCache:
+        """An empty cache with one layer of the right kind per attention layer (MLR key cache for MLR layers);
+        fixed-shape layers of ``max_cache_len`` slots when given (static cache, for ``torch.compile``)."""
+        return StructAttnCache(self.config.cache_layer_specs(), max_cache_len=max_cache_len)
 
     @merge_with_config_defaults
     @capture_outputs
@@ -401,17 +376,20 @@ class StructAttnGPT2Model(StructAttnGPT2PreTrainedModel):
             last_position = past + length - 1
         else:
             position_ids = check_positions(position_ids, batch, length, inputs_embeds.device, "position_ids")
-            last_position = int(position_ids.max())
-            if int(position_ids.min()) < 0:
-                raise ValueError(f"position_ids must be non-negative, got {int(position_ids.min())}")
+            last_position = None
+            if not torch.compiler.is_compiling():  # host reads: graph breaks when compiled
+                last_position = int(position_ids.max())
+                if int(position_ids.min()) < 0:
+                    raise ValueError(f"position_ids must be non-negative, got {int(position_ids.min())}")
         if attention_mask is not None:
             attention_mask = keep_mask(attention_mask, batch, past + length, inputs_embeds.device, "attention_mask")
-        if last_position >= self.config.n_positions:
+        if last_position is not None and last_position >= self.config.n_positions:
             raise ValueError(f"position {last_position} is beyond n_positions={self.config.n_positions}: "
                              f"this model has learned position embeddings for positions < {self.config.n_positions}")
         hidden_states = self.drop(inputs_embeds + self.wpe(position_ids))
 
-        if attention_mask is not None and attention_mask.dim() == 2 and bool(attention_mask.all()):
+        if (attention_mask is not None and attention_mask.dim() == 2 and not torch.compiler.is_compiling()
+                and bool(attention_mask.all())):
             attention_mask = None
         variants = {self.config.layer_attention(i) for i in range(self.config.n_layer)}
         mask_kwargs = dict(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
@@ -442,13 +420,19 @@ class StructAttnGPT2LMHeadModel(StructAttnGPT2PreTrainedModel, GenerationMixin):
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
                                       max_cache_length):
-        # generate() would build a plain DynamicCache; MLR layers need their hierarchical key cache.
-        if (model_kwargs.get("cache") is None and generation_config.use_cache is not False
-                and generation_config.cache_implementation in (None, "dynamic")):
-            model_kwargs["cache"] = self.transformer.new_cache()
+        # generate() would build a plain DynamicCache / StaticCache; MLR layers need their hierarchical key cache
+        cache = structattn_generation_cache(self.transformer.new_cache, generation_config, model_kwargs,
+                                            max_cache_length)
+        if cache is not None:
+            model_kwargs["cache"] = cache
             return
         return super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, batch_size,
                                                      max_cache_length)
+
+    def create_masks_for_generate(self, config, inputs_embeds, attention_mask, cache, position_ids, **kwargs):
+        # generate() turns the 2-D padding mask into 4-D masks for fixed-shape caches; the model builds the masks
+        # each variant needs itself (MLR reads the 2-D padding flags), so keep the 2-D mask
+        return attention_mask
 
     @can_return_tuple
     def forward(self, input_ids: Optional[torch.LongTensor] = None, cache: Optional[Cache] = None,

@@ -35,7 +35,7 @@ from .structattn_bilinear import (
     bilinear_level_scales,
     default_btt_factors,
 )
-from .structattn_cache import StructAttnCache, mlr_attention_cached, plain_cached_keys
+from .structattn_cache import StructAttnCache, cached_mlr_attention, structattn_generation_cache
 from .structattn_geometry import keep_mask, mask_value
 from .structattn_mlr import mlr_attention
 from .structattn_ops import fused_attention
@@ -205,33 +205,26 @@ class StructAttnT5Attention(nn.Module):
         (index differences, equal to position differences inside a contiguous row) is added in every level.
         Returns (output, position_bias, probabilities or None)."""
         total = past + length
-        key_valid = key_validity_from_mask(mask, batch, total)
+        # slots scored: the written ones (dynamic) or all max_cache_len slots (static cache)
+        key_count = self_cache.get_mask_sizes(length, self.layer_idx)[0] if self_cache is not None and past else total
+        key_valid = None
+        if mask is not None:  # the mask covers key_count slots; the written ones are the first ``total``
+            key_valid = key_validity_from_mask(mask, batch, mask.shape[-1])[:, :total]
         if key_valid is None:
             key_positions = torch.arange(total, device=query.device).expand(batch, total)
         else:
             key_positions = (key_valid.long().cumsum(-1) - 1).clamp(min=0)
-        positions = key_positions[:, -length:]
-        valid = key_valid[:, -length:] if key_valid is not None else None
+        positions = key_positions[:, past:]
+        valid = key_valid[:, past:] if key_valid is not None else None
         if position_bias is None:
-            position_bias = self._position_bias(length, total, past, query)
+            position_bias = self._position_bias(length, key_count, past, query)
         kwargs = dict(ranks=self.ranks, block_sizes=self.block_sizes, causal=self.is_causal,
                       average_levels=self.spec["average_levels"])
-        layer = None
-        if self_cache is not None and self.layer_idx < len(self_cache.layers):
-            layer = self_cache.layers[self.layer_idx]
-        if layer is not None and hasattr(layer, "level_keys"):  # the hierarchical MLR key cache
-            cached = layer.update(key, value, positions=positions, valid=valid)
-            if past > 0:
-                return mlr_attention_cached(query, cached, level_scales=self.level_scales, query_positions=positions,
-                                            bias=position_bias, **kwargs), position_bias, None
-        elif self_cache is not None:  # an ordinary DynamicCache: full-width keys, every level keeps every slot
-            keys, values = self_cache.update(key, value, self.layer_idx)
-            if keys.shape[-2] > length:
-                valid_all = key_valid if key_valid is not None else torch.ones(
-                    batch, keys.shape[-2], dtype=torch.bool, device=keys.device)
-                cached = plain_cached_keys(keys, values, key_positions, valid_all, self.ranks)
-                return mlr_attention_cached(query, cached, level_scales=self.level_scales, query_positions=positions,
-                                            bias=position_bias, **kwargs), position_bias, None
+        output = cached_mlr_attention(query, key, value, self_cache, self.layer_idx, positions=positions, valid=valid,
+                                      slot_valid=key_valid, level_scales=self.level_scales, bias=position_bias,
+                                      **kwargs)
+        if output is not None:
+            return output, position_bias, None
         if output_attentions:  # the reference semantics, materialised
             scores = mlr_scores_reference(query, key, ranks=self.ranks, block_sizes=self.block_sizes,
                                           scales=self.level_scales, positions=positions,
@@ -406,16 +399,19 @@ class StructAttnT5ForConditionalGeneration(StructAttnT5PreTrainedModel, T5ForCon
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.post_init()
 
-    def new_cache(self) -> EncoderDecoderCache:
-        """An empty generation cache sized by ``num_decoder_layers`` (MLR key cache for MLR decoder layers)."""
-        return EncoderDecoderCache(StructAttnCache(self.config.cache_layer_specs()), DynamicCache())
+    def new_cache(self, max_cache_len: Optional[int] = None) -> EncoderDecoderCache:
+        """An empty generation cache sized by ``num_decoder_layers`` (MLR key cache for MLR decoder layers);
+        fixed-shape self-attention layers of ``max_cache_len`` slots when given (static cache)."""
+        return EncoderDecoderCache(StructAttnCache(self.config.cache_layer_specs(), max_cache_len=max_cache_len),
+                                   DynamicCache())
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
                                       max_cache_length):
-        # generate() would build DynamicCaches sized from the config; MLR layers need their hierarchical key cache
-        if (model_kwargs.get("cache") is None and generation_config.use_cache is not False
-                and generation_config.cache_implementation in (None, "dynamic")):
-            model_kwargs["cache"] = self.new_cache()
+        # generate() would build DynamicCaches / StaticCaches from the config; MLR layers need their hierarchical
+        # key cache
+        cache = structattn_generation_cache(self.new_cache, generation_config, model_kwargs, max_cache_length)
+        if cache is not None:
+            model_kwargs["cache"] = cache
             return
         return super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, batch_size,
                                                      max_cache_length)
