@@ -416,6 +416,11 @@ class StructAttnT5ForConditionalGeneration(StructAttnT5PreTrainedModel, T5ForCon
         return super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, batch_size,
                                                      max_cache_length)
 
+    def create_masks_for_generate(self, config, inputs_embeds, attention_mask, cache, position_ids, **kwargs):
+        # generate() turns the 2-D decoder mask into a 4-D one for fixed-shape caches; the stacks take 2-D keep-masks
+        # and build the 4-D masks themselves
+        return attention_mask
+
 
 class StructAttnT5EncoderModel(StructAttnT5PreTrainedModel, T5EncoderModel):
     """``transformers.T5EncoderModel`` with structured encoder self-attention."""
