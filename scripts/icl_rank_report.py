@@ -88,7 +88,7 @@ def plot(runs: list[dict], d: int, seeds, out: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(1, len(seeds), figsize=(6 * len(seeds), 4.2), sharey=True, squeeze=False)
+    figure, axes = plt.subplots(1, len(seeds), figsize=(6 * len(seeds) + 3.5, 4.2), sharey=True, squeeze=False)
     styles = {}
     for run in runs:
         axis = axes[0][seeds.index(run["seed"])] if run["seed"] in seeds else None
@@ -107,8 +107,14 @@ def plot(runs: list[dict], d: int, seeds, out: Path) -> Path:
         axis.set_xlabel("step")
         axis.set_title(f"d = {d}, seed {seed}")
     axes[0][0].set_ylabel("last-query error / Var(y)  (predict 0 = 1, grey)")
-    axes[0][-1].legend(fontsize=7, loc="lower left")
-    figure.tight_layout()
+    labelled = {}
+    for axis in axes[0]:
+        for handle, label in zip(*axis.get_legend_handles_labels()):
+            labelled.setdefault(label, handle)
+    order = sorted(labelled, key=lambda label: (label.split(")")[0], label))
+    figure.legend([labelled[label] for label in order], order, fontsize=7, loc="center left",
+                  bbox_to_anchor=(0.79, 0.5))
+    figure.tight_layout(rect=(0, 0, 0.78, 1))
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"icl_rank_d{d}.png"
     figure.savefig(path, dpi=110)

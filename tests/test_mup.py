@@ -106,8 +106,8 @@ def test_rms_clamp_caps_factor_rms_at_the_authors_threshold():
     torch.testing.assert_close(btt(x), reference(x), rtol=1e-12, atol=1e-12)
 
 
-COORD_VARIANTS = {"dense": {}, "mlr": dict(mlr_ranks=[8, 4, 2, 2]), "bilinear_mlr": dict(bilinear_mlr_ranks=[8, 4, 2, 2]),
-                  "bilinear_btt": {}}
+COORD_VARIANTS = {"dense": {}, "mlr": dict(mlr_ranks=[8, 4, 2, 2]),
+                  "bilinear_mlr": dict(bilinear_mlr_ranks=[8, 4, 2, 2]), "bilinear_btt": {}}
 
 
 def _activation_scales(variant, width, mup, steps=3, lr=1e-2):
