@@ -1,15 +1,8 @@
-"""``hf-structattn`` command line.
-
-    hf-structattn patch SRC_DIR OUT_DIR --attention mlr --mlr-ranks 32,16,8,8 --mlr-block-sizes 256,128,64 [--init svd]
-
-converts a T5, Chronos-T5, Chronos-Bolt or transformers decoder checkpoint (Llama, Qwen, Mistral, Gemma, Phi-3,
-GPT-2, ...: ``--layers``, ``--sliding-window-layers``) on disk (see ``hf_structattn.patch``), prints how far the
-outputs moved on synthetic inputs, and saves the result. The save is atomic: everything is written into a hidden
-folder next to OUT_DIR that is renamed to OUT_DIR at the end, so a failure leaves no OUT_DIR. Bad arguments or
-an unusable SRC_DIR / OUT_DIR exit with code 2 and write nothing; a failure while writing exits with code 1.
+"""The ``hf-structattn`` commands. Argument parsing and the console script's ``main`` are in the top-level module
+``hf_structattn_cli`` (outside this package, so that ``--help`` answers without importing torch); ``main`` is
+re-exported here, and ``python -m hf_structattn.cli`` runs it too.
 """
 
-import argparse
 import json
 import os
 import secrets
@@ -18,6 +11,7 @@ import sys
 from pathlib import Path
 
 import torch
+from hf_structattn_cli import build_parser, main  # noqa: F401  (re-exported: the CLI's entry points)
 
 # files the converted model writes itself, and the source's model card (it describes the unconverted model); weight
 # files of the source (single, sharded, other formats) never travel either
@@ -34,13 +28,6 @@ class CliError(Exception):
     def __init__(self, message: str, code: int = 2):
         super().__init__(message)
         self.code = code
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(part) for part in text.split(",") if part.strip() != ""]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def _checkpoint_kind(src: Path) -> str:
@@ -166,7 +153,7 @@ def _load(kind: str, src: Path):
                       "prediction_length": chronos.prediction_length}
 
 
-def _patch_command(args) -> int:
+def patch_command(args) -> int:
     import hf_structattn
 
     src, out = Path(args.src_dir), Path(args.out_dir)
@@ -219,43 +206,6 @@ def _patch_command(args) -> int:
            "AutoModelForSeq2SeqLM.from_pretrained(OUT_DIR, trust_remote_code=True)")
     print(f"saved to {out}; load with {how} (or without the flag after `import hf_structattn`)")
     return 0
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-structattn", description=__doc__.split("\n\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    patch = commands.add_parser("patch", help="convert a T5 / Chronos-T5 / Chronos-Bolt / transformers decoder "
-                                              "checkpoint to MLR attention")
-    patch.add_argument("src_dir")
-    patch.add_argument("out_dir", help="created atomically; must not exist or be an empty directory")
-    patch.add_argument("--attention", default="mlr", help="structured attention to install (mlr)")
-    patch.add_argument("--mlr-ranks", type=_int_list, help="per-level ranks summing to d_kv, e.g. 32,16,8,8")
-    blocks = patch.add_mutually_exclusive_group()
-    blocks.add_argument("--mlr-block-sizes", type=_int_list,
-                        help="block sizes of levels 2..L in tokens (Chronos-Bolt: patches), e.g. 256,128,64 "
-                             "(default: dyadic from --mlr-max-length; for Chronos from the context length)")
-    blocks.add_argument("--mlr-block-steps", type=_int_list,
-                        help="Chronos only: block sizes of levels 2..L in time steps (Bolt: multiples of the patch "
-                             "stride), e.g. 1024,256,64")
-    patch.add_argument("--mlr-max-length", type=int, help="length in tokens the default dyadic blocks derive from")
-    patch.add_argument("--targets", default="encoder_self,decoder_self",
-                       help="comma-separated roles among encoder_self, decoder_self")
-    patch.add_argument("--init", choices=("split", "svd"), default="split", help="level split of pretrained q/k")
-    patch.add_argument("--layers", type=_int_list, help="decoders only: layers to convert, e.g. 0,1,2 (default all)")
-    patch.add_argument("--sliding-window-layers", choices=("refuse", "replace"),
-                       help="decoders only: refuse (default) or replace sliding-window layers by global MLR layers")
-    patch.add_argument("--allow-identity", action="store_true",
-                       help="accept a patch that changes nothing (one level, or blocks covering the whole context)")
-    return parser
-
-
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)  # argparse exits with code 2 on malformed arguments
-    try:
-        return _patch_command(args)
-    except CliError as error:
-        print(f"hf-structattn: error: {error}", file=sys.stderr)
-        return error.code
 
 
 if __name__ == "__main__":

@@ -37,11 +37,16 @@ from .structattn_geometry import (
 )
 from .structattn_reference import mlr_attention_reference
 
-try:
-    from .structattn_triton import TRITON_AVAILABLE, mlr_attention_triton
-except ImportError:  # the kernel file is optional in the payload
-    TRITON_AVAILABLE = False
-    mlr_attention_triton = None
+
+def _triton_kernel():
+    """``mlr_attention_triton``, or None without Triton. Imported on the first call (a CUDA tensor under "auto",
+    or implementation="triton"), not at module import: defining the kernels costs import time on machines that
+    never run them. The import is cached by Python, so later calls cost a dict lookup."""
+    try:
+        from .structattn_triton import TRITON_AVAILABLE, mlr_attention_triton
+    except ImportError:  # the kernel file is optional in the payload
+        return None
+    return mlr_attention_triton if TRITON_AVAILABLE else None
 
 IMPLEMENTATIONS = ("auto", "fused", "math", "triton", "reference")
 
@@ -554,7 +559,7 @@ def mlr_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ranks: S
         bias_needs_grad = bias is not None and bias.requires_grad
         if q.device.type == "cpu" and not bias_needs_grad:
             backend = "fused"
-        elif q.device.type == "cuda" and TRITON_AVAILABLE and not bias_needs_grad:
+        elif q.device.type == "cuda" and not bias_needs_grad and _triton_kernel() is not None:
             backend = "triton"
         else:
             backend = "math"
@@ -612,7 +617,8 @@ def mlr_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ranks: S
             raise ValueError("implementation='fused' cannot differentiate the bias; use 'math' or 'auto'")
         out_c = _fused_mlr(q_c, k_c, v_c, key_valid, bias_c, plan, scale_vectors, causal)
     elif backend == "triton":
-        if not TRITON_AVAILABLE:
+        mlr_attention_triton = _triton_kernel()
+        if mlr_attention_triton is None:
             raise ValueError("implementation='triton' needs the triton package")
         # The kernel aligns blocks to index 0; levels shared by every token get blocks covering the whole
         # canonical range (still nested) because the canonical base is only aligned to the finer levels.

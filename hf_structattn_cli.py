@@ -1,0 +1,68 @@
+"""``hf-structattn`` command line.
+
+    hf-structattn patch SRC_DIR OUT_DIR --attention mlr --mlr-ranks 32,16,8,8 --mlr-block-sizes 256,128,64 [--init svd]
+
+converts a T5, Chronos-T5, Chronos-Bolt or transformers decoder checkpoint (Llama, Qwen, Mistral, Gemma, Phi-3,
+GPT-2, ...: ``--layers``, ``--sliding-window-layers``) on disk (see ``hf_structattn.patch``), prints how far the
+outputs moved on synthetic inputs, and saves the result. The save is atomic: everything is written into a hidden
+folder next to OUT_DIR that is renamed to OUT_DIR at the end, so a failure leaves no OUT_DIR. Bad arguments or
+an unusable SRC_DIR / OUT_DIR exit with code 2 and write nothing; a failure while writing exits with code 1.
+
+This module is the console script's entry point (argument parsing only). It lives outside the ``hf_structattn``
+package: importing any module of the package first runs the package's ``__init__``, which imports torch and
+transformers and registers the Auto classes (seconds). Here only argparse is imported until a command runs, so
+``--help`` and malformed arguments answer at once. The commands themselves are in ``hf_structattn.cli``.
+"""
+
+import argparse
+import sys
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip() != ""]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hf-structattn", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    patch = commands.add_parser("patch", help="convert a T5 / Chronos-T5 / Chronos-Bolt / transformers decoder "
+                                              "checkpoint to MLR attention")
+    patch.add_argument("src_dir")
+    patch.add_argument("out_dir", help="created atomically; must not exist or be an empty directory")
+    patch.add_argument("--attention", default="mlr", help="structured attention to install (mlr)")
+    patch.add_argument("--mlr-ranks", type=_int_list, help="per-level ranks summing to d_kv, e.g. 32,16,8,8")
+    blocks = patch.add_mutually_exclusive_group()
+    blocks.add_argument("--mlr-block-sizes", type=_int_list,
+                        help="block sizes of levels 2..L in tokens (Chronos-Bolt: patches), e.g. 256,128,64 "
+                             "(default: dyadic from --mlr-max-length; for Chronos from the context length)")
+    blocks.add_argument("--mlr-block-steps", type=_int_list,
+                        help="Chronos only: block sizes of levels 2..L in time steps (Bolt: multiples of the patch "
+                             "stride), e.g. 1024,256,64")
+    patch.add_argument("--mlr-max-length", type=int, help="length in tokens the default dyadic blocks derive from")
+    patch.add_argument("--targets", default="encoder_self,decoder_self",
+                       help="comma-separated roles among encoder_self, decoder_self")
+    patch.add_argument("--init", choices=("split", "svd"), default="split", help="level split of pretrained q/k")
+    patch.add_argument("--layers", type=_int_list, help="decoders only: layers to convert, e.g. 0,1,2 (default all)")
+    patch.add_argument("--sliding-window-layers", choices=("refuse", "replace"),
+                       help="decoders only: refuse (default) or replace sliding-window layers by global MLR layers")
+    patch.add_argument("--allow-identity", action="store_true",
+                       help="accept a patch that changes nothing (one level, or blocks covering the whole context)")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)  # argparse exits with code 2 on malformed arguments
+    from hf_structattn.cli import CliError, patch_command  # torch, transformers: only once a command runs
+
+    try:
+        return patch_command(args)
+    except CliError as error:
+        print(f"hf-structattn: error: {error}", file=sys.stderr)
+        return error.code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
