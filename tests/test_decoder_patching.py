@@ -93,9 +93,10 @@ def test_greedy_generate_cached_equals_uncached(arch):
     ids = torch.randint(3, VOCAB, (3, 20))
     batch, mask, _ = left_padded(ids, [0, 3, 7], 20)
     kwargs = dict(attention_mask=mask, max_new_tokens=14, do_sample=False, min_new_tokens=14)
-    cached = mlr.generate(batch, **kwargs)
+    cached = mlr.generate(batch, **kwargs)  # the hierarchical key cache (full keys for GPT-NeoX)
+    plain = mlr.generate(batch, cache=DynamicCache(config=mlr.config), **kwargs)
     uncached = mlr.generate(batch, use_cache=False, **kwargs)
-    assert torch.equal(cached, uncached)
+    assert torch.equal(cached, uncached) and torch.equal(plain, uncached)
     for row, pad in enumerate([0, 3, 7]):  # and each row generates what it generates alone
         alone = mlr.generate(ids[row:row + 1, :20 - pad], max_new_tokens=14, do_sample=False, min_new_tokens=14)
         assert torch.equal(alone[0], cached[row, pad:])
@@ -107,10 +108,10 @@ def test_sampling_and_beam_cached_equal_uncached(arch):
     ids = torch.randint(3, VOCAB, (2, 20))
     for kwargs in (dict(do_sample=True, top_k=0, num_return_sequences=2), dict(num_beams=3, do_sample=False)):
         results = []
-        for use_cache in (True, False):
-            torch.manual_seed(7)
-            results.append(mlr.generate(ids, max_new_tokens=12, min_new_tokens=12, use_cache=use_cache, **kwargs))
-        assert torch.equal(*results), kwargs
+        for cache_kwargs in ({}, dict(cache=DynamicCache(config=mlr.config)), dict(use_cache=False)):
+            torch.manual_seed(7)  # hierarchical key cache, plain DynamicCache (full keys), no cache
+            results.append(mlr.generate(ids, max_new_tokens=12, min_new_tokens=12, **cache_kwargs, **kwargs))
+        assert torch.equal(results[0], results[2]) and torch.equal(results[1], results[2]), kwargs
 
 
 def _level_scores(q, k, order, ranks):
@@ -172,17 +173,51 @@ class _RecordShapes(TorchDispatchMode):
         return out
 
 
-def test_gqa_decode_does_not_repeat_cached_keys():
+@pytest.mark.parametrize("hierarchical", [True, False])
+def test_gqa_decode_does_not_repeat_cached_keys(hierarchical):
     _, mlr = patched("llama")  # 4 query heads, 2 KV heads
     ids = torch.randint(1, VOCAB, (1, 41))
-    cache = DynamicCache(config=mlr.config)
+    cache = mlr.new_cache() if hierarchical else DynamicCache(config=mlr.config)
     mlr(ids[:, :40], cache=cache, use_cache=True)
     recorder = _RecordShapes()
     with recorder:
         step = mlr(ids[:, 40:], cache=cache, use_cache=True).logits
-    assert (1, 2, 41, HEAD_DIM) in recorder.shapes  # the cached keys of one layer, per KV head
+    assert (1, 2, 41, 8 if hierarchical else HEAD_DIM) in recorder.shapes  # cached (level-1) keys per KV head
     assert not [shape for shape in recorder.shapes if len(shape) == 4 and shape[1] == 4 and shape[2] == 41]
     torch.testing.assert_close(step[:, -1], mlr(ids).logits[:, -1], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("arch", [arch for arch in ARCHS if arch != "neox"])
+def test_generate_keeps_the_hierarchical_key_cache_of_the_formula(arch):
+    _, mlr = patched(arch)
+    ids = torch.randint(3, VOCAB, (2, 30))
+    out = mlr.generate(ids, max_new_tokens=9, min_new_tokens=9, do_sample=False, return_dict_in_generate=True)
+    cache = out.cache
+    mlr_layers = [index for index, layer in enumerate(cache.layers)
+                  if type(layer).__name__ == "DecoderMLRKeyCacheLayer"]
+    assert mlr_layers == ([2] if arch == "gemma3" else list(range(mlr.config.num_hidden_layers)))
+    slots = cache.get_seq_length(mlr_layers[0])
+    assert slots == 38  # 30 prompt tokens + 8 fed back
+    dtype_bytes = torch.float64
+    expected = decoder_cache_report(mlr.config, slots, dtype_bytes=dtype_bytes)["key_cache_bytes"]
+    if arch == "gemma3":  # its sliding layers hold their window (transformers' DynamicSlidingWindowLayer)
+        expected = sum(cache.layers[index].key_cache_bytes() for index in mlr_layers) // 2 + \
+            sum(layer.keys.numel() * 8 for index, layer in enumerate(cache.layers) if index not in mlr_layers) // 2
+    assert cache.key_cache_bytes() == 2 * expected  # batch 2
+
+
+def test_neox_generates_with_full_keys_and_says_so_once():
+    from hf_structattn.modeling import structattn_decoder
+
+    _, mlr = patched("neox")
+    structattn_decoder._warned.discard("full-keys-MLRGPTNeoXForCausalLM")
+    ids = torch.randint(3, VOCAB, (2, 12))
+    with pytest.warns(UserWarning, match="cache.update without kwargs") as record:
+        first = mlr.generate(ids, max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
+        mlr.generate(ids, max_new_tokens=6, do_sample=False)
+    assert sum("cache.update without kwargs" in str(w.message) for w in record) == 1
+    assert type(first.cache) is DynamicCache
+    assert torch.equal(first.sequences, mlr.generate(ids, max_new_tokens=6, do_sample=False, use_cache=False))
 
 
 def test_key_cache_bytes_follow_the_formula():
@@ -321,6 +356,9 @@ def test_save_and_load_with_remote_code_without_the_plugin(tmp_path):
             generated = model.generate(expected["ids"][:, :9], max_new_tokens=10, min_new_tokens=10,
                                        do_sample=False)
             print(name, "generate_equal", torch.equal(generated, expected["generated"]))
+            out = model.generate(expected["ids"][:, :9], max_new_tokens=4, do_sample=False,
+                                 return_dict_in_generate=True)
+            print(name, "cache_layer", type(out.cache.layers[0]).__name__)
             stock = getattr(transformers, stock_name).from_pretrained(path, dtype=torch.float64)
             print(name, "stock_dense_diff", float((stock(expected["ids"]).logits - expected["logits"]).abs().max()))
     """, tmp_path)
@@ -329,6 +367,7 @@ def test_save_and_load_with_remote_code_without_the_plugin(tmp_path):
         assert result.get("no_trust_refused") == "True", out
         assert float(result["max_diff"]) <= 1e-12
         assert result["generate_equal"] == "True"
+        assert result["cache_layer"] == "DecoderMLRKeyCacheLayer"  # the hierarchical key cache, from remote code
         # the documented outcome of a stock-class load (stated in README.md and config.mlr_notice): a dense model
         assert float(result["stock_dense_diff"]) > 1e-6
 
@@ -375,8 +414,8 @@ def test_cli_patches_a_decoder_checkpoint(tmp_path, capsys):
     model = tiny_decoder("llama", vocab_size=257)
     model.save_pretrained(tmp_path / "src")
     build_byte_tokenizer().save_pretrained(tmp_path / "src")
-    assert cli(["patch", str(tmp_path / "src"), str(tmp_path / "out"), "--mlr-ranks", "8,4,4", "--mlr-block-sizes", "16,8",
-                "--layers", "1"]) == 0
+    assert cli(["patch", str(tmp_path / "src"), str(tmp_path / "out"), "--mlr-ranks", "8,4,4",
+                "--mlr-block-sizes", "16,8", "--layers", "1"]) == 0
     assert "logit_rel" in capsys.readouterr().out
     files = {path.name for path in (tmp_path / "out").iterdir()}
     assert {"structattn_decoder.py", "tokenizer.json", "README.md", "model.safetensors"} <= files
@@ -389,5 +428,6 @@ def test_cli_patches_a_decoder_checkpoint(tmp_path, capsys):
                 "--mlr-block-sizes", "16,8"]) == 2
     assert "already an MLR decoder checkpoint" in capsys.readouterr().err
     tiny_decoder("gemma3", vocab_size=257).save_pretrained(tmp_path / "gemma3")
-    assert cli(["patch", str(tmp_path / "gemma3"), str(tmp_path / "g"), "--mlr-ranks", "8,4,4", "--mlr-block-sizes", "16,8"]) == 2
+    assert cli(["patch", str(tmp_path / "gemma3"), str(tmp_path / "g"), "--mlr-ranks", "8,4,4",
+                "--mlr-block-sizes", "16,8"]) == 2
     assert "sliding_window_layers='replace'" in capsys.readouterr().err and not (tmp_path / "g").exists()

@@ -25,11 +25,12 @@ Grouped-query attention: the uncached pass repeats K/V as a temporary; cached pa
 query heads along the query axis, so cached keys are never repeated.
 """
 
+import functools
 import inspect
 import os
 import sys
 import warnings
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import transformers
@@ -42,6 +43,7 @@ from transformers.masking_utils import (
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from .structattn_cache import MLRKeyCacheLayer, StructAttnCache
 from .structattn_geometry import validate_mlr_geometry
 from .structattn_mlr import mlr_attention
 
@@ -183,6 +185,79 @@ def mlr_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, 
     return attention_mask
 
 
+# ------------------------------------------------------------------------------------------- hierarchical cache
+
+CACHE_LAYER_KEY = "mlr_cache_layer"  # set by DecoderMLRKeyCacheLayer.update in the attention call's kwargs
+FULL_KEYS_KEY = "mlr_full_keys"
+KEY_VALID_KEY = "mlr_key_valid"  # (B, c) padding flags of the new tokens, added to the model's kwargs by MLR<Arch>
+
+
+class DecoderMLRKeyCacheLayer(MLRKeyCacheLayer):
+    """The hierarchical key cache layer for a decoder whose attention calls ``cache.update(k, v, layer_idx,
+    kwargs=kwargs)`` (Llama and most transformers decoders).
+
+    ``kwargs`` is the attention call's own keyword dict (the one later unpacked into the attention function): its
+    ``position_ids`` and ``mlr_key_valid`` (added by ``MLR<Arch>.forward``) locate the new tokens; the full-width keys
+    are reordered into the pair-complete level order (``dim_order``) before they are stored; and the layer puts
+    itself and the reordered full keys back into that dict, so that the attention function can ``attend`` (or run
+    the uncached op when nothing was cached before the chunk)."""
+
+    def __init__(self, ranks, block_sizes, dim_order: Optional[Sequence[int]] = None, plan=None):
+        super().__init__(ranks, block_sizes, plan=plan)
+        self.dim_order = None if dim_order is None else list(dim_order)
+
+    def update(self, key_states, value_states, cache_kwargs=None, *args, kwargs=None, **rest):
+        call = cache_kwargs if cache_kwargs is not None else kwargs
+        if call is None:
+            raise ValueError("this attention module calls cache.update without its kwargs, so the MLR key cache "
+                             "cannot see positions or padding; use a plain DynamicCache (full keys, exact)")
+        if KEY_VALID_KEY not in call:
+            raise ValueError("the MLR key cache needs the padding flags of the new tokens; this model did not pass "
+                             "its forward kwargs down to the attention layers (use a plain DynamicCache)")
+        if self.dim_order is not None:
+            order = torch.tensor(self.dim_order, device=key_states.device)
+            key_states = key_states.index_select(-1, order)
+        valid = call[KEY_VALID_KEY]
+        keys, values = super().update(key_states, value_states, {"position_ids": call.get("position_ids"),
+                                                                 "key_valid": valid})
+        call[CACHE_LAYER_KEY] = self
+        call[FULL_KEYS_KEY] = key_states
+        return keys, values
+
+
+def passes_cache_kwargs(model) -> bool:
+    """Whether the model's attention modules hand their kwargs to ``cache.update`` (read from their source)."""
+    for module in model.modules():
+        forward = type(module).forward
+        if getattr(module, "layer_idx", None) is None or not hasattr(module, "config"):
+            continue
+        try:
+            source = inspect.getsource(forward)
+        except (OSError, TypeError):
+            continue
+        if ".update(" in source and "ALL_ATTENTION_FUNCTIONS" in source:
+            return "kwargs=kwargs" in source or "cache_kwargs" in source
+    return False
+
+
+def _attend_grouped(layer, query, level_scales, kv_heads):
+    """``layer.attend`` for GQA without repeating cached keys: one call per query head of each KV head group."""
+    batch, q_heads, length, width = query.shape
+    groups = q_heads // kv_heads
+    if groups == 1:
+        return layer.attend(query.contiguous(), level_scales=level_scales)
+    per_group = query.reshape(batch, kv_heads, groups, length, width)
+    outs = [layer.attend(per_group[:, :, group].contiguous(), level_scales=level_scales) for group in range(groups)]
+    return torch.stack(outs, dim=2).reshape(batch, q_heads, length, outs[0].shape[-1])
+
+
+def _layer_is_sliding(config, layer_idx):
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return layer_types[layer_idx] != "full_attention"
+    return getattr(config, "sliding_window", None) is not None
+
+
 # ------------------------------------------------------------------------------------------- attention
 
 
@@ -313,7 +388,14 @@ def mlr_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value:
     _check_not_packed(positions, valid_queries)
 
     order = _dim_order(module, query.device)
-    if order is not None:
+    layer = kwargs.get(CACHE_LAYER_KEY)
+    if layer is not None:  # the hierarchical key cache: ``key`` holds level-1 keys only, already in level order
+        key = kwargs[FULL_KEYS_KEY]  # (B, Hkv, T, d) of this chunk, level order
+        if order is not None:
+            query = query.index_select(-1, order)
+        if slots > length:
+            return _attend_grouped(layer, query, level_scales, kv_heads).transpose(1, 2), None
+    elif order is not None:
         query, key = query.index_select(-1, order), key.index_select(-1, order)
     if slots == length:  # no earlier tokens: the fused exact op (K/V repeated for GQA as a temporary)
         groups = q_heads // kv_heads
@@ -348,9 +430,64 @@ def _prepare_cache_for_generation(self, generation_config, model_kwargs, generat
     if model_kwargs.get("cache") is None and implementation not in (None, "dynamic"):
         raise ValueError(f"cache_implementation={implementation!r} is not supported by MLR attention layers; use "
                          f"the default dynamic cache")
-    owner = next(c for c in type(self).__mro__ if "_mlr_base" in c.__dict__)
-    return super(owner, self)._prepare_cache_for_generation(
+    if model_kwargs.get("cache") is None and generation_config.use_cache is not False:
+        if passes_cache_kwargs(self):
+            model_kwargs["cache"] = self.new_cache()
+            return
+        _warn_once(f"full-keys-{type(self).__name__}",
+                   f"{type(self).__name__}: its attention calls cache.update without kwargs, so the MLR key cache "
+                   f"cannot see positions and padding; generation keeps full keys in a plain DynamicCache (exact, "
+                   f"no key-cache saving)")
+    return super(_mlr_owner(self), self)._prepare_cache_for_generation(
         generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
+
+
+def _mlr_owner(model) -> type:
+    """The MLR<Arch> class in the model's MRO (the class whose methods these functions are)."""
+    return next(c for c in type(model).__mro__ if "_mlr_base" in c.__dict__)
+
+
+def _new_cache(self) -> StructAttnCache:
+    """An empty cache for this model: the hierarchical MLR key cache in its MLR layers (``DecoderMLRKeyCacheLayer``),
+    a sliding-window or an appending layer elsewhere. ``generate`` builds it when the architecture hands its
+    kwargs to ``cache.update`` (Llama, Qwen, Mistral, Gemma, Phi-3, GPT-2, ...)."""
+    config = self.config.get_text_config(decoder=True)
+    ranks, block_sizes = layer_ranks(config)
+    specs = []
+    for index in range(config.num_hidden_layers):
+        if is_mlr_layer(config, index):
+            specs.append({"attention": "mlr", "ranks": ranks, "block_sizes": block_sizes})
+        elif _layer_is_sliding(config, index):
+            specs.append({"attention": "swa", "sliding_window": config.sliding_window})
+        else:
+            specs.append({"attention": "dense"})
+    cache = StructAttnCache(specs)
+    order = getattr(config, "mlr_dim_order", None)
+    for index, spec in enumerate(specs):
+        if spec["attention"] == "mlr":
+            cache.layers[index] = DecoderMLRKeyCacheLayer(ranks, block_sizes, order, plan=cache.layers[index].plan)
+    return cache
+
+
+def _forward_of(base):
+    """``forward`` of ``MLR<base>``: the base forward plus the padding flags of the new tokens, which the MLR key
+    cache needs and transformers does not hand to ``cache.update``; they travel with the forward kwargs down to
+    each attention call. It keeps the base signature (``generate`` reads it to decide what to pass, e.g.
+    ``position_ids``)."""
+    signature = inspect.signature(base.forward)
+
+    @functools.wraps(base.forward)
+    def forward(self, *args, **kwargs):
+        bound = signature.bind_partial(self, *args, **kwargs).arguments
+        mask = bound.get("attention_mask")
+        tokens = bound.get("input_ids") if bound.get("input_ids") is not None else bound.get("inputs_embeds")
+        valid = None
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and tokens is not None:
+            valid = mask[:, -tokens.shape[1]:].bool()
+        kwargs[KEY_VALID_KEY] = valid
+        return base.forward(self, *args, **kwargs)
+
+    return forward
 
 
 def _check_and_adjust_attn_implementation(self, attn_implementation, is_init_check=False, allow_all_kernels=False):
@@ -371,8 +508,7 @@ def _save_pretrained(self, save_directory, *args, **kwargs):
             handle.write(MODEL_CARD.format(arch=type(self).__name__, base=self._mlr_base,
                                            ranks=self.config.mlr_ranks, blocks=self.config.mlr_block_sizes,
                                            layers=self.config.mlr_layers))
-    owner = next(c for c in type(self).__mro__ if "_mlr_base" in c.__dict__)
-    return super(owner, self).save_pretrained(save_directory, *args, **kwargs)
+    return super(_mlr_owner(self), self).save_pretrained(save_directory, *args, **kwargs)
 
 
 MODEL_CARD = """---
@@ -407,6 +543,8 @@ def mlr_model_class(base, auto_class: str = "AutoModelForCausalLM"):
             "config_class": mlr_config_class(base.config_class),
             "_check_and_adjust_attn_implementation": _check_and_adjust_attn_implementation,
             "_prepare_cache_for_generation": _prepare_cache_for_generation,
+            "new_cache": _new_cache,
+            "forward": _forward_of(base),
             "save_pretrained": _save_pretrained,
             "_mlr_base": base.__name__,
         }
