@@ -391,6 +391,8 @@ def test_finetune_patched_recipe_reports_drift_and_recovers(tmp_path):
     assert type(reloaded).__name__ == "MLRLlamaForCausalLM" and reloaded.config.mlr_block_sizes == [16, 4]
     with pytest.raises(ValueError, match="--seq_len"):
         main(["--output_dir", str(tmp_path / "bad"), "--seq_len", "0"])
+    with pytest.raises(ValueError, match="--overwrite_output_dir"):
+        main(["--output_dir", str(out), "--max_steps", "1"])
 
 
 # logits are ~1.5 here; the stock Llama's own error against float64 is 6e-7 (float32) and 0.011 (bfloat16, eps 2^-8)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -59,6 +60,7 @@ class PatchedFinetuneArgs:
     eval_windows: int = field(default=32, metadata={"help": "validation windows of seq_len tokens"})
     sample_new_tokens: int = field(default=64, metadata={"help": "tokens generated after fine-tuning"})
     seed: int = field(default=0, metadata={"help": "initialisation and data order"})
+    overwrite_output_dir: bool = field(default=False, metadata={"help": "clear a non-empty --output_dir first"})
 
 
 def _check(args: PatchedFinetuneArgs) -> None:
@@ -164,8 +166,15 @@ def main(argv=None) -> dict:
     from ..decoder_patching import drift_report
     from ..flops import decoder_cache_report
 
-    accelerator = Accelerator()
     out = Path(args.output_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        if not args.overwrite_output_dir or not out.is_dir():
+            raise ValueError(f"--output_dir {out} exists and is not an empty folder; pass --overwrite_output_dir to "
+                             f"clear it (a run never continues or mixes with another run)")
+    accelerator = Accelerator()
+    if args.overwrite_output_dir and out.is_dir() and accelerator.is_main_process:
+        shutil.rmtree(out)
+    accelerator.wait_for_everyone()
     started = time.perf_counter()
     model, tokenizer, train, validation, description = source_model(args, accelerator, out)
     windows = data.eval_windows(validation, args.seq_len, args.eval_windows)
