@@ -63,12 +63,17 @@ def test_patch_keeps_weights_and_names(arch):
     assert drift > 1e-6  # the finer levels really drop cross-block terms
 
 
+@pytest.mark.parametrize("hierarchical", [True, False], ids=["mlr_key_cache", "dynamic_cache"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_chunked_prefill_and_decode_equal_uncached(arch):
+def test_chunked_prefill_and_decode_equal_uncached(arch, hierarchical):
     _, mlr = patched(arch)
     ids = torch.randint(1, VOCAB, (3, 37))
     uncached = mlr(ids).logits
-    cache = DynamicCache(config=mlr.config)
+    cache = mlr.new_cache() if hierarchical else DynamicCache(config=mlr.config)
+    if hierarchical and arch == "neox":  # its attention calls cache.update(k, v, idx) without kwargs: refused
+        with pytest.raises(ValueError, match="without its kwargs"):
+            mlr(ids, cache=cache, use_cache=True)
+        return
     # chunks cross the 8- and 16-token blocks, then one token at a time
     bounds = [(0, 13), (13, 20), (20, 21)] + [(i, i + 1) for i in range(21, 37)]
     chunked = torch.cat([mlr(ids[:, a:b], cache=cache, use_cache=True).logits for a, b in bounds], dim=1)
