@@ -83,7 +83,7 @@ VARIANTS = ("sdpa", "mlr_fused", "mlr_fused_before", "mlr_math", "mlr_reference"
 LABELS = {
     "sdpa": "SDPA dense causal",
     "mlr_fused": "MLR fused (exact, group + LSE merge)",
-    "mlr_fused_before": "MLR fused, before this change",
+    "mlr_fused_before": "MLR fused, --before-mlr file",
     "mlr_math": "MLR math path (materialised scores)",
     "mlr_reference": "MLR naive reference (T x T)",
     "swa": "SWA w = T/8 (fused_attention + mask)",

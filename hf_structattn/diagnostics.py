@@ -4,7 +4,7 @@
 key input x' (both the layer's attention input, i.e. the ``ln_1`` output; the q/k norms' eps is set to 0 in the
 probe) with ``s(x, x') = <q(x), k(x')>``, the logit scale folded into q. Without q/k normalisation this is the
 bilinear form ``x^T M x'`` and its rank is the matrix rank of M: r for dense, D for bilinear BTT,
-``min(D, sum_l p_l r_l)`` for bilinear MLR (DESIGN.md §2).
+``min(D, sum_l p_l r_l)`` for bilinear MLR (paper §3.2).
 With a normalisation the form depends on the point, so the probe takes the mixed second derivative
 ``H(x, x') = d^2 s / dx dx' = J_q(x)^T J_k(x')`` (D x D) at sampled pairs and reports
 

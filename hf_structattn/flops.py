@@ -1,4 +1,4 @@
-"""Compute and memory accounting for every attention variant of DESIGN.md §2 (paper §3.4 and App. D).
+"""Compute and memory accounting for every attention variant (docs/models.md; paper §3.4 and App. D).
 
 Pure Python integer arithmetic: no tensors are built, so any sequence length is cheap and every count is exact.
 
@@ -18,7 +18,7 @@ splatted into all of them):
   * ``head_dim`` r (dense, swa; for mlr optional, then checked against ``sum(ranks)``);
   * ``ranks`` (r_1..r_L): MLR level ranks for ``mlr``, bilinear level ranks for ``bilinear_mlr``;
   * ``block_sizes`` (b_2..b_L) for ``mlr``: nested, absolute-position aligned; or ``n_positions`` to derive the
-    dyadic defaults ``b_l = n_positions / 2^(l-1)`` (never derived from ``seq_len``: DESIGN.md §2);
+    dyadic defaults ``b_l = n_positions / 2^(l-1)`` (never derived from ``seq_len``, which would change the function);
   * ``window`` w for ``swa`` (causal: ``0 <= i - j < w``; otherwise ``|i - j| < w``);
   * ``n_embd`` D and ``n_head`` H for the bilinear variants and for ``include_projections``;
   * ``btt_rank`` s and ``btt_factors`` (a, b, c, d) with ``D = a*b = c*d`` for ``bilinear_btt``;
@@ -307,7 +307,7 @@ def key_cache_elements(variant: str, context_len: int, ranks: Optional[Sequence[
     """Key-cache entries (scalars) of one head, one layer, one sequence holding ``context_len`` = T tokens.
 
     dense: ``T*r``; swa: ``min(T, w)*r``; mlr: ``T*r_1 + sum_{l>=2} min(b_l, T)*r_l`` (level l keeps only the
-    current level-l block, DESIGN.md §2). Each level is counted at its peak over a generation of T tokens,
+    current level-l block, as ``structattn_cache`` stores it). Each level is counted at its peak over a generation of T tokens,
     ``min(b_l, T)`` positions: what a preallocated cache holds, and the paper's count at T = training length.
     Right after token T a level holds ``(T - 1) % b_l + 1`` positions, never more;
     bilinear_mlr: ``T * sum_l 2^(l-1) r_l`` (``ranks`` = bilinear ranks); bilinear_btt: ``T*D``

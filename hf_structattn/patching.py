@@ -1,4 +1,4 @@
-"""Convert pretrained T5 / Chronos-T5 / Chronos-Bolt models to structured (MLR) attention (DESIGN.md §4).
+"""Convert pretrained T5 / Chronos-T5 / Chronos-Bolt models to structured (MLR) attention (docs/patching.md).
 
 ``patch`` converts, it does not monkey-patch the caller's object: it returns a new model (or pipeline) whose
 pretrained weights are kept under the same state-dict names, whose config records the structured-attention

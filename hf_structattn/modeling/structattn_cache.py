@@ -1,6 +1,6 @@
 """The hierarchical MLR key cache (dynamic and static) and cached MLR attention (decode / chunked prefill).
 
-What an MLR cache layer holds (DESIGN.md §2), per batch row and head:
+What an MLR cache layer holds, per batch row and head:
 
 * level-1 keys (``r_1`` dims) and values for every slot, in arrival order (``keys``, ``values``), with each slot's
   absolute position and padding flag (``key_positions``, ``key_valid``: (B, S));
@@ -51,7 +51,7 @@ RESERVE_POSITIONS = 256
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Scores, masks and softmax run in ``promote_types(dtype, float32)`` (DESIGN.md §4b)."""
+    """Scores, masks and softmax run in ``promote_types(dtype, float32)`` (docs/contracts.md)."""
     return torch.promote_types(dtype, torch.float32)
 
 

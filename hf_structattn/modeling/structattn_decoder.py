@@ -18,7 +18,7 @@ the layers its config names, read from flat config fields:
 ``__getattr__`` from the transformers class of the same name, so one payload file serves every architecture:
 the config gets its own ``model_type`` (``mlr_<type>``), the model forces ``attn_implementation="mlr"``.
 
-Semantics (DESIGN.md §2, §4b): blocks align to each row's absolute positions (``position_ids``); the padding
+Semantics (docs/contracts.md): blocks align to each row's absolute positions (``position_ids``); the padding
 mask is the 2-D (B, S) key mask (the mask function returns it, the flash-attention contract); cached keys sit
 at contiguous positions ending at the current chunk (what ``generate`` and chunked prefill produce).
 Grouped-query attention: the uncached pass repeats K/V as a temporary; cached passes stack each KV head's

@@ -2,7 +2,7 @@
 
 Part of the checkpoint payload (only torch/transformers imports, flat relative imports).
 
-Conventions (DESIGN.md §2):
+Conventions (paper §3.4):
   * ``ranks`` = (r_1, ..., r_L), ``sum(ranks) == head_dim``; level slices are contiguous prefixes of the
     head dim in level order ``[q_1 | q_2 | ... | q_L]``.
   * ``block_sizes`` = (b_2, ..., b_L) for levels 2..L; level 1 is always global. Blocks are nested

@@ -1,10 +1,10 @@
 """Exact fast MLR attention: one fused attention call per level group, merged by log-sum-exp.
 
-For a query in finest block F the keys split into at most L contiguous groups (DESIGN.md §2): its own
+For a query in finest block F the keys split into at most L contiguous groups: its own
 finest block (all r dims), and for each coarser depth d the part of its level-d block outside its
 level-(d+1) block (the first ``c_d = r_1 + ... + r_d`` dims). Each group is an ordinary attention problem,
-so the op is a handful of fused attention calls whose (output, log-sum-exp) pairs are merged. The T x T
-score matrix is never materialised.
+so the op is a handful of fused attention calls whose (output, log-sum-exp) pairs are merged. The fused and
+Triton backends never materialise the T x T score matrix; the math backend does.
 
 Three backends share the same group plan:
   * ``fused`` (CPU): ``aten._scaled_dot_product_flash_attention_for_cpu`` per group, with a custom
