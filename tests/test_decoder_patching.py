@@ -438,3 +438,19 @@ def test_cli_patches_a_decoder_checkpoint(tmp_path, capsys):
     assert cli(["patch", str(tmp_path / "gemma3"), str(tmp_path / "g"), "--mlr-ranks", "8,4,4",
                 "--mlr-block-sizes", "16,8"]) == 2
     assert "sliding_window_layers='replace'" in capsys.readouterr().err and not (tmp_path / "g").exists()
+
+
+@pytest.mark.parametrize("stock_card", ["---\nlicense: apache-2.0\n---\n# A stock tiny model\nIts own text.\n",
+                                        "# A card without front matter\n"])
+def test_saving_over_a_stock_card_puts_the_warning_on_top_and_keeps_its_text(tmp_path, stock_card):
+    _, mlr = patched("llama")
+    (tmp_path / "README.md").write_text(stock_card)
+    mlr.save_pretrained(tmp_path)
+    card = (tmp_path / "README.md").read_text()
+    assert card.startswith("---\n") and "WARNING: this is not a stock" in card
+    assert stock_card.split("---\n")[-1] in card  # the stock text is kept below the warning
+    assert card.index("WARNING") < card.index("# A ")
+    if "license" in stock_card:
+        assert card.count("---\n") == 2 and "license: apache-2.0" in card  # one front matter, the stock one
+    mlr.save_pretrained(tmp_path)  # saving again does not stack a second warning
+    assert (tmp_path / "README.md").read_text() == card

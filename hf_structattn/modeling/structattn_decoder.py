@@ -503,12 +503,33 @@ def _save_pretrained(self, save_directory, *args, **kwargs):
     # push_to_hub=True; an existing card is kept)
     os.makedirs(save_directory, exist_ok=True)
     card = os.path.join(save_directory, "README.md")
-    if not os.path.exists(card):
+    ours = MODEL_CARD.format(arch=type(self).__name__, base=self._mlr_base, ranks=self.config.mlr_ranks,
+                             blocks=self.config.mlr_block_sizes, layers=self.config.mlr_layers)
+    existing = ""
+    if os.path.exists(card):
+        with open(card, encoding="utf-8") as handle:
+            existing = handle.read()
+    if CARD_WARNING not in existing:
+        # a card already there (often the stock model's) keeps its text, but the warning goes on top of it:
+        # otherwise a folder that held the stock checkpoint would describe a dense model
+        if existing:
+            front, body = _split_front_matter(existing)
+            ours = (ours if front is None else front + ours.split("---\n", 2)[2]) + "\n" + body
         with open(card, "w", encoding="utf-8") as handle:
-            handle.write(MODEL_CARD.format(arch=type(self).__name__, base=self._mlr_base,
-                                           ranks=self.config.mlr_ranks, blocks=self.config.mlr_block_sizes,
-                                           layers=self.config.mlr_layers))
+            handle.write(ours)
     return super(_mlr_owner(self), self).save_pretrained(save_directory, *args, **kwargs)
+
+
+CARD_WARNING = "WARNING: this is not a stock"
+
+
+def _split_front_matter(text: str):
+    """(YAML front matter including its closing ``---`` line, or None; the rest of a model card)."""
+    if text.startswith("---\n"):
+        end = text.find("\n---\n", 4)
+        if end >= 0:
+            return text[:end + 5], text[end + 5:]
+    return None, text
 
 
 MODEL_CARD = """---
