@@ -25,7 +25,7 @@ train() {
 echo "training dense (log: $OUT/clm_dense_stdlib.log) and MLR attention side by side ..."
 train --output_dir "$OUT/clm_dense_stdlib" --attention dense "$@" > "$OUT/clm_dense_stdlib.log" 2>&1 &
 dense_pid=$!
-train --output_dir "$OUT/clm_mlr_stdlib" "$@" 2>&1 | tee "$OUT/clm_mlr_stdlib.log" | grep -E "^(step|data|==|final)" || true
+train --output_dir "$OUT/clm_mlr_stdlib" "$@" 2>&1 | tee "$OUT/clm_mlr_stdlib.log" | grep --line-buffered -E "^(step|data|==|final)" || true
 if ! wait "$dense_pid"; then tail -20 "$OUT/clm_dense_stdlib.log"; echo "the dense run failed" >&2; exit 1; fi
 [[ -f "$OUT/clm_mlr_stdlib/final_metrics.json" ]] || { tail -20 "$OUT/clm_mlr_stdlib.log"; echo "the MLR run failed" >&2; exit 1; }
 
