@@ -157,6 +157,54 @@ def test_half_precision_cached_attention_is_finite_and_close_to_float32(dtype):
     torch.testing.assert_close(results[dtype].float(), results[torch.float32], atol=40 * eps, rtol=40 * eps)
 
 
+def _generate_at_two_batch_sizes(model, backend):
+    """Greedy static-cache generation at batch 1, then batch 3, with one compiled forward (the second batch size
+    makes Dynamo recompile with a symbolic batch); returns eager and compiled tokens per batch size."""
+    common = dict(max_new_tokens=4, min_new_tokens=4, pad_token_id=1, do_sample=False, cache_implementation="static")
+    prompts = [torch.randint(2, 61, (batch, 20)) for batch in (1, 3)]  # 20 tokens cross the 8- and 16-blocks
+    eager = [model.generate(prompt, **common) for prompt in prompts]
+    model.forward = torch.compile(model.forward, backend=backend)
+    try:
+        compiled = [model.generate(prompt, **common) for prompt in prompts]
+    finally:
+        del model.forward
+    return eager, compiled
+
+
+def test_compiled_forward_recompiles_for_a_new_batch_size_without_aliased_cache_inputs():
+    """One compiled forward serves batch 1, then batch 3 (the benchmark's batch 1 -> 16 failure). The cause was
+    the cache's ring views entering the graph as separate inputs that share one storage and are written in place:
+    AOTAutograd rebuilds their base with ``Tensor.set_``, which fails under a symbolic batch (inductor) or refuses
+    outright with grad on. The backend checks that no two graph inputs taken from the cache share a storage (q/k/v
+    views of one projection may: they are not written), then runs the graph eagerly."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    cache_inputs, shared = [], []
+
+    def no_aliased_cache_inputs(graph, example_inputs):
+        names = [node.name for node in graph.graph.nodes if node.op == "placeholder"]
+        storages = [StorageWeakRef(tensor.untyped_storage()) for name, tensor in zip(names, example_inputs)
+                    if isinstance(tensor, torch.Tensor) and "cache" in name]
+        cache_inputs.append(len(storages))
+        shared.append(len(storages) - len(set(storages)))
+        return graph.forward
+
+    torch._dynamo.reset()
+    eager, compiled = _generate_at_two_batch_sizes(tiny_lm("mlr"), no_aliased_cache_inputs)
+    assert sum(cache_inputs) > 0 and shared == [0] * len(shared)  # cache buffers were graph inputs, none aliased
+    for eager_tokens, compiled_tokens in zip(eager, compiled):
+        torch.testing.assert_close(compiled_tokens, eager_tokens)
+
+
+@pytest.mark.slow
+def test_inductor_generate_at_two_batch_sizes_equals_eager():
+    """The same with inductor (minutes on CPU), the backend the benchmark uses."""
+    torch._dynamo.reset()
+    eager, compiled = _generate_at_two_batch_sizes(tiny_lm("mlr"), "inductor")
+    for eager_tokens, compiled_tokens in zip(eager, compiled):
+        torch.testing.assert_close(compiled_tokens, eager_tokens)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["mlr", "mlr_avg_mup"])
 def test_compiled_generate_equals_eager(variant):

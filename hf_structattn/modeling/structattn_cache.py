@@ -208,6 +208,24 @@ class MLRCacheLayerMixin:
         self._last = None  # what the last update stored, for attend()
 
     # ------------------------------------------------------------------ storage helpers
+    @property
+    def level_keys(self) -> list:
+        """Per-level rings (B, H, W_l, r_l), views into the flat fine-level storage ``_fine`` (B, H, sum W_l r_l).
+
+        While ``torch.compile`` traces, the views are made from ``_fine`` inside the graph, so ``_fine`` is the
+        only graph input behind them. Stored views would each become an input aliasing the others, and the decode
+        step writes through them: AOTAutograd then rebuilds a synthetic base with ``Tensor.set_`` on the shared
+        storage, which fails once the batch size is symbolic (``Expected !size_bytes_is_heap_allocated_`` when
+        the compiled forward recompiles for a second batch size), and refuses aliased mutated inputs outright
+        when grad mode is on."""
+        if self._fine is not None and torch.compiler.is_compiling():
+            return self._fine_views(self._fine, self._capacity())
+        return self._level_views
+
+    @level_keys.setter
+    def level_keys(self, views: list) -> None:
+        self._level_views = views
+
     def _ring_sizes(self, capacity: int) -> list:
         return [min(size, capacity) for size in self.block_sizes]
 
