@@ -72,3 +72,20 @@ def test_torch_compile_training_step_matches_eager():
     assert compiled_grads.keys() == grads.keys()
     for name in grads:
         torch.testing.assert_close(compiled_grads[name], grads[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("side", ["validation", "train"])
+def test_a_single_text_file_always_gives_both_splits(tmp_path, side):
+    """The hash split puts a lone file's only document wholly in validation (probability validation_percent) or in
+    train; either way the corpus must hold out a tail instead of leaving a split empty."""
+    from hf_structattn.training.data import is_validation, load_text_files_corpus
+
+    name = next(f"corpus_{i}.txt" for i in range(10_000)
+                if is_validation(f"{tmp_path / f'corpus_{i}.txt'}#0", 5.0) == (side == "validation"))
+    text_file = tmp_path / name
+    text_file.write_text("def f(x):\n    return x + 1\n" * 300)
+    corpus = load_text_files_corpus([str(text_file)], validation_percent=5.0)
+    total = len(text_file.read_bytes()) + 1  # bytes + the end-of-document token
+    assert corpus.train.numel() > 0 and corpus.validation.numel() > 0
+    assert corpus.train.numel() + corpus.validation.numel() == total
+    assert corpus.validation.numel() == total - int(total * 0.95)

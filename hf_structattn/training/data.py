@@ -82,7 +82,11 @@ def _split(documents: Sequence[tuple[str, str]], validation_percent: float, max_
     val_docs = [text for key, text in documents if is_validation(key, validation_percent)]
     train, n_train = encode_documents(train_docs, max_train_bytes)
     validation, n_val = encode_documents(val_docs, max_validation_bytes)
-    if validation.numel() == 0:  # e.g. a single file: hold out its tail instead
+    if validation.numel() == 0 or train.numel() == 0:
+        # every document fell on one side of the hash split (e.g. a single file, which lands in validation with
+        # probability validation_percent): hold out the tail of all the tokens instead
+        train, n_train = encode_documents([text for _, text in documents], max_train_bytes)
+        n_val = 0
         cut = int(train.numel() * (1 - max(validation_percent, 1.0) / 100.0))
         train, validation = train[:cut], train[cut:]
         description += " (validation = tail of the training tokens)"
