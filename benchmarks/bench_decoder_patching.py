@@ -15,7 +15,6 @@ keys the cache holds after the prompt (measured from the cache object, and the f
 """
 
 import argparse
-import platform
 import statistics
 import time
 
@@ -27,15 +26,7 @@ import hf_structattn
 from hf_structattn.decoder_patching import TINY_DECODERS, tiny_decoder
 from hf_structattn.flops import decoder_cache_report
 
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+from bench_generation import cpu_name  # benchmarks/ is on sys.path when a script here runs
 
 
 @torch.no_grad()

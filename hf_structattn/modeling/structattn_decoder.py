@@ -28,7 +28,6 @@ query heads along the query axis, so cached keys are never repeated.
 import functools
 import inspect
 import os
-import sys
 import warnings
 from typing import Optional, Sequence
 
@@ -132,7 +131,7 @@ def check_pair_complete_levels(ranks, rotated_dims: int) -> None:
 def _model_rotary(module):
     """(rotary embedding built from the module's config, apply_rotary_pos_emb) from the attention module's own
     modeling file, or None for a model without RoPE."""
-    modeling = sys.modules.get(type(module).__module__)
+    modeling = inspect.getmodule(type(module))
     apply_fn = getattr(modeling, "apply_rotary_pos_emb", None)
     classes = [obj for name, obj in vars(modeling).items() if name.endswith("RotaryEmbedding") and
                isinstance(obj, type) and issubclass(obj, torch.nn.Module)] if modeling is not None else []
