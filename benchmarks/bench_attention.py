@@ -49,6 +49,16 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
 
+def _load_package(name: str, folder: str) -> str:
+    """Import ``folder`` (a payload folder) as the top-level package ``name``; returns ``name``."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(folder, "__init__.py"),
+                                                  submodule_search_locations=[folder])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return name
+
+
 def _payload():
     """The attention code lives in the self-contained payload folder ``hf_structattn/modeling``; if the full
     package cannot be imported (e.g. an optional dependency of another subpackage is missing), load that folder
@@ -57,14 +67,7 @@ def _payload():
         import hf_structattn.modeling as package  # noqa: F401
         return "hf_structattn.modeling"
     except ImportError:
-        folder = os.path.join(ROOT, "hf_structattn", "modeling")
-        name = "_structattn_payload"
-        spec = importlib.util.spec_from_file_location(name, os.path.join(folder, "__init__.py"),
-                                                      submodule_search_locations=[folder])
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-        return name
+        return _load_package("_structattn_payload", os.path.join(ROOT, "hf_structattn", "modeling"))
 
 
 PAYLOAD = _payload()
@@ -110,7 +113,12 @@ def hardware_line(device: torch.device, dtype: torch.dtype) -> str:
 
 
 def load_module_from_path(path: str):
-    """A second copy of structattn_mlr (e.g. an older revision) importable next to the current one."""
+    """``mlr_attention`` of another revision, importable next to the current one. ``path`` is that revision's
+    payload folder (``hf_structattn/modeling``, e.g. from ``git worktree add``), loaded as its own package so
+    every backend module comes from it; or a single ``structattn_mlr.py`` of a revision that kept the whole op in
+    that file, loaded into the current payload package (its helpers, geometry and reference, resolve there)."""
+    if os.path.isdir(path):
+        return importlib.import_module(_load_package("_bench_payload_before", path) + ".structattn_mlr")
     name = PAYLOAD + "._bench_mlr_before"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
@@ -323,7 +331,8 @@ def main(argv=None):
     parser.add_argument("--reference-max-len", type=int, default=2048)
     parser.add_argument("--only", nargs="+", choices=VARIANTS, default=None, help="subset of variants")
     parser.add_argument("--before-mlr", default=None,
-                        help="path of another structattn_mlr.py to time as 'mlr_fused_before' (before/after runs)")
+                        help="another revision's payload folder (hf_structattn/modeling) or single-file structattn_mlr.py, "
+                             "timed as 'mlr_fused_before'")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (default: torch's choice); 1 is robust to co-running jobs")
     parser.add_argument("--clock", choices=("wall", "thread"), default="wall",

@@ -338,7 +338,8 @@ def test_save_and_load_with_remote_code_without_the_plugin(tmp_path):
                     "generated": mlr.generate(ids[:, :9], max_new_tokens=10, min_new_tokens=10, do_sample=False)},
                    save_dir / "expected.pt")
         files = {path.name for path in save_dir.iterdir()}
-        assert {"structattn_decoder.py", "structattn_mlr.py", "structattn_geometry.py", "README.md"} <= files
+        assert {"structattn_decoder.py", "structattn_mlr.py", "structattn_mlr_fused.py", "structattn_mlr_math.py",
+                 "structattn_geometry.py", "README.md"} <= files
         assert "WARNING: this is not a stock" in (save_dir / "README.md").read_text()
         config = transformers.AutoConfig.from_pretrained(save_dir)
         assert config.model_type == "mlr_" + mlr.config.mlr_patch["source_model_type"]

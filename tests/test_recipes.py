@@ -357,7 +357,8 @@ def test_push_to_hub_checks_the_hub_first_and_uploads_the_output_folder(tmp_path
                                                       for pattern in upload["ignore_patterns"])}
     assert not any(p.startswith("checkpoints/") for p in listing) and "run_config.json" not in listing
     assert {"config.json", "model.safetensors", "modeling_structattn_gpt2.py", "structattn_mlr.py",
-            "tokenizer.json", "README.md", "plots/loss_vs_steps.png", "metrics.jsonl"} <= listing
+            "structattn_mlr_fused.py", "structattn_mlr_math.py", "tokenizer.json", "README.md",
+            "plots/loss_vs_steps.png", "metrics.jsonl"} <= listing
     # no local absolute path in any uploaded text file
     for name in listing:
         if name.endswith((".json", ".jsonl", ".md", ".py", ".txt")):
