@@ -197,3 +197,66 @@ def test_invalid_scales_and_positions():
         mlr_attention(q, q, q, ranks=[4, 4], block_sizes=[2], positions=torch.arange(4)[None] - 2)
     with pytest.raises(ValueError, match="n_positions"):
         default_block_sizes(100, 4)
+
+
+class _ViewOutput(torch.autograd.Function):
+    """Returns a view of a tensor made inside forward (as the fused MLR path's merged output is), optionally
+    re-pointed with ``Tensor.set_`` at the same storage as ``_FusedMLRFunction.forward`` does; saves its output."""
+
+    @staticmethod
+    def forward(ctx, x, alias):
+        doubled = torch.cat([x * 2, x.new_zeros(1)])
+        out = doubled[:x.numel()]
+        if alias:
+            out = torch.empty(0, dtype=out.dtype).set_(out.untyped_storage(), out.storage_offset(), out.size(),
+                                                       out.stride())
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.saved_tensors  # raises when the saved output was modified in place after forward
+        return grad * 2, None
+
+
+def test_set_alias_autograd_behaviour_the_fused_output_relies_on():
+    """The torch behaviour behind the ``set_`` in ``_FusedMLRFunction.forward``: a view output of a custom Function
+    refuses in-place ops; a ``set_`` alias of the same storage is no view, shares the memory, accepts in-place ops,
+    gives the right gradient, and its own version counter still guards the saved output."""
+    x = torch.tensor([1.0, -2.0, 3.0], dtype=torch.float64, requires_grad=True)
+    view = _ViewOutput.apply(x, False)
+    assert view._is_view()
+    with pytest.raises(RuntimeError, match="is a view and is being modified inplace"):
+        view.add_(1)
+
+    alias = _ViewOutput.apply(x, True)
+    assert not alias._is_view() and alias._base is None
+    torch.testing.assert_close(alias, 2 * x.detach(), atol=0, rtol=0)
+    (grad,) = torch.autograd.grad((alias * torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)).sum(), x)
+    torch.testing.assert_close(grad, torch.tensor([2.0, 4.0, 6.0], dtype=torch.float64), atol=0, rtol=0)
+
+    alias = _ViewOutput.apply(x, True)
+    storage = alias.untyped_storage().data_ptr()
+    version = alias._version
+    alias.add_(1)  # allowed: no view+inplace error
+    assert alias._version == version + 1 and alias.untyped_storage().data_ptr() == storage
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        alias.sum().backward()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_set_alias_fused_output_accepts_in_place_ops_and_guards_backward(dtype):
+    """The fused path's output (an alias of a kernel result's storage when the accumulation dtype is the input
+    dtype) is no view: in-place ops on it work, and backward after one raises instead of using the changed output."""
+    ranks, block_sizes = [4, 2, 2], default_block_sizes(16, 3)
+    q, k, v = _inputs(2, 2, 16, 8, 8, dtype)
+    out = mlr_attention(q, k, v, ranks=ranks, block_sizes=block_sizes, implementation="fused")
+    assert not out._is_view()
+    ref = mlr_attention_reference(q, k, v, ranks=ranks, block_sizes=block_sizes)
+    torch.testing.assert_close(out, ref, **TOL[dtype])
+    torch.testing.assert_close(torch.autograd.grad(out.sum(), q, retain_graph=True)[0],
+                               torch.autograd.grad(ref.sum(), q)[0], **TOL[dtype])
+    out.mul_(0.5)
+    torch.testing.assert_close(out, ref.detach() * 0.5, **TOL[dtype])
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
