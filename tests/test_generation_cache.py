@@ -55,6 +55,43 @@ def test_llama_style_update_then_attend_equals_uncached_op(static, average_level
     assert cache.get_seq_length() == 30
 
 
+@pytest.mark.parametrize("static,compiled", [(False, False), (True, False), (True, True)])
+def test_grouped_query_decode_attends_once_per_kv_head(static, compiled):
+    """GQA decode: ``attend`` takes the g query heads of each KV head as g query rows of one decode step (one call
+    instead of g); equals the uncached op on repeated keys/values, with left padding, across block boundaries, in
+    the eager path and in the fixed-shape path ``torch.compile`` traces."""
+    kv_heads, groups, length = 3, 2, 26
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(2, kv_heads * groups, length, 8, generator=generator, dtype=torch.float64)
+    k, v = (torch.randn(2, kv_heads, length, 8, generator=generator, dtype=torch.float64) for _ in range(2))
+    valid = torch.ones(2, length, dtype=torch.bool)
+    valid[0, :3] = False
+    positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
+    scales = [0.3, 0.2, 0.5, 0.4]
+    reference = mlr_attention(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), ranks=RANKS,
+                              block_sizes=BLOCKS, scales=scales, positions=positions, attention_mask=valid, causal=True)
+    cache = StructAttnCache([{"attention": "mlr", "ranks": RANKS, "block_sizes": BLOCKS}],
+                            max_cache_len=length + 2 if static else None)
+    layer = cache.layers[0]
+    attend = layer.attend
+    if compiled:
+        torch._dynamo.reset()
+        attend = torch.compile(layer.attend, backend="eager")
+    prefill = 7
+    cache.update(k[:, :, :prefill], v[:, :, :prefill], 0,
+                 {"position_ids": positions[:, :prefill], "attention_mask": valid[:, :prefill]})
+    outputs = []
+    for t in range(prefill, length):
+        cache.update(k[:, :, t:t + 1], v[:, :, t:t + 1], 0,
+                     {"position_ids": positions[:, t:t + 1], "attention_mask": valid[:, :t + 1]})
+        grouped = q[:, :, t].reshape(2, kv_heads, groups, 8)  # query head h reads KV head h // groups
+        outputs.append(attend(grouped, level_scales=scales).reshape(2, kv_heads * groups, 1, 8))
+    torch.testing.assert_close(torch.cat(outputs, dim=2), reference[:, :, prefill:], **EXACT)
+    with pytest.raises(ValueError, match="query rows per head are accepted only for a one-token decode step"):
+        cache.update(k[:, :, :2], v[:, :, :2], 0, {"position_ids": positions[:, -2:] + length})
+        layer.attend(q[:, :, :4], level_scales=scales)
+
+
 def test_plain_dynamic_cache_honours_offset_and_per_row_positions():
     """Per-row offsets without a mask (no padding): the MLR layer's dispatch through an ordinary DynamicCache."""
     q, k, v = _qkv(2, 20, seed=3)

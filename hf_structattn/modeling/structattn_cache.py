@@ -48,6 +48,8 @@ from transformers.cache_utils import (
 )
 
 RESERVE_POSITIONS = 256
+# batch x heads x query rows up to which a decode step adds all fine-level scores with one index_add_ (measured on CPU)
+INDEX_ADD_MAX_ROWS = 16
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -333,26 +335,27 @@ class MLRCacheLayerMixin:
         self._latest = step["latest"]
 
     def _decode_write_plan(self, new_positions, new_valid, past, dtype) -> dict:
-        keep = []
-        for size in self.block_sizes:
-            crosses = new_valid & (new_positions // size != self._latest // size)
-            if not torch.compiler.is_compiling() and not bool(crosses.any()):
-                keep.append(None)
-            else:
-                keep.append((~crosses).to(dtype)[:, None, None, None])
+        """What a decode step writes, shared by the layers of one geometry: per level a (B, 1, 1, 1) 0/1 factor that
+        clears the ring of the rows whose new token starts a new block (None where no row does), the flat
+        fine-storage index of the new token's fine dims, its 0/1 realness factor (None if all real) and the rows'
+        newest positions."""
+        device = new_positions.device
+        sizes = torch.tensor(self.block_sizes, device=device)
+        crosses = new_valid[:, None] & (new_positions[:, None] // sizes != self._latest[:, None] // sizes)  # (B, L-1)
+        keeps = (~crosses).to(dtype).t()[:, :, None, None, None]  # (L-1, B, 1, 1, 1)
+        if torch.compiler.is_compiling():
+            keep = list(keeps)
+        else:
+            keep = [factor if level_crossed else None for factor, level_crossed in zip(keeps, crosses.any(0).tolist())]
         # flat index of the new token's fine dims: level offset + (slot % W_l) * r_l + dim
-        base, widths, ranks, offset = [], [], [], 0
+        index, offset = [], 0
         for rank, ring in zip(self.ranks[1:], self.level_keys):
             width = ring.shape[-2]
-            base.extend(range(offset, offset + rank))
-            widths.extend([width] * rank)
-            ranks.extend([rank] * rank)
+            first = offset + (past % width) * rank
+            index.extend(range(first, first + rank))
             offset += width * rank
-        device = new_positions.device
-        widths = torch.tensor(widths, device=device)
-        index = torch.tensor(base, device=device) + torch.remainder(past, widths) * torch.tensor(ranks, device=device)
         all_real = not torch.compiler.is_compiling() and bool(new_valid.all())
-        return {"keep": keep, "index": index,
+        return {"keep": keep, "index": torch.tensor(index, device=device),
                 "real": None if all_real else new_valid.to(dtype)[:, None, None],
                 "latest": torch.where(new_valid, new_positions, self._latest)}
 
@@ -370,24 +373,29 @@ class MLRCacheLayerMixin:
                average_levels: bool = False, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """MLR attention of the queries of the tokens stored by the last ``update`` against every written slot.
 
-        query: (B, H, c, r); bias: additive, broadcastable to (B, H, c, K) with K >= S (S = slots written; extra
-        columns, e.g. a static cache's unwritten slots, are ignored). Returns (B, H, c, dv).
+        query: (B, H, c, r), or for a decode step (c = 1) (B, H, g, r): g queries per cached head at the new token's
+        position (the query heads of a grouped-query-attention group, scored against their shared KV head in one
+        call); bias: additive, broadcastable to (B, H, c, K) with K >= S (S = slots written; extra columns, e.g. a
+        static cache's unwritten slots, are ignored). Returns (B, H, c or g, dv).
 
         Decode step (c = 1): level 1 scores every slot in one matmul; each finer level adds its ring's scores in
-        place onto the slots it holds (one ``bmm`` per level, added to at most two contiguous slices; the ring
-        invariant makes masks unnecessary); one softmax, one matmul with the values. Chunk (c > 1): the rings as they were before
+        place onto the slots it holds (one ``bmm`` per level; see ``_add_ring_scores``; the ring invariant makes
+        masks unnecessary); one softmax, one matmul with the values. Chunk (c > 1): the rings as they were before
         the chunk plus the chunk's own keys, weighted by "same block as the query" and added with one
         ``scatter_add_``.
         """
         key_states, positions, valid, past, previous_fine = self._last
-        batch, heads, chunk, _ = query.shape
+        chunk = key_states.shape[-2]
+        if query.shape[2] != chunk and chunk != 1:
+            raise ValueError(f"attend: query has {query.shape[2]} rows per head but the last update stored {chunk} "
+                             f"tokens (several query rows per head are accepted only for a one-token decode step)")
         held = past + chunk
         work = compute_dtype(query.dtype)
         query = query * self._scale_vector(level_scales, query)
         if chunk == 1 and torch.compiler.is_compiling():
             return self._attend_decode_fixed_shape(query, positions[:, 0], held, work, average_levels, bias)
         keys, values = self.keys.narrow(-2, 0, held), self.values.narrow(-2, 0, held)
-        scores = (query.narrow(-1, 0, self.ranks[0]) @ keys.transpose(-1, -2)).to(work)  # (B, H, c, S)
+        scores = (query.narrow(-1, 0, self.ranks[0]) @ keys.transpose(-1, -2)).to(work)  # (B, H, c or g, S)
         if chunk == 1:
             plan = self.plan.get(("attend", positions.data_ptr(), past, work, average_levels),
                                  lambda: self._decode_attend_plan(positions[:, 0], held, work, average_levels))
@@ -404,35 +412,56 @@ class MLRCacheLayerMixin:
         return torch.softmax(scores, dim=-1).to(values.dtype) @ values
 
     def _add_ring_scores(self, scores, query, held, work) -> None:
-        """Decode: scores (B, H, 1, S) += alpha_l q_l . ring_l on the slots each ring holds, in place."""
-        batch, heads = query.shape[:2]
-        flat_scores = scores.view(batch * heads, 1, held)
-        flat_query = query.view(batch * heads, 1, query.shape[-1])
+        """Decode: scores (B, H, g, S) += alpha_l q_l . ring_l on the slots each ring holds, in place (query (B, H,
+        g, r), g query rows per head).
+
+        One ``bmm`` per level over the ring entries in use (a separate ``bmm``, not an in-place ``baddbmm_`` into
+        the strided score slice: that one measured 1.6-4x slower on CPU). For up to
+        ``INDEX_ADD_MAX_ROWS`` (batch x heads x query rows) rows the level scores are concatenated and land with one
+        ``index_add_`` (fewer ops: what decides the time of a small step); above it ``index_add_`` along the last
+        dim is slower than one or two contiguous slice ``add_`` per level, so the slices are used."""
+        batch, heads, query_rows = query.shape[:3]
+        flat_scores = scores.view(batch * heads, query_rows, held)
+        q_levels = query.view(batch * heads, query_rows, query.shape[-1]).split(self.ranks, dim=-1)[1:]
         rings = self._transposed_rings()
+        if batch * heads * query_rows <= INDEX_ADD_MAX_ROWS:
+            level_scores = [torch.bmm(q_level, ring if ring.shape[-1] <= held else ring.narrow(2, 0, held))
+                            for q_level, ring in zip(q_levels, rings)]
+            slots = self.plan.get(("ring slots", held, self._capacity(), scores.device),
+                                  lambda: self._ring_entry_slots(held, scores.device))
+            flat_scores.index_add_(2, slots, torch.cat(level_scores, dim=-1).to(work))
+            return
         level_scores = {}
         for level, first_slot, count, first_entry in self._ring_runs(held):
-            if level not in level_scores:  # one bmm per level over the entries in use (a separate bmm, not an
-                # in-place baddbmm_ into the strided score slice: that one measured 1.6-4x slower on CPU)
+            if level not in level_scores:
                 ring = rings[level]
-                q_level = flat_query.narrow(2, self._level_starts[level], self.ranks[level + 1])
-                level_scores[level] = torch.bmm(q_level, ring.narrow(2, 0, min(ring.shape[-1], held))).to(work)
+                level_scores[level] = torch.bmm(q_levels[level], ring.narrow(2, 0, min(ring.shape[-1], held))).to(work)
             flat_scores.narrow(2, first_slot, count).add_(level_scores[level].narrow(2, first_entry, count))
+
+    def _ring_entry_slots(self, held: int, device) -> torch.Tensor:
+        """(sum_l min(W_l, held),) slot held by each ring entry in use, levels concatenated in order, when ``held``
+        slots are written (entry i of a ring of W entries holds the newest slot s < held with s % W == i)."""
+        parts = []
+        for ring in self.level_keys:
+            width = ring.shape[-2]
+            parts.append(self._ring_slots(width, held - 1, device)[:min(width, held)])
+        return torch.cat(parts)
 
     def _attend_decode_fixed_shape(self, query, new_positions, held, work, average_levels, bias) -> torch.Tensor:
         """The decode step with shapes that do not depend on the step (what ``torch.compile`` traces): every
         allocated slot is scored and masked by "written and real", and each ring's scores go to their slots with
         one ``scatter_add_`` per level (inductor fuses these into a few kernels)."""
-        batch, heads = query.shape[:2]
+        batch, heads, query_rows = query.shape[:3]
         keys, values = self.keys, self.values
         slots = keys.shape[-2]
-        scores = (query.narrow(-1, 0, self.ranks[0]) @ keys.transpose(-1, -2)).to(work)  # (B, H, 1, C)
+        scores = (query.narrow(-1, 0, self.ranks[0]) @ keys.transpose(-1, -2)).to(work)  # (B, H, g, C)
         newest = held - 1
         start = self.ranks[0]
         for rank, ring in zip(self.ranks[1:], self.level_keys):
             width = ring.shape[-2]
             slot = newest - torch.remainder(newest - torch.arange(width, device=query.device), width)
             level = (query.narrow(-1, start, rank) @ ring.transpose(-1, -2)).to(work) * (slot >= 0)
-            scores.scatter_add_(-1, slot.clamp(min=0).expand(batch, heads, 1, width), level)
+            scores.scatter_add_(-1, slot.clamp(min=0).expand(batch, heads, query_rows, width), level)
             start += rank
         allowed = self.key_valid & (torch.arange(slots, device=query.device) < held)  # (B, C)
         if average_levels:
@@ -449,7 +478,6 @@ class MLRCacheLayerMixin:
         """Per level (B*H, r_l, W_l) views of the rings (rebuilt only when the storage changes)."""
         if getattr(self, "_rings_source", None) is not self._fine:
             self._rings_source = self._fine
-            self._level_starts = [sum(self.ranks[:level + 1]) for level in range(len(self.ranks) - 1)]
             self._rings_t = [ring.reshape(-1, *ring.shape[2:]).transpose(1, 2) for ring in self.level_keys]
         return self._rings_t
 

@@ -240,11 +240,16 @@ def passes_cache_kwargs(model) -> bool:
 
 
 def _attend_grouped(layer, query, level_scales, kv_heads):
-    """``layer.attend`` for GQA without repeating cached keys: one call per query head of each KV head group."""
+    """``layer.attend`` for GQA without repeating cached keys. query (B, Hq, T, d) with Hq = kv_heads * groups (query
+    head h reads KV head h // groups, transformers' ``repeat_kv`` order). A decode step (T = 1) scores each group's
+    query heads against their KV head in one call; a chunk takes one call per query head of each group."""
     batch, q_heads, length, width = query.shape
     groups = q_heads // kv_heads
     if groups == 1:
         return layer.attend(query.contiguous(), level_scales=level_scales)
+    if length == 1:
+        out = layer.attend(query.reshape(batch, kv_heads, groups, width), level_scales=level_scales)
+        return out.reshape(batch, q_heads, 1, out.shape[-1])
     per_group = query.reshape(batch, kv_heads, groups, length, width)
     outs = [layer.attend(per_group[:, :, group].contiguous(), level_scales=level_scales) for group in range(groups)]
     return torch.stack(outs, dim=2).reshape(batch, q_heads, length, outs[0].shape[-1])
