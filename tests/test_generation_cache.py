@@ -233,6 +233,30 @@ def test_compiled_forward_recompiles_for_a_new_batch_size_without_aliased_cache_
         torch.testing.assert_close(compiled_tokens, eager_tokens)
 
 
+def test_compiled_decode_steps_do_not_recompile_per_step():
+    """A compiled decode step must not specialise on the step: after the first steps (the first graph, then one
+    recompile that makes the slot count symbolic) further steps, crossing block boundaries, compile nothing."""
+    model = tiny_lm("mlr")
+    graphs = []
+
+    def counting_backend(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    torch._dynamo.reset()
+    forward = torch.compile(model.forward, backend=counting_backend)
+    cache = model.transformer.new_cache(max_cache_len=40)
+    prompt = torch.randint(2, 61, (2, 6))
+    token = torch.randint(2, 61, (2, 1))
+    with torch.no_grad():
+        model(prompt, cache=cache, use_cache=True)
+        for step in range(20):  # slots 6 .. 25: across the 8- and 16-blocks of the tiny model
+            if step == 4:
+                settled = len(graphs)
+            forward(token, cache=cache, use_cache=True, position_ids=torch.full((2, 1), 6 + step))
+    assert settled > 0 and len(graphs) == settled
+
+
 @pytest.mark.slow
 def test_inductor_generate_at_two_batch_sizes_equals_eager():
     """The same with inductor (minutes on CPU), the backend the benchmark uses."""

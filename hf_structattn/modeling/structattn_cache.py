@@ -347,15 +347,19 @@ class MLRCacheLayerMixin:
             keep = list(keeps)
         else:
             keep = [factor if level_crossed else None for factor, level_crossed in zip(keeps, crosses.any(0).tolist())]
-        # flat index of the new token's fine dims: level offset + (slot % W_l) * r_l + dim
-        index, offset = [], 0
+        # flat index of the new token's fine dims: level offset + (slot % W_l) * r_l + dim, as tensor arithmetic on
+        # ``past`` (Python arithmetic would make a compiled graph specialise on every step's slot count)
+        base, widths, ranks, offset = [], [], [], 0
         for rank, ring in zip(self.ranks[1:], self.level_keys):
             width = ring.shape[-2]
-            first = offset + (past % width) * rank
-            index.extend(range(first, first + rank))
+            base.extend(range(offset, offset + rank))
+            widths.extend([width] * rank)
+            ranks.extend([rank] * rank)
             offset += width * rank
+        widths = torch.tensor(widths, device=device)
+        index = torch.tensor(base, device=device) + torch.remainder(past, widths) * torch.tensor(ranks, device=device)
         all_real = not torch.compiler.is_compiling() and bool(new_valid.all())
-        return {"keep": keep, "index": torch.tensor(index, device=device),
+        return {"keep": keep, "index": index,
                 "real": None if all_real else new_valid.to(dtype)[:, None, None],
                 "latest": torch.where(new_valid, new_positions, self._latest)}
 
@@ -449,19 +453,22 @@ class MLRCacheLayerMixin:
 
     def _attend_decode_fixed_shape(self, query, new_positions, held, work, average_levels, bias) -> torch.Tensor:
         """The decode step with shapes that do not depend on the step (what ``torch.compile`` traces): every
-        allocated slot is scored and masked by "written and real", and each ring's scores go to their slots with
-        one ``scatter_add_`` per level (inductor fuses these into a few kernels)."""
+        allocated slot is scored and masked by "written and real"; each slot reads its ring entry's score with a
+        gather by ``slot % W_l``, kept where the ring holds that slot (the newest ``W_l`` written slots). Gathers and
+        masks are pointwise over (B, H, g, C), so inductor fuses all levels with the masking into one kernel (a
+        ``scatter_add_`` per level would be one kernel each)."""
         batch, heads, query_rows = query.shape[:3]
         keys, values = self.keys, self.values
         slots = keys.shape[-2]
         scores = (query.narrow(-1, 0, self.ranks[0]) @ keys.transpose(-1, -2)).to(work)  # (B, H, g, C)
+        slot_index = torch.arange(slots, device=query.device)
         newest = held - 1
         start = self.ranks[0]
         for rank, ring in zip(self.ranks[1:], self.level_keys):
             width = ring.shape[-2]
-            slot = newest - torch.remainder(newest - torch.arange(width, device=query.device), width)
-            level = (query.narrow(-1, start, rank) @ ring.transpose(-1, -2)).to(work) * (slot >= 0)
-            scores.scatter_add_(-1, slot.clamp(min=0).expand(batch, heads, query_rows, width), level)
+            level = (query.narrow(-1, start, rank) @ ring.transpose(-1, -2)).to(work)  # (B, H, g, W_l)
+            in_ring = (slot_index <= newest) & (slot_index > newest - width)
+            scores = scores + level.index_select(-1, slot_index % width) * in_ring
             start += rank
         allowed = self.key_valid & (torch.arange(slots, device=query.device) < held)  # (B, C)
         if average_levels:
