@@ -28,7 +28,7 @@ splatted into all of them):
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from .modeling.structattn_bilinear import default_btt_factors as _default_btt_factors
 from .modeling.structattn_bilinear import validate_bilinear_mlr, validate_btt
@@ -61,20 +61,21 @@ __all__ = [
 # ----------------------------------------------------------------------------------------------- validation
 
 
-# The validation rules are the configs' own (modeling/structattn_geometry.py, modeling/structattn_bilinear.py):
-# one place, so that a config the models accept is a config these counts accept, with the same messages.
+# The geometry keywords are checked with the models' own rules (modeling/structattn_geometry.py,
+# modeling/structattn_bilinear.py), so that a geometry the models accept is one these counts accept. The
+# config-level functions take configs that validated themselves when they were built.
 
 
-def _check_variant(variant: Any, field: str = "variant") -> str:
+def _check_variant(variant: Any) -> str:
     if variant not in VARIANTS:
-        raise ValueError(f"{field}={variant!r} is not a known attention variant; expected one of {VARIANTS}")
+        raise ValueError(f"variant={variant!r} is not a known attention variant; expected one of {VARIANTS}")
     return variant
 
 
-def dyadic_block_sizes(n_positions: int, num_levels: int, field: str = "n_positions") -> list[int]:
+def dyadic_block_sizes(n_positions: int, num_levels: int) -> list[int]:
     """Default MLR blocks ``b_l = n_positions / 2^(l-1)`` for levels 2..L (token counts)."""
     check_int("num_levels", num_levels)
-    return default_block_sizes(n_positions, num_levels, field)
+    return default_block_sizes(n_positions, num_levels, "n_positions")
 
 
 def default_btt_factors(n_embd: int) -> tuple[int, int, int, int]:
@@ -114,72 +115,64 @@ def _resolve_head(variant: str, *, head_dim: Optional[int] = None, ranks: Option
                   block_sizes: Optional[Sequence[int]] = None, n_positions: Optional[int] = None,
                   window: Optional[int] = None, n_embd: Optional[int] = None, n_head: Optional[int] = None,
                   btt_rank: Optional[int] = None, btt_factors: Optional[Sequence[int]] = None,
-                  value_dim: Optional[int] = None, fields: Optional[Mapping[str, str]] = None) -> _Head:
-    # ``fields`` maps parameter names to the caller's names (config fields) so errors name what the user wrote.
-    name = dict(fields or {}).get
-    _check_variant(variant, name("variant", "variant"))
+                  value_dim: Optional[int] = None) -> _Head:
+    _check_variant(variant)
     if n_embd is not None:
-        check_int(name("n_embd", "n_embd"), n_embd)
+        check_int("n_embd", n_embd)
     if n_head is not None:
-        check_int(name("n_head", "n_head"), n_head)
+        check_int("n_head", n_head)
         if n_embd is not None and n_embd % n_head:
-            raise ValueError(f"{name('n_embd', 'n_embd')}={n_embd} is not divisible by "
-                             f"{name('n_head', 'n_head')}={n_head}")
+            raise ValueError(f"n_embd={n_embd} is not divisible by n_head={n_head}")
     if value_dim is not None:
-        check_int(name("value_dim", "value_dim"), value_dim)
+        check_int("value_dim", value_dim)
     if head_dim is not None:
-        check_int(name("head_dim", "head_dim"), head_dim)
+        check_int("head_dim", head_dim)
 
     def split_width() -> Optional[int]:
         return n_embd // n_head if n_embd is not None and n_head is not None else None
 
     if variant in ("dense", "swa", "mlr"):
         if variant == "mlr":
-            level_ranks = check_ranks(ranks, name("ranks", "ranks"))
+            level_ranks = check_ranks(ranks, "ranks")
             if head_dim is None:
                 head_dim = split_width()
             if head_dim is not None and sum(level_ranks) != head_dim:
-                raise ValueError(f"{name('ranks', 'ranks')}={level_ranks} sums to {sum(level_ranks)}, but the head "
-                                 f"dim is {head_dim}")
+                raise ValueError(f"ranks={level_ranks} sums to {sum(level_ranks)}, but the head dim is {head_dim}")
             head_dim = sum(level_ranks)
         elif head_dim is None:
-            head_dim = sum(check_ranks(ranks, name("ranks", "ranks"))) if ranks is not None else split_width()
+            head_dim = sum(check_ranks(ranks, "ranks")) if ranks is not None else split_width()
         if head_dim is None:
-            raise ValueError(f"{name('head_dim', 'head_dim')} is required for variant {variant!r} "
-                             f"(or n_embd and n_head), got None")
+            raise ValueError(f"head_dim is required for variant {variant!r} (or n_embd and n_head), got None")
         if split_width() is not None and split_width() != head_dim:
-            raise ValueError(f"{name('head_dim', 'head_dim')}={head_dim} does not match "
-                             f"n_embd/n_head={split_width()}")
+            raise ValueError(f"head_dim={head_dim} does not match n_embd/n_head={split_width()}")
         dv = value_dim if value_dim is not None else head_dim
         if variant == "dense":
             return _Head(variant, head_dim, dv)
         if variant == "swa":
             if window is None:
-                raise ValueError(f"{name('window', 'window')} is required for variant 'swa', got None")
-            return _Head(variant, head_dim, dv, window=check_int(name("window", "window"), window))
+                raise ValueError("window is required for variant 'swa', got None")
+            return _Head(variant, head_dim, dv, window=check_int("window", window))
         if block_sizes is None:
             if n_positions is None:
-                raise ValueError(f"{name('block_sizes', 'block_sizes')} is required for variant 'mlr' (or "
-                                 f"n_positions for the dyadic defaults), got None")
-            block_sizes = dyadic_block_sizes(n_positions, len(level_ranks), name("n_positions", "n_positions"))
-        blocks = check_block_sizes(block_sizes, len(level_ranks), name("block_sizes", "block_sizes"),
-                                   name("ranks", "ranks"))
+                raise ValueError("block_sizes is required for variant 'mlr' (or n_positions for the dyadic "
+                                 "defaults), got None")
+            block_sizes = dyadic_block_sizes(n_positions, len(level_ranks))
+        blocks = check_block_sizes(block_sizes, len(level_ranks), "block_sizes", "ranks")
         return _Head(variant, head_dim, dv, ranks=tuple(level_ranks), block_sizes=tuple(blocks))
 
     if n_embd is None:
-        raise ValueError(f"{name('n_embd', 'n_embd')} is required for variant {variant!r}, got None")
+        raise ValueError(f"n_embd is required for variant {variant!r}, got None")
     dv = value_dim if value_dim is not None else head_dim if head_dim is not None else split_width()
     if dv is None:
-        raise ValueError(f"{name('n_head', 'n_head')} (or value_dim) is required for variant {variant!r} to fix the "
-                         f"value width D/H, got None")
+        raise ValueError(f"n_head (or value_dim) is required for variant {variant!r} to fix the value width D/H, "
+                         f"got None")
     if variant == "bilinear_mlr":
-        level_ranks = validate_bilinear_mlr(n_embd, n_head, ranks, name("ranks", "ranks"), name("n_embd", "n_embd"))
+        level_ranks = validate_bilinear_mlr(n_embd, n_head, ranks, "ranks", "n_embd")
         width = sum(2 ** level * rank for level, rank in enumerate(level_ranks))
         return _Head(variant, width, dv, ranks=tuple(level_ranks), n_embd=n_embd)
     if btt_rank is None:
-        raise ValueError(f"{name('btt_rank', 'btt_rank')} is required for variant 'bilinear_btt', got None")
-    factors = validate_btt(n_embd, btt_factors, btt_rank, name("btt_factors", "btt_factors"),
-                           name("btt_rank", "btt_rank"), name("n_embd", "n_embd"))
+        raise ValueError("btt_rank is required for variant 'bilinear_btt', got None")
+    factors = validate_btt(n_embd, btt_factors, btt_rank, "btt_factors", "btt_rank", "n_embd")
     return _Head(variant, n_embd, dv, n_embd=n_embd, btt_rank=btt_rank, btt_factors=factors)
 
 
@@ -381,80 +374,56 @@ def kv_cache_bytes(variant: str, context_len: int, ranks: Optional[Sequence[int]
 
 
 # ------------------------------------------------------------------------------------------ config level
-
-_MISSING = object()
-
-
-def _field(config: Any, name: str, default: Any = _MISSING) -> Any:
-    if isinstance(config, Mapping):
-        value = config.get(name, default)
-    else:
-        value = getattr(config, name, default)
-    if value is _MISSING:
-        raise ValueError(f"config field {name} is required, but the config has none")
-    return value
+#
+# The config-level functions take the configs the models take: ``StructAttnGPT2Config`` (GPT-2 family),
+# ``StructAttnT5Config`` or a stock ``T5Config`` (encoder-decoder), the ``MLR<Arch>Config`` of a patched decoder.
+# Those configs validate their fields when they are built (ValueError naming the field), so the fields are read
+# as they are here. To count a config held as a dict (e.g. a saved config.json), build the config first:
+# ``StructAttnGPT2Config.from_dict(d)``.
 
 
-_CONFIG_FIELDS = {"variant": "attention", "ranks": "mlr_ranks", "block_sizes": "mlr_block_sizes",
-                  "window": "sliding_window", "btt_factors": "btt_factors", "btt_rank": "btt_rank",
-                  "n_positions": "n_positions", "n_embd": "n_embd", "n_head": "n_head", "head_dim": "head_dim"}
-
-
-def _config_geometry(config: Any) -> tuple[str, dict, dict]:
-    """(variant, geometry keywords of the config's attention, geometry of the dense baseline)."""
-    variant = _check_variant(_field(config, "attention", "dense"), "attention")
-    n_embd = check_int("n_embd", _field(config, "n_embd"))
-    n_head = check_int("n_head", _field(config, "n_head"))
-    n_positions = check_int("n_positions", _field(config, "n_positions"))
-    if n_embd % n_head:
-        raise ValueError(f"n_embd={n_embd} is not divisible by n_head={n_head}")
-    base = {"n_embd": n_embd, "n_head": n_head}
-    fields = dict(_CONFIG_FIELDS)
+def _gpt2_layer_geometry(config: Any, variant: str) -> dict:
+    """Geometry keywords (module docstring) of one ``variant`` layer of a ``StructAttnGPT2Config``."""
+    geometry = {"n_embd": config.n_embd, "n_head": config.n_head}
     if variant == "mlr":
-        geometry = {"ranks": _field(config, "mlr_ranks", None), "block_sizes": _field(config, "mlr_block_sizes", None),
-                    "n_positions": n_positions}
+        geometry.update(ranks=config.resolved_mlr_ranks, block_sizes=config.resolved_mlr_block_sizes)
     elif variant == "bilinear_mlr":
-        geometry = {"ranks": _field(config, "bilinear_mlr_ranks", None)}
-        fields["ranks"] = "bilinear_mlr_ranks"
+        geometry["ranks"] = config.bilinear_mlr_ranks
     elif variant == "bilinear_btt":
-        geometry = {"btt_rank": _field(config, "btt_rank", None), "btt_factors": _field(config, "btt_factors", None)}
+        geometry.update(btt_rank=config.btt_rank, btt_factors=config.btt_factors)
     elif variant == "swa":
-        geometry = {"window": _field(config, "sliding_window", None)}
-    else:
-        geometry = {}
-    geometry.update(base)
-    geometry["fields"] = fields
-    _resolve_head(variant, **geometry)  # validate once, with config field names in the errors
-    return variant, geometry, dict(base)
+        geometry["window"] = config.sliding_window
+    return geometry
 
 
-def _head_of(variant: str, geometry: dict) -> _Head:
-    return _resolve_head(variant, **geometry)
+def _gpt2_layers(config: Any) -> list[tuple[str, dict]]:
+    """(variant, geometry) of every layer, following ``attention_layers`` (e.g. global + SWA stacks) when set."""
+    variants = [config.layer_attention(layer) for layer in range(config.n_layer)]
+    return [(variant, _gpt2_layer_geometry(config, variant)) for variant in variants]
 
 
-def nonembedding_matmul_params(config_like: Any) -> int:
-    """Weight-matrix entries outside the embeddings of a GPT-2-style decoder (an integer count).
+def nonembedding_matmul_params(config: Any) -> int:
+    """Weight-matrix entries outside the embeddings of a ``StructAttnGPT2Config`` decoder (an integer count).
 
     Per layer: q/k projections (dense/mlr/swa ``2 D^2``; bilinear_mlr ``2 D H sum_l r_l``; bilinear_btt
     ``H (c d b s + b a c s)``, the query being x itself), value and output projections ``2 D^2``, MLP
-    ``2 D n_inner`` (``n_inner`` defaults to 4D). Biases and LayerNorms are left out: they carry no MACs, and
-    every counted entry costs exactly one MAC per token, so the forward cost of these matmuls is ``2 x`` this.
+    ``2 D n_inner`` (``n_inner`` defaults to 4D). Mixed stacks (``attention_layers``) are counted layer by layer.
+    Biases and LayerNorms are left out: they carry no MACs, and every counted entry costs exactly one MAC per
+    token, so the forward cost of these matmuls is ``2 x`` this.
     """
-    variant, geometry, _ = _config_geometry(config_like)
-    n_embd, n_head = geometry["n_embd"], geometry["n_head"]
-    n_layer = check_int("n_layer", _field(config_like, "n_layer"))
-    n_inner = _field(config_like, "n_inner", None)
-    n_inner = 4 * n_embd if n_inner is None else check_int("n_inner", n_inner)
-    head = _head_of(variant, geometry)
-    qk = n_head * _projection_macs(head, 1, n_embd)
-    return n_layer * (qk + 2 * n_embd * n_embd + 2 * n_embd * n_inner)
+    n_embd, n_head = config.n_embd, config.n_head
+    n_inner = 4 * n_embd if config.n_inner is None else config.n_inner
+    qk = sum(n_head * _projection_macs(_resolve_head(variant, **geometry), 1, n_embd)
+             for variant, geometry in _gpt2_layers(config))
+    return qk + config.n_layer * (2 * n_embd * n_embd + 2 * n_embd * n_inner)
 
 
-def flops_per_token(config_like: Any, seq_len: int, *, causal: bool = True, training: bool = True,
+def flops_per_token(config: Any, seq_len: int, *, causal: bool = True, training: bool = True,
                     params_nonembedding: Optional[int] = None) -> float:
-    """Whole-model FLOPs per token (FLOPs = 2 x MACs), batch-size independent, at sequence length ``seq_len``.
+    """Whole-model FLOPs per token of a ``StructAttnGPT2Config`` decoder (FLOPs = 2 x MACs), batch-size
+    independent, at sequence length ``seq_len``.
 
-    ``forward = 2 * N + 2 * n_layer * n_head * (score_macs + pv_macs) / T`` and ``training = 3 * forward``
+    ``forward = 2 * N + 2 * n_head * sum_layers (score_macs + pv_macs) / T`` and ``training = 3 * forward``
     (backward ~ 2x forward: the "6N" rule plus the attention terms), where N = ``params_nonembedding`` or
     :func:`nonembedding_matmul_params` (q/k projections of structured variants included there, so they are not
     counted twice), and the attention terms are the causal (by default) per-head counts averaged over the T
@@ -464,55 +433,13 @@ def flops_per_token(config_like: Any, seq_len: int, *, causal: bool = True, trai
     """
     check_int("seq_len", seq_len)
     if params_nonembedding is None:
-        params_nonembedding = sum(nonembedding_matmul_params(layer) for layer in _per_layer_configs(config_like))
+        params_nonembedding = nonembedding_matmul_params(config)
     check_int("params_nonembedding", params_nonembedding, minimum=0)
-    attention_flops = 0.0
-    for layer in _per_layer_configs(config_like):
-        variant, geometry, _ = _config_geometry(layer)
-        macs = (score_macs(variant, seq_len, causal=causal, **geometry)
-                + pv_macs(variant, seq_len, causal=causal, **geometry))
-        attention_flops += 2 * geometry["n_head"] * macs / seq_len
-    forward = 2 * params_nonembedding + attention_flops
+    attention_macs = sum(score_macs(variant, seq_len, causal=causal, **geometry)
+                         + pv_macs(variant, seq_len, causal=causal, **geometry)
+                         for variant, geometry in _gpt2_layers(config))
+    forward = 2 * params_nonembedding + 2 * config.n_head * attention_macs / seq_len
     return 3 * forward if training else forward
-
-
-class _LayerConfig(Mapping):
-    """One layer of a config: ``attention`` is that layer's variant and ``n_layer`` is 1."""
-
-    def __init__(self, config: Any, variant: str):
-        self._config, self._overrides = config, {"attention": variant, "n_layer": 1, "attention_layers": None}
-
-    def __getitem__(self, name):
-        if name in self._overrides:
-            return self._overrides[name]
-        absent = object()
-        value = _field(self._config, name, absent)
-        if value is absent:
-            raise KeyError(name)
-        return value
-
-    def get(self, name, default=None):
-        try:
-            return self[name]
-        except KeyError:
-            return default
-
-    def __iter__(self):
-        return iter(self._overrides)
-
-    def __len__(self):
-        return len(self._overrides)
-
-
-def _per_layer_configs(config_like: Any) -> list:
-    """One single-layer view per layer, following ``attention_layers`` (e.g. global + SWA stacks) when set."""
-    n_layer = check_int("n_layer", _field(config_like, "n_layer"))
-    variants = _field(config_like, "attention_layers", None)
-    if variants is None:
-        variants = [_field(config_like, "attention", "dense")] * n_layer
-    elif len(variants) != n_layer:
-        raise ValueError(f"attention_layers has {len(variants)} entries but n_layer={n_layer}")
-    return [_LayerConfig(config_like, variant) for variant in variants]
 
 
 @dataclass(frozen=True)
@@ -587,50 +514,45 @@ def _ratio_text(value: float, reference: float) -> str:
     return f"{value / reference:.4f}" if reference else "n/a"
 
 
-def attention_cost_report(config_like: Any, *, causal: bool = True, dtype_bytes: Any = 2,
+def attention_cost_report(config: Any, *, causal: bool = True, dtype_bytes: Any = 2,
                           context_len: Optional[int] = None) -> AttentionCostReport:
-    """Attention FLOPs and cache bytes of a GPT-2-style config (dict or object with attributes), whole model.
+    """Attention FLOPs and cache bytes of a ``StructAttnGPT2Config`` model, whole model, against the same model
+    with dense attention.
 
-    Reads ``attention``, ``n_embd``, ``n_head``, ``n_positions``, ``n_layer``, ``mlr_ranks``, ``mlr_block_sizes``
-    (None: dyadic ``n_positions / 2^(l-1)``), ``bilinear_mlr_ranks``, ``btt_rank``, ``btt_factors`` (None: the
-    balanced split of :func:`default_btt_factors`), ``sliding_window``, and ``attention_layers`` (per-layer
-    variants; the report's ``variant`` then lists them, ``key_width``/``value_dim`` stay those of ``attention``).
-    ``context_len`` defaults to n_positions.
-    Invalid fields raise ``ValueError`` naming the config field.
+    Counts every layer as built: ``attention`` or the per-layer ``attention_layers`` (the report's ``variant``
+    then lists them; ``key_width``/``value_dim`` stay those of ``attention``), MLR blocks from
+    ``mlr_block_sizes`` or the dyadic defaults of ``n_positions``, BTT factors from ``btt_factors`` or the
+    balanced split of :func:`default_btt_factors`. ``context_len`` defaults to n_positions.
     """
-    variant, geometry, dense_geometry = _config_geometry(config_like)
-    n_layer = check_int("n_layer", _field(config_like, "n_layer"))
-    n_positions = check_int("n_positions", _field(config_like, "n_positions"))
-    context = n_positions if context_len is None else check_int("context_len", context_len)
-    n_head = geometry["n_head"]
+    context = config.n_positions if context_len is None else check_int("context_len", context_len)
+    n_head = config.n_head
     item = _dtype_bytes(dtype_bytes)
     per_token = 2 * n_head / context  # MACs of one head over the pass -> one layer's FLOPs per token
 
-    def layer_costs(name: str, geo: dict) -> tuple:
+    def layer_costs(variant: str, geometry: dict) -> tuple:
         """(score, PV, q/k projection FLOPs per token, key cache bytes, KV cache bytes) of one layer."""
-        h = _head_of(name, geo)
-        keys = key_cache_elements(h.variant, context, list(h.ranks) or None, list(h.block_sizes) or None,
-                                  h.key_width if h.variant in ("dense", "swa") else None, window=h.window,
-                                  n_embd=h.n_embd)
-        values = value_cache_elements(h.variant, context, window=h.window, value_dim=h.value_dim)
-        return (score_macs(name, context, causal=causal, **geo) * per_token,
-                pv_macs(name, context, causal=causal, **geo) * per_token,
-                2 * n_head * qk_projection_macs(name, 1, **geo),
+        head = _resolve_head(variant, **geometry)
+        keys = key_cache_elements(variant, context, list(head.ranks) or None, list(head.block_sizes) or None,
+                                  head.key_width if variant in ("dense", "swa") else None, window=head.window,
+                                  n_embd=head.n_embd)
+        values = value_cache_elements(variant, context, window=head.window, value_dim=head.value_dim)
+        return (score_macs(variant, context, causal=causal, **geometry) * per_token,
+                pv_macs(variant, context, causal=causal, **geometry) * per_token,
+                2 * n_head * qk_projection_macs(variant, 1, **geometry),
                 keys * n_head * item, (keys + values) * n_head * item)
 
-    # layer by layer, so that mixed stacks (``attention_layers``, e.g. global + SWA) are counted as built
-    layers = [_config_geometry(layer)[:2] for layer in _per_layer_configs(config_like)]
+    layers = _gpt2_layers(config)
     score, pv, projection, keys, kv = (sum(values) for values in zip(*(layer_costs(*layer) for layer in layers)))
     dense_score, dense_pv, dense_projection, dense_keys, dense_kv = (
-        n_layer * value for value in layer_costs("dense", dense_geometry))
-    names = [name for name, _ in layers]
-    head = _head_of(variant, geometry)
+        config.n_layer * value for value in layer_costs("dense", _gpt2_layer_geometry(config, "dense")))
+    names = [variant for variant, _ in layers]
+    head = _resolve_head(config.attention, **_gpt2_layer_geometry(config, config.attention))
     return AttentionCostReport(
-        variant=variant if len(set(names)) == 1 else "|".join(names), context_len=context, causal=causal,
-        n_layer=n_layer, n_head=n_head, key_width=head.key_width, value_dim=head.value_dim, dtype_bytes=item,
-        score_flops_per_token=score, pv_flops_per_token=pv, qk_projection_flops_per_token=projection,
-        dense_score_flops_per_token=dense_score, dense_pv_flops_per_token=dense_pv,
-        dense_qk_projection_flops_per_token=dense_projection,
+        variant=config.attention if len(set(names)) == 1 else "|".join(names), context_len=context, causal=causal,
+        n_layer=config.n_layer, n_head=n_head, key_width=head.key_width, value_dim=head.value_dim,
+        dtype_bytes=item, score_flops_per_token=score, pv_flops_per_token=pv,
+        qk_projection_flops_per_token=projection, dense_score_flops_per_token=dense_score,
+        dense_pv_flops_per_token=dense_pv, dense_qk_projection_flops_per_token=dense_projection,
         score_ratio=score / dense_score, attention_ratio=(score + pv) / (dense_score + dense_pv),
         key_cache_bytes=keys, kv_cache_bytes=kv, dense_key_cache_bytes=dense_keys, dense_kv_cache_bytes=dense_kv,
         key_cache_ratio=keys / dense_keys, kv_cache_ratio=kv / dense_kv,
@@ -640,38 +562,23 @@ def attention_cost_report(config_like: Any, *, causal: bool = True, dtype_bytes:
 # --------------------------------------------------------------------------------------- encoder-decoder (T5)
 
 
-_T5_ROLES = (("encoder_self", "encoder_attention"), ("decoder_self", "decoder_attention"),
-             ("cross", "cross_attention"))
+_T5_ROLE_FIELDS = {"encoder_self": "encoder_attention", "decoder_self": "decoder_attention",
+                   "cross": "cross_attention"}
 
 
 def _t5_role_geometry(config: Any, role: str) -> tuple[str, dict]:
-    """(variant, geometry) of a T5 attention role: a stock ``T5Config`` is dense everywhere."""
-    field = dict(_T5_ROLES)[role]
-    variant = _check_variant(_field(config, field, "dense"), field)
-    n_embd = check_int("d_model", _field(config, "d_model"))
-    n_head = check_int("num_heads", _field(config, "num_heads"))
-    d_kv = check_int("d_kv", _field(config, "d_kv"))
-    names = {"ranks": "mlr_ranks", "block_sizes": "mlr_block_sizes", "n_positions": "mlr_max_length",
-             "head_dim": "d_kv", "n_embd": "d_model", "n_head": "num_heads", "btt_rank": "btt_rank",
-             "btt_factors": "btt_factors", "variant": field}
-    if variant == "dense":
-        geometry = {"head_dim": d_kv}
-    elif variant == "mlr":
-        geometry = {"head_dim": d_kv, "ranks": _field(config, "mlr_ranks", None),
-                    "block_sizes": _field(config, "mlr_block_sizes", None),
-                    "n_positions": _field(config, "mlr_max_length", 512)}
-    elif variant == "bilinear_mlr":
-        geometry = {"n_embd": n_embd, "n_head": n_head, "value_dim": d_kv,
-                    "ranks": _field(config, "bilinear_mlr_ranks", None)}
-        names["ranks"] = "bilinear_mlr_ranks"
-    elif variant == "bilinear_btt":
-        geometry = {"n_embd": n_embd, "n_head": n_head, "value_dim": d_kv,
-                    "btt_rank": _field(config, "btt_rank", 1), "btt_factors": _field(config, "btt_factors", None)}
-    else:
-        raise ValueError(f"{field}={variant!r} is not a T5 attention variant")
-    geometry["fields"] = names
-    _resolve_head(variant, **geometry)
-    return variant, geometry
+    """(variant, geometry) of a T5 attention role; a stock ``T5Config`` has no role fields: dense everywhere."""
+    variant = getattr(config, _T5_ROLE_FIELDS[role], "dense")
+    if variant == "mlr":
+        return variant, {"head_dim": config.d_kv, "ranks": config.mlr_ranks,
+                         "block_sizes": config.resolved_mlr_block_sizes}
+    if variant == "bilinear_mlr":
+        return variant, {"n_embd": config.d_model, "n_head": config.num_heads, "value_dim": config.d_kv,
+                         "ranks": config.bilinear_mlr_ranks}
+    if variant == "bilinear_btt":
+        return variant, {"n_embd": config.d_model, "n_head": config.num_heads, "value_dim": config.d_kv,
+                         "btt_rank": config.btt_rank, "btt_factors": config.btt_factors}
+    return variant, {"head_dim": config.d_kv}
 
 
 def _t5_score_pv_macs(variant: str, geometry: dict, query_len: int, key_len: int, causal: bool) -> int:
@@ -698,33 +605,22 @@ def encoder_decoder_flops(config: Any, encoder_len: int, decoder_len: int, *, tr
     """
     encoder_len = check_int("encoder_len", encoder_len)
     decoder_len = check_int("decoder_len", decoder_len)
-    d_model = check_int("d_model", _field(config, "d_model"))
-    num_heads = check_int("num_heads", _field(config, "num_heads"))
-    d_kv = check_int("d_kv", _field(config, "d_kv"))
-    d_ff = check_int("d_ff", _field(config, "d_ff"))
-    vocab = check_int("vocab_size", _field(config, "vocab_size"))
-    num_layers = check_int("num_layers", _field(config, "num_layers"))
-    num_decoder_layers = _field(config, "num_decoder_layers", None)
-    num_decoder_layers = num_layers if num_decoder_layers is None else check_int("num_decoder_layers",
-                                                                                  num_decoder_layers)
-    gated = str(_field(config, "feed_forward_proj", "relu")).startswith("gated")
-    inner = num_heads * d_kv
-    ffn = (3 if gated else 2) * d_model * d_ff
+    d_model, inner = config.d_model, config.num_heads * config.d_kv
+    ffn = (3 if config.is_gated_act else 2) * d_model * config.d_ff
 
     def role_macs(role: str, query_len: int, key_len: int, causal: bool) -> int:
         variant, geometry = _t5_role_geometry(config, role)
-        head = _resolve_head(variant, **geometry)
         if variant in ("dense", "mlr"):
             qk = (query_len + key_len) * d_model * inner  # q of the queries, k of the keys (cross: decoder/encoder)
         else:
-            qk = num_heads * _projection_macs(head, query_len, d_model)
+            qk = config.num_heads * _projection_macs(_resolve_head(variant, **geometry), query_len, d_model)
         vo = key_len * d_model * inner + query_len * inner * d_model
-        return qk + vo + num_heads * _t5_score_pv_macs(variant, geometry, query_len, key_len, causal)
+        return qk + vo + config.num_heads * _t5_score_pv_macs(variant, geometry, query_len, key_len, causal)
 
-    encoder = num_layers * (role_macs("encoder_self", encoder_len, encoder_len, False) + encoder_len * ffn)
-    decoder = num_decoder_layers * (role_macs("decoder_self", decoder_len, decoder_len, True)
-                                    + role_macs("cross", decoder_len, encoder_len, False) + decoder_len * ffn)
-    forward = 2.0 * (encoder + decoder + decoder_len * d_model * vocab)
+    encoder = config.num_layers * (role_macs("encoder_self", encoder_len, encoder_len, False) + encoder_len * ffn)
+    decoder = config.num_decoder_layers * (role_macs("decoder_self", decoder_len, decoder_len, True)
+                                           + role_macs("cross", decoder_len, encoder_len, False) + decoder_len * ffn)
+    forward = 2.0 * (encoder + decoder + decoder_len * d_model * config.vocab_size)
     return 3.0 * forward if training else forward
 
 
@@ -732,8 +628,9 @@ def encoder_decoder_flops(config: Any, encoder_len: int, decoder_len: int, *, tr
 
 
 def decoder_cache_report(config: Any, context_len: int, *, dtype_bytes: Any = 2) -> dict:
-    """Key / KV cache bytes of a transformers decoder patched by ``hf_structattn.patch`` (an ``MLR<Arch>Config``
-    or any config with ``mlr_ranks``), for one sequence of ``context_len`` = T tokens, whole model.
+    """Key / KV cache bytes of a transformers decoder patched by ``hf_structattn.patch`` (its ``MLR<Arch>Config``:
+    ``mlr_ranks``, ``mlr_block_sizes`` and ``mlr_layers`` set and checked by the patcher), for one sequence of
+    ``context_len`` = T tokens, whole model.
 
     MLR layers (``mlr_layers``, None = all) hold :func:`key_cache_elements` ``("mlr", T, ...)`` per KV head
     (level 1 every key, level l >= 2 the current block); the other layers keep full keys, ``min(T, w)`` of them
@@ -742,28 +639,25 @@ def decoder_cache_report(config: Any, context_len: int, *, dtype_bytes: Any = 2)
     Returns ``key_cache_bytes``, ``dense_key_cache_bytes``, ``key_cache_ratio``, ``kv_cache_bytes``,
     ``dense_kv_cache_bytes``, ``kv_cache_ratio``.
     """
+    from .modeling.structattn_decoder import is_mlr_layer, layer_ranks  # the patched models' own reading
+
     context = check_int("context_len", context_len, minimum=0)
     item = _dtype_bytes(dtype_bytes)
-    n_layer = check_int("num_hidden_layers", _field(config, "num_hidden_layers"))
-    n_head = check_int("num_attention_heads", _field(config, "num_attention_heads"))
-    kv_heads = check_int("num_key_value_heads", _field(config, "num_key_value_heads", None) or n_head)
-    head_dim = _field(config, "head_dim", None) or check_int("hidden_size", _field(config, "hidden_size")) // n_head
-    ranks = check_ranks(_field(config, "mlr_ranks"), "mlr_ranks")
-    block_sizes = check_block_sizes(_field(config, "mlr_block_sizes"), len(ranks), "mlr_block_sizes", "mlr_ranks")
-    if sum(ranks) != head_dim:
-        raise ValueError(f"mlr_ranks={ranks} sums to {sum(ranks)}, but the head dim is {head_dim}")
-    mlr_layers = _field(config, "mlr_layers", None)
-    layer_types = _field(config, "layer_types", None)
-    window = _field(config, "sliding_window", None)
+    n_head = config.num_attention_heads
+    # architecture-dependent fields: not every transformers decoder config has them
+    kv_heads = getattr(config, "num_key_value_heads", None) or n_head
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_head
+    layer_types = getattr(config, "layer_types", None)
+    window = getattr(config, "sliding_window", None)
+    mlr_keys = key_cache_elements("mlr", context, *layer_ranks(config), head_dim)
     keys = dense_keys = values = 0
-    for layer in range(n_layer):
+    for layer in range(config.num_hidden_layers):
         sliding = (layer_types[layer] != "full_attention") if layer_types is not None else window is not None
         held = min(context, window) if sliding and window is not None else context
         full = held * head_dim
         values += full
         dense_keys += full
-        is_mlr = mlr_layers is None or layer in mlr_layers
-        keys += key_cache_elements("mlr", context, ranks, block_sizes) if is_mlr else full
+        keys += mlr_keys if is_mlr_layer(config, layer) else full
     keys, dense_keys, values = (kv_heads * item * count for count in (keys, dense_keys, values))
     return {"key_cache_bytes": keys, "dense_key_cache_bytes": dense_keys,
             "key_cache_ratio": keys / dense_keys if dense_keys else 1.0,

@@ -50,8 +50,8 @@ def count_params(run: Path):
 
 def corrected_flops_per_token(run: Path, logged):
     """Runs made before ``flops_per_token`` counted ``attention_layers`` logged a global+SWA stack as SWA in every
-    layer. Recount per layer (the non-attention terms are equal for dense and swa layers, so the mixed model's
-    FLOPs/token is the mean over layers of the single-variant counts); for newer runs this equals the logged value."""
+    layer. Recount them with the current count, which follows ``attention_layers`` layer by layer; for newer runs
+    this equals the logged value."""
     cfg_path = run / "config.json"
     if logged is None or not cfg_path.exists():
         return logged
@@ -59,10 +59,9 @@ def corrected_flops_per_token(run: Path, logged):
     layers = cfg.get("attention_layers")
     if not layers:
         return logged
+    from hf_structattn import StructAttnGPT2Config
     from hf_structattn.flops import flops_per_token
-    seq_len = cfg["n_positions"]
-    per = [flops_per_token(dict(cfg, attention=v, attention_layers=None), seq_len, training=True) for v in layers]
-    return sum(per) / len(per)
+    return flops_per_token(StructAttnGPT2Config.from_dict(cfg), cfg["n_positions"], training=True)
 
 
 def reeval(run: Path, n_windows: int):

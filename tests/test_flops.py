@@ -1,9 +1,10 @@
 """FLOP / cache accounting checked against hand-computed numbers and independent brute-force pair loops."""
 
-from types import SimpleNamespace
-
 import pytest
 import torch
+from transformers import T5Config
+
+from hf_structattn import StructAttnGPT2Config, StructAttnT5Config
 
 from hf_structattn.flops import (
     attention_cost_report,
@@ -226,12 +227,11 @@ def test_bilinear_btt_unbalanced_factors():
 # ------------------------------------------------------------------------------------------- config level
 
 
-GPT2_MLR = dict(attention="mlr", n_embd=512, n_head=8, n_positions=1024, n_layer=2, mlr_ranks=PAPER_RANKS,
-                mlr_block_sizes=None, bilinear_mlr_ranks=None, btt_rank=None, btt_factors=None, sliding_window=None)
+GPT2_MLR = dict(attention="mlr", n_embd=512, n_head=8, n_positions=1024, n_layer=2, mlr_ranks=PAPER_RANKS)
 
 
 def test_report_mlr_paper_config():
-    report = attention_cost_report(GPT2_MLR, causal=False)
+    report = attention_cost_report(StructAttnGPT2Config(**GPT2_MLR), causal=False)
     assert report.score_ratio == pytest.approx(0.60083, abs=1e-5)
     assert report.attention_ratio == pytest.approx((38.453125 + 64) / 128)
     assert report.key_cache_ratio == pytest.approx(0.60083, abs=1e-5)
@@ -242,29 +242,30 @@ def test_report_mlr_paper_config():
     # 39376 key entries per head-layer, 16 head-layers, 2 bytes
     assert report.key_cache_bytes == 39_376 * 16 * 2
     assert report.dense_kv_cache_bytes == 131_072 * 16 * 2
-    causal = attention_cost_report(SimpleNamespace(**GPT2_MLR))
+    causal = attention_cost_report(StructAttnGPT2Config(**GPT2_MLR))
     assert causal.causal and causal.score_ratio == pytest.approx(39_440 / 65_600)
     text = str(causal)
     assert "mlr" in text and "0.6012" in text and "FLOPs = 2 x MACs" in text
 
 
 def test_report_other_variants():
-    base = dict(GPT2_MLR, n_embd=16, n_head=2, n_positions=8, n_layer=1)
-    swa = attention_cost_report(dict(base, attention="swa", sliding_window=4), causal=True)
+    base = dict(n_embd=16, n_head=2, n_positions=8, n_layer=1)
+    swa = attention_cost_report(StructAttnGPT2Config(**base, attention="swa", sliding_window=4), causal=True)
     # T = 8, w = 4: causal pairs 1+2+3+4*5 = 26 vs 36; cache 4 vs 8 positions
     assert swa.score_ratio == pytest.approx(26 / 36)
     assert swa.kv_cache_ratio == pytest.approx(0.5)
-    btt = attention_cost_report(dict(base, attention="bilinear_btt", btt_rank=1), causal=False)
+    btt = attention_cost_report(StructAttnGPT2Config(**base, attention="bilinear_btt", btt_rank=1), causal=False)
     assert btt.score_ratio == pytest.approx(16 / 8)  # key width D = 16 vs head dim 8
     assert btt.key_cache_ratio == pytest.approx(2.0)
     assert btt.kv_cache_ratio == pytest.approx((16 + 8) / 16)
-    bmlr = attention_cost_report(dict(base, attention="bilinear_mlr", bilinear_mlr_ranks=[2, 1, 1]), causal=False)
+    bmlr = attention_cost_report(StructAttnGPT2Config(**base, attention="bilinear_mlr", bilinear_mlr_ranks=[2, 1, 1]),
+                                 causal=False)
     assert bmlr.score_ratio == pytest.approx(8 / 8)
     assert bmlr.key_width == 8 and bmlr.value_dim == 8
 
 
 def test_flops_per_token_dense_by_hand():
-    config = dict(attention="dense", n_embd=8, n_head=2, n_positions=4, n_layer=1)
+    config = StructAttnGPT2Config(attention="dense", n_embd=8, n_head=2, n_positions=4, n_layer=1)
     # matmul params: q,k 2*64 + v,o 2*64 + MLP 2*8*32 = 768
     assert nonembedding_matmul_params(config) == 768
     # causal T=4: 10 pairs * head dim 4 for scores and again for PV = 80 MACs per head, 2 heads, / 4 tokens, x2
@@ -275,8 +276,8 @@ def test_flops_per_token_dense_by_hand():
 
 
 def test_nonembedding_params_btt():
-    config = dict(attention="bilinear_btt", n_embd=16, n_head=2, n_positions=8, n_layer=1, btt_rank=1,
-                  btt_factors=(4, 4, 4, 4))
+    config = StructAttnGPT2Config(attention="bilinear_btt", n_embd=16, n_head=2, n_positions=8, n_layer=1, btt_rank=1,
+                                  btt_factors=[4, 4, 4, 4])
     # key factors 2 heads * (64 + 64); v,o 2*256; MLP 2*16*64
     assert nonembedding_matmul_params(config) == 256 + 512 + 2048
 
@@ -316,11 +317,12 @@ def test_invalid_inputs_name_the_field(call, field):
     (dict(attention="swa"), "sliding_window"),
     (dict(attention="swa", sliding_window=-2), "sliding_window"),
     (dict(attention="bilinear_mlr"), "bilinear_mlr_ranks"),
-    (dict(attention="bilinear_btt", btt_rank=1, btt_factors=(16, 32, 32, 17)), "btt_factors"),
+    (dict(attention="bilinear_btt", btt_rank=1, btt_factors=[16, 32, 32, 17]), "btt_factors"),
 ])
-def test_invalid_config_names_the_config_field(override, field):
+def test_invalid_config_is_refused_when_built_naming_the_field(override, field):
+    """The counts take validated configs: the config itself refuses a geometry the counts could not use."""
     with pytest.raises(ValueError, match=field):
-        attention_cost_report(dict(GPT2_MLR, **override))
+        StructAttnGPT2Config(**dict(GPT2_MLR, **override))
 
 
 def test_mixed_stacks_are_counted_layer_by_layer():
@@ -328,14 +330,16 @@ def test_mixed_stacks_are_counted_layer_by_layer():
     from hf_structattn.flops import flops_per_token
 
     base = dict(vocab_size=257, n_positions=1024, n_embd=128, n_head=2, n_layer=6, sliding_window=128)
-    dense = flops_per_token(dict(base, attention="dense"), 1024)
-    swa = flops_per_token(dict(base, attention="swa"), 1024)
-    mixed = flops_per_token(dict(base, attention="dense", attention_layers=["dense", "swa", "swa", "dense", "swa",
-                                                                           "swa"]), 1024)
+    dense = flops_per_token(StructAttnGPT2Config(**base, attention="dense"), 1024)
+    swa = flops_per_token(StructAttnGPT2Config(**base, attention="swa"), 1024)
+    mixed_config = StructAttnGPT2Config(**base, attention="dense",
+                                        attention_layers=["dense", "swa", "swa", "dense", "swa", "swa"])
+    mixed = flops_per_token(mixed_config, 1024)
     assert swa < dense
     assert mixed == pytest.approx((2 * dense + 4 * swa) / 6, rel=1e-12)
+    assert nonembedding_matmul_params(mixed_config) == nonembedding_matmul_params(StructAttnGPT2Config(**base))
     with pytest.raises(ValueError, match="attention_layers"):
-        flops_per_token(dict(base, attention="dense", attention_layers=["dense"]), 1024)
+        StructAttnGPT2Config(**base, attention="dense", attention_layers=["dense"])
 
 
 def _counted_forward_flops(model, encoder_len, decoder_len, bias_grad=False):
@@ -389,26 +393,31 @@ def test_encoder_decoder_flops_match_torch_flop_counter(encoder_len, decoder_len
     assert saving > 0 and expected - mlr_expected == saving
 
 
-def test_encoder_decoder_flops_name_bad_fields():
+def test_encoder_decoder_flops_name_bad_lengths_and_take_validated_configs():
     from hf_structattn.flops import encoder_decoder_flops
 
     base = dict(d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4, vocab_size=50)
     with pytest.raises(ValueError, match="encoder_len"):
-        encoder_decoder_flops(base, 0, 4)
+        encoder_decoder_flops(T5Config(**base), 0, 4)
+    with pytest.raises(ValueError, match="decoder_len"):
+        encoder_decoder_flops(StructAttnT5Config(**base), 8, -1)
+    # a stock T5Config is dense everywhere, like a StructAttnT5Config with the default roles
+    assert encoder_decoder_flops(T5Config(**base), 8, 4) == encoder_decoder_flops(StructAttnT5Config(**base), 8, 4)
+    # the config refuses what the counts could not use, naming the field
     with pytest.raises(ValueError, match="d_ff"):
-        encoder_decoder_flops(dict(base, d_ff=None), 8, 4)
+        StructAttnT5Config(**dict(base, d_ff=0))
     with pytest.raises(ValueError, match="encoder_attention"):
-        encoder_decoder_flops(dict(base, encoder_attention="sparse"), 8, 4)
+        StructAttnT5Config(**dict(base, encoder_attention="sparse"))
     with pytest.raises(ValueError, match="mlr_ranks"):
-        encoder_decoder_flops(dict(base, encoder_attention="mlr", mlr_ranks=[4, 2]), 8, 4)
+        StructAttnT5Config(**dict(base, encoder_attention="mlr", mlr_ranks=[4, 2]))
 
 
 def test_cost_report_of_a_mixed_stack_is_the_layer_weighted_mix():
     base = dict(vocab_size=257, n_positions=1024, n_embd=128, n_head=2, n_layer=6, sliding_window=128)
-    dense = attention_cost_report(dict(base, attention="dense"))
-    swa = attention_cost_report(dict(base, attention="swa"))
-    mixed = attention_cost_report(dict(base, attention="dense",
-                                       attention_layers=["dense", "swa", "swa", "dense", "swa", "swa"]))
+    dense = attention_cost_report(StructAttnGPT2Config(**base, attention="dense"))
+    swa = attention_cost_report(StructAttnGPT2Config(**base, attention="swa"))
+    mixed = attention_cost_report(StructAttnGPT2Config(**base, attention="dense",
+                                                       attention_layers=["dense", "swa", "swa", "dense", "swa", "swa"]))
     assert mixed.variant == "dense|swa|swa|dense|swa|swa"
     for field in ("score_flops_per_token", "pv_flops_per_token", "key_cache_bytes", "kv_cache_bytes"):
         assert getattr(mixed, field) == pytest.approx((2 * getattr(dense, field) + 4 * getattr(swa, field)) / 6,

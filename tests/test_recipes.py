@@ -543,6 +543,8 @@ def test_finetune_chronos_dense_baseline_keeps_stock_attention(tmp_path):
     """``--attention dense`` trains the unpatched T5 (experiment 3's baseline); FLOPs come from the saved config."""
     pytest.importorskip("chronos")
     pytest.importorskip("statsmodels")
+    from transformers import AutoConfig
+
     from hf_structattn.flops import encoder_decoder_flops
     from hf_structattn.training.chronos_ft import main
 
@@ -556,8 +558,10 @@ def test_finetune_chronos_dense_baseline_keeps_stock_attention(tmp_path):
     assert config["model_type"] == "t5" and "chronos_config" in config
     assert not any(key.startswith("patch_") for key in dense)
     window = (dense["context_length"] + 1, dense["prediction_length"] + 1)  # + EOS on both sides
-    assert dense["flops_per_window"] == encoder_decoder_flops(config, *window)
-    mlr_config = json.loads((tmp_path / "mlr" / "config.json").read_text())
+    # the counts take the configs the models are built from (a stock T5Config here, a StructAttnT5Config below)
+    assert dense["flops_per_window"] == encoder_decoder_flops(AutoConfig.from_pretrained(tmp_path / "dense"), *window)
+    mlr_config = AutoConfig.from_pretrained(tmp_path / "mlr")
+    assert type(mlr_config).__name__ == "StructAttnT5Config"
     assert mlr["flops_per_window"] == encoder_decoder_flops(mlr_config, *window) < dense["flops_per_window"]
     assert dense["training_flops"] == pytest.approx(2 * dense["tokens_per_step"] * dense["flops_per_token"])
 
