@@ -38,18 +38,15 @@ class HeadRank:
 
 def _queries_keys(attention, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden (N, D) -> query, key (H, N, E) of one ``StructAttnGPT2Attention`` with the logit scale in the query."""
-    if attention.variant in ("dense", "mlr", "swa"):
-        query, key, _ = attention.c_attn(hidden[None]).split(attention.embed_dim, -1)
-        query, key = attention._split_heads(query)[0], attention._split_heads(key)[0]
-        if attention.config.qk_layernorm:
-            query, key = attention.q_norm(query), attention.k_norm(key)
-        if attention.variant == "mlr":
-            scale = depth_scale_vector(attention.ranks, attention.level_scales, len(attention.ranks),
-                                       attention.config.mlr_average_levels, query.dtype, query.device)
-            return query * scale, key
+    query, key, _ = attention._query_key_value(hidden[None])  # bilinear: logit scales folded into the queries
+    query, key = query[0], key[0]
+    if attention.variant == "mlr":
+        scale = depth_scale_vector(attention.ranks, attention.level_scales, len(attention.ranks),
+                                   attention.config.mlr_average_levels, query.dtype, query.device)
+        return query * scale, key
+    if attention.variant in ("dense", "swa"):
         return query * attention.scaling, key
-    query, key = attention._bilinear_qk(hidden[None])
-    return query[0], key[0]
+    return query, key
 
 
 def _rank(matrix: torch.Tensor, rtol: float) -> int:

@@ -62,13 +62,9 @@ def mup_rules(model: nn.Module) -> dict[str, MupRule]:
     rules: dict[str, MupRule] = {}
     structured = {}
     for module_name, module in model.named_modules():
-        if isinstance(module, BilinearMLRProjection):
-            for index, weight in enumerate(module.weights):
-                structured[f"{module_name}.weights.{index}"] = MupRule(fan_in=weight.shape[1])
-        elif isinstance(module, BilinearBTTKeyProjection):
-            a, b, c, d = module.factors
-            structured[f"{module_name}.weight_r"] = MupRule(fan_in=d)
-            structured[f"{module_name}.weight_l"] = MupRule(fan_in=c * module.rank)
+        if isinstance(module, (BilinearMLRProjection, BilinearBTTKeyProjection)):  # the fan-ins their init uses
+            for name, fan_in in module.fan_ins().items():
+                structured[f"{module_name}.{name}"] = MupRule(fan_in=fan_in)
     seen = set()
     for name, param in model.named_parameters():
         if not param.requires_grad or id(param) in seen:

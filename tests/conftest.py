@@ -52,5 +52,14 @@ def tiny_lm(variant="mlr", seed=0, **overrides):
 
 
 @pytest.fixture
+def float64_default():
+    """float64 as the default dtype for one test (exactness checks at ~1e-12)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
+
+
+@pytest.fixture
 def tiny_model_factory():
     return tiny_lm

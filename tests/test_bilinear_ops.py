@@ -19,12 +19,7 @@ from hf_structattn.modeling.structattn_reference import (
 
 
 
-@pytest.fixture(autouse=True)
-def _float64_default():
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
+pytestmark = pytest.mark.usefixtures("float64_default")
 
 
 def _bilinear_mlr_scores(proj_q, proj_k, x, level_scales):

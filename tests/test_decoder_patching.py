@@ -2,6 +2,7 @@
 exactness in float64 against the stock models and the uncached forward, RoPE-pair levels, GQA, refusals."""
 
 import copy
+import json
 import re
 
 import pytest
@@ -395,6 +396,9 @@ def test_finetune_patched_recipe_reports_drift_and_recovers(tmp_path):
     assert type(source) is transformers.LlamaForCausalLM
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(saved)
     assert type(reloaded).__name__ == "MLRLlamaForCausalLM" and reloaded.config.mlr_block_sizes == [16, 4]
+    for folder in (saved, out / "source"):  # the saved tokenizers know the model's context, not a default
+        tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
+        assert tokenizer_config["model_max_length"] == reloaded.config.max_position_embeddings == 4096
     with pytest.raises(ValueError, match="--seq_len"):
         main(["--output_dir", str(tmp_path / "bad"), "--seq_len", "0"])
     with pytest.raises(ValueError, match="--overwrite_output_dir"):

@@ -244,6 +244,15 @@ def test_clm_outputs_and_exact_resume(tmp_path):
     assert str(tmp_path) not in card and "/tmp" not in card
 
 
+def test_clm_refuses_a_sample_longer_than_n_positions_before_training(tmp_path):
+    from hf_structattn.training.args import ConfigError
+
+    with pytest.raises(ConfigError, match=r"--sample_new_tokens 61 \+ the 4-token --sample_prompt exceeds "
+                                          r"n_positions=64"):
+        run_clm(tmp_path / "run", "--sample_new_tokens", 61)
+    assert not (tmp_path / "run").exists()
+
+
 def test_resume_from_an_earlier_checkpoint_replays_and_numbers_new_checkpoints_after_old_ones(tmp_path):
     full = run_clm(tmp_path / "full", "--checkpoint_every", 2, "--checkpoints_total_limit", 3,
                    "--sample_new_tokens", 0)

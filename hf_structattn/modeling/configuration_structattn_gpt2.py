@@ -6,9 +6,10 @@ from transformers import PreTrainedConfig
 # transformers' own re-export of huggingface_hub's `strict` keeps the payload's imports to torch/transformers
 from transformers.configuration_utils import strict
 
-from .structattn_bilinear import validate_bilinear_mlr, validate_btt
+from .structattn_bilinear import validate_bilinear_fields
 from .structattn_geometry import (
     MLR_SCALINGS,
+    StructAttnConfigMixin,
     check_int,
     default_block_sizes,
     is_positive_scale,
@@ -28,7 +29,7 @@ def check_attention_variant(value, field: str) -> None:
 
 
 @strict
-class StructAttnGPT2Config(PreTrainedConfig):
+class StructAttnGPT2Config(StructAttnConfigMixin, PreTrainedConfig):
     r"""GPT-2 architecture (same field names) whose attention is dense, MLR, bilinear MLR, bilinear BTT or SWA.
 
     Structured-attention fields:
@@ -113,12 +114,6 @@ class StructAttnGPT2Config(PreTrainedConfig):
         self._validate_structured_attention()  # a plain ValueError at construction
         super().__post_init__(**kwargs)
 
-    def validate_architecture(self):
-        """transformers' strict-config hook: runs at construction and again at ``save_pretrained``, so a field
-        changed after construction cannot be saved into an invalid config."""
-        super().validate_architecture()
-        self._validate_structured_attention()
-
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
@@ -187,12 +182,7 @@ class StructAttnGPT2Config(PreTrainedConfig):
             validate_mlr_geometry(ranks, self.resolved_mlr_block_sizes, self.head_dim, "mlr_ranks",
                                   "mlr_block_sizes")
             resolve_level_scales(ranks, self.mlr_scaling, "mlr_scaling")
-        if "bilinear_mlr" in variants:
-            validate_bilinear_mlr(self.n_embd, self.n_head, self.bilinear_mlr_ranks, hidden_field="n_embd")
-        if variants & {"bilinear_mlr", "bilinear_btt"} and self.bilinear_scaling not in MLR_SCALINGS:
-            raise ValueError(f"bilinear_scaling={self.bilinear_scaling!r} is not one of {MLR_SCALINGS}")
-        if "bilinear_btt" in variants:
-            validate_btt(self.n_embd, self.btt_factors, self.btt_rank, hidden_field="n_embd")
+        validate_bilinear_fields(self, variants, self.n_embd, self.n_head, hidden_field="n_embd")
         if "swa" in variants:
             check_int("sliding_window", self.sliding_window)
 

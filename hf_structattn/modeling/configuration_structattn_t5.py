@@ -6,9 +6,9 @@ from transformers import T5Config
 # transformers' own re-export of huggingface_hub's `strict` keeps the payload's imports to torch/transformers
 from transformers.configuration_utils import strict
 
-from .structattn_bilinear import validate_bilinear_mlr, validate_btt
+from .structattn_bilinear import validate_bilinear_fields
 from .structattn_geometry import (
-    MLR_SCALINGS,
+    StructAttnConfigMixin,
     default_block_sizes,
     resolve_level_scales,
     validate_config_numbers,
@@ -25,7 +25,7 @@ T5_STRUCTATTN_FIELDS = ("encoder_attention", "decoder_attention", "cross_attenti
 
 
 @strict
-class StructAttnT5Config(T5Config):
+class StructAttnT5Config(StructAttnConfigMixin, T5Config):
     r"""T5 architecture (same fields as ``transformers.T5Config``) whose attention is chosen per role.
 
     Structured-attention fields:
@@ -66,12 +66,6 @@ class StructAttnT5Config(T5Config):
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
         self._validate_structured_attention()  # a plain ValueError at construction
-
-    def validate_architecture(self):
-        """transformers' strict-config hook: runs at construction and again at ``save_pretrained``, so a field
-        changed after construction cannot be saved into an invalid config."""
-        super().validate_architecture()
-        self._validate_structured_attention()
 
     def role_attention(self, role: str) -> str:
         """Variant of ``role`` ("encoder_self", "decoder_self" or "cross")."""
@@ -133,14 +127,7 @@ class StructAttnT5Config(T5Config):
                     raise ValueError(f"mlr_block_sizes / mlr_max_length: {error}") from None
             validate_mlr_geometry(ranks, self.resolved_mlr_block_sizes, self.d_kv, "mlr_ranks", "mlr_block_sizes")
             resolve_level_scales(ranks, self.mlr_scaling, "mlr_scaling")
-        if "bilinear_mlr" in variants:
-            if self.bilinear_mlr_ranks is None:
-                raise ValueError("bilinear_mlr_ranks is required when an attention role is 'bilinear_mlr'")
-            validate_bilinear_mlr(self.d_model, self.num_heads, self.bilinear_mlr_ranks, hidden_field="d_model")
-        if variants & {"bilinear_mlr", "bilinear_btt"} and self.bilinear_scaling not in MLR_SCALINGS:
-            raise ValueError(f"bilinear_scaling={self.bilinear_scaling!r} is not one of {MLR_SCALINGS}")
-        if "bilinear_btt" in variants:
-            validate_btt(self.d_model, self.btt_factors, self.btt_rank, hidden_field="d_model")
+        validate_bilinear_fields(self, variants, self.d_model, self.num_heads, hidden_field="d_model")
 
 
 __all__ = ["StructAttnT5Config"]

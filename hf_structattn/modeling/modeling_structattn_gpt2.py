@@ -25,16 +25,12 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_structattn_gpt2 import StructAttnGPT2Config
-from .structattn_bilinear import (
-    BilinearBTTKeyProjection,
-    BilinearMLRProjection,
-    bilinear_level_scales,
-    default_btt_factors,
-)
-from .structattn_cache import StructAttnCache, cached_mlr_attention, structattn_generation_cache
+from .structattn_cache import StructAttnCache, cached_mlr_attention
 from .structattn_geometry import check_positions, keep_mask, mask_value, resolve_level_scales, softmax_dtype
 from .structattn_mlr import mlr_attention
 from .structattn_ops import fused_attention
+from .structattn_pretrained import StructAttnPreTrainedMixin
+from .structattn_qk import StructuredQueryKey, init_structured_query_key
 from .structattn_reference import allowed_pairs, masked_softmax, mlr_scores_reference
 
 
@@ -53,13 +49,6 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling=N
     return torch.matmul(weights, value).transpose(1, 2), weights
 
 
-def qk_norm_layer(config, width: int) -> nn.Module:
-    """The q/k normalisation of ``config.qk_norm`` over the last dim of size ``width``."""
-    if config.qk_norm == "rms":
-        return nn.RMSNorm(width, eps=config.layer_norm_epsilon)
-    return nn.LayerNorm(width, eps=config.layer_norm_epsilon)
-
-
 def dense_logit_scale(head_dim: int, scaling) -> float:
     """Logit multiplier of dense/SWA heads: 1/sqrt(r) ("standard"), 1/r ("mup", paper App. E) or a number."""
     if scaling == "standard":
@@ -76,8 +65,10 @@ GPT2_AUTO_MAP = {
 }
 
 
-class StructAttnGPT2Attention(nn.Module):
-    """One attention layer; the variant comes from ``config.layer_attention(layer_idx)``."""
+class StructAttnGPT2Attention(StructuredQueryKey):
+    """One attention layer; the variant comes from ``config.layer_attention(layer_idx)``. Dense, MLR and SWA take
+    q, k and v from GPT-2's fused ``c_attn``; the bilinear variants build their structured q/k
+    (``StructuredQueryKey``) and keep a value projection ``c_v``."""
 
     def __init__(self, config, layer_idx: int):
         super().__init__()
@@ -91,10 +82,15 @@ class StructAttnGPT2Attention(nn.Module):
         self.scaling = dense_logit_scale(self.head_dim, config.dense_scaling) if config.scale_attn_weights else 1.0
         if self.variant in ("dense", "mlr", "swa"):
             self.c_attn = Conv1D(3 * self.embed_dim, self.embed_dim)
-            if config.qk_layernorm:
-                self.q_norm, self.k_norm = qk_norm_layer(config, self.head_dim), qk_norm_layer(config, self.head_dim)
         else:
             self.c_v = Conv1D(self.embed_dim, self.embed_dim)
+        self.build_query_key(self.variant, self.embed_dim, self.num_heads, self.head_dim,
+                             bilinear_mlr_ranks=config.bilinear_mlr_ranks, btt_factors=config.btt_factors,
+                             btt_rank=config.btt_rank, bilinear_scaling=config.bilinear_scaling,
+                             bilinear_scale_constant=config.bilinear_scale_constant,
+                             rms_clamp=config.bilinear_weight_rms_clamp,
+                             qk_norm=config.qk_norm if config.qk_layernorm else None,
+                             norm_eps=config.layer_norm_epsilon)
         if self.variant == "mlr":
             self.ranks = config.resolved_mlr_ranks
             self.block_sizes = config.resolved_mlr_block_sizes
@@ -102,26 +98,6 @@ class StructAttnGPT2Attention(nn.Module):
             if scaling == "standard" and not config.scale_attn_weights:
                 scaling = 1.0
             self.level_scales = resolve_level_scales(self.ranks, scaling, "mlr_scaling")
-        elif self.variant == "bilinear_mlr":
-            ranks = list(config.bilinear_mlr_ranks)
-            clamp = config.bilinear_weight_rms_clamp
-            self.q_proj = BilinearMLRProjection(self.embed_dim, self.num_heads, ranks, rms_clamp=clamp)
-            self.k_proj = BilinearMLRProjection(self.embed_dim, self.num_heads, ranks, rms_clamp=clamp)
-            widths = self.q_proj.level_widths
-            self.level_scales = bilinear_level_scales(widths, config.bilinear_scaling, config.bilinear_scale_constant)
-            if config.qk_layernorm and config.qk_norm == "layernorm":  # per level (the paper's App. E form)
-                self.q_norms = nn.ModuleList(qk_norm_layer(config, w) for w in widths)
-                self.k_norms = nn.ModuleList(qk_norm_layer(config, w) for w in widths)
-            elif config.qk_layernorm:  # over the whole head: all levels together
-                self.q_norm, self.k_norm = qk_norm_layer(config, sum(widths)), qk_norm_layer(config, sum(widths))
-        elif self.variant == "bilinear_btt":
-            factors = config.btt_factors or default_btt_factors(self.embed_dim)
-            self.k_proj = BilinearBTTKeyProjection(self.embed_dim, self.num_heads, factors, config.btt_rank,
-                                                   rms_clamp=config.bilinear_weight_rms_clamp)
-            self.btt_scale = bilinear_level_scales([self.embed_dim], config.bilinear_scaling,
-                                                   config.bilinear_scale_constant)[0]
-            if config.qk_layernorm:
-                self.q_norm, self.k_norm = qk_norm_layer(config, self.embed_dim), qk_norm_layer(config, self.embed_dim)
         self.c_proj = Conv1D(self.embed_dim, self.embed_dim)
         self.attn_dropout = nn.Dropout(config.attn_pdrop)
         self.resid_dropout = nn.Dropout(config.resid_pdrop)
@@ -129,6 +105,16 @@ class StructAttnGPT2Attention(nn.Module):
     def _split_heads(self, x):
         """(B, T, H*d) -> (B, H, T, d)."""
         return x.view(*x.shape[:-1], self.num_heads, -1).transpose(1, 2)
+
+    def _query_key_value(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden_states (B, T, D) -> query, key (B, H, T, E) and value (B, H, T, r): dense/MLR/SWA slice GPT-2's
+        fused ``c_attn``; the bilinear variants fold their logit scales into the queries."""
+        if self.variant in ("dense", "mlr", "swa"):
+            query, key, value = (self._split_heads(t) for t in self.c_attn(hidden_states).split(self.embed_dim, -1))
+            query, key = self.query_key(hidden_states, projected=(query, key))
+            return query, key, value
+        query, key = self.query_key(hidden_states)
+        return query, key, self._split_heads(self.c_v(hidden_states))
 
     def forward(self, hidden_states: torch.Tensor, cache: Optional[Cache] = None, attention_masks=None,
                 padding_mask: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
@@ -142,17 +128,9 @@ class StructAttnGPT2Attention(nn.Module):
         batch, length, _ = hidden_states.shape
         dropout = self.attn_dropout.p if self.training else 0.0
         attention_masks = attention_masks or {}
-        if self.variant in ("dense", "mlr", "swa"):
-            query, key, value = (self._split_heads(t) for t in self.c_attn(hidden_states).split(self.embed_dim, -1))
-            if self.config.qk_layernorm:
-                query, key = self.q_norm(query), self.k_norm(key)
-        else:
-            value = self._split_heads(self.c_v(hidden_states))
-
+        query, key, value = self._query_key_value(hidden_states)
         if output_attentions:
-            output, probabilities = self._materialised(hidden_states, query if self.variant in ("dense", "mlr", "swa")
-                                                       else None, key if self.variant in ("dense", "mlr", "swa")
-                                                       else None, value, padding_mask, position_ids)
+            output, probabilities = self._materialised(hidden_states, query, key, value, padding_mask, position_ids)
             output = output.transpose(1, 2).reshape(batch, length, self.embed_dim)
             return self.resid_dropout(self.c_proj(output)), probabilities
         if self.variant == "mlr":
@@ -166,7 +144,6 @@ class StructAttnGPT2Attention(nn.Module):
             output, _ = interface(self, query, key, value, mask, dropout=dropout, scaling=self.scaling, **extra)
             output = output.transpose(1, 2)
         else:
-            query, key = self._bilinear_qk(hidden_states)
             if cache is not None:
                 key, value = cache.update(key, value, self.layer_idx)
             mask = attention_masks.get("full")
@@ -181,7 +158,8 @@ class StructAttnGPT2Attention(nn.Module):
 
     def _materialised(self, hidden_states, query, key, value, padding_mask, position_ids):
         """Uncached attention with the T x T probabilities materialised (the reference semantics of every variant;
-        slow, for ``output_attentions``). Returns (output (B, H, T, dv), probabilities (B, H, T, T))."""
+        slow, for ``output_attentions``); query, key from ``query_key``. Returns (output (B, H, T, dv),
+        probabilities (B, H, T, T))."""
         batch, length = hidden_states.shape[:2]
         positions = position_ids.expand(batch, length)
         if self.variant == "mlr":
@@ -191,32 +169,11 @@ class StructAttnGPT2Attention(nn.Module):
         elif self.variant in ("dense", "swa"):
             scores = (query @ key.transpose(-1, -2)) * self.scaling
         else:
-            query, key = self._bilinear_qk(hidden_states)  # logit scales folded into the queries
-            scores = query @ key.transpose(-1, -2)
+            scores = query @ key.transpose(-1, -2)  # logit scales folded into the queries
         window = self.config.sliding_window if self.variant == "swa" else None
         allowed = allowed_pairs(positions, positions, True, padding_mask, sliding_window=window)
         probabilities = masked_softmax(scores, allowed)
         return self.attn_dropout(probabilities).to(value.dtype) @ value, probabilities
-
-    def _bilinear_qk(self, hidden_states):
-        """Structured queries and keys (B, H, T, E) with the logit scale folded into the queries."""
-        if self.variant == "bilinear_mlr":
-            q_levels, k_levels = self.q_proj(hidden_states), self.k_proj(hidden_states)
-            if self.config.qk_layernorm and self.config.qk_norm == "layernorm":
-                q_levels = [norm(q) for norm, q in zip(self.q_norms, q_levels)]
-                k_levels = [norm(k) for norm, k in zip(self.k_norms, k_levels)]
-            elif self.config.qk_layernorm:
-                widths = self.q_proj.level_widths
-                q_levels = self.q_norm(torch.cat(q_levels, dim=-1)).split(widths, dim=-1)
-                k_levels = self.k_norm(torch.cat(k_levels, dim=-1)).split(widths, dim=-1)
-            query = torch.cat([scale * q for scale, q in zip(self.level_scales, q_levels)], dim=-1)
-            return query, torch.cat(k_levels, dim=-1)
-        query = hidden_states[:, None]
-        key = self.k_proj(hidden_states)
-        if self.config.qk_layernorm:
-            query, key = self.q_norm(query), self.k_norm(key)
-        query = (query * self.btt_scale).expand(-1, self.num_heads, -1, -1)
-        return query, key
 
     def _mlr(self, query, key, value, cache, padding_mask, position_ids, length, positions_are_arange=False):
         batch = query.shape[0]
@@ -266,7 +223,7 @@ class ZeroInitLinear(nn.Linear):
     """A linear layer that new models start at zero (the ICL read-out: E[(f_hat - f)^2] = 1 at init, paper §4)."""
 
 
-class StructAttnGPT2PreTrainedModel(PreTrainedModel):
+class StructAttnGPT2PreTrainedModel(StructAttnPreTrainedMixin, PreTrainedModel):
     config: StructAttnGPT2Config
     config_class = StructAttnGPT2Config
     base_model_prefix = "transformer"
@@ -280,13 +237,11 @@ class StructAttnGPT2PreTrainedModel(PreTrainedModel):
                            "attentions": OutputRecorder(StructAttnGPT2Attention, index=1)}
     _keys_to_ignore_on_load_unexpected = [r"attn\.bias", r"attn\.masked_bias"]
 
-    def post_init(self):
-        # remote loading needs every Auto class in config.json, not only the class being saved
-        self.config.auto_map = dict(GPT2_AUTO_MAP)
-        super().post_init()
+    structattn_auto_map = GPT2_AUTO_MAP
 
     def _init_weights(self, module):
         super()._init_weights(module)
+        init_structured_query_key(module)
         std = self.config.initializer_range
         if isinstance(module, Conv1D):
             init.normal_(module.weight, mean=0.0, std=std)
@@ -295,13 +250,6 @@ class StructAttnGPT2PreTrainedModel(PreTrainedModel):
         if isinstance(module, (StructAttnGPT2Attention, StructAttnGPT2MLP)):
             # GPT-2's scaled init of the residual projections (1/sqrt(2 * n_layer))
             init.normal_(module.c_proj.weight, mean=0.0, std=std / math.sqrt(2 * self.config.n_layer))
-        if isinstance(module, BilinearMLRProjection):
-            for weight in module.weights:  # fan-in init of each chunk projection (paper App. E)
-                init.normal_(weight, mean=0.0, std=weight.shape[1] ** -0.5)
-        if isinstance(module, BilinearBTTKeyProjection):
-            a, b, c, d = module.factors
-            init.normal_(module.weight_r, mean=0.0, std=d ** -0.5)
-            init.normal_(module.weight_l, mean=0.0, std=(c * module.rank) ** -0.5)
         if isinstance(module, nn.RMSNorm):
             init.ones_(module.weight)
         if isinstance(module, ZeroInitLinear):
@@ -418,21 +366,22 @@ class StructAttnGPT2LMHeadModel(StructAttnGPT2PreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.post_init()
 
-    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
-                                      max_cache_length):
-        # generate() would build a plain DynamicCache / StaticCache; MLR layers need their hierarchical key cache
-        cache = structattn_generation_cache(self.transformer.new_cache, generation_config, model_kwargs,
-                                            max_cache_length)
-        if cache is not None:
-            model_kwargs["cache"] = cache
-            return
-        return super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, batch_size,
-                                                     max_cache_length)
+    def new_cache(self, max_cache_len: Optional[int] = None) -> StructAttnCache:
+        """The empty cache ``generate()`` fills (see ``StructAttnGPT2Model.new_cache``)."""
+        return self.transformer.new_cache(max_cache_len)
 
-    def create_masks_for_generate(self, config, inputs_embeds, attention_mask, cache, position_ids, **kwargs):
-        # generate() turns the 2-D padding mask into 4-D masks for fixed-shape caches; the model builds the masks
-        # each variant needs itself (MLR reads the 2-D padding flags), so keep the 2-D mask
-        return attention_mask
+    def _validate_generated_length(self, generation_config, input_ids_length, has_default_max_length):
+        # refuse before any forward a request that would run past the learned position embeddings (the forward
+        # would otherwise fail at the first position >= n_positions, after the prompt and part of the output)
+        super()._validate_generated_length(generation_config, input_ids_length, has_default_max_length)
+        limit = self.config.n_positions
+        if generation_config.max_length > limit:
+            asked = f"max_new_tokens={generation_config.max_new_tokens}" \
+                if generation_config.max_new_tokens is not None else f"max_length={generation_config.max_length}"
+            raise ValueError(f"generate: prompt length {input_ids_length} + {asked} reaches "
+                             f"{generation_config.max_length} tokens, beyond n_positions={limit} (this model has "
+                             f"learned position embeddings for positions < {limit}); ask for at most "
+                             f"{max(limit - input_ids_length, 0)} new tokens")
 
     @can_return_tuple
     def forward(self, input_ids: Optional[torch.LongTensor] = None, cache: Optional[Cache] = None,

@@ -1,44 +1,37 @@
 """T5-style encoder-decoder models whose encoder self-, decoder self- and cross-attention are each dense, MLR,
 bilinear MLR or bilinear BTT.
 
-The models reuse transformers' T5 blocks, stacks and forwards (relative position bias computed in block 0 and
-shared, no 1/sqrt(d) scaling, T5 initialisation, gated / non-gated feed-forward); only the attention modules of
-non-dense roles are replaced by ``StructAttnT5Attention``, which adopts T5's ``q, k, v, o`` and
-``relative_attention_bias`` submodules. State-dict names therefore stay those of ``transformers.T5*``
+The models are built by transformers' own T5 ``__init__`` and reuse its blocks, stacks and forwards (relative
+position bias computed in block 0 and shared, no 1/sqrt(d) scaling, T5 initialisation, gated / non-gated
+feed-forward); ``post_init`` then replaces the attention modules of non-dense roles by ``StructAttnT5Attention``,
+which adopts T5's ``q, k, v, o`` and ``relative_attention_bias`` submodules. State-dict names therefore stay those of ``transformers.T5*``
 (``encoder.block.{i}.layer.0.SelfAttention.q`` ...), so a T5 checkpoint loads unchanged into a dense or MLR model.
 The same module is what ``hf_structattn.patch`` installs into a Chronos-Bolt model in place.
 """
 
-import copy
 from typing import Optional
 
 import torch
 from torch import nn
-from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 from transformers.models.t5.modeling_t5 import (
     T5Attention,
-    T5Block,
     T5EncoderModel,
     T5ForConditionalGeneration,
-    T5LayerNorm,
     T5Model,
     T5PreTrainedModel,
     T5Stack,
 )
+from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
 
 from .configuration_structattn_t5 import StructAttnT5Config
-from .structattn_bilinear import (
-    BilinearBTTKeyProjection,
-    BilinearMLRProjection,
-    bilinear_level_scales,
-    default_btt_factors,
-)
-from .structattn_cache import StructAttnCache, cached_mlr_attention, structattn_generation_cache
+from .structattn_cache import StructAttnCache, cached_mlr_attention
 from .structattn_geometry import keep_mask, mask_value
 from .structattn_mlr import mlr_attention
 from .structattn_ops import fused_attention
+from .structattn_pretrained import StructAttnPreTrainedMixin
+from .structattn_qk import StructuredQueryKey, init_structured_query_key
 from .structattn_reference import allowed_pairs, masked_softmax, mlr_scores_reference
 
 T5_AUTO_MAP = {
@@ -63,13 +56,14 @@ def key_validity_from_mask(mask: Optional[torch.Tensor], batch: int, key_length:
     return valid.expand(batch, key_length)
 
 
-
-class StructAttnT5Attention(nn.Module):
+class StructAttnT5Attention(StructuredQueryKey):
     """Drop-in replacement of one ``T5Attention`` (same forward signature and 3-tuple result).
 
     Built from the T5Attention it replaces: it adopts ``v``, ``o`` and ``relative_attention_bias`` (and ``q``,
-    ``k`` for MLR) as the same module objects, so the parameter names and values do not change. ``spec`` is a
-    plain dict from ``StructAttnT5Config.attention_spec(role)``.
+    ``k`` for MLR) as the same module objects, so the parameter names and values do not change, and its
+    initialisation state (transformers' ``_is_hf_initialized``): weight init then initialises only the new
+    bilinear q/k projections (``StructuredQueryKey``). ``spec`` is a plain dict from
+    ``StructAttnT5Config.attention_spec(role)``.
     """
 
     compute_bias = T5Attention.compute_bias
@@ -100,15 +94,12 @@ class StructAttnT5Attention(nn.Module):
             if sum(self.ranks) != self.key_value_proj_dim:
                 raise ValueError(f"mlr_ranks={self.ranks} sums to {sum(self.ranks)}, but d_kv is "
                                  f"{self.key_value_proj_dim}")
-        elif self.variant == "bilinear_mlr":
-            ranks = list(spec["ranks"])
-            self.q_proj = BilinearMLRProjection(self.d_model, self.n_heads, ranks)
-            self.k_proj = BilinearMLRProjection(self.d_model, self.n_heads, ranks)
-            self.level_scales = bilinear_level_scales(self.q_proj.level_widths, spec["scaling"])
-        else:
-            factors = spec.get("factors") or default_btt_factors(self.d_model)
-            self.k_proj = BilinearBTTKeyProjection(self.d_model, self.n_heads, factors, spec["rank"])
-            self.btt_scale = bilinear_level_scales([self.d_model], spec["scaling"])[0]
+        self.build_query_key(self.variant, self.d_model, self.n_heads, self.key_value_proj_dim,
+                             bilinear_mlr_ranks=spec["ranks"] if self.variant == "bilinear_mlr" else None,
+                             btt_factors=spec.get("factors"), btt_rank=spec.get("rank", 1),
+                             bilinear_scaling=spec.get("scaling", "standard"))
+        if getattr(source, "_is_hf_initialized", False):  # the adopted modules are initialised (or loaded)
+            self._is_hf_initialized = True
 
     def extra_repr(self) -> str:
         return f"variant={self.variant}, layer_idx={self.layer_idx}, causal={self.is_causal}"
@@ -117,21 +108,14 @@ class StructAttnT5Attention(nn.Module):
         """(B, T, H*d) -> (B, H, T, d)."""
         return x.view(*x.shape[:-1], self.n_heads, -1).transpose(1, 2)
 
-    def _keys(self, states: torch.Tensor) -> torch.Tensor:
-        """Keys (B, H, T, E) of the variant for states (B, T, D)."""
-        if self.variant == "mlr":
-            return self._heads(self.k(states))
-        if self.variant == "bilinear_mlr":
-            return torch.cat(self.k_proj(states), dim=-1)
-        return self.k_proj(states)
-
-    def _queries(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Queries (B, H, T, E) with the bilinear logit scales folded in."""
-        if self.variant == "mlr":
-            return self._heads(self.q(hidden_states))
-        if self.variant == "bilinear_mlr":
-            return torch.cat([s * q for s, q in zip(self.level_scales, self.q_proj(hidden_states))], dim=-1)
-        return (hidden_states[:, None] * self.btt_scale).expand(-1, self.n_heads, -1, -1)
+    def _query_key(self, hidden_states: torch.Tensor, key_states: Optional[torch.Tensor]):
+        """Queries (B, H, Q, E) and keys (B, H, K, E), or None for the keys when ``key_states`` is None (a
+        cross-attention step whose keys are cached)."""
+        mlr = self.variant == "mlr"  # MLR projects with T5's adopted q, k; the bilinear variants with their own
+        query = self.queries(hidden_states, self._heads(self.q(hidden_states)) if mlr else None)
+        if key_states is None:
+            return query, None
+        return query, self.keys(key_states, self._heads(self.k(key_states)) if mlr else None)
 
     def forward(self, hidden_states, mask=None, key_value_states=None, position_bias=None, cache=None,
                 output_attentions=False, **kwargs):
@@ -151,13 +135,14 @@ class StructAttnT5Attention(nn.Module):
             current_cache = cache.cross_attention_cache if is_cross else cache.self_attention_cache
         else:
             current_cache = cache
-        query = self._queries(hidden_states)
         if is_cross and cache is not None and is_updated:
+            query, _ = self._query_key(hidden_states, None)
             key = current_cache.layers[self.layer_idx].keys
             value = current_cache.layers[self.layer_idx].values
         else:
             states = key_value_states if is_cross else hidden_states
-            key, value = self._keys(states), self._heads(self.v(states))
+            query, key = self._query_key(hidden_states, states)
+            value = self._heads(self.v(states))
 
         probabilities = None
         if self.variant == "mlr":  # the config refuses MLR cross-attention
@@ -262,58 +247,61 @@ def install_structured_attention(stack: nn.Module, config, specs: dict) -> int:
     return replaced
 
 
-class StructAttnT5PreTrainedModel(T5PreTrainedModel):
+def role_specs(config) -> dict:
+    """{"self": spec, "cross": spec} of a decoder stack's config, {"self": spec} of an encoder stack's."""
+    if config.is_decoder:
+        return {"self": config.attention_spec("decoder_self"), "cross": config.attention_spec("cross")}
+    return {"self": config.attention_spec("encoder_self")}
+
+
+class StructAttnT5PreTrainedModel(StructAttnPreTrainedMixin, T5PreTrainedModel):
+    """Base of the T5 family. The models are transformers' T5 classes built by their own ``__init__``; ``post_init``
+    then turns their ``T5Stack``s into ``StructAttnT5Stack``s with the configured attention, before weight init, so
+    that init (skipped for modules already initialised and for loaded weights) reaches the new modules once."""
+
     config: StructAttnT5Config
     config_class = StructAttnT5Config
     _supports_flex_attn = False
     _can_compile_fullgraph = False
+    structattn_auto_map = T5_AUTO_MAP
 
     def post_init(self):
-        # remote loading needs every Auto class in config.json, not only the class being saved
-        self.config.auto_map = dict(T5_AUTO_MAP)
+        for name in ("encoder", "decoder"):
+            stack = getattr(self, name, None)
+            if isinstance(stack, T5Stack) and not isinstance(stack, StructAttnT5Stack):
+                # the stock __init__ built (and initialised) a transformers T5Stack: re-class it in place
+                # (StructAttnT5Stack adds methods, no state, so every attribute upstream set stays) and swap in
+                # the configured attention, adopting T5's q, k, v, o
+                stack.__class__ = StructAttnT5Stack
+                # the one class-keyed record PreTrainedModel.__init__ makes: which outputs capture_outputs records
+                _CAN_RECORD_REGISTRY[stack] = stack._can_record_outputs
+                install_structured_attention(stack, stack.config, role_specs(stack.config))
         super().post_init()
 
     def _init_weights(self, module):
         super()._init_weights(module)  # T5's init: layer norms, feed-forward, embeddings, T5Attention
         factor = self.config.initializer_factor
-        if isinstance(module, StructAttnT5Attention):
+        init_structured_query_key(module, factor)  # bilinear q/k projections: N(0, factor^2 / fan_in)
+        if isinstance(module, StructAttnT5Attention):  # its adopted T5 modules, with T5Attention's formulas
             d_model, d_kv, heads = self.config.d_model, self.config.d_kv, self.config.num_heads
-            if module.variant == "mlr":  # the same std as T5's q/k: MLR keeps T5's parameters
+            if module.variant == "mlr":
                 init.normal_(module.q.weight, mean=0.0, std=factor * ((d_model * d_kv) ** -0.5))
                 init.normal_(module.k.weight, mean=0.0, std=factor * (d_model ** -0.5))
             init.normal_(module.v.weight, mean=0.0, std=factor * (d_model ** -0.5))
             init.normal_(module.o.weight, mean=0.0, std=factor * ((heads * d_kv) ** -0.5))
             if module.has_relative_attention_bias:
                 init.normal_(module.relative_attention_bias.weight, mean=0.0, std=factor * (d_model ** -0.5))
-        if isinstance(module, BilinearMLRProjection):
-            for weight in module.weights:  # fan-in init of each chunk projection (paper App. E)
-                init.normal_(weight, mean=0.0, std=factor * weight.shape[1] ** -0.5)
-        if isinstance(module, BilinearBTTKeyProjection):
-            a, b, c, d = module.factors
-            init.normal_(module.weight_r, mean=0.0, std=factor * d ** -0.5)
-            init.normal_(module.weight_l, mean=0.0, std=factor * (c * module.rank) ** -0.5)
 
 
 class StructAttnT5Stack(StructAttnT5PreTrainedModel, T5Stack):
-    """transformers' T5Stack (same forward) with the configured attention in every block; the decoder stack
-    creates the MLR-aware cache when asked to cache and none is given."""
+    """transformers' T5Stack (its ``__init__`` and forward) with the configured attention in every block; the
+    decoder stack creates the MLR-aware cache when asked to cache and none is given."""
 
-    def __init__(self, config):
-        PreTrainedModel.__init__(self, config)  # T5Stack.__init__ would post_init before the swap
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
-        self.is_decoder = config.is_decoder
-        self.block = nn.ModuleList(
-            [T5Block(config, has_relative_attention_bias=bool(i == 0), layer_idx=i) for i in range(config.num_layers)]
-        )
-        if config.is_decoder:
-            specs = {"self": config.attention_spec("decoder_self"), "cross": config.attention_spec("cross")}
-        else:
-            specs = {"self": config.attention_spec("encoder_self")}
-        install_structured_attention(self, config, specs)
-        self.final_layer_norm = T5LayerNorm(config.d_model, eps=config.layer_norm_epsilon)
-        self.dropout = nn.Dropout(config.dropout_rate)
-        self.post_init()
-        self.gradient_checkpointing = False
+    def post_init(self):
+        # built directly (not re-classed by a model's post_init): T5Stack.__init__ calls this before any init
+        if not any(isinstance(module, StructAttnT5Attention) for module in self.modules()):
+            install_structured_attention(self, self.config, role_specs(self.config))
+        super().post_init()
 
     def forward(self, input_ids=None, attention_mask=None, encoder_hidden_states=None, encoder_attention_mask=None,
                 inputs_embeds=None, cache=None, use_cache=None, **kwargs):
@@ -362,26 +350,9 @@ class StructAttnT5Stack(StructAttnT5PreTrainedModel, T5Stack):
                              f"attn_implementation='eager'")
 
 
-def _stack_configs(config):
-    encoder_config = copy.deepcopy(config)
-    encoder_config.is_decoder = False
-    encoder_config.use_cache = False
-    decoder_config = copy.deepcopy(config)
-    decoder_config.is_decoder = True
-    decoder_config.num_layers = config.num_decoder_layers
-    return encoder_config, decoder_config
-
-
 class StructAttnT5Model(StructAttnT5PreTrainedModel, T5Model):
-    """``transformers.T5Model`` with structured attention (same forward, outputs and parameter names)."""
-
-    def __init__(self, config: StructAttnT5Config):
-        PreTrainedModel.__init__(self, config)
-        self.shared = nn.Embedding(config.vocab_size, config.d_model)
-        encoder_config, decoder_config = _stack_configs(config)
-        self.encoder = StructAttnT5Stack(encoder_config)
-        self.decoder = StructAttnT5Stack(decoder_config)
-        self.post_init()
+    """``transformers.T5Model`` with structured attention (same ``__init__``, forward, outputs and parameter
+    names)."""
 
 
 class StructAttnT5ForConditionalGeneration(StructAttnT5PreTrainedModel, T5ForConditionalGeneration):
@@ -389,50 +360,15 @@ class StructAttnT5ForConditionalGeneration(StructAttnT5PreTrainedModel, T5ForCon
     ``EncoderDecoderCache(StructAttnCache, DynamicCache)`` whose MLR decoder layers keep the hierarchical key
     cache."""
 
-    def __init__(self, config: StructAttnT5Config):
-        PreTrainedModel.__init__(self, config)
-        self.model_dim = config.d_model
-        self.shared = nn.Embedding(config.vocab_size, config.d_model)
-        encoder_config, decoder_config = _stack_configs(config)
-        self.encoder = StructAttnT5Stack(encoder_config)
-        self.decoder = StructAttnT5Stack(decoder_config)
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        self.post_init()
-
     def new_cache(self, max_cache_len: Optional[int] = None) -> EncoderDecoderCache:
         """An empty generation cache sized by ``num_decoder_layers`` (MLR key cache for MLR decoder layers);
         fixed-shape self-attention layers of ``max_cache_len`` slots when given (static cache)."""
         return EncoderDecoderCache(StructAttnCache(self.config.cache_layer_specs(), max_cache_len=max_cache_len),
                                    DynamicCache())
 
-    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
-                                      max_cache_length):
-        # generate() would build DynamicCaches / StaticCaches from the config; MLR layers need their hierarchical
-        # key cache
-        cache = structattn_generation_cache(self.new_cache, generation_config, model_kwargs, max_cache_length)
-        if cache is not None:
-            model_kwargs["cache"] = cache
-            return
-        return super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, batch_size,
-                                                     max_cache_length)
-
-    def create_masks_for_generate(self, config, inputs_embeds, attention_mask, cache, position_ids, **kwargs):
-        # generate() turns the 2-D decoder mask into a 4-D one for fixed-shape caches; the stacks take 2-D keep-masks
-        # and build the 4-D masks themselves
-        return attention_mask
-
 
 class StructAttnT5EncoderModel(StructAttnT5PreTrainedModel, T5EncoderModel):
     """``transformers.T5EncoderModel`` with structured encoder self-attention."""
-
-    def __init__(self, config: StructAttnT5Config):
-        PreTrainedModel.__init__(self, config)
-        self.shared = nn.Embedding(config.vocab_size, config.d_model)
-        encoder_config = config
-        encoder_config.use_cache = False
-        encoder_config.is_encoder_decoder = False
-        self.encoder = StructAttnT5Stack(encoder_config)
-        self.post_init()
 
 
 StructAttnT5Config.register_for_auto_class()

@@ -14,8 +14,9 @@ from typing import Optional, Sequence
 
 import torch
 from torch import nn
+from transformers import initialization as init
 
-from .structattn_geometry import check_int, check_ranks
+from .structattn_geometry import MLR_SCALINGS, check_int, check_ranks
 
 
 def bilinear_level_scales(widths: Sequence[int], scaling: str, constant: float = 1.0) -> list[float]:
@@ -73,6 +74,26 @@ def validate_btt(hidden_size: int, factors: Optional[Sequence[int]], rank: int, 
     return factors
 
 
+def validate_bilinear_fields(config, variants: set, hidden_size: int, num_heads: int, hidden_field: str) -> None:
+    """Check the bilinear fields of a config (either family) whose layers or roles use ``variants``; ``ValueError``
+    naming the field."""
+    if "bilinear_mlr" in variants:
+        if config.bilinear_mlr_ranks is None:
+            raise ValueError("bilinear_mlr_ranks is required when an attention layer or role is 'bilinear_mlr'")
+        validate_bilinear_mlr(hidden_size, num_heads, config.bilinear_mlr_ranks, hidden_field=hidden_field)
+    if variants & {"bilinear_mlr", "bilinear_btt"} and config.bilinear_scaling not in MLR_SCALINGS:
+        raise ValueError(f"bilinear_scaling={config.bilinear_scaling!r} is not one of {MLR_SCALINGS}")
+    if "bilinear_btt" in variants:
+        validate_btt(hidden_size, config.btt_factors, config.btt_rank, hidden_field=hidden_field)
+
+
+def init_fan_in_normal_(module: nn.Module, factor: float = 1.0) -> None:
+    """Draw every parameter named in ``module.fan_ins()`` from ``N(0, factor^2 / fan_in)``, through
+    ``transformers.initialization`` so that weights loaded by ``from_pretrained`` are left alone."""
+    for name, fan_in in module.fan_ins().items():
+        init.normal_(module.get_parameter(name), mean=0.0, std=factor * fan_in ** -0.5)
+
+
 class BilinearMLRProjection(nn.Module):
     """Structured query or key projection of bilinear MLR.
 
@@ -95,9 +116,14 @@ class BilinearMLRProjection(nn.Module):
     def level_widths(self) -> list[int]:
         return [2 ** level * rank for level, rank in enumerate(self.ranks)]
 
-    def reset_parameters(self):
-        for weight in self.weights:
-            nn.init.normal_(weight, std=weight.shape[1] ** -0.5)
+    def fan_ins(self) -> dict[str, int]:
+        """Fan-in of each parameter by name: level l's chunk projection reads D/p_l features."""
+        return {f"weights.{level}": weight.shape[1] for level, weight in enumerate(self.weights)}
+
+    def reset_parameters(self, factor: float = 1.0):
+        """``N(0, factor^2 / fan_in)`` (paper App. E; T5 passes its ``initializer_factor``). The one place of this
+        formula: both families' ``_init_weights`` call it, and it skips tensors transformers marked as loaded."""
+        init_fan_in_normal_(self, factor)
 
     def forward(self, hidden_states: torch.Tensor) -> list[torch.Tensor]:
         """x (B, T, D) -> list over levels of (B, H, T, p_l r_l)."""
@@ -132,10 +158,14 @@ class BilinearBTTKeyProjection(nn.Module):
         self.weight_l = nn.Parameter(torch.empty(num_heads * b, a, c * rank))
         self.reset_parameters()
 
-    def reset_parameters(self):
+    def fan_ins(self) -> dict[str, int]:
+        """Fan-in of each parameter by name: R reads d features, L reads c*s."""
         a, b, c, d = self.factors
-        nn.init.normal_(self.weight_r, std=d ** -0.5)
-        nn.init.normal_(self.weight_l, std=(c * self.rank) ** -0.5)
+        return {"weight_r": d, "weight_l": c * self.rank}
+
+    def reset_parameters(self, factor: float = 1.0):
+        """``N(0, factor^2 / fan_in)`` per factor (see ``BilinearMLRProjection.reset_parameters``)."""
+        init_fan_in_normal_(self, factor)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         a, b, c, d = self.factors

@@ -256,3 +256,14 @@ def pair_depth(query_positions: torch.Tensor, key_positions: torch.Tensor, block
         same = (query_positions[:, :, None] // size) == (key_positions[:, None, :] // size)
         depth = depth + same.long()
     return depth
+
+
+class StructAttnConfigMixin:
+    """Placed before the transformers config class; subclasses define ``_validate_structured_attention``."""
+
+    def validate_architecture(self):
+        """transformers' strict-config hook: runs at construction and again at ``save_pretrained``, so a field
+        changed after construction cannot be saved into an invalid config."""
+        super().validate_architecture()
+        self._validate_structured_attention()
+

@@ -89,6 +89,10 @@ class CLMArgs(CommonArgs):
         config = StructAttnGPT2Config(**gpt2_config_fields(self.model))
         if self.seq_len is not None and self.seq_len > config.n_positions:
             raise ConfigError(f"--seq_len {self.seq_len} exceeds n_positions={config.n_positions}")
+        prompt_tokens = len(self.sample_prompt.encode("utf-8"))  # byte tokenizer: one token per UTF-8 byte
+        if self.sample_new_tokens and prompt_tokens + self.sample_new_tokens > config.n_positions:
+            raise ConfigError(f"--sample_new_tokens {self.sample_new_tokens} + the {prompt_tokens}-token "
+                              f"--sample_prompt exceeds n_positions={config.n_positions}")
 
 
 def model_config_fields() -> set[str]:

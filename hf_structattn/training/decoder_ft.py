@@ -144,8 +144,11 @@ def source_model(args: PatchedFinetuneArgs, accelerator: Accelerator, out: Path)
                 raise ValueError(f"{args.model_path} has no tokenizer and vocab_size={model.config.vocab_size} < "
                                  f"257: cannot use the byte tokens of the corpus")
             tokenizer = build_byte_tokenizer()
+            # what the model can attend to, not a tokenizer default
+            tokenizer.model_max_length = model.config.max_position_embeddings
         return model, tokenizer, train, validation, description
     tokenizer = build_byte_tokenizer()
+    tokenizer.model_max_length = TINY_LLAMA["max_position_embeddings"]
     train, validation, description = load_tokens(args, None)
     set_seed(args.seed)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_LLAMA))
