@@ -59,7 +59,7 @@ def test_remote_code_round_trip(tmp_path, variant):
     files = {p.name for p in save_dir.iterdir()}
     assert {"model.safetensors", "configuration_structattn_gpt2.py", "modeling_structattn_gpt2.py",
             "structattn_mlr.py", "structattn_mlr_fused.py", "structattn_mlr_math.py", "structattn_cache.py",
-            "structattn_geometry.py"} <= files
+            "structattn_geometry.py", "structattn_qk.py", "structattn_pretrained.py"} <= files
 
     out = run_isolated(f"""
         import torch

@@ -145,7 +145,8 @@ def test_auto_classes_and_save_load_keep_extra_keys(tmp_path):
         torch.testing.assert_close(a, b, msg=name)
     assert type(transformers.AutoModel.from_pretrained(tmp_path)).__name__ == "StructAttnT5Model"
     assert type(transformers.AutoModelForTextEncoding.from_pretrained(tmp_path)) is StructAttnT5EncoderModel
-    assert (tmp_path / "modeling_structattn_t5.py").exists() and (tmp_path / "structattn_cache.py").exists()
+    for name in ("modeling_structattn_t5.py", "structattn_cache.py", "structattn_qk.py", "structattn_pretrained.py"):
+        assert (tmp_path / name).exists(), name
 
 
 @pytest.mark.parametrize("average_levels", [False, True])
