@@ -20,7 +20,6 @@ from .modeling.modeling_structattn_t5 import (
     StructAttnT5PreTrainedModel,
 )
 from .modeling.modeling_structattn_chronos_bolt import StructAttnChronosBoltConfig
-from .modeling import modeling_structattn_chronos_bolt as _chronos_bolt_payload
 from .modeling.structattn_cache import MLRKeyCacheLayer, StructAttnCache
 from .modeling.structattn_geometry import default_block_sizes, resolve_level_scales, validate_mlr_geometry
 from .modeling.structattn_mlr import mlr_attention
@@ -35,13 +34,12 @@ AutoConfig.register(StructAttnT5Config.model_type, StructAttnT5Config, exist_ok=
 AutoModel.register(StructAttnT5Config, StructAttnT5Model, exist_ok=True)
 AutoModelForSeq2SeqLM.register(StructAttnT5Config, StructAttnT5ForConditionalGeneration, exist_ok=True)
 AutoModelForTextEncoding.register(StructAttnT5Config, StructAttnT5EncoderModel, exist_ok=True)
-# importing the Bolt payload also registered its model class where Chronos looks it up by name (chronos installed)
+# the Bolt model class subclasses chronos' own: it is defined and registered (with AutoModel and where Chronos
+# looks it up by name) when a StructAttnChronosBoltConfig is first built, so importing the package imports no chronos
 AutoConfig.register(StructAttnChronosBoltConfig.model_type, StructAttnChronosBoltConfig, exist_ok=True)
-if hasattr(_chronos_bolt_payload, "StructAttnChronosBoltModelForForecasting"):
-    AutoModel.register(StructAttnChronosBoltConfig, _chronos_bolt_payload.StructAttnChronosBoltModelForForecasting,
-                       exist_ok=True)
 
-# the patcher and the CLI live outside the payload (they may import chronos); imported after registration
+# the patchers live outside the payload (they import chronos when given a Chronos model); imported after
+# registration
 from .patching import load_patched_chronos_bolt, patch, patch_report  # noqa: E402
 from .decoder_patching import register_supported_decoders  # noqa: E402
 

@@ -32,6 +32,15 @@ def test_import_does_not_define_the_triton_kernels_without_cuda():
     assert json.loads(result.stdout.splitlines()[-1]) is False
 
 
+def test_import_leaves_out_chronos_and_pandas():
+    """chronos-forecasting (and pandas under it) is imported only once a Chronos model is involved: building a
+    ``StructAttnChronosBoltConfig`` or patching a Chronos model (see ``modeling_structattn_chronos_bolt``)."""
+    result = _run("import json, sys, hf_structattn;"
+                  "print(json.dumps(sorted(name for name in ('chronos', 'pandas') if name in sys.modules)))")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.splitlines()[-1]) == []
+
+
 def test_triton_backend_is_imported_on_first_use():
     pytest.importorskip("triton")
     code = """

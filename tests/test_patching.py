@@ -6,6 +6,7 @@ import contextlib
 import json
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -260,6 +261,28 @@ def test_patched_chronos_bolt_loads_as_mlr_through_chronos_entry_points(tmp_path
     assert "class ChronosBoltPipeline transformers_modules StructAttnChronosBoltModelForForecasting" in out, out
     assert float(out.split("rel_diff")[1].split()[0]) < 1e-5, out  # float32 forecasts, another process
     assert "auto StructAttnChronosBoltModelForForecasting" in out, out
+
+    # a fresh process that imports hf_structattn before chronos: the package import leaves chronos out, and the
+    # local class is still what Chronos' own entry point finds (defined when AutoConfig builds the config)
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+        import sys
+        import torch
+        import hf_structattn
+        print("chronos_imported", "chronos" in sys.modules)
+        from chronos import BaseChronosPipeline
+        pipe = BaseChronosPipeline.from_pretrained({str(tmp_path / "patched")!r}, device_map="cpu", dtype=torch.float32)
+        print("local", type(pipe.model).__module__, type(pipe.model).__name__)
+        t = torch.arange(60, dtype=torch.float32)
+        ctx = [10 + 4 * torch.sin(t / 3), 5 + 0.1 * t[:37] + torch.cos(t[:37])]
+        moved = torch.load({str(tmp_path / "ref.pt")!r})["moved"]
+        print("rel_diff", float((pipe.predict(ctx, prediction_length=8) - moved).abs().max() / moved.abs().max()))
+    """)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "chronos_imported False" in out, out
+    assert ("local hf_structattn.modeling.modeling_structattn_chronos_bolt StructAttnChronosBoltModelForForecasting"
+            in out), out
+    assert float(out.split("rel_diff")[1].split()[0]) < 1e-5, out
 
 
 def test_patch_refuses_bad_requests():

@@ -7,21 +7,23 @@ therefore records
 
 * ``model_type = "structattn_chronos_bolt"`` with ``auto_map["AutoConfig"]`` pointing here, so ``AutoConfig``
   refuses to read it without this code (``trust_remote_code=True``, or ``import hf_structattn``), and
-* ``architectures = ["StructAttnChronosBoltModelForForecasting"]``, a class that importing this module registers
-  under that name in ``chronos.chronos_bolt`` (that lookup is the whole of Chronos' class resolution).
+* ``architectures = ["StructAttnChronosBoltModelForForecasting"]``, a class registered under that name in
+  ``chronos.chronos_bolt`` (that lookup is the whole of Chronos' class resolution). The class subclasses Chronos'
+  own, so it is defined (and registered) on first use, not at import: when a ``StructAttnChronosBoltConfig`` is
+  built (which ``AutoConfig`` does right before Chronos' lookup) or when the class is looked up as an attribute of
+  this module (``auto_map``, ``patch``). Importing this module therefore does not import chronos (nor pandas).
 
 So ``BaseChronosPipeline.from_pretrained(dir, trust_remote_code=True)`` (or, with ``hf_structattn`` imported,
 without the flag) returns the MLR model; a load that cannot run this code fails instead of silently returning
 dense attention. chronos-forecasting is optional: without it only the config class exists.
 """
 
+import functools
+
+from transformers import AutoModel
+
 from .configuration_structattn_t5 import StructAttnT5Config
 from .modeling_structattn_t5 import install_structured_attention
-
-try:  # optional extra: the payload imports only torch and transformers unconditionally
-    from chronos import chronos_bolt
-except ImportError:
-    chronos_bolt = None
 
 BOLT_MODEL_CLASS_NAME = "StructAttnChronosBoltModelForForecasting"
 BOLT_AUTO_MAP = {
@@ -39,10 +41,24 @@ class StructAttnChronosBoltConfig(StructAttnT5Config):
 
     model_type = "structattn_chronos_bolt"
 
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        # ChronosBoltPipeline.from_pretrained reads this config and then looks the model class up by name in
+        # chronos.chronos_bolt: the class must be registered there by now
+        bolt_model_class()
+
 
 StructAttnChronosBoltConfig.register_for_auto_class()
 
-if chronos_bolt is not None:
+
+@functools.cache
+def bolt_model_class():
+    """``StructAttnChronosBoltModelForForecasting``, defined on the first call and registered under its name in
+    ``chronos.chronos_bolt`` and with ``AutoModel``; None when chronos-forecasting is not installed."""
+    try:  # optional extra: the payload imports only torch and transformers unconditionally
+        from chronos import chronos_bolt
+    except ImportError:
+        return None
 
     class StructAttnChronosBoltModelForForecasting(chronos_bolt.ChronosBoltModelForForecasting):
         """``chronos.chronos_bolt.ChronosBoltModelForForecasting`` whose encoder self-attention (and decoder
@@ -67,9 +83,21 @@ if chronos_bolt is not None:
             # remote loading needs the config class in config.json, not only the class being saved
             self.config.auto_map = dict(BOLT_AUTO_MAP)
 
-    StructAttnChronosBoltModelForForecasting.register_for_auto_class("AutoModel")
+    model_class = StructAttnChronosBoltModelForForecasting
+    model_class.__qualname__ = BOLT_MODEL_CLASS_NAME  # a module-level name, as pickling and save_pretrained expect
+    globals()[BOLT_MODEL_CLASS_NAME] = model_class
+    model_class.register_for_auto_class("AutoModel")
+    AutoModel.register(StructAttnChronosBoltConfig, model_class, exist_ok=True)
     # Chronos resolves config.architectures[0] with globals() of chronos.chronos_bolt: this is its registry
-    setattr(chronos_bolt, BOLT_MODEL_CLASS_NAME, StructAttnChronosBoltModelForForecasting)
-    __all__ = ["StructAttnChronosBoltConfig", "StructAttnChronosBoltModelForForecasting"]
-else:
-    __all__ = ["StructAttnChronosBoltConfig"]
+    setattr(chronos_bolt, BOLT_MODEL_CLASS_NAME, model_class)
+    return model_class
+
+
+def __getattr__(name: str):
+    """The model class on first attribute access (``auto_map`` loading, ``patch``); see the module docstring."""
+    if name == BOLT_MODEL_CLASS_NAME and bolt_model_class() is not None:
+        return bolt_model_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["StructAttnChronosBoltConfig", "bolt_model_class"]
