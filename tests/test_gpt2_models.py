@@ -155,20 +155,22 @@ def test_positions_beyond_n_positions_fail_clearly():
         model.generate(torch.randint(2, 61, (1, 60)), max_new_tokens=10, do_sample=False, pad_token_id=1)
 
 
+@pytest.mark.parametrize("embeds", [False, True])
 @pytest.mark.parametrize("request_kwargs,asked", [(dict(max_new_tokens=10), "max_new_tokens=10"),
                                                    (dict(max_length=70), "max_length=70")])
-def test_generate_refuses_a_request_beyond_n_positions_before_any_forward(request_kwargs, asked):
+def test_generate_refuses_a_request_beyond_n_positions_before_any_forward(request_kwargs, asked, embeds):
     model = tiny_lm("mlr")
     forwards = []
     model.register_forward_pre_hook(lambda module, args: forwards.append(1))
-    prompt = torch.randint(2, 61, (2, 60))
-    with pytest.raises(ValueError, match=rf"^generate: prompt length 60 \+ {asked} reaches 70 tokens, beyond "
-                                         rf"n_positions=64 .*ask for at most 4 new tokens$"):
-        model.generate(prompt, do_sample=False, **request_kwargs)
+    ids = torch.randint(2, 61, (2, 60))
+    prompt = dict(inputs_embeds=model.transformer.wte(ids).detach()) if embeds else dict(input_ids=ids)
+    with pytest.raises(ValueError, match=rf"^generate: a 60-token prompt \+ 10 new tokens \({asked}\) needs 70 "
+                                         rf"positions, beyond n_positions=64 .*ask for at most 4 new tokens$"):
+        model.generate(**prompt, do_sample=False, **request_kwargs)
     assert forwards == []  # refused up front, not at position 64 in the middle of decoding
     # the largest request that fits runs to the last learned position
-    assert model.generate(prompt, do_sample=False, max_new_tokens=4, min_new_tokens=4).shape == (2, 64)
-    assert forwards
+    out = model.generate(**prompt, do_sample=False, max_new_tokens=4, min_new_tokens=4)
+    assert out.shape == ((2, 4) if embeds else (2, 64)) and forwards
 
 
 def test_mlr_cache_refuses_crop():

@@ -370,18 +370,26 @@ class StructAttnGPT2LMHeadModel(StructAttnGPT2PreTrainedModel, GenerationMixin):
         """The empty cache ``generate()`` fills (see ``StructAttnGPT2Model.new_cache``)."""
         return self.transformer.new_cache(max_cache_len)
 
-    def _validate_generated_length(self, generation_config, input_ids_length, has_default_max_length):
-        # refuse before any forward a request that would run past the learned position embeddings (the forward
+    def _prepare_generated_length(self, generation_config, has_default_max_length, has_default_min_length,
+                                  model_input_name, input_ids_length, inputs_tensor):
+        # refuse, before any forward, a request that would run past the learned position embeddings (the forward
         # would otherwise fail at the first position >= n_positions, after the prompt and part of the output)
-        super()._validate_generated_length(generation_config, input_ids_length, has_default_max_length)
+        generation_config = super()._prepare_generated_length(generation_config, has_default_max_length,
+                                                              has_default_min_length, model_input_name,
+                                                              input_ids_length, inputs_tensor)
+        prompt = inputs_tensor.shape[1] if model_input_name == "inputs_embeds" else input_ids_length
+        positions = generation_config.max_length
+        if model_input_name == "inputs_embeds" and inputs_tensor.shape[1] != input_ids_length:
+            positions += inputs_tensor.shape[1]  # transformers' max_length then counts only the new tokens
         limit = self.config.n_positions
-        if generation_config.max_length > limit:
+        if positions > limit:
             asked = f"max_new_tokens={generation_config.max_new_tokens}" \
-                if generation_config.max_new_tokens is not None else f"max_length={generation_config.max_length}"
-            raise ValueError(f"generate: prompt length {input_ids_length} + {asked} reaches "
-                             f"{generation_config.max_length} tokens, beyond n_positions={limit} (this model has "
-                             f"learned position embeddings for positions < {limit}); ask for at most "
-                             f"{max(limit - input_ids_length, 0)} new tokens")
+                if generation_config.max_new_tokens is not None else f"max_length={positions}"
+            raise ValueError(f"generate: a {prompt}-token prompt + {positions - prompt} new tokens ({asked}) needs "
+                             f"{positions} positions, beyond n_positions={limit} (this model has learned position "
+                             f"embeddings for positions < {limit}); ask for at most {max(limit - prompt, 0)} new "
+                             f"tokens")
+        return generation_config
 
     @can_return_tuple
     def forward(self, input_ids: Optional[torch.LongTensor] = None, cache: Optional[Cache] = None,
