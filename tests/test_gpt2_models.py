@@ -171,6 +171,10 @@ def test_generate_refuses_a_request_beyond_n_positions_before_any_forward(reques
     # the largest request that fits runs to the last learned position
     out = model.generate(**prompt, do_sample=False, max_new_tokens=4, min_new_tokens=4)
     assert out.shape == ((2, 4) if embeds else (2, 64)) and forwards
+    if embeds:  # transformers caps its default length at n_positions for input_ids, not for an embeds-only prompt
+        with pytest.raises(ValueError, match=r"^generate: a 60-token prompt \+ 20 new tokens \(transformers' "
+                                             r"default length\) needs 80 positions"):
+            model.generate(**prompt, do_sample=False)
 
 
 def test_mlr_cache_refuses_crop():

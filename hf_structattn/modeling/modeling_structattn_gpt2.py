@@ -383,8 +383,10 @@ class StructAttnGPT2LMHeadModel(StructAttnGPT2PreTrainedModel, GenerationMixin):
             positions += inputs_tensor.shape[1]  # transformers' max_length then counts only the new tokens
         limit = self.config.n_positions
         if positions > limit:
-            asked = f"max_new_tokens={generation_config.max_new_tokens}" \
-                if generation_config.max_new_tokens is not None else f"max_length={positions}"
+            if generation_config.max_new_tokens is not None:
+                asked = f"max_new_tokens={generation_config.max_new_tokens}"
+            else:
+                asked = "transformers' default length" if has_default_max_length else f"max_length={positions}"
             raise ValueError(f"generate: a {prompt}-token prompt + {positions - prompt} new tokens ({asked}) needs "
                              f"{positions} positions, beyond n_positions={limit} (this model has learned position "
                              f"embeddings for positions < {limit}); ask for at most {max(limit - prompt, 0)} new "
