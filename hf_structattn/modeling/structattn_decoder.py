@@ -214,7 +214,9 @@ class DecoderMLRKeyCacheLayer(MLRKeyCacheLayer):
             raise ValueError("the MLR key cache needs the padding flags of the new tokens; this model did not pass "
                              "its forward kwargs down to the attention layers (use a plain DynamicCache)")
         if self.dim_order is not None:
-            order = torch.tensor(self.dim_order, device=key_states.device)
+            order = getattr(self, "_order_index", None)
+            if order is None or order.device != key_states.device:
+                order = self._order_index = torch.tensor(self.dim_order, device=key_states.device)
             key_states = key_states.index_select(-1, order)
         valid = call[KEY_VALID_KEY]
         keys, values = super().update(key_states, value_states, {"position_ids": call.get("position_ids"),
