@@ -12,6 +12,7 @@ from hf_structattn.modeling.structattn_cache import (
     StructAttnCache,
     cached_mlr_attention,
 )
+from hf_structattn.modeling import structattn_cache
 from hf_structattn.modeling.structattn_mlr import mlr_attention
 
 from conftest import tiny_lm
@@ -27,9 +28,13 @@ def _qkv(batch, length, dtype=torch.float64, seed=0):
 
 @pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("average_levels", [False, True])
-def test_llama_style_update_then_attend_equals_uncached_op(static, average_levels):
+@pytest.mark.parametrize("index_add_rows", [16, 0])
+def test_llama_style_update_then_attend_equals_uncached_op(static, average_levels, index_add_rows, monkeypatch):
     """The decoder-patch API: ``cache.update(k, v, layer_idx, cache_kwargs)`` with position_ids and a 2-D padding
-    mask, then ``cache.layers[i].attend(q)``; chunked prefill, then decode, with left padding and per-row offsets."""
+    mask, then ``cache.layers[i].attend(q)``; chunked prefill, then decode, with left padding and per-row offsets.
+    Both ways of adding the rings' scores in a decode step: one ``index_add_`` (small steps, 6 rows here) and the
+    per-level slice adds (forced with ``INDEX_ADD_MAX_ROWS = 0``)."""
+    monkeypatch.setattr(structattn_cache, "INDEX_ADD_MAX_ROWS", index_add_rows)
     q, k, v = _qkv(2, 30)
     valid = torch.ones(2, 30, dtype=torch.bool)
     valid[1, :5] = False  # left padding
