@@ -1,70 +1,135 @@
 """hf_structattn: structured attention (MLR, bilinear MLR, bilinear BTT) for Hugging Face Transformers.
 
-Importing the package registers its configurations and models with the Auto classes.
+Importing the package registers its configurations with ``AutoConfig`` (the GPT-2 and T5 families, Chronos-Bolt and
+the ``MLR<Arch>`` configs of the tested decoder architectures) and nothing else: the model classes are imported and
+registered with the ``AutoModel*`` classes when the first config of their family is built (transformers' modeling
+code is the expensive import), and every public name below is imported on first access.
 """
 
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoModelForTextEncoding
+import importlib
 
+from transformers import AutoConfig
+
+from .modeling.configuration_structattn_chronos_bolt import StructAttnChronosBoltConfig
 from .modeling.configuration_structattn_gpt2 import StructAttnGPT2Config
-from .modeling.modeling_structattn_gpt2 import (
-    StructAttnGPT2ForInContextRegression,
-    StructAttnGPT2LMHeadModel,
-    StructAttnGPT2Model,
-    StructAttnGPT2PreTrainedModel,
-)
 from .modeling.configuration_structattn_t5 import StructAttnT5Config
-from .modeling.modeling_structattn_t5 import (
-    StructAttnT5EncoderModel,
-    StructAttnT5ForConditionalGeneration,
-    StructAttnT5Model,
-    StructAttnT5PreTrainedModel,
-)
-from .modeling.modeling_structattn_chronos_bolt import StructAttnChronosBoltConfig
-from .modeling.structattn_cache import MLRKeyCacheLayer, StructAttnCache
-from .modeling.structattn_geometry import default_block_sizes, resolve_level_scales, validate_mlr_geometry
-from .modeling.structattn_mlr import mlr_attention
-from .modeling.structattn_reference import mlr_attention_reference
+from .modeling.structattn_geometry import FIRST_CONFIG_HOOKS
 
 __version__ = "0.1.0"
 
-AutoConfig.register(StructAttnGPT2Config.model_type, StructAttnGPT2Config, exist_ok=True)
-AutoModel.register(StructAttnGPT2Config, StructAttnGPT2Model, exist_ok=True)
-AutoModelForCausalLM.register(StructAttnGPT2Config, StructAttnGPT2LMHeadModel, exist_ok=True)
-AutoConfig.register(StructAttnT5Config.model_type, StructAttnT5Config, exist_ok=True)
-AutoModel.register(StructAttnT5Config, StructAttnT5Model, exist_ok=True)
-AutoModelForSeq2SeqLM.register(StructAttnT5Config, StructAttnT5ForConditionalGeneration, exist_ok=True)
-AutoModelForTextEncoding.register(StructAttnT5Config, StructAttnT5EncoderModel, exist_ok=True)
-# the Bolt model class subclasses chronos' own: it is defined and registered (with AutoModel and where Chronos
-# looks it up by name) when a StructAttnChronosBoltConfig is first built, so importing the package imports no chronos
-AutoConfig.register(StructAttnChronosBoltConfig.model_type, StructAttnChronosBoltConfig, exist_ok=True)
+# the decoder architectures whose MLR classes load by Auto class without trust_remote_code (others once patched)
+TESTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
+                        "GemmaForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "GPT2LMHeadModel",
+                        "GPTNeoXForCausalLM")
+_TESTED_CONFIGS = {  # config class name -> (model_type, model class name): nothing of the architecture is imported here
+    "LlamaConfig": ("llama", "LlamaForCausalLM"), "Qwen2Config": ("qwen2", "Qwen2ForCausalLM"),
+    "Qwen3Config": ("qwen3", "Qwen3ForCausalLM"), "MistralConfig": ("mistral", "MistralForCausalLM"),
+    "GemmaConfig": ("gemma", "GemmaForCausalLM"), "Gemma3TextConfig": ("gemma3_text", "Gemma3ForCausalLM"),
+    "Phi3Config": ("phi3", "Phi3ForCausalLM"), "GPT2Config": ("gpt2", "GPT2LMHeadModel"),
+    "GPTNeoXConfig": ("gpt_neox", "GPTNeoXForCausalLM"),
+}
 
-# the patchers live outside the payload (they import chronos when given a Chronos model); imported after
-# registration
-from .patching import load_patched_chronos_bolt, patch, patch_report  # noqa: E402
-from .decoder_patching import register_supported_decoders  # noqa: E402
+_LAZY = {
+    "StructAttnGPT2Model": "modeling.modeling_structattn_gpt2",
+    "StructAttnGPT2LMHeadModel": "modeling.modeling_structattn_gpt2",
+    "StructAttnGPT2ForInContextRegression": "modeling.modeling_structattn_gpt2",
+    "StructAttnGPT2PreTrainedModel": "modeling.modeling_structattn_gpt2",
+    "StructAttnT5Model": "modeling.modeling_structattn_t5",
+    "StructAttnT5ForConditionalGeneration": "modeling.modeling_structattn_t5",
+    "StructAttnT5EncoderModel": "modeling.modeling_structattn_t5",
+    "StructAttnT5PreTrainedModel": "modeling.modeling_structattn_t5",
+    "MLRKeyCacheLayer": "modeling.structattn_cache",
+    "MLRStaticKeyCacheLayer": "modeling.structattn_cache",
+    "MLRGeometry": "modeling.structattn_geometry",
+    "default_block_sizes": "modeling.structattn_geometry",
+    "resolve_level_scales": "modeling.structattn_geometry",
+    "validate_mlr_geometry": "modeling.structattn_geometry",
+    "mlr_attention": "modeling.structattn_mlr",
+    "mlr_attention_reference": "modeling.structattn_reference",
+    "patch": "patching",
+    "patch_report": "patching",
+    "load_patched_chronos_bolt": "patching",
+}
+_SUBMODULES = ("flops", "diagnostics", "mup", "patching", "decoder_patching", "cli", "training", "tokenization")
 
-register_supported_decoders()  # MLR<Arch> checkpoints load by Auto class without trust_remote_code
 
-__all__ = [
-    "MLRKeyCacheLayer",
-    "StructAttnCache",
-    "StructAttnChronosBoltConfig",
-    "StructAttnGPT2Config",
-    "StructAttnGPT2ForInContextRegression",
-    "StructAttnGPT2LMHeadModel",
-    "StructAttnGPT2Model",
-    "StructAttnGPT2PreTrainedModel",
-    "StructAttnT5Config",
-    "StructAttnT5EncoderModel",
-    "StructAttnT5ForConditionalGeneration",
-    "StructAttnT5Model",
-    "StructAttnT5PreTrainedModel",
-    "default_block_sizes",
-    "mlr_attention",
-    "mlr_attention_reference",
-    "load_patched_chronos_bolt",
-    "patch",
-    "patch_report",
-    "resolve_level_scales",
-    "validate_mlr_geometry",
-]
+def __getattr__(name: str):
+    """Public names and submodules on first access (``hf_structattn.patch``, ``hf_structattn.flops``, ...)."""
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY) | set(_SUBMODULES))
+
+
+def _register_models(config_class: type) -> None:
+    """Import and register the model classes of ``config_class`` (run when its first config is built)."""
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoModelForTextEncoding
+
+    if issubclass(config_class, StructAttnChronosBoltConfig):
+        return  # registered by its own config (Chronos looks the class up by name)
+    if issubclass(config_class, StructAttnGPT2Config):
+        from .modeling import modeling_structattn_gpt2 as gpt2
+
+        AutoModel.register(StructAttnGPT2Config, gpt2.StructAttnGPT2Model, exist_ok=True)
+        AutoModelForCausalLM.register(StructAttnGPT2Config, gpt2.StructAttnGPT2LMHeadModel, exist_ok=True)
+    elif issubclass(config_class, StructAttnT5Config):
+        from .modeling import modeling_structattn_t5 as t5
+
+        AutoModel.register(StructAttnT5Config, t5.StructAttnT5Model, exist_ok=True)
+        AutoModelForSeq2SeqLM.register(StructAttnT5Config, t5.StructAttnT5ForConditionalGeneration, exist_ok=True)
+        AutoModelForTextEncoding.register(StructAttnT5Config, t5.StructAttnT5EncoderModel, exist_ok=True)
+    elif config_class.__name__.startswith("MLR") and config_class.__name__[3:] in _TESTED_CONFIGS:
+        import transformers
+
+        from .modeling.structattn_decoder import mlr_model_class
+
+        model_class = getattr(transformers, _TESTED_CONFIGS[config_class.__name__[3:]][1])
+        AutoModelForCausalLM.register(config_class, mlr_model_class(model_class), exist_ok=True)
+
+
+def _deferred_mlr_config(config_name: str, model_type: str) -> type:
+    """AutoConfig's entry for the ``MLR<Arch>Config`` of a tested decoder. That class subclasses transformers' own
+    config, whose import can cost seconds (``LlamaConfig`` pulls in transformers' type validators), so it is built
+    when a config of that type is first read or made; reading one returns an instance of the real class."""
+
+    def real_class():
+        import transformers
+
+        from .modeling.structattn_decoder import mlr_config_class
+
+        return mlr_config_class(getattr(transformers, config_name))
+
+    def from_dict(cls, *args, **kwargs):
+        return real_class().from_dict(*args, **kwargs)
+
+    def from_pretrained(cls, *args, **kwargs):
+        return real_class().from_pretrained(*args, **kwargs)
+
+    def new(cls, *args, **kwargs):
+        return real_class()(*args, **kwargs)
+
+    return type(f"MLR{config_name}", (), {"model_type": f"mlr_{model_type}", "__module__": __name__,
+                                          "__doc__": _deferred_mlr_config.__doc__, "__new__": new,
+                                          "from_dict": classmethod(from_dict),
+                                          "from_pretrained": classmethod(from_pretrained)})
+
+
+def _register_configs() -> None:
+    for config_class in (StructAttnGPT2Config, StructAttnT5Config, StructAttnChronosBoltConfig):
+        AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
+    for name, (model_type, _) in _TESTED_CONFIGS.items():
+        AutoConfig.register(f"mlr_{model_type}", _deferred_mlr_config(name, model_type), exist_ok=True)
+
+
+FIRST_CONFIG_HOOKS.append(_register_models)
+_register_configs()
+
+__all__ = ["StructAttnChronosBoltConfig", "StructAttnGPT2Config", "StructAttnT5Config", "TESTED_ARCHITECTURES",
+           *sorted(_LAZY)]

@@ -1,8 +1,9 @@
 """Convert a pretrained transformers decoder (Llama, Qwen2/3, Mistral, Gemma/Gemma-3, Phi-3, GPT-2, GPT-NeoX,
 ... any ``*ForCausalLM`` that dispatches through the attention interface) to MLR attention.
 
-``patch_decoder`` returns a copy whose class is ``MLR<Arch>`` (a subclass of the transformers class built by the
-payload module ``modeling/structattn_decoder.py``): every weight keeps its name and value, the config becomes
+``patch_decoder`` returns a new model of class ``MLR<Arch>`` (a subclass of the transformers class built by the
+payload module ``modeling/structattn_decoder.py``, constructed from the new config; the original is not modified):
+every weight keeps its name and value (cloned), the config becomes
 ``MLR<Arch>Config`` (model_type ``mlr_<type>``) carrying the MLR fields, and ``save_pretrained`` writes the payload
 code next to the weights so the checkpoint reloads with ``trust_remote_code=True`` where hf_structattn is absent.
 
@@ -11,8 +12,6 @@ embedding (``rotary_pair_order``) and applied to q and k at run time. Block size
 the stated training length ``mlr_max_length`` (dyadic), never from ``max_position_embeddings``.
 """
 
-import copy
-import inspect
 import sys
 from typing import Optional, Sequence
 
@@ -20,16 +19,19 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from .conversion import convert_model
 from .modeling.structattn_decoder import (
-    ATTENTION_NAME,
     MODEL_TYPE_PREFIX,
+    attention_modules,
     check_pair_complete_levels,
+    decoder_geometry,
     mlr_config_class,
     mlr_model_class,
     rotary_pair_order,
 )
 from .modeling.structattn_geometry import default_block_sizes, validate_mlr_geometry
 
+ATTENTION_NAME = "mlr"
 SLIDING_WINDOW_CHOICES = ("refuse", "replace")
 DECODER_INITS = ("split",)
 LOAD_NOTICE = ("This checkpoint uses MLR structured attention (hf_structattn). Load it with "
@@ -63,14 +65,11 @@ def _refuse_unsupported(model) -> None:
                          f"supports text decoders (multimodal position ids and masks are not supported)")
     if not name.endswith("ForCausalLM") and not name.endswith("LMHeadModel"):
         raise ValueError(f"{name}: patch converts causal-LM heads (*ForCausalLM / *LMHeadModel)")
-    source = sys.modules[type(model).__module__]
-    try:
-        code = inspect.getsource(source)
-    except (OSError, TypeError):
-        code = ""
-    if "ALL_ATTENTION_FUNCTIONS.get_interface(" not in code:
-        raise ValueError(f"{name} does not dispatch its attention through transformers' attention interface, so "
-                         f"MLR cannot be installed without rewriting its attention module")
+    layers = attention_modules(model)
+    missing = sorted(set(range(config.num_hidden_layers)) - set(layers))
+    if missing:
+        raise ValueError(f"{name}: layers {missing} have no attention module that dispatches through transformers' "
+                         f"attention interface, so MLR cannot be installed without rewriting its attention module")
     if getattr(config, "attn_logit_softcapping", None) is not None:
         raise ValueError(f"attn_logit_softcapping={config.attn_logit_softcapping}: attention logit soft-capping is "
                          f"not supported by MLR attention")
@@ -121,14 +120,16 @@ def _block_sizes(ranks, mlr_block_sizes, mlr_max_length) -> list:
 
 
 def find_rotary(model):
-    """(the model's rotary embedding module, its modeling file's ``apply_rotary_pos_emb``) or None without RoPE."""
+    """(a copy of the model's rotary embedding built on the CPU from its config, its modeling file's
+    ``apply_rotary_pos_emb``), or None without RoPE. The copy works for a model on the meta device too."""
     for module in model.modules():
         if type(module).__name__.endswith("RotaryEmbedding"):
             apply_fn = getattr(sys.modules[type(module).__module__], "apply_rotary_pos_emb", None)
             if apply_fn is None:
                 raise ValueError(f"{type(module).__name__} has no apply_rotary_pos_emb next to it: cannot find the "
                                  f"rotation pairs of this model")
-            return module, apply_fn
+            with torch.device("cpu"):
+                return type(module)(config=module.config), apply_fn
     return None
 
 
@@ -185,13 +186,12 @@ def patch_decoder(model, attention: str = "mlr", *, mlr_ranks: Optional[Sequence
         order, rotated = rotary_pair_order(*rotary, head_dim, types)
     check_pair_complete_levels(ranks, rotated)
 
-    patched = copy.deepcopy(model)
     model_class = mlr_model_class(type(model))
-    patched.__class__ = model_class
-    new_config = patched.config  # shared by every submodule of the copy
-    new_config.__class__ = mlr_config_class(type(config))
+    fields = {name: value for name, value in config.to_dict().items() if name not in ("model_type", "auto_map")}
+    new_config = mlr_config_class(type(config)).from_dict(fields)
+    new_config._attn_implementation = config._attn_implementation
     if windowed:
-        _replace_sliding_layers(patched, new_config, windowed)
+        _replace_sliding_layers(new_config, windowed)
     new_config.mlr_ranks = ranks
     new_config.mlr_block_sizes = block_sizes
     new_config.mlr_layers = selected
@@ -201,39 +201,20 @@ def patch_decoder(model, attention: str = "mlr", *, mlr_ranks: Optional[Sequence
                             "sliding_window_layers": sliding_window_layers, "replaced_sliding_layers": windowed}
     new_config.mlr_notice = LOAD_NOTICE.format(arch=type(model).__name__)
     new_config.architectures = [model_class.__name__]
-    patched.set_attn_implementation(ATTENTION_NAME)
+    decoder_geometry(new_config)  # every field checked before anything is built
     register_local(model_class)
-    return patched.train(model.training)
+    return convert_model(model, model_class, new_config)
 
 
-def _replace_sliding_layers(patched, config, windowed: list) -> None:
-    """Make the replaced layers full-attention layers of the architecture, in the config and in the attributes
-    their modules derived from it at construction (so the patched model equals the one rebuilt from its saved
-    config). Architectures that tie other settings to the layer type follow it (Gemma-3: the global RoPE base)."""
+def _replace_sliding_layers(config, windowed: list) -> None:
+    """Make the replaced layers full-attention layers of the architecture (the model is then built from this
+    config, so its modules and everything the architecture ties to the layer type follow, e.g. Gemma-3's global
+    RoPE base)."""
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
         config.layer_types = ["full_attention" if i in windowed else kind for i, kind in enumerate(layer_types)]
     else:
         config.sliding_window = None
-    for module in patched.modules():
-        if getattr(module, "layer_idx", None) not in windowed:
-            continue
-        for name, value in (("sliding_window", None), ("is_sliding", False), ("layer_type", "full_attention"),
-                            ("attention_type", "full_attention")):
-            if hasattr(module, name):
-                setattr(module, name, value)
-
-
-TESTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
-                        "GemmaForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "GPT2LMHeadModel",
-                        "GPTNeoXForCausalLM")
-
-
-def register_supported_decoders() -> None:
-    """Register the MLR classes of the tested architectures with the Auto classes (others are registered when
-    ``patch_decoder`` converts them, and load anywhere with ``trust_remote_code=True``)."""
-    for name in TESTED_ARCHITECTURES:
-        register_local(mlr_model_class(getattr(transformers, name)))
 
 
 def register_local(model_class) -> None:
@@ -300,6 +281,5 @@ def tiny_decoder(arch: str, seed: int = 0, vocab_size: int = 61, dtype: torch.dt
     return model
 
 
-__all__ = ["TESTED_ARCHITECTURES", "TINY_DECODERS", "drift_report", "find_rotary", "is_decoder_architecture",
-           "is_patchable_decoder",
-           "patch_decoder", "register_local", "register_supported_decoders", "sliding_layers", "tiny_decoder"]
+__all__ = ["TINY_DECODERS", "drift_report", "find_rotary", "is_decoder_architecture", "is_patchable_decoder",
+           "patch_decoder", "register_local", "sliding_layers", "tiny_decoder"]

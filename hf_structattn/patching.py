@@ -33,10 +33,12 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
+from .modeling.configuration_structattn_chronos_bolt import StructAttnChronosBoltConfig
 from .modeling.configuration_structattn_t5 import T5_ATTENTION_ROLES, T5_STRUCTATTN_FIELDS, StructAttnT5Config
-from .modeling.modeling_structattn_chronos_bolt import BOLT_MODEL_CLASS_NAME, StructAttnChronosBoltConfig
-from .modeling import modeling_structattn_chronos_bolt as _bolt_payload
-from .modeling.modeling_structattn_t5 import StructAttnT5Attention, StructAttnT5ForConditionalGeneration
+from .modeling.modeling_structattn_chronos_bolt import bolt_model_class
+from .modeling.modeling_structattn_t5 import StructAttnT5ForConditionalGeneration
+from .conversion import convert_model
+from .modeling.structattn_attention import mlr_geometry_of
 
 PATCH_TARGETS = tuple(T5_ATTENTION_ROLES)
 PATCH_ATTENTIONS = ("mlr",)
@@ -152,26 +154,16 @@ def _align_modules(attentions, init: str) -> None:
 
 
 def _structured_modules(model):
-    return [m for m in model.modules() if isinstance(m, StructAttnT5Attention) and m.variant == "mlr"]
+    """The attention modules that run MLR (their q/k are the ones the SVD init re-factors)."""
+    return [module for module in model.modules() if mlr_geometry_of(module) is not None]
 
 
 def _convert(model, target_class, config, init: str):
     """``target_class(config)`` holding ``model``'s tensors (cloned, same state-dict names), q/k level-aligned."""
-    with torch.device("meta"):
-        patched = target_class(config)
-    state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
-    patched.load_state_dict(state, strict=True, assign=True)
-    originals = dict(model.named_buffers())
-    for name, buffer in list(patched.named_buffers()):  # non-persistent buffers (Bolt's quantiles) are no state
-        if buffer.is_meta:
-            owner, _, attribute = name.rpartition(".")
-            setattr(patched.get_submodule(owner), attribute, originals[name].detach().clone())
-    patched.tie_weights()
-    if getattr(model, "generation_config", None) is not None:
-        patched.generation_config = copy.deepcopy(model.generation_config)
+    patched = convert_model(model, target_class, config)
     with torch.no_grad():
         _align_modules(_structured_modules(patched), init)
-    return patched.train(model.training)
+    return patched
 
 
 class _ChronosGeometry(NamedTuple):
@@ -299,7 +291,7 @@ def patch(obj, attention: str = "mlr", targets: Sequence[str] = ("encoder_self",
             return inner
         chronos_pipeline, chronos_model = _chronos_classes()[:2]
         return chronos_pipeline(tokenizer=obj.tokenizer, model=chronos_model(config=obj.model.config, model=inner))
-    patched = _convert(source, getattr(_bolt_payload, BOLT_MODEL_CLASS_NAME), config, init)
+    patched = _convert(source, bolt_model_class(), config, init)
     return _chronos_classes()[2](model=patched) if kind == "chronos_bolt_pipeline" else patched
 
 

@@ -8,17 +8,22 @@ from transformers.configuration_utils import strict
 
 from .structattn_bilinear import validate_bilinear_fields
 from .structattn_geometry import (
+    ATTENTION_KINDS,
+    KIND_VARIANTS,
+    MLR_ATTENTION,
     MLR_SCALINGS,
+    VARIANT_KINDS,
+    MLRGeometry,
     StructAttnConfigMixin,
+    announce_config,
     check_int,
     default_block_sizes,
     is_positive_scale,
-    resolve_level_scales,
     validate_config_numbers,
-    validate_mlr_geometry,
 )
 
 ATTENTION_VARIANTS = ("dense", "mlr", "bilinear_mlr", "bilinear_btt", "swa")
+GPT2_SPECIAL_TOKEN_ID = 50256
 PAPER_MLR_RANKS_64 = [32, 8, 6, 4, 4, 4, 4, 2]
 QK_NORMS = ("layernorm", "rms")
 
@@ -33,9 +38,14 @@ class StructAttnGPT2Config(StructAttnConfigMixin, PreTrainedConfig):
     r"""GPT-2 architecture (same field names) whose attention is dense, MLR, bilinear MLR, bilinear BTT or SWA.
 
     Structured-attention fields:
-        attention: variant of every layer: "dense", "mlr", "bilinear_mlr", "bilinear_btt" or "swa".
-        attention_layers: optional per-layer list overriding ``attention`` (e.g. the paper's global + SWA stack
-            ``["dense", "swa", "swa", "dense", "swa", "swa"]``).
+        attention: variant of the layers ``layer_types`` does not name: "dense", "mlr", "bilinear_mlr",
+            "bilinear_btt" or "swa".
+        layer_types: per-layer attention in transformers' vocabulary: "full_attention" (dense), "mlr_attention",
+            "sliding_attention" (SWA), "bilinear_mlr_attention", "bilinear_btt_attention" (e.g. the paper's global +
+            SWA stack ``["full_attention", "sliding_attention", "sliding_attention", ...]``). Filled from
+            ``attention`` when not given; ``DynamicCache(config=...)`` and ``StaticCache`` build an MLR key-cache
+            layer for every "mlr_attention" entry. Configs saved with the older ``attention_layers`` (short variant
+            names) are read into ``layer_types``.
         mlr_ranks: per-level ranks r_1..r_L summing to the head dim (default for head dim 64: 32|8|6|4|4|4|4|2).
         mlr_block_sizes: block sizes of levels 2..L (default dyadic from ``n_positions``: n/2, n/4, ...).
         mlr_scaling: "standard" (1/sqrt(r) on every level), "mup" (1/r_l, the authors' choice), or explicit
@@ -93,7 +103,7 @@ class StructAttnGPT2Config(StructAttnConfigMixin, PreTrainedConfig):
     tie_word_embeddings: bool = True
 
     attention: str = "dense"
-    attention_layers: Optional[list[str]] = None
+    layer_types: Optional[list[str]] = None
     mlr_ranks: Optional[list[int]] = None
     mlr_block_sizes: Optional[list[int]] = None
     mlr_scaling: Union[str, float, list[float]] = "standard"
@@ -111,15 +121,28 @@ class StructAttnGPT2Config(StructAttnConfigMixin, PreTrainedConfig):
     icl_input_dim: Optional[int] = None
 
     def __post_init__(self, **kwargs):
+        legacy = kwargs.pop("attention_layers", None)  # configs saved before layer_types: short variant names
+        if legacy is not None and self.layer_types is None:
+            for variant in legacy:
+                check_attention_variant(variant, "attention_layers")
+            self.layer_types = [VARIANT_KINDS[variant] for variant in legacy]
+        if self.layer_types is None and self.attention in VARIANT_KINDS:
+            self.layer_types = [VARIANT_KINDS[self.attention]] * self.n_layer
+        # GPT-2's special tokens do not exist in a smaller vocabulary (a byte-level model, say)
+        for name in ("bos_token_id", "eos_token_id"):
+            if getattr(self, name) == GPT2_SPECIAL_TOKEN_ID and self.vocab_size <= GPT2_SPECIAL_TOKEN_ID:
+                setattr(self, name, None)
         self._validate_structured_attention()  # a plain ValueError at construction
         super().__post_init__(**kwargs)
+        announce_config(self)
 
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
 
     def layer_attention(self, layer_idx: int) -> str:
-        return self.attention_layers[layer_idx] if self.attention_layers is not None else self.attention
+        """Short variant name of a layer ("dense", "mlr", "swa", "bilinear_mlr", "bilinear_btt")."""
+        return KIND_VARIANTS[self.layer_types[layer_idx]]
 
     @property
     def resolved_mlr_ranks(self) -> list[int]:
@@ -131,18 +154,31 @@ class StructAttnGPT2Config(StructAttnConfigMixin, PreTrainedConfig):
             return list(self.mlr_block_sizes)
         return default_block_sizes(self.n_positions, len(self.resolved_mlr_ranks))
 
-    def cache_layer_specs(self) -> list[dict]:
-        """Per-layer description for ``StructAttnCache``."""
-        specs = []
-        for layer_idx in range(self.n_layer):
-            variant = self.layer_attention(layer_idx)
-            spec = {"attention": variant}
-            if variant == "mlr":
-                spec.update(ranks=self.resolved_mlr_ranks, block_sizes=self.resolved_mlr_block_sizes)
-            elif variant == "swa":
-                spec.update(sliding_window=self.sliding_window)
-            specs.append(spec)
-        return specs
+    def mlr_geometry(self) -> MLRGeometry:
+        """The ``MLRGeometry`` of this config's MLR layers (ranks, blocks, level scales, averaging)."""
+        scaling = self.mlr_scaling
+        if scaling == "standard" and not self.scale_attn_weights:
+            scaling = 1.0
+        return MLRGeometry.build(self.resolved_mlr_ranks, self.resolved_mlr_block_sizes, scaling,
+                                 head_dim=self.head_dim, average_levels=self.mlr_average_levels)
+
+    def mlr_layer_geometries(self) -> dict:
+        """{layer index: MLRGeometry} of the MLR layers."""
+        kinds = self.layer_types or []
+        if MLR_ATTENTION not in kinds:
+            return {}
+        geometry = self.mlr_geometry()
+        return {index: geometry for index, kind in enumerate(kinds) if kind == MLR_ATTENTION}
+
+    def validate_layer_type(self):
+        """``layer_types`` holds one of this family's attention kinds per layer."""
+        if self.layer_types is None:
+            return
+        if len(self.layer_types) != self.n_layer:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries but n_layer={self.n_layer}")
+        for kind in self.layer_types:
+            if kind not in ATTENTION_KINDS:
+                raise ValueError(f"layer_types entry {kind!r} is not one of {ATTENTION_KINDS}")
 
     def _validate_structured_attention(self) -> None:
         validate_config_numbers(self, ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"),
@@ -152,6 +188,9 @@ class StructAttnGPT2Config(StructAttnConfigMixin, PreTrainedConfig):
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
         check_attention_variant(self.attention, "attention")
+        for name in ("resid_pdrop", "embd_pdrop", "attn_pdrop"):
+            if getattr(self, name) > 1:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a dropout probability in [0, 1]")
         if self.qk_norm not in QK_NORMS:
             raise ValueError(f"qk_norm={self.qk_norm!r} is not one of {QK_NORMS}")
         if isinstance(self.dense_scaling, str) and self.dense_scaling not in MLR_SCALINGS:
@@ -160,12 +199,8 @@ class StructAttnGPT2Config(StructAttnConfigMixin, PreTrainedConfig):
             raise ValueError(f"dense_scaling={self.dense_scaling!r} must be 'standard', 'mup' or a finite number > 0")
         if not is_positive_scale(self.bilinear_scale_constant):
             raise ValueError(f"bilinear_scale_constant={self.bilinear_scale_constant!r} must be a finite number > 0")
-        if self.attention_layers is not None:
-            if len(self.attention_layers) != self.n_layer:
-                raise ValueError(f"attention_layers has {len(self.attention_layers)} entries but n_layer={self.n_layer}")
-            for variant in self.attention_layers:
-                check_attention_variant(variant, "attention_layers")
-        variants = set(self.attention_layers or [self.attention])
+        self.validate_layer_type()
+        variants = {KIND_VARIANTS[kind] for kind in self.layer_types or []}
         if "mlr" in variants and self.attn_pdrop:
             raise ValueError(f"attn_pdrop={self.attn_pdrop} is not supported by MLR layers (the exact fused path "
                              f"never forms the attention probabilities); set attn_pdrop=0")
@@ -173,15 +208,12 @@ class StructAttnGPT2Config(StructAttnConfigMixin, PreTrainedConfig):
             if self.mlr_ranks is None and self.head_dim != 64:
                 raise ValueError(f"mlr_ranks is required for attention='mlr' when the head dim is not 64 "
                                  f"(head dim {self.head_dim})")
-            ranks = self.resolved_mlr_ranks
             if self.mlr_block_sizes is None:
                 try:
-                    default_block_sizes(self.n_positions, len(ranks))
+                    default_block_sizes(self.n_positions, len(self.resolved_mlr_ranks))
                 except ValueError as error:
                     raise ValueError(f"mlr_block_sizes: {error}") from None
-            validate_mlr_geometry(ranks, self.resolved_mlr_block_sizes, self.head_dim, "mlr_ranks",
-                                  "mlr_block_sizes")
-            resolve_level_scales(ranks, self.mlr_scaling, "mlr_scaling")
+            self.mlr_geometry()
         validate_bilinear_fields(self, variants, self.n_embd, self.n_head, hidden_field="n_embd")
         if "swa" in variants:
             check_int("sliding_window", self.sliding_window)

@@ -8,11 +8,12 @@ from transformers.configuration_utils import strict
 
 from .structattn_bilinear import validate_bilinear_fields
 from .structattn_geometry import (
+    MLRGeometry,
     StructAttnConfigMixin,
+    announce_config,
+    check_ranks,
     default_block_sizes,
-    resolve_level_scales,
     validate_config_numbers,
-    validate_mlr_geometry,
 )
 
 T5_ATTENTION_VARIANTS = ("dense", "mlr", "bilinear_mlr", "bilinear_btt")
@@ -66,6 +67,7 @@ class StructAttnT5Config(StructAttnConfigMixin, T5Config):
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
         self._validate_structured_attention()  # a plain ValueError at construction
+        announce_config(self)
 
     def role_attention(self, role: str) -> str:
         """Variant of ``role`` ("encoder_self", "decoder_self" or "cross")."""
@@ -77,28 +79,29 @@ class StructAttnT5Config(StructAttnConfigMixin, T5Config):
             return list(self.mlr_block_sizes)
         return default_block_sizes(self.mlr_max_length, len(self.mlr_ranks))
 
+    def mlr_geometry(self) -> MLRGeometry:
+        """The ``MLRGeometry`` of this config's MLR roles."""
+        return MLRGeometry.build(self.mlr_ranks, self.resolved_mlr_block_sizes, self.mlr_scaling, head_dim=self.d_kv,
+                                 average_levels=self.mlr_average_levels)
+
     def attention_spec(self, role: str) -> dict:
-        """Everything an attention module of ``role`` needs (a plain dict: no config class travels with it)."""
+        """What a bilinear attention module of ``role`` needs (a plain dict: no config class travels with it)."""
         variant = self.role_attention(role)
         spec = {"attention": variant, "causal": role == "decoder_self"}
-        if variant == "mlr":
-            ranks = list(self.mlr_ranks)
-            spec.update(ranks=ranks, block_sizes=self.resolved_mlr_block_sizes,
-                        level_scales=resolve_level_scales(ranks, self.mlr_scaling, "mlr_scaling"),
-                        average_levels=bool(self.mlr_average_levels))
-        elif variant == "bilinear_mlr":
+        if variant == "bilinear_mlr":
             spec.update(ranks=list(self.bilinear_mlr_ranks), scaling=self.bilinear_scaling)
         elif variant == "bilinear_btt":
             spec.update(rank=self.btt_rank, factors=list(self.btt_factors) if self.btt_factors else None,
                         scaling=self.bilinear_scaling)
         return spec
 
-    def cache_layer_specs(self) -> list[dict]:
-        """Per-decoder-layer description for ``StructAttnCache`` (MLR key cache for MLR decoder self-attention)."""
-        spec = self.attention_spec("decoder_self")
-        layer = {"attention": "mlr", "ranks": spec["ranks"], "block_sizes": spec["block_sizes"]} \
-            if spec["attention"] == "mlr" else {"attention": spec["attention"]}
-        return [dict(layer) for _ in range(self.num_decoder_layers)]
+    def mlr_layer_geometries(self) -> dict:
+        """{decoder layer index: MLRGeometry} of MLR decoder self-attention (whose cache is hierarchical)."""
+        if self.decoder_attention != "mlr":
+            return {}
+        geometry = self.mlr_geometry()
+        layers = self.num_decoder_layers if self.num_decoder_layers is not None else self.num_layers
+        return {index: geometry for index in range(layers)}
 
     def _validate_structured_attention(self) -> None:
         validate_config_numbers(self, ("vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_heads",
@@ -119,14 +122,13 @@ class StructAttnT5Config(StructAttnConfigMixin, T5Config):
             if self.mlr_ranks is None:
                 raise ValueError(f"mlr_ranks is required when an attention role is 'mlr' (ranks summing to "
                                  f"d_kv={self.d_kv})")
-            ranks = list(self.mlr_ranks)
+            ranks = check_ranks(self.mlr_ranks, "mlr_ranks")
             if self.mlr_block_sizes is None:
                 try:
                     default_block_sizes(self.mlr_max_length, len(ranks), "mlr_max_length")
                 except ValueError as error:
                     raise ValueError(f"mlr_block_sizes / mlr_max_length: {error}") from None
-            validate_mlr_geometry(ranks, self.resolved_mlr_block_sizes, self.d_kv, "mlr_ranks", "mlr_block_sizes")
-            resolve_level_scales(ranks, self.mlr_scaling, "mlr_scaling")
+            self.mlr_geometry()
         validate_bilinear_fields(self, variants, self.d_model, self.num_heads, hidden_field="d_model")
 
 

@@ -22,33 +22,11 @@ import functools
 
 from transformers import AutoModel
 
-from .configuration_structattn_t5 import StructAttnT5Config
-from .modeling_structattn_t5 import install_structured_attention
+from .configuration_structattn_chronos_bolt import BOLT_AUTO_MAP, BOLT_MODEL_CLASS_NAME, StructAttnChronosBoltConfig
+from .modeling_structattn_t5 import install_t5_structured_attention
 
-BOLT_MODEL_CLASS_NAME = "StructAttnChronosBoltModelForForecasting"
-BOLT_AUTO_MAP = {
-    "AutoConfig": "modeling_structattn_chronos_bolt.StructAttnChronosBoltConfig",
-    "AutoModel": f"modeling_structattn_chronos_bolt.{BOLT_MODEL_CLASS_NAME}",
-}
 # patching keeps pretrained q/k/v/o: only MLR rearranges them; the bilinear variants would need new parameters
 BOLT_ATTENTIONS = ("dense", "mlr")
-
-
-class StructAttnChronosBoltConfig(StructAttnT5Config):
-    r"""``StructAttnT5Config`` of a Chronos-Bolt model (Chronos' ``chronos_config`` and ``chronos_pipeline_class``
-    are kept as extra attributes). Block sizes count encoder tokens, i.e. patches of
-    ``chronos_config["input_patch_stride"]`` time steps (plus the ``[REG]`` token at the end)."""
-
-    model_type = "structattn_chronos_bolt"
-
-    def __post_init__(self, **kwargs):
-        super().__post_init__(**kwargs)
-        # ChronosBoltPipeline.from_pretrained reads this config and then looks the model class up by name in
-        # chronos.chronos_bolt: the class must be registered there by now
-        bolt_model_class()
-
-
-StructAttnChronosBoltConfig.register_for_auto_class()
 
 
 @functools.cache
@@ -63,7 +41,7 @@ def bolt_model_class():
     class StructAttnChronosBoltModelForForecasting(chronos_bolt.ChronosBoltModelForForecasting):
         """``chronos.chronos_bolt.ChronosBoltModelForForecasting`` whose encoder self-attention (and decoder
         self-attention, which sees one token in Bolt) is MLR as configured. Same forward, outputs and
-        state-dict names (``StructAttnT5Attention`` adopts T5's ``q, k, v, o``).
+        state-dict names (MLR is installed on Chronos' own ``T5Attention`` modules).
 
         context: (batch, time) -> ``quantile_preds`` (batch, num_quantiles, prediction_length), as the base class.
         """
@@ -76,10 +54,8 @@ def bolt_model_class():
                     raise ValueError(f"{field}={getattr(config, field)!r}: a Chronos-Bolt model takes one of "
                                      f"{BOLT_ATTENTIONS}")
             super().__init__(config)
-            # T5Attention -> StructAttnT5Attention adopts the existing parameters, so nothing needs initialising
-            install_structured_attention(self.encoder, config, {"self": config.attention_spec("encoder_self")})
-            install_structured_attention(self.decoder, config, {"self": config.attention_spec("decoder_self"),
-                                                                "cross": config.attention_spec("cross")})
+            # MLR keeps T5's parameters: nothing new needs initialising
+            install_t5_structured_attention(self, config)
             # remote loading needs the config class in config.json, not only the class being saved
             self.config.auto_map = dict(BOLT_AUTO_MAP)
 
@@ -100,4 +76,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["StructAttnChronosBoltConfig", "bolt_model_class"]
+__all__ = ["BOLT_MODEL_CLASS_NAME", "StructAttnChronosBoltConfig", "bolt_model_class"]

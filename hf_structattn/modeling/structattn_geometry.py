@@ -14,6 +14,7 @@ Conventions (paper §3.4):
 
 import math
 import numbers
+from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
 import torch
@@ -208,6 +209,11 @@ def resolve_level_scales(ranks: Sequence[int], scales: Union[None, str, float, S
     a float: that value on every level (T5 uses 1.0); a sequence: one value per level.
     """
     head_dim = sum(ranks)
+    if isinstance(scales, torch.Tensor):  # a 0-d tensor is a number, a 1-d one a list of per-level numbers
+        if scales.dim() > 1 or scales.is_complex() or not (scales.is_floating_point() or scales.dim() == 0):
+            raise ValueError(f"{field} must be a number or one number per level, got a tensor of shape "
+                             f"{tuple(scales.shape)} and dtype {scales.dtype}")
+        scales = float(scales) if scales.dim() == 0 else [float(value) for value in scales]
     if scales is None or scales == "standard":
         return [1.0 / math.sqrt(head_dim)] * len(ranks)
     if scales == "mup":
@@ -256,6 +262,111 @@ def pair_depth(query_positions: torch.Tensor, key_positions: torch.Tensor, block
         same = (query_positions[:, :, None] // size) == (key_positions[:, None, :] // size)
         depth = depth + same.long()
     return depth
+
+
+# The per-layer attention kinds of every family, in transformers' ``layer_types`` vocabulary where one exists.
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+MLR_ATTENTION = "mlr_attention"
+BILINEAR_MLR_ATTENTION = "bilinear_mlr_attention"
+BILINEAR_BTT_ATTENTION = "bilinear_btt_attention"
+ATTENTION_KINDS = (FULL_ATTENTION, MLR_ATTENTION, SLIDING_ATTENTION, BILINEAR_MLR_ATTENTION, BILINEAR_BTT_ATTENTION)
+# the short variant names of the configs' ``attention`` / ``*_attention`` fields
+VARIANT_KINDS = {"dense": FULL_ATTENTION, "mlr": MLR_ATTENTION, "swa": SLIDING_ATTENTION,
+                 "bilinear_mlr": BILINEAR_MLR_ATTENTION, "bilinear_btt": BILINEAR_BTT_ATTENTION}
+KIND_VARIANTS = {kind: variant for variant, kind in VARIANT_KINDS.items()}
+
+
+@dataclass(frozen=True)
+class MLRGeometry:
+    """Everything MLR attention needs to know about one layer, validated once (by ``build``).
+
+    ranks: (r_1, ..., r_L) summing to the head dim; block_sizes: (b_2, ..., b_L), nested, aligned to position 0;
+    level_scales: per-level logit multipliers, or None for "the attention module's own ``scaling`` on every
+    level" (patched decoders: ``mlr_ranks=[head_dim]`` is then the stock model); average_levels: divide each logit
+    by the number of levels the pair shares; dim_order: the head-dim permutation that puts the level slices first
+    (whole RoPE rotation pairs for patched RoPE decoders), or None for the identity. Hashable; device tensors
+    derived from it are cached in ``tensors`` (not part of equality).
+    """
+
+    ranks: tuple
+    block_sizes: tuple
+    level_scales: Optional[tuple] = None
+    average_levels: bool = False
+    dim_order: Optional[tuple] = None
+    tensors: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    @classmethod
+    def build(cls, ranks, block_sizes, scales=None, *, head_dim: Optional[int] = None, average_levels: bool = False,
+              dim_order=None, ranks_field: str = "mlr_ranks", blocks_field: str = "mlr_block_sizes",
+              scales_field: str = "mlr_scaling") -> "MLRGeometry":
+        """Validate and build. ``scales``: None (module scaling), "standard" (1/sqrt(r)), "mup" (1/r_l), a number
+        or one number per level; errors name the given field names."""
+        validate_mlr_geometry(ranks, block_sizes, head_dim, ranks_field, blocks_field)
+        ranks, block_sizes = tuple(int(r) for r in ranks), tuple(int(b) for b in block_sizes)
+        level_scales = None if scales is None else tuple(resolve_level_scales(ranks, scales, scales_field))
+        if dim_order is not None:
+            dim_order = tuple(int(d) for d in dim_order)
+            if sorted(dim_order) != list(range(sum(ranks))):
+                raise ValueError(f"mlr_dim_order={list(dim_order)} is not a permutation of the {sum(ranks)} head dims")
+            if dim_order == tuple(range(sum(ranks))):
+                dim_order = None
+        return cls(ranks, block_sizes, level_scales, bool(average_levels), dim_order)
+
+    @property
+    def head_dim(self) -> int:
+        return sum(self.ranks)
+
+    @property
+    def num_levels(self) -> int:
+        return len(self.ranks)
+
+    def scales(self, module_scaling: Optional[float] = None) -> tuple:
+        """The per-level multipliers, with ``module_scaling`` (default 1/sqrt(r)) standing in when not configured."""
+        if self.level_scales is not None:
+            return self.level_scales
+        scale = self.head_dim ** -0.5 if module_scaling is None else float(module_scaling)
+        return (scale,) * self.num_levels
+
+    def key_cache_elements(self, slots: int) -> int:
+        """Key entries the hierarchical cache holds per (row, head) for ``slots`` positions:
+        ``slots r_1 + sum_l min(b_l, slots) r_l``."""
+        return slots * self.ranks[0] + sum(min(size, slots) * rank
+                                           for size, rank in zip(self.block_sizes, self.ranks[1:]))
+
+    def dim_order_index(self, device) -> Optional[torch.Tensor]:
+        """``dim_order`` as a long tensor on ``device`` (cached), or None."""
+        if self.dim_order is None:
+            return None
+        key = ("dim_order", device)
+        if key not in self.tensors:
+            self.tensors[key] = torch.tensor(self.dim_order, dtype=torch.long, device=device)
+        return self.tensors[key]
+
+    def scale_vector(self, scales: Sequence[float], dtype: torch.dtype, device) -> torch.Tensor:
+        """(r,) per-dim multiplier: ``scales[l]`` on the dims of level l (folded into queries)."""
+        key = ("scales", tuple(scales), dtype, device)
+        if key not in self.tensors:
+            self.tensors[key] = torch.tensor([s for s, r in zip(scales, self.ranks) for _ in range(r)],
+                                             dtype=dtype, device=device)
+        return self.tensors[key]
+
+
+# Callbacks run once per config class, when the first config of that class is built: the installed package registers
+# its model classes with the Auto classes there, so that importing it builds none (transformers' modeling code is the
+# expensive import). A payload loaded as remote code has its own, empty list.
+FIRST_CONFIG_HOOKS: list = []
+_announced: set = set()
+
+
+def announce_config(config) -> None:
+    """Run ``FIRST_CONFIG_HOOKS`` for ``type(config)`` if no config of that class was built before."""
+    config_class = type(config)
+    if config_class in _announced:
+        return
+    _announced.add(config_class)
+    for hook in list(FIRST_CONFIG_HOOKS):
+        hook(config_class)
 
 
 class StructAttnConfigMixin:

@@ -61,6 +61,23 @@ def _row_offsets(positions: torch.Tensor, valid: torch.Tensor):
     return torch.where(has_tokens, low, torch.zeros_like(low))
 
 
+def _without_leading_padding(q, k, v, skip: int, *, positions, attention_mask, bias, **kwargs) -> torch.Tensor:
+    """``mlr_attention`` of the tokens from index ``skip`` on, zeros for the ``skip`` leading ones, which must be
+    padding (their positions are negative)."""
+    length = q.shape[2]
+    if attention_mask is None or skip >= length or bool(attention_mask[:, :skip].any()):
+        lowest = int(positions.min())
+        raise ValueError(f"positions must be non-negative for MLR attention (blocks are aligned to position 0), "
+                         f"got {lowest} for a real token")
+    if bias is not None:
+        bias = bias if bias.dim() == 4 else bias.view((1,) * (4 - bias.dim()) + tuple(bias.shape))
+        bias = bias[..., skip:, :] if bias.shape[-2] == length else bias
+        bias = bias[..., skip:] if bias.shape[-1] == length else bias
+    out = mlr_attention(q[:, :, skip:], k[:, :, skip:], v[:, :, skip:], positions=positions[:, skip:],
+                        attention_mask=attention_mask[:, skip:], bias=bias, **kwargs)
+    return F.pad(out, (0, 0, skip, 0))
+
+
 def mlr_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ranks: Sequence[int],
                   block_sizes: Sequence[int], causal: bool = True,
                   scales: Union[None, str, float, Sequence[float]] = None, positions: Optional[torch.Tensor] = None,
@@ -114,6 +131,13 @@ def mlr_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ranks: S
                                            scales=level_scales, positions=positions, attention_mask=valid,
                                            bias=bias, average_levels=average_levels)
         uniform = bool((offsets == offsets[0]).all())
+        if uniform and int(offsets[0]) < 0:
+            # every row's real tokens start at index -offset or later: the indices before are padding at negative
+            # positions (uniform left padding); run on the rest and give the padding rows zeros
+            return _without_leading_padding(q, k, v, -int(offsets[0]), ranks=ranks, block_sizes=block_sizes,
+                                            causal=causal, scales=level_scales, positions=positions,
+                                            attention_mask=valid, bias=bias, average_levels=average_levels,
+                                            implementation=implementation)
         if not uniform and valid is None:
             # per-row offsets go through the canonical scatter, which marks real tokens with the mask
             valid = torch.ones(batch, length, dtype=torch.bool, device=q.device)

@@ -1,43 +1,106 @@
-"""What the GPT-2 and T5 families' ``PreTrainedModel`` classes share: the ``auto_map`` written before saving, weight
-init on transformers' own path, and the generation hooks that give ``generate()`` the hierarchical key cache and
-keep the 2-D padding mask."""
+"""What every family's ``PreTrainedModel`` class shares (GPT-2 family, T5 family, patched ``MLR<Arch>`` decoders):
+the ``auto_map`` written before saving, weight init on transformers' own path, the hierarchical key cache for
+``generate`` and direct forwards, and the one place where a private transformers hook is overridden.
 
-from .structattn_cache import structattn_generation_cache
+Subclasses define ``structattn_cache_geometries()`` ({layer index: MLRGeometry} of the MLR self-attention layers
+whose cache layers hold the hierarchical form) and ``structattn_num_cache_layers()``.
+"""
+
+from typing import Optional
+
+from transformers.cache_utils import DynamicCache, EncoderDecoderCache, StaticCache
+
+from .structattn_cache import prepare_structattn_cache
 
 
 class StructAttnPreTrainedMixin:
-    """Mixin placed before the transformers base class. Subclasses set ``structattn_auto_map`` and define
-    ``new_cache(max_cache_len=None)`` (the empty cache ``generate()`` should fill)."""
+    """Mixin placed before the transformers base class. Subclasses set ``structattn_auto_map`` (may be empty)."""
 
     structattn_auto_map: dict = {}
+    # positions beyond which the model has no embedding (learned absolute positions), or None
+    structattn_max_positions_field: Optional[str] = None
 
     def post_init(self):
         # remote loading needs every Auto class in config.json, not only the class being saved
-        self.config.auto_map = dict(self.structattn_auto_map)
+        if self.structattn_auto_map:
+            self.config.auto_map = dict(self.structattn_auto_map)
         super().post_init()
 
-    def _initialize_weights(self, module, is_custom_code: bool = False):
-        # transformers guards custom code whose _init_weights might overwrite loaded tensors by skipping every module
-        # whose direct parameters are all loaded, which also skips modules with no direct parameters at all (an
-        # attention or feed-forward layer whose init sets its children: T5's q/k/v/o and wi/wo formulas, GPT-2's
-        # scaled residual projections). These models initialise only through transformers.initialization, which
-        # leaves loaded tensors alone, so they take transformers' own path.
-        super()._initialize_weights(module, is_custom_code=False)
+    @classmethod
+    def is_custom_code(cls) -> bool:
+        # transformers guards the weight init of custom code (which may write tensors in place) by skipping every module
+        # whose direct parameters are all loaded -- which also skips modules without direct parameters, whose init
+        # sets their children (GPT-2's scaled residual projections, T5's attention and feed-forward formulas). These
+        # models initialise only through transformers.initialization, which leaves loaded tensors alone, like
+        # transformers' own models: they take the library path.
+        return False
 
+    def structattn_cache_geometries(self) -> dict:
+        return {}
+
+    def structattn_num_cache_layers(self) -> Optional[int]:
+        return None
+
+    def structattn_cache_config(self):
+        """The config a cache for this model's (decoder) self-attention is built from."""
+        return self.config.get_text_config(decoder=True)
+
+    def new_cache(self, max_cache_len: Optional[int] = None):
+        """An empty cache the transformers way (``DynamicCache(config=...)``, ``StaticCache`` with ``max_cache_len``;
+        an ``EncoderDecoderCache`` of both for encoder-decoders) whose MLR layers hold the hierarchical form."""
+        config = self.structattn_cache_config()
+        if max_cache_len is None:
+            cache = DynamicCache(config=config)
+        else:
+            cache = StaticCache(config=config, max_cache_len=max_cache_len)
+        if self.config.is_encoder_decoder:
+            cache = EncoderDecoderCache(cache, DynamicCache(config=config))
+        return prepare_structattn_cache(cache, self.structattn_cache_geometries(),
+                                        num_layers=self.structattn_num_cache_layers())
+
+    # ------------------------------------------------------------------ generation hooks
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
                                       max_cache_length):
-        # generate() would build a plain DynamicCache / StaticCache from the config; MLR layers need their
-        # hierarchical key cache
-        cache = structattn_generation_cache(self.new_cache, generation_config, model_kwargs, max_cache_length)
+        # Private transformers hook (checked against transformers 5.24): the cache generate builds from the config
+        # gets its MLR layers in hierarchical form and the final length reserved, so that it allocates exactly what
+        # the generation needs.
+        result = super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, batch_size,
+                                                       max_cache_length)
+        cache = model_kwargs.get("cache")
         if cache is not None:
-            model_kwargs["cache"] = cache
-            return
-        return super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, batch_size,
-                                                     max_cache_length)
+            prepare_structattn_cache(cache, self.structattn_cache_geometries(), reserve=max_cache_length,
+                                     num_layers=self.structattn_num_cache_layers())
+        return result
+
+    def _prepare_generated_length(self, generation_config, has_default_max_length, has_default_min_length,
+                                  model_input_name, input_ids_length, inputs_tensor):
+        # Private transformers hook (checked against transformers 5.24): a model with learned absolute positions
+        # refuses, before any forward, a request that would run past them (the forward would fail only after the
+        # prompt and part of the output).
+        generation_config = super()._prepare_generated_length(generation_config, has_default_max_length,
+                                                              has_default_min_length, model_input_name,
+                                                              input_ids_length, inputs_tensor)
+        if self.structattn_max_positions_field is None:
+            return generation_config
+        limit = getattr(self.config, self.structattn_max_positions_field)
+        prompt = inputs_tensor.shape[1] if model_input_name == "inputs_embeds" else input_ids_length
+        positions = generation_config.max_length
+        if model_input_name == "inputs_embeds" and inputs_tensor.shape[1] != input_ids_length:
+            positions += inputs_tensor.shape[1]  # transformers' max_length then counts only the new tokens
+        if positions > limit:
+            if generation_config.max_new_tokens is not None:
+                asked = f"max_new_tokens={generation_config.max_new_tokens}"
+            else:
+                asked = "transformers' default length" if has_default_max_length else f"max_length={positions}"
+            raise ValueError(f"generate: a {prompt}-token prompt + {positions - prompt} new tokens ({asked}) needs "
+                             f"{positions} positions, beyond {self.structattn_max_positions_field}={limit} (this "
+                             f"model has learned position embeddings for positions < {limit}); ask for at most "
+                             f"{max(limit - prompt, 0)} new tokens")
+        return generation_config
 
     def create_masks_for_generate(self, config, inputs_embeds, attention_mask, cache, position_ids, **kwargs):
-        # generate() turns the 2-D padding mask into 4-D masks for fixed-shape caches; these models build the masks
-        # each variant needs themselves (MLR reads the 2-D padding flags), so keep the 2-D mask
+        # generate() precomputes 4-D masks for fixed-shape caches; these models build their masks in forward and read
+        # the new tokens' padding from the 2-D mask, so keep it
         return attention_mask
 
 
