@@ -22,7 +22,8 @@ VARIANT_FIELDS = {
     "bilinear_btt": dict(attention="bilinear_btt", btt_rank=1),
     "swa": dict(attention="swa", sliding_window=8),
     "mixed": dict(attention="mlr", mlr_ranks=[8, 4, 2, 2], sliding_window=8,
-                  attention_layers=["mlr", "dense", "swa", "bilinear_mlr"], bilinear_mlr_ranks=[4, 4]),
+                  layer_types=["mlr_attention", "full_attention", "sliding_attention", "bilinear_mlr_attention"],
+                  bilinear_mlr_ranks=[4, 4]),
 }
 
 

@@ -12,6 +12,7 @@ from hf_structattn import (
     StructAttnGPT2Model,
 )
 from hf_structattn.flops import key_cache_elements
+from hf_structattn.modeling.structattn_cache import key_cache_bytes
 
 from conftest import VARIANT_FIELDS, tiny_gpt2_config, tiny_lm
 
@@ -141,7 +142,7 @@ def test_key_cache_holds_the_formula_bytes():
         expected = key_cache_elements("mlr", total, ranks, blocks, head_dim)
         assert layer.key_cache_elements() == expected
         itemsize = layer.keys.element_size()
-        assert cache.key_cache_bytes() == config.n_layer * 3 * config.n_head * expected * itemsize
+        assert key_cache_bytes(cache) == config.n_layer * 3 * config.n_head * expected * itemsize
         assert layer.values.shape == (3, config.n_head, total, head_dim)
     # at the training length the keys are 0.625x of dense keys for ranks 8|4|2|2 and blocks 32|16|8
     assert expected / (64 * head_dim) == pytest.approx((64 * 8 + 32 * 4 + 16 * 2 + 8 * 2) / (64 * 16))
@@ -177,11 +178,16 @@ def test_generate_refuses_a_request_beyond_n_positions_before_any_forward(reques
             model.generate(**prompt, do_sample=False)
 
 
-def test_mlr_cache_refuses_crop():
+def test_mlr_cache_crops_only_what_it_recorded():
     model = tiny_lm("mlr")
     _, cache = _chunked_logits(model, torch.randint(2, 61, (1, 20)), None, [20])
-    with pytest.raises(ValueError, match="cannot be cropped"):
+    with pytest.raises(ValueError, match="activate_past_recording"):
         cache.crop(-2)
+    cache.crop(0)  # drops nothing: always allowed
+    cache.activate_past_recording()
+    model(torch.randint(2, 61, (1, 3)), cache=cache)
+    with pytest.raises(ValueError, match=r"crop\(-4\): only the 3 tokens written since the last crop"):
+        cache.crop(-4)
 
 
 @pytest.mark.parametrize("variant", ["mlr", "mlr_avg_mup"])

@@ -32,12 +32,13 @@ def _ids(batch=2, length=20, seed=3, vocab=61):
 @pytest.mark.parametrize("training", [False, True])
 def test_gpt2_uncached_forward_honours_offset_and_per_row_positions(variant, training):
     """Positions not starting at 0 and per-row offsets without a mask: the fast path equals the materialised
-    reference path (output_attentions) in float64, and every row equals the row alone."""
+    reference path (attn_implementation="eager") in float64, and every row equals the row alone."""
     model = tiny_lm(variant).double().train(training)
     ids = _ids(3)
     positions = torch.stack([torch.arange(5, 25), torch.arange(0, 20), torch.arange(19, 39)])
     fast = model(ids, position_ids=positions, use_cache=False)
-    reference = model(ids, position_ids=positions, use_cache=False, output_attentions=True)
+    materialised = tiny_lm(variant, attn_implementation="eager").double().train(training)
+    reference = materialised(ids, position_ids=positions, use_cache=False)
     torch.testing.assert_close(fast.logits, reference.logits, **EXACT)
     for row in range(3):
         alone = model(ids[row:row + 1], position_ids=positions[row:row + 1], use_cache=False).logits
@@ -205,12 +206,14 @@ def test_t5_low_precision_generate(variant, dtype):
 
 @pytest.mark.parametrize("variant", GPT2_VARIANTS)
 def test_gpt2_output_attentions_are_real_probabilities(variant):
-    model = tiny_lm(variant).double()
+    """With attn_implementation="eager" every variant returns its real probabilities (as transformers' GPT-2 does;
+    other implementations return none), and the forward still returns its cache."""
+    model = tiny_lm(variant, attn_implementation="eager").double()
     ids = _ids()
     mask = torch.ones_like(ids)
     mask[1, :4] = 0
     out = model(ids, attention_mask=mask, output_attentions=True)
-    assert out.cache is None  # the materialised path runs uncached
+    assert out.cache is not None and out.cache.get_seq_length() == 20
     assert len(out.attentions) == model.config.n_layer
     for probabilities in out.attentions:
         assert probabilities.shape == (2, model.config.n_head, 20, 20)
@@ -219,8 +222,9 @@ def test_gpt2_output_attentions_are_real_probabilities(variant):
         future = probabilities.detach().triu(1)
         assert float(future[0].abs().max()) == 0.0 and float(future[1, :, 4:].abs().max()) == 0.0  # causal
         assert float(probabilities.detach()[1, :, 4:, :4].abs().max()) < 1e-300  # padding keys get no weight
-    torch.testing.assert_close(out.logits[0], model(ids, attention_mask=mask, use_cache=False).logits[0], **EXACT)
-    torch.testing.assert_close(out.logits[1, 4:], model(ids, attention_mask=mask, use_cache=False).logits[1, 4:],
+    fast = tiny_lm(variant).double()
+    torch.testing.assert_close(out.logits[0], fast(ids, attention_mask=mask, use_cache=False).logits[0], **EXACT)
+    torch.testing.assert_close(out.logits[1, 4:], fast(ids, attention_mask=mask, use_cache=False).logits[1, 4:],
                                **EXACT)
 
 
@@ -229,7 +233,7 @@ def test_gpt2_dense_attentions_equal_transformers_gpt2():
     config = transformers.GPT2Config(vocab_size=61, n_positions=64, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
                                      embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager")
     reference = transformers.GPT2LMHeadModel(config).double().eval()
-    ours = tiny_lm("dense").double()
+    ours = tiny_lm("dense", attn_implementation="eager").double()
     ours.load_state_dict(reference.state_dict(), strict=False)
     ids = _ids()
     expected = reference(ids, output_attentions=True).attentions
@@ -238,14 +242,30 @@ def test_gpt2_dense_attentions_equal_transformers_gpt2():
         torch.testing.assert_close(a, b, **EXACT)
 
 
-def test_gpt2_output_attentions_refuses_a_filled_cache():
-    model = tiny_lm("mlr")
-    cache = model(_ids(), use_cache=True).cache
-    with pytest.raises(ValueError, match="output_attentions=True.*use_cache=False"):
-        model(_ids(length=1), cache=cache, output_attentions=True)
-    generated = model.generate(_ids()[:, :5], max_new_tokens=3, do_sample=False, use_cache=False,
-                               output_attentions=True, return_dict_in_generate=True)
-    assert len(generated.attentions) == 3 and len(generated.attentions[0]) == model.config.n_layer
+@pytest.mark.parametrize("variant", ["mlr", "mixed"])
+def test_gpt2_output_attentions_with_a_filled_cache(variant):
+    """A decode step with the cache returns the new token's row of the uncached probabilities, over the cached and
+    new tokens in token order (padding 0); generate(output_attentions=True) keeps the cache and its tokens."""
+    model = tiny_lm(variant, attn_implementation="eager").double()
+    ids = _ids()
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    reference = model(ids, attention_mask=mask, position_ids=positions, use_cache=False, output_attentions=True)
+    cache = model(ids[:, :17], attention_mask=mask[:, :17], position_ids=positions[:, :17]).cache
+    for step in range(17, 20):
+        out = model(ids[:, step:step + 1], attention_mask=mask[:, :step + 1], position_ids=positions[:, step:step + 1],
+                    cache=cache, output_attentions=True)
+        for kind, got, expected in zip(model.config.layer_types, out.attentions, reference.attentions):
+            # a sliding-window layer's cache holds the window only (transformers' DynamicSlidingWindowLayer)
+            first = step + 1 - model.config.sliding_window if kind == "sliding_attention" else 0
+            torch.testing.assert_close(got, expected[:, :, step:step + 1, first:step + 1], **EXACT)
+    prompt = dict(input_ids=ids[:, :6], attention_mask=mask[:, :6], max_new_tokens=8, do_sample=False)
+    plain = model.generate(**prompt)
+    generated = model.generate(**prompt, output_attentions=True, return_dict_in_generate=True)
+    torch.testing.assert_close(generated.sequences, plain, atol=0, rtol=0)
+    assert len(generated.attentions) == 8 and len(generated.attentions[0]) == model.config.n_layer
+    assert generated.attentions[-1][0].shape == (2, model.config.n_head, 1, 13)
 
 
 def test_t5_mlr_attentions_equal_transformers_t5_when_blocks_cover_the_sequence():
@@ -288,8 +308,9 @@ def test_t5_output_attentions_every_structured_variant(variant):
             assert probabilities.shape == (2, 4, *shape)
             torch.testing.assert_close(probabilities.sum(-1), torch.ones(2, 4, shape[0], dtype=torch.float64),
                                        **EXACT)
-    with pytest.raises(ValueError, match="attn_implementation='eager'"):
-        tiny_t5(**MLR)(input_ids=ids, decoder_input_ids=decoder_ids, output_attentions=True)
+    # as transformers' T5: only the eager implementation returns probabilities
+    assert tiny_t5(**MLR)(input_ids=ids, decoder_input_ids=decoder_ids, output_attentions=True).encoder_attentions \
+        in ((), None)
 
 
 # ------------------------------------------------------------------------------------- bad input (items 12, 13)

@@ -96,8 +96,8 @@ def test_cached_decoding_logits_equal_uncached_across_block_boundaries(average_l
     torch.testing.assert_close(torch.cat(steps, 1), reference, **EXACT)
     layers = cache.self_attention_cache.layers
     assert [type(layer).__name__ for layer in layers] == ["MLRKeyCacheLayer"] * BASE["num_decoder_layers"]
-    # level 3 (block 4) holds only the current block's keys: 19 tokens -> positions 16..18
-    assert layers[0].level_keys[1].shape[-2] == 4 and layers[0].keys.shape[-2] == 19
+    # level 3 (block 4) holds one block of keys (position p at entry p % 4); level 1 holds all 19 positions
+    assert layers[0].rings[1].shape[-2] == 4 and layers[0].keys.shape[-2] == 19
 
 
 @pytest.mark.parametrize("fields", [MLR, dict(decoder_attention="bilinear_mlr", cross_attention="bilinear_btt",

@@ -125,6 +125,8 @@ class StructAttnGPT2Config(StructAttnConfigMixin, PreTrainedConfig):
         if legacy is not None and self.layer_types is None:
             for variant in legacy:
                 check_attention_variant(variant, "attention_layers")
+            if len(legacy) != self.n_layer:
+                raise ValueError(f"attention_layers has {len(legacy)} entries but n_layer={self.n_layer}")
             self.layer_types = [VARIANT_KINDS[variant] for variant in legacy]
         if self.layer_types is None and self.attention in VARIANT_KINDS:
             self.layer_types = [VARIANT_KINDS[self.attention]] * self.n_layer

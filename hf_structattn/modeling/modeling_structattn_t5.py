@@ -31,7 +31,7 @@ from transformers.models.t5.modeling_t5 import (
 from .configuration_structattn_t5 import StructAttnT5Config
 from .structattn_attention import install_mlr_attention, mlr_geometry_of
 from .structattn_cache import STEP_KEY, StructAttnStep, prepare_structattn_cache, self_attention_cache
-from .structattn_geometry import mask_value, softmax_dtype
+from .structattn_geometry import keep_mask, mask_value, softmax_dtype
 from .structattn_ops import fused_attention
 from .structattn_pretrained import StructAttnPreTrainedMixin
 from .structattn_qk import StructuredQueryKey, init_structured_query_key
@@ -165,6 +165,29 @@ def install_t5_structured_attention(model: nn.Module, config) -> int:
     return changed
 
 
+def _check_inputs(kwargs: dict) -> None:
+    """One-line errors for inputs T5 would misread: empty sequences, masks of the wrong length, and additive masks
+    (read as keep-masks they would be silently inverted). Keep-masks may be bool, integer or 0/1 float."""
+    for tokens_name, embeds_name, mask_name in (("input_ids", "inputs_embeds", "attention_mask"),
+                                                ("decoder_input_ids", "decoder_inputs_embeds",
+                                                 "decoder_attention_mask")):
+        tokens = kwargs.get(tokens_name)
+        tokens = kwargs.get(embeds_name) if tokens is None else tokens
+        if tokens is None:
+            continue
+        if tokens.dim() < 2 or tokens.shape[1] == 0:
+            raise ValueError(f"{tokens_name}: the input has sequence length 0 or no batch axis (shape "
+                             f"{tuple(tokens.shape)}): pass at least one token as (B, T)")
+        mask = kwargs.get(mask_name)
+        if mask is None or mask.dim() != 2 or torch.compiler.is_compiling():
+            continue
+        length = tokens.shape[1]
+        if mask_name == "decoder_attention_mask":
+            cache = self_attention_cache(kwargs.get("cache"))
+            length += int(cache.get_seq_length()) if cache is not None else 0
+        keep_mask(mask, tokens.shape[0], length, name=mask_name)
+
+
 def _forward_with_step(base):
     """``forward`` of a T5 model with a decoder: the base forward, after the decoder cache (built here the way
     T5Stack builds it when caching and none is given) gets its MLR self-attention layers in hierarchical form, and
@@ -179,6 +202,9 @@ def _forward_with_step(base):
         kwargs.update(zip(positional, args))
         if "past_key_values" in kwargs and kwargs.get("cache") is None:
             kwargs["cache"] = kwargs.pop("past_key_values")
+        _check_inputs(kwargs)
+        if not hasattr(self, "decoder"):
+            return base.forward(self, **kwargs)
         cache = kwargs.get("cache")
         use_cache = kwargs.get("use_cache")
         use_cache = self.config.use_cache if use_cache is None else use_cache
@@ -255,6 +281,8 @@ class StructAttnT5ForConditionalGeneration(StructAttnT5PreTrainedModel, T5ForCon
 
 class StructAttnT5EncoderModel(StructAttnT5PreTrainedModel, T5EncoderModel):
     """``transformers.T5EncoderModel`` with structured encoder self-attention."""
+
+    forward = _forward_with_step(T5EncoderModel)
 
     def structattn_cache_geometries(self) -> dict:
         return {}

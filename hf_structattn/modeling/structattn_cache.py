@@ -710,6 +710,19 @@ class MLRStaticKeyCacheLayer(MLRCacheLayerMixin, StaticLayer):
 MLR_CACHE_LAYERS = (MLRKeyCacheLayer, MLRStaticKeyCacheLayer)
 
 
+def key_cache_bytes(cache: Cache) -> int:
+    """Bytes of keys a cache holds by the formula (MLR layers: ``S r_1 + sum_l min(b_l, S) r_l`` per row and head;
+    other layers: their key tensors), batch and heads included; an ``EncoderDecoderCache`` counts its
+    self-attention part."""
+    total = 0
+    for layer in self_attention_cache(cache).layers:
+        if isinstance(layer, MLR_CACHE_LAYERS) and layer.is_bound:
+            total += layer.key_cache_bytes()
+        elif getattr(layer, "is_initialized", False) and layer.keys is not None:
+            total += layer.keys.numel() * layer.keys.element_size()
+    return total
+
+
 # Bilinear layers cache their (structured, wider) keys like any full-attention layer: transformers' plain layers,
 # registered under this package's layer types so that ``DynamicCache(config=...)`` and ``StaticCache`` build them.
 class BilinearMLRKeyCacheLayer(DynamicLayer):
@@ -774,5 +787,5 @@ def prepare_structattn_cache(cache: Optional[Cache], geometries: dict, *, reserv
     return cache
 
 
-__all__ = ["MLRKeyCacheLayer", "MLRStaticKeyCacheLayer", "StructAttnStep", "STEP_KEY", "prepare_structattn_cache",
-           "self_attention_cache"]
+__all__ = ["MLRKeyCacheLayer", "MLRStaticKeyCacheLayer", "StructAttnStep", "STEP_KEY", "key_cache_bytes",
+           "prepare_structattn_cache", "self_attention_cache"]
