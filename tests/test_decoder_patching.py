@@ -14,7 +14,8 @@ from transformers import DynamicCache
 import hf_structattn
 from hf_structattn.decoder_patching import TINY_DECODERS, find_rotary, tiny_decoder
 from hf_structattn.flops import decoder_cache_report, key_cache_elements
-from hf_structattn.modeling.structattn_decoder import mlr_attention_forward, rotary_pair_order
+from hf_structattn.modeling.structattn_attention import mlr_attention_forward
+from hf_structattn.modeling.structattn_decoder import rotary_pair_order
 
 VOCAB = 61
 HEAD_DIM = 16

@@ -16,7 +16,7 @@ from hf_structattn import (
     StructAttnT5ForConditionalGeneration,
     StructAttnT5Model,
 )
-from hf_structattn.modeling.modeling_structattn_t5 import StructAttnT5Attention, StructAttnT5Stack
+from hf_structattn.modeling.modeling_structattn_t5 import StructAttnT5BilinearAttention
 from hf_structattn.modeling.structattn_bilinear import BilinearBTTKeyProjection, BilinearMLRProjection
 from hf_structattn.modeling.structattn_reference import btt_matrix_reference
 
@@ -96,7 +96,7 @@ def test_bilinear_mlr_query_key_equal_in_both_families_and_the_definition():
     expected_query = bilinear_mlr_reference(x, list(gpt2.q_proj.weights), bilinear_scales())
     torch.testing.assert_close(query, expected_query, **EXACT)
     torch.testing.assert_close(key, bilinear_mlr_reference(x, list(gpt2.k_proj.weights), [1.0] * 3), **EXACT)
-    t5_query, t5_key = t5._query_key(x, encoder_states)  # cross-attention: keys from the encoder states
+    t5_query, t5_key = t5.queries(x), t5.keys(encoder_states)  # cross-attention: keys from the encoder states
     torch.testing.assert_close(t5_query, expected_query, **EXACT)
     torch.testing.assert_close(t5_key, bilinear_mlr_reference(encoder_states, list(gpt2.k_proj.weights), [1.0] * 3),
                                **EXACT)
@@ -118,7 +118,7 @@ def test_bilinear_btt_query_key_equal_in_both_families_and_the_definition():
     expected_key = torch.stack([x @ m.T for m in matrices], dim=1)
     torch.testing.assert_close(query, expected_query, **EXACT)
     torch.testing.assert_close(key, expected_key, **EXACT)
-    t5_query, t5_key = t5._query_key(x, x)
+    t5_query, t5_key = t5.queries(x), t5.keys(x)
     torch.testing.assert_close(t5_query, expected_query, **EXACT)
     torch.testing.assert_close(t5_key, expected_key, **EXACT)
 
@@ -137,7 +137,9 @@ def test_mlr_query_key_equal_from_gpt2_fused_projection_and_t5_separate_projecti
     query, key, _ = gpt2._query_key_value(x)
     torch.testing.assert_close(query, expected_query, **EXACT)
     torch.testing.assert_close(key, expected_key, **EXACT)
-    t5_query, t5_key = t5._query_key(x, x)  # T5's q, k have no bias
+    # an MLR role keeps transformers' T5Attention and its q, k (no bias): MLR only changes how q.k is scored
+    assert type(t5) is transformers.models.t5.modeling_t5.T5Attention
+    t5_query, t5_key = heads_of(t5.q(x)), heads_of(t5.k(x))
     torch.testing.assert_close(t5_query, heads_of(x @ weight[:, :WIDTH]), **EXACT)
     torch.testing.assert_close(t5_key, heads_of(x @ weight[:, WIDTH:2 * WIDTH]), **EXACT)
 
@@ -201,15 +203,15 @@ def test_every_attribute_of_stock_t5_exists_on_ours(ours_class, stock_class, var
     stock = stock_class(transformers.T5Config(**T5_BASE))
     ours = ours_class(StructAttnT5Config(**T5_BASE, **fields))
     ours_modules = dict(ours.named_modules())
-    replaced = [name for name, module in ours_modules.items() if isinstance(module, StructAttnT5Attention)]
+    replaced = [name for name, module in ours_modules.items() if isinstance(module, StructAttnT5BilinearAttention)]
     for name, module in stock.named_modules():
         if any(name == r or name.startswith(r + ".") for r in replaced):
             continue  # a structured role replaces the T5Attention (and adopts its v, o: test_seeded_bilinear_...)
         missing = set(vars(module)) - set(vars(ours_modules[name]))
         assert not missing, f"{name or 'the model'} lacks {sorted(missing)}"
-    for name in ("encoder", "decoder"):
+    for name in ("encoder", "decoder"):  # the stacks are transformers' own
         if hasattr(stock, name):
-            assert type(getattr(ours, name)) is StructAttnT5Stack
+            assert type(getattr(ours, name)) is transformers.models.t5.modeling_t5.T5Stack
     if variant == "dense":
         assert list(ours.state_dict()) == list(stock.state_dict())
 
@@ -246,12 +248,12 @@ def test_seeded_bilinear_model_is_deterministic_and_keeps_stock_stack_weights(va
     assert new and all("_proj." in name for name in new)
 
 
-def test_a_directly_built_stack_initialises_adopted_and_new_modules():
+def test_a_built_model_initialises_adopted_and_new_modules():
     config = StructAttnT5Config(**T5_BASE, **T5_VARIANT_FIELDS["bilinear_mlr"])
     torch.manual_seed(0)
-    stack = StructAttnT5Stack(config)
-    attention = stack.block[0].layer[0].SelfAttention
-    assert isinstance(attention, StructAttnT5Attention)
+    model = StructAttnT5EncoderModel(config)
+    attention = model.encoder.block[0].layer[0].SelfAttention
+    assert isinstance(attention, StructAttnT5BilinearAttention)
     # T5's formula for v (std d_model^-1/2) and the fan-in formula for the new projections, not torch.empty
     for weight, std in [(attention.v.weight, WIDTH ** -0.5), (attention.q_proj.weights[0], WIDTH ** -0.5)]:
         assert torch.isfinite(weight).all() and 0.7 < float(weight.std()) / std < 1.3

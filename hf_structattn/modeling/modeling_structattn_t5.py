@@ -45,6 +45,19 @@ T5_AUTO_MAP = {
 BILINEAR_VARIANTS = ("bilinear_mlr", "bilinear_btt")
 
 
+class _ReplacedProjection(nn.Module):
+    """Stands where ``T5Attention`` keeps ``q`` / ``k`` when a bilinear role's structured projections replace them:
+    no parameters, and a ``weight`` that T5's init formula for ``T5Attention`` finds already initialised."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.empty(0)
+        self.weight._is_hf_initialized = True
+
+    def forward(self, hidden_states):
+        raise RuntimeError("a bilinear attention role has no dense q/k projection")
+
+
 class StructAttnT5BilinearAttention(StructuredQueryKey, T5Attention):
     """A ``T5Attention`` whose queries and keys come from a bilinear MLR / BTT projection (same forward signature
     and 3-tuple result). Built from the ``T5Attention`` it replaces: it adopts ``v``, ``o`` and
@@ -52,13 +65,14 @@ class StructAttnT5BilinearAttention(StructuredQueryKey, T5Attention):
     state; only the structured q/k projections are new. ``spec``: ``StructAttnT5Config.attention_spec(role)``."""
 
     def __init__(self, source: T5Attention, spec: dict):
-        T5Attention.__init__(self, source.config, has_relative_attention_bias=source.has_relative_attention_bias,
-                             layer_idx=source.layer_idx, is_causal=source.is_causal)
+        with torch.device("meta"):  # T5's own q, k, v, o are replaced below: build them without memory or RNG draws
+            T5Attention.__init__(self, source.config, has_relative_attention_bias=source.has_relative_attention_bias,
+                                 layer_idx=source.layer_idx, is_causal=source.is_causal)
         self.spec = dict(spec)
         self.variant = spec["attention"]
         if self.variant not in BILINEAR_VARIANTS:
             raise ValueError(f"StructAttnT5BilinearAttention handles {BILINEAR_VARIANTS}, got {self.variant!r}")
-        del self.q, self.k
+        self.q, self.k = _ReplacedProjection(), _ReplacedProjection()
         self.v, self.o = source.v, source.o
         if self.has_relative_attention_bias:
             self.relative_attention_bias = source.relative_attention_bias
@@ -252,17 +266,14 @@ class StructAttnT5PreTrainedModel(StructAttnPreTrainedMixin, T5PreTrainedModel):
         return self.decoder.config
 
     def _init_weights(self, module):
+        super()._init_weights(module)  # T5's init: layer norms, feed-forward, embeddings, T5Attention (v, o, bias)
         factor = self.config.initializer_factor
-        if isinstance(module, StructAttnT5BilinearAttention):
-            # T5Attention's formulas for the modules it kept (its q/k are the structured projections below)
-            d_model, d_kv, heads = self.config.d_model, self.config.d_kv, self.config.num_heads
-            init.normal_(module.v.weight, mean=0.0, std=factor * (d_model ** -0.5))
-            init.normal_(module.o.weight, mean=0.0, std=factor * ((heads * d_kv) ** -0.5))
-            if module.has_relative_attention_bias:
-                init.normal_(module.relative_attention_bias.weight, mean=0.0, std=factor * (d_model ** -0.5))
-            return
-        super()._init_weights(module)  # T5's init: layer norms, feed-forward, embeddings, T5Attention
-        init_structured_query_key(module, factor)  # bilinear q/k: N(0, factor^2 / fan_in)
+        if module is self:
+            # the structured q/k projections sit inside transformers' T5 stacks, which initialise their modules with
+            # T5's own _init_weights: the outermost model initialises them (N(0, factor^2 / fan_in); loaded tensors
+            # are left alone by transformers.initialization)
+            for submodule in self.modules():
+                init_structured_query_key(submodule, factor)
 
 
 class StructAttnT5Model(StructAttnT5PreTrainedModel, T5Model):
