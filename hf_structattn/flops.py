@@ -639,7 +639,7 @@ def decoder_cache_report(config: Any, context_len: int, *, dtype_bytes: Any = 2)
     Returns ``key_cache_bytes``, ``dense_key_cache_bytes``, ``key_cache_ratio``, ``kv_cache_bytes``,
     ``dense_kv_cache_bytes``, ``kv_cache_ratio``.
     """
-    from .modeling.structattn_decoder import is_mlr_layer, layer_ranks  # the patched models' own reading
+    from .modeling.structattn_decoder import decoder_geometry, mlr_layer_indices  # the patched models' own reading
 
     context = check_int("context_len", context_len, minimum=0)
     item = _dtype_bytes(dtype_bytes)
@@ -649,7 +649,9 @@ def decoder_cache_report(config: Any, context_len: int, *, dtype_bytes: Any = 2)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_head
     layer_types = getattr(config, "layer_types", None)
     window = getattr(config, "sliding_window", None)
-    mlr_keys = key_cache_elements("mlr", context, *layer_ranks(config), head_dim)
+    geometry = decoder_geometry(config)
+    mlr_layers = set(mlr_layer_indices(config))
+    mlr_keys = key_cache_elements("mlr", context, list(geometry.ranks), list(geometry.block_sizes), head_dim)
     keys = dense_keys = values = 0
     for layer in range(config.num_hidden_layers):
         sliding = (layer_types[layer] != "full_attention") if layer_types is not None else window is not None
@@ -657,7 +659,7 @@ def decoder_cache_report(config: Any, context_len: int, *, dtype_bytes: Any = 2)
         full = held * head_dim
         values += full
         dense_keys += full
-        keys += mlr_keys if is_mlr_layer(config, layer) else full
+        keys += mlr_keys if layer in mlr_layers else full
     keys, dense_keys, values = (kv_heads * item * count for count in (keys, dense_keys, values))
     return {"key_cache_bytes": keys, "dense_key_cache_bytes": dense_keys,
             "key_cache_ratio": keys / dense_keys if dense_keys else 1.0,

@@ -15,7 +15,8 @@ import hf_structattn
 from hf_structattn.decoder_patching import TINY_DECODERS, find_rotary, tiny_decoder
 from hf_structattn.flops import decoder_cache_report, key_cache_elements
 from hf_structattn.modeling.structattn_attention import mlr_attention_forward
-from hf_structattn.modeling.structattn_decoder import rotary_pair_order
+from hf_structattn.modeling.structattn_cache import key_cache_bytes
+from hf_structattn.modeling.structattn_decoder import attention_modules, rotary_pair_order
 
 VOCAB = 61
 HEAD_DIM = 16
@@ -50,7 +51,10 @@ def test_merged_levels_equal_stock_logits(arch):
     model, mlr = patched(arch, ranks=[HEAD_DIM], blocks=[])
     ids = torch.randint(1, VOCAB, (3, 37))
     assert type(mlr).__name__ == "MLR" + type(model).__name__
-    assert mlr.config._attn_implementation == "mlr" and model.config._attn_implementation == "sdpa"
+    # the model keeps transformers' implementation name; its MLR layers' modules dispatch to the MLR function
+    assert mlr.config._attn_implementation == "sdpa" == model.config._attn_implementation
+    layers = mlr.config.mlr_layers or range(mlr.config.num_hidden_layers)
+    assert {attention_modules(mlr)[index].config._attn_implementation for index in layers} == {"mlr"}
     torch.testing.assert_close(mlr(ids).logits, model(ids).logits, rtol=0, atol=1e-12)
 
 
@@ -65,21 +69,23 @@ def test_patch_keeps_weights_and_names(arch):
     assert drift > 1e-6  # the finer levels really drop cross-block terms
 
 
-@pytest.mark.parametrize("hierarchical", [True, False], ids=["mlr_key_cache", "dynamic_cache"])
+@pytest.mark.parametrize("built", ["new_cache", "dynamic_cache"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_chunked_prefill_and_decode_equal_uncached(arch, hierarchical):
+def test_chunked_prefill_and_decode_equal_uncached(arch, built):
     _, mlr = patched(arch)
     ids = torch.randint(1, VOCAB, (3, 37))
     uncached = mlr(ids).logits
-    cache = mlr.new_cache() if hierarchical else DynamicCache(config=mlr.config)
-    if hierarchical and arch == "neox":  # its attention calls cache.update(k, v, idx) without kwargs: refused
-        with pytest.raises(ValueError, match="without its kwargs"):
-            mlr(ids, cache=cache, use_cache=True)
-        return
+    # the model's own cache, or one built the transformers way (its MLR layers take the hierarchical form on first use)
+    cache = mlr.new_cache() if built == "new_cache" else DynamicCache(config=mlr.config)
     # chunks cross the 8- and 16-token blocks, then one token at a time
     bounds = [(0, 13), (13, 20), (20, 21)] + [(i, i + 1) for i in range(21, 37)]
     chunked = torch.cat([mlr(ids[:, a:b], cache=cache, use_cache=True).logits for a, b in bounds], dim=1)
     torch.testing.assert_close(chunked, uncached, rtol=0, atol=1e-12)
+    # GPT-NeoX calls cache.update without kwargs: its layers keep full keys (exact, no saving)
+    kinds = {type(cache.layers[index]).__name__ for index in attention_modules(mlr) if index in
+             (mlr.config.mlr_layers or range(mlr.config.num_hidden_layers))}
+    assert kinds == {"MLRKeyCacheLayer"}
+    assert all(cache.layers[index].is_bound != (arch == "neox") for index in (mlr.config.mlr_layers or [0, 1]))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -180,16 +186,15 @@ class _RecordShapes(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("hierarchical", [True, False])
-def test_gqa_decode_does_not_repeat_cached_keys(hierarchical):
+def test_gqa_decode_does_not_repeat_cached_keys():
     _, mlr = patched("llama")  # 4 query heads, 2 KV heads
     ids = torch.randint(1, VOCAB, (1, 41))
-    cache = mlr.new_cache() if hierarchical else DynamicCache(config=mlr.config)
+    cache = mlr.new_cache()
     mlr(ids[:, :40], cache=cache, use_cache=True)
     recorder = _RecordShapes()
     with recorder:
         step = mlr(ids[:, 40:], cache=cache, use_cache=True).logits
-    assert (1, 2, 41, 8 if hierarchical else HEAD_DIM) in recorder.shapes  # cached (level-1) keys per KV head
+    assert any(shape[:2] == (1, 2) and shape[-1] == 8 for shape in recorder.shapes)  # level-1 keys per KV head
     assert not [shape for shape in recorder.shapes if len(shape) == 4 and shape[1] == 4 and shape[2] == 41]
     torch.testing.assert_close(step[:, -1], mlr(ids).logits[:, -1], rtol=0, atol=1e-12)
 
@@ -201,7 +206,7 @@ def test_generate_keeps_the_hierarchical_key_cache_of_the_formula(arch):
     out = mlr.generate(ids, max_new_tokens=9, min_new_tokens=9, do_sample=False, return_dict_in_generate=True)
     cache = out.cache
     mlr_layers = [index for index, layer in enumerate(cache.layers)
-                  if type(layer).__name__ == "DecoderMLRKeyCacheLayer"]
+                  if type(layer).__name__ == "MLRKeyCacheLayer" and layer.is_bound]
     assert mlr_layers == ([2] if arch == "gemma3" else list(range(mlr.config.num_hidden_layers)))
     slots = cache.get_seq_length(mlr_layers[0])
     assert slots == 38  # 30 prompt tokens + 8 fed back
@@ -210,20 +215,20 @@ def test_generate_keeps_the_hierarchical_key_cache_of_the_formula(arch):
     if arch == "gemma3":  # its sliding layers hold their window (transformers' DynamicSlidingWindowLayer)
         expected = sum(cache.layers[index].key_cache_bytes() for index in mlr_layers) // 2 + \
             sum(layer.keys.numel() * 8 for index, layer in enumerate(cache.layers) if index not in mlr_layers) // 2
-    assert cache.key_cache_bytes() == 2 * expected  # batch 2
+    assert key_cache_bytes(cache) == 2 * expected  # batch 2
 
 
 def test_neox_generates_with_full_keys_and_says_so_once():
-    from hf_structattn.modeling import structattn_decoder
+    from hf_structattn.modeling import structattn_cache
 
     _, mlr = patched("neox")
-    structattn_decoder._warned.discard("full-keys-MLRGPTNeoXForCausalLM")
+    structattn_cache._WARNED_WITHOUT_KWARGS.clear()
     ids = torch.randint(3, VOCAB, (2, 12))
     with pytest.warns(UserWarning, match="cache.update without kwargs") as record:
         first = mlr.generate(ids, max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
         mlr.generate(ids, max_new_tokens=6, do_sample=False)
     assert sum("cache.update without kwargs" in str(w.message) for w in record) == 1
-    assert type(first.cache) is DynamicCache
+    assert all(not layer.is_bound and layer.keys.shape[-1] == HEAD_DIM for layer in first.cache.layers)
     assert torch.equal(first.sequences, mlr.generate(ids, max_new_tokens=6, do_sample=False, use_cache=False))
 
 
@@ -285,17 +290,6 @@ def test_packed_sequences_are_refused():
         mlr(ids, position_ids=torch.cat([torch.arange(10), torch.arange(10)])[None])
 
 
-def test_assisted_decoding_and_static_cache_are_refused():
-    _, mlr = patched("llama")
-    ids = torch.randint(3, VOCAB, (1, 10))
-    with pytest.raises(ValueError, match="assisted decoding"):
-        mlr.generate(ids, prompt_lookup_num_tokens=3, max_new_tokens=4, do_sample=False)
-    with pytest.raises(ValueError, match="assisted decoding"):
-        mlr.generate(ids, assistant_model=copy.deepcopy(mlr), max_new_tokens=4, do_sample=False)
-    with pytest.raises(ValueError, match="cache_implementation='static'"):
-        mlr.generate(ids, cache_implementation="static", max_new_tokens=4, do_sample=False)
-
-
 def test_bad_patch_arguments_name_the_field():
     model = tiny_decoder("llama")
     with pytest.raises(ValueError, match="mlr_ranks"):
@@ -346,7 +340,7 @@ def test_save_and_load_with_remote_code_without_the_plugin(tmp_path):
         config = transformers.AutoConfig.from_pretrained(save_dir)
         assert config.model_type == "mlr_" + mlr.config.mlr_patch["source_model_type"]
         assert "DENSE" in config.mlr_notice
-        checks.append((str(save_dir), type(mlr).__name__, type(mlr).__mro__[1].__name__))
+        checks.append((str(save_dir), type(mlr).__name__, mlr._mlr_base))
 
     out = run_isolated(f"""
         import torch, transformers
@@ -359,7 +353,7 @@ def test_save_and_load_with_remote_code_without_the_plugin(tmp_path):
             model = transformers.AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True,
                                                                       dtype=torch.float64)
             assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
-            assert type(model).__name__ == name and model.config._attn_implementation == "mlr"
+            assert type(model).__name__ == name and model.config._attn_implementation == "sdpa"
             print(name, "max_diff", float((model(expected["ids"]).logits - expected["logits"]).abs().max()))
             generated = model.generate(expected["ids"][:, :9], max_new_tokens=10, min_new_tokens=10,
                                        do_sample=False)
@@ -375,7 +369,7 @@ def test_save_and_load_with_remote_code_without_the_plugin(tmp_path):
         assert result.get("no_trust_refused") == "True", out
         assert float(result["max_diff"]) <= 1e-12
         assert result["generate_equal"] == "True"
-        assert result["cache_layer"] == "DecoderMLRKeyCacheLayer"  # the hierarchical key cache, from remote code
+        assert result["cache_layer"] == "MLRKeyCacheLayer"  # the hierarchical key cache, from remote code
         # the documented outcome of a stock-class load (stated in README.md and config.mlr_notice): a dense model
         assert float(result["stock_dense_diff"]) > 1e-6
 

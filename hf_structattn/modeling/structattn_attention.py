@@ -97,6 +97,21 @@ def mlr_geometry_of(module: torch.nn.Module) -> Optional[MLRGeometry]:
     return config.mlr_geometry if isinstance(config, MLRLayerConfig) else None
 
 
+def _layer_geometry(module: torch.nn.Module) -> Optional[MLRGeometry]:
+    """The layer's ``MLRGeometry``: installed (``MLRLayerConfig``), or, for a stock model run with
+    ``attn_implementation="mlr"`` whose config carries MLR fields, resolved and installed now; None for a layer
+    that is not MLR."""
+    geometry = mlr_geometry_of(module)
+    if geometry is not None or getattr(getattr(module, "config", None), "mlr_ranks", None) is None:
+        return geometry
+    from .structattn_decoder import stock_layer_geometry
+
+    geometry = stock_layer_geometry(module)
+    if geometry is not None:
+        install_mlr_attention(module, geometry)
+    return geometry
+
+
 def _warn_once(key: str, message: str) -> None:
     if key not in _warned:
         _warned.add(key)
@@ -175,6 +190,19 @@ def _query_positions(kwargs: dict, valid: Optional[torch.Tensor], batch: int, le
     if valid is None:
         return torch.arange(key_length - length, key_length, device=device).expand(batch, length)
     return (valid.long().cumsum(-1) - 1).clamp(min=0)[:, -length:]
+
+
+def _check_not_packed(positions: torch.Tensor, valid: Optional[torch.Tensor]) -> None:
+    """Positions of the real tokens of a row must increase: a reset means packed sequences, which MLR's causal-by-
+    position attention would mix across sequence boundaries."""
+    if positions.shape[1] < 2 or torch.compiler.is_compiling():
+        return
+    step = positions[:, 1:] - positions[:, :-1]
+    if valid is not None:
+        step = torch.where(valid[:, 1:] & valid[:, :-1], step, torch.ones_like(step))
+    if bool((step <= 0).any()):
+        raise ValueError("position_ids restart or decrease inside a row: packed sequences are not supported by MLR "
+                         "attention (pass one sequence per row, with padding)")
 
 
 def _key_positions(query_positions: torch.Tensor, valid_queries: Optional[torch.Tensor], slots: int) -> torch.Tensor:
@@ -324,7 +352,7 @@ def _cached(module, query, layer, pending: PendingChunk, geometry, scales, bias,
 
 
 def _forward(module, query, key, value, attention_mask, scaling, dropout, eager, kwargs):
-    geometry = mlr_geometry_of(module)
+    geometry = _layer_geometry(module)
     if geometry is None:
         return _dense_fallback(module, query, key, value, attention_mask, scaling, dropout, eager, kwargs)
     _check_kwargs(module, kwargs, dropout)
@@ -361,6 +389,7 @@ def _forward(module, query, key, value, attention_mask, scaling, dropout, eager,
     positions = _query_positions(kwargs, None if valid_keys is None else valid_keys[:, :written], batch, length,
                                  written, query.device)
     valid_queries = None if valid_keys is None else valid_keys[:, written - length:written]
+    _check_not_packed(positions, valid_queries)
     if key_length == length:
         out, weights = _uncached(module, query, key, value, geometry, scales, positions, valid_queries, bias, causal,
                                  eager)

@@ -42,6 +42,7 @@ from .structattn_geometry import MLRGeometry
 
 STEP_KEY = "structattn_step"
 NO_POSITION = torch.iinfo(torch.int64).max // 4  # ``first_positions`` of a row with no real token yet
+_WARNED_WITHOUT_KWARGS = set()
 MIN_GROWTH = 16  # dynamic layers grow by max(MIN_GROWTH, S/32) slots when no length was reserved
 
 
@@ -175,9 +176,11 @@ class MLRCacheLayerMixin:
         if self.is_bound and step is None and not self.is_initialized:
             # the attention module calls cache.update without its kwargs (GPT-NeoX, Falcon, ...): the layer cannot
             # learn positions or padding, so it keeps full keys (exact, no saving)
-            warnings.warn("an attention module calls cache.update without its kwargs, so the MLR key cache cannot "
-                          "see positions or padding: this layer keeps full keys (exact, no memory saving)",
-                          stacklevel=3)
+            if type(self) not in _WARNED_WITHOUT_KWARGS:
+                _WARNED_WITHOUT_KWARGS.add(type(self))
+                warnings.warn("an attention module calls cache.update without kwargs, so the MLR key cache cannot "
+                              "see positions or padding: its layers keep full keys (exact, no memory saving)",
+                              stacklevel=3)
             self.geometry = None
         if not self.is_bound:
             return super().update(key_states, value_states, *args, **kwargs)
@@ -330,8 +333,8 @@ class MLRCacheLayerMixin:
             raise ValueError(f"the MLR cache addresses slots by position: the real tokens of a row must have "
                              f"consecutive increasing positions continuing the row (row {row}: newest cached "
                              f"position {int(self.last_positions[row])}, new real positions "
-                             f"{positions[row][valid[row]].tolist()}); packed or non-contiguous positions are "
-                             f"supported by the uncached op only")
+                             f"{positions[row][valid[row]].tolist()}); packed sequences and gaps are not supported "
+                             f"with a cache")
 
     # ------------------------------------------------------------------ rollback
     def activate_past_recording(self) -> None:

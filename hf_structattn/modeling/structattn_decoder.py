@@ -154,6 +154,24 @@ def model_rotary(module):
         return classes[0](config=module.config), apply_fn
 
 
+def stock_layer_geometry(module: torch.nn.Module) -> Optional[MLRGeometry]:
+    """The geometry of an attention module of a stock model whose config carries MLR fields (a stock checkpoint
+    loaded with ``attn_implementation="mlr"`` and ``config.mlr_ranks`` / ``config.mlr_block_sizes``), or None for a
+    layer outside ``mlr_layers``. A config without ``mlr_dim_order`` gets the RoPE pair order from the module's
+    rotary embedding here, stored in the config (so it is saved with the model)."""
+    config = module.config
+    if getattr(module, "layer_idx", None) not in mlr_layer_indices(config):
+        return None
+    if not hasattr(config, "mlr_dim_order"):
+        found = model_rotary(module)
+        head_dim = getattr(module, "head_dim", None) or getattr(module, "head_size")
+        layer_types = tuple(sorted(set(getattr(config, "layer_types", None) or [None])))
+        order, rotated = (None, 0) if found is None else rotary_pair_order(*found, head_dim, layer_types)
+        check_pair_complete_levels(list(config.mlr_ranks), rotated)
+        config.mlr_dim_order = order
+    return decoder_geometry(config)
+
+
 # ------------------------------------------------------------------------------------------- MLR<Arch> classes
 
 
@@ -344,4 +362,4 @@ def __getattr__(name: str):
 
 __all__ = ["CLASS_PREFIX", "MODEL_TYPE_PREFIX", "attention_modules", "check_pair_complete_levels", "decoder_geometry",
            "decoder_geometries", "mlr_config_class", "mlr_layer_indices", "mlr_model_class", "model_rotary",
-           "rotary_pair_order"]
+           "rotary_pair_order", "stock_layer_geometry"]
