@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .modeling.structattn_attention import mlr_geometry_of
 from .modeling.structattn_geometry import depth_scale_vector
 
 
@@ -41,8 +42,9 @@ def _queries_keys(attention, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.
     query, key, _ = attention._query_key_value(hidden[None])  # bilinear: logit scales folded into the queries
     query, key = query[0], key[0]
     if attention.variant == "mlr":
-        scale = depth_scale_vector(attention.ranks, attention.level_scales, len(attention.ranks),
-                                   attention.config.mlr_average_levels, query.dtype, query.device)
+        geometry = mlr_geometry_of(attention)
+        scale = depth_scale_vector(geometry.ranks, geometry.scales(attention.scaling), geometry.num_levels,
+                                   geometry.average_levels, query.dtype, query.device)
         return query * scale, key
     if attention.variant in ("dense", "swa"):
         return query * attention.scaling, key
@@ -116,15 +118,16 @@ def mlr_logit_std_by_depth(model, num_tokens: int = 256, seed: int = 0) -> list[
         raise ValueError("mlr_logit_std_by_depth: the model has no MLR layer")
     generator = torch.Generator().manual_seed(seed)
     hidden = torch.randn(num_tokens, model.config.n_embd, generator=generator)
-    per_depth = [[] for _ in layers[0].ranks]
+    per_depth = [[] for _ in mlr_geometry_of(layers[0]).ranks]
     for attention in layers:
+        geometry = mlr_geometry_of(attention)
         query, key, _ = attention.c_attn(hidden[None]).split(attention.embed_dim, -1)
         query, key = attention._split_heads(query)[0], attention._split_heads(key)[0]
         if attention.config.qk_layernorm:
             query, key = attention.q_norm(query), attention.k_norm(key)
-        for depth in range(1, len(attention.ranks) + 1):
-            scale = depth_scale_vector(attention.ranks, attention.level_scales, depth,
-                                       attention.config.mlr_average_levels, query.dtype, query.device)
+        for depth in range(1, geometry.num_levels + 1):
+            scale = depth_scale_vector(geometry.ranks, geometry.scales(attention.scaling), depth,
+                                       geometry.average_levels, query.dtype, query.device)
             per_depth[depth - 1].append(((query * scale) @ key.transpose(-1, -2)).flatten())
     return [float(torch.cat(values).std()) for values in per_depth]
 __all__ = ["HeadRank", "effective_rank", "mlr_logit_std_by_depth"]

@@ -52,21 +52,22 @@ class MLRLayerConfig:
     and ``mlr_geometry``, the layer's ``MLRGeometry``. Writes go to the model's config."""
 
     def __init__(self, config, geometry: MLRGeometry):
-        object.__setattr__(self, "_structattn_base", config)
-        object.__setattr__(self, "mlr_geometry", geometry)
+        self.__dict__["_structattn_base"] = config  # past __setattr__, which writes through to the base
+        self.__dict__["mlr_geometry"] = geometry
 
     @property
     def base_config(self):
-        return object.__getattribute__(self, "_structattn_base")
+        return self._structattn_base
 
     @property
     def _attn_implementation(self) -> str:
-        return mlr_implementation(self.base_config._attn_implementation)
+        return mlr_implementation(self._structattn_base._attn_implementation)
 
     def __getattr__(self, name: str):
+        # only called for names not found on the view itself
         if name.startswith("__") or name == "_structattn_base":  # copy/pickle protocol: never the base's
             raise AttributeError(name)
-        return getattr(object.__getattribute__(self, "_structattn_base"), name)
+        return getattr(self._structattn_base, name)
 
     def __setattr__(self, name: str, value) -> None:
         setattr(self.base_config, name, value)

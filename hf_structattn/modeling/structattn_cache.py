@@ -101,7 +101,7 @@ class MLRCacheLayerMixin:
         self._fine = None
         self.rings = []
         self.pending = None
-        self.record_past = False
+        self._record_past = False
         self._log = []  # dynamic: one (valid, positions, old fine entries) triple per update since the last crop
 
     # ------------------------------------------------------------------ binding
@@ -120,6 +120,22 @@ class MLRCacheLayerMixin:
         return self.geometry is not None
 
     # ------------------------------------------------------------------ storage helpers
+    @property
+    def rings(self) -> list:
+        """Per fine level (B, H, W_l, r_l): views into the one flat fine storage ``_fine`` (B, H, sum W_l r_l).
+
+        While ``torch.compile`` traces, the views are made from ``_fine`` inside the graph, so ``_fine`` is the only
+        graph input behind them: stored views would each become an input aliasing the others, and the decode step
+        writes through them, which makes AOTAutograd rebuild their base with ``Tensor.set_`` (it fails once the batch
+        size is symbolic)."""
+        if self._fine is not None and torch.compiler.is_compiling():
+            return self._fine_views(self._fine, self._capacity())
+        return self._ring_views
+
+    @rings.setter
+    def rings(self, views: list) -> None:
+        self._ring_views = views
+
     def _ring_widths(self, capacity: int) -> list:
         return [min(size, capacity) for size in self.geometry.block_sizes]
 
@@ -337,6 +353,17 @@ class MLRCacheLayerMixin:
                              f"with a cache")
 
     # ------------------------------------------------------------------ rollback
+    @property
+    def record_past(self) -> bool:
+        return self._record_past
+
+    @record_past.setter
+    def record_past(self, value: bool) -> None:
+        # transformers turns recording off by assignment when it hands a cache back (generate's deferred stop check)
+        self._record_past = bool(value)
+        if not value and self.is_initialized and self.is_bound:
+            self._clear_log()
+
     def activate_past_recording(self) -> None:
         """Log what each write overwrites until the next ``crop`` (transformers calls this before speculative
         decoding), so that ``crop(-n)`` can restore the state of the shorter prefix exactly."""

@@ -63,7 +63,12 @@ class StructAttnPreTrainedMixin:
                                       max_cache_length):
         # Private transformers hook (checked against transformers 5.24): the cache generate builds from the config
         # gets its MLR layers in hierarchical form and the final length reserved, so that it allocates exactly what
-        # the generation needs.
+        # the generation needs. Speculative decoding writes its last draft past the max_length - 1 slots generate
+        # sizes a static cache to (transformers' own StaticLayer then fails with an IndexError): reserve one draft.
+        if generation_config.prompt_lookup_num_tokens is not None:
+            max_cache_length += generation_config.prompt_lookup_num_tokens + 1
+        elif model_kwargs.get("assistant_model") is not None or "assisted" in str(generation_mode).lower():
+            max_cache_length += (generation_config.num_assistant_tokens or 0) + 1
         result = super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, batch_size,
                                                        max_cache_length)
         cache = model_kwargs.get("cache")
