@@ -265,6 +265,17 @@ def _reorder(query: torch.Tensor, key: Optional[torch.Tensor], geometry: MLRGeom
 
 def _uncached(module, query, key, value, geometry, scales, positions, valid, bias, causal, eager):
     """Uncached MLR (training, prefill, encoders): (B, Hq, T, r) queries, (B, Hk, T, r) keys in level order."""
+    if torch.compiler.is_compiling() and not eager:
+        # a compiled prefill: the materialised path traces without host reads or graph breaks (the fused kernel
+        # runs eagerly and reads its inputs' positions on the host)
+        batch, q_heads, length, width = query.shape
+        groups = q_heads // key.shape[1]
+        rows = query.reshape(batch, key.shape[1], groups * length, width)
+        key_valid = valid if valid is not None else torch.ones(batch, length, dtype=torch.bool, device=query.device)
+        out = mlr_attention_full_keys(rows, key, value, geometry=geometry, scales=scales,
+                                      query_positions=positions.repeat(1, groups), key_positions=positions,
+                                      key_valid=key_valid, causal=causal, bias=bias)
+        return out.reshape(batch, q_heads, length, -1), None
     groups = query.shape[1] // key.shape[1]
     key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     if not eager:

@@ -242,13 +242,14 @@ class MLRCacheLayerMixin:
     def _lazy_init(self, key_states, value_states, positions, valid) -> None:
         """First write: fix ``base`` from the lowest real position, allocate, and start the per-row spans."""
         batch = key_states.shape[0]
-        if torch.compiler.is_compiling():
-            raise ValueError("the MLR cache must be filled (prefill) before a compiled decode step")
-        real = positions[valid]
-        lowest = int(real.min()) if real.numel() else 0
-        if lowest < 0:
-            raise ValueError(f"positions must be non-negative for MLR attention, got {lowest}")
-        self.base = lowest // self.alignment * self.alignment
+        if torch.compiler.is_compiling():  # no host reads in a compiled prefill: slots from position 0
+            self.base = 0
+        else:
+            real = positions[valid]
+            lowest = int(real.min()) if real.numel() else 0
+            if lowest < 0:
+                raise ValueError(f"positions must be non-negative for MLR attention, got {lowest}")
+            self.base = lowest // self.alignment * self.alignment
         self.device = key_states.device
         self.first_positions = torch.full((batch,), NO_POSITION, dtype=torch.long, device=key_states.device)
         self.last_positions = torch.full((batch,), -1, dtype=torch.long, device=key_states.device)
@@ -484,6 +485,9 @@ class MLRKeyCacheLayer(MLRCacheLayerMixin, DynamicLayer):
         self._reserved = int(positions)
 
     def _initial_capacity(self, positions, valid) -> int:
+        if torch.compiler.is_compiling():
+            raise ValueError("a dynamic MLR cache cannot be filled inside a compiled region; use the static cache "
+                             "(cache_implementation='static') with torch.compile")
         real = positions[valid]
         needed = int(real.max()) - self.base + 1 if real.numel() else 1
         return self._grown_capacity(needed)

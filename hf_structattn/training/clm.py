@@ -146,20 +146,22 @@ def window_nll(model, windows: torch.Tensor, batch_size: int) -> tuple[torch.Ten
 def generate_with_key_cache(model, tokenizer, prompt: str, max_new_tokens: int, seed: int = 0) -> dict:
     """Top-k sample (k=20, temperature 0.8, seeded) through the model's hierarchical key cache; returns text and measured cache bytes, next to
     the bytes a dense cache (every key at full head dim) would hold for the same tokens."""
+    from ..modeling.structattn_cache import key_cache_bytes
+
     model.eval()
     ids = tokenizer(prompt, return_tensors="pt").input_ids
-    cache = model.transformer.new_cache() if hasattr(model, "transformer") else None
     started = time.perf_counter()
     torch.manual_seed(seed)
     out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=True, top_k=20, temperature=0.8,
-                         cache=cache, pad_token_id=tokenizer.pad_token_id)
+                         pad_token_id=tokenizer.pad_token_id, return_dict_in_generate=True)
     seconds = time.perf_counter() - started
+    cache, out = out.cache, out.sequences
     config = model.config
-    cached_tokens = cache.get_seq_length()
+    cached_tokens = int(cache.get_seq_length())
     itemsize = next(model.parameters()).element_size()
     head_dim = config.n_embd // config.n_head
     dense = out.shape[0] * config.n_layer * config.n_head * cached_tokens * head_dim * itemsize
-    measured = cache.key_cache_bytes()
+    measured = key_cache_bytes(cache)
     return {"text": tokenizer.decode(out[0], skip_special_tokens=False), "cached_tokens": cached_tokens,
             "key_cache_bytes": measured, "dense_key_cache_bytes": dense, "key_cache_ratio": measured / dense,
             "generation_seconds": seconds}
@@ -253,7 +255,8 @@ def main(argv=None) -> dict:
                 "```python\n" + sample["text"].replace("```", "'''") + "\n```")
             summary["sample_text"] = sample["text"]
         write_plots(out, loss_key="train/loss", eval_key="eval/loss")
-        variant = config.attention if not config.attention_layers else "+".join(config.attention_layers)
+        variant = "+".join(config.layer_attention(i) for i in range(config.n_layer)) \
+            if len(set(config.layer_types)) > 1 else config.attention
         write_model_card(
             out, args, recipe="train_clm", title=f"StructAttn GPT-2 ({variant}) causal LM",
             summary=(f"A {config.n_layer}-layer, width-{config.n_embd} GPT-2-style byte-level language model with "

@@ -205,7 +205,8 @@ def main(argv=None) -> dict:
         type(unwrapped).register_for_auto_class("AutoModel")
         unwrapped.save_pretrained(out, state_dict=state_dict)
         write_plots(out, loss_key="train/loss", eval_key="eval/loss")
-        variant = config.attention if not config.attention_layers else "+".join(config.attention_layers)
+        variant = "+".join(config.layer_attention(i) for i in range(config.n_layer)) \
+            if len(set(config.layer_types)) > 1 else config.attention
         write_model_card(
             out, args, recipe="train_icl", title=f"StructAttn GPT-2 ({variant}) for in-context linear regression",
             summary=(f"In-context linear regression in d = {args.n_dims} with N = {n_points} points per prompt "
