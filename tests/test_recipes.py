@@ -89,11 +89,12 @@ ICL_TINY = ["--n_dims", "2", "--per_device_batch_size", "64", "--learning_rate",
 CHRONOS_TINY = ["--disable_tqdm", "--config", str(ROOT / "configs" / "chronos_tiny_mlr.yaml"), "--synthetic_series",
                 "8", "--synthetic_eval_series", "2", "--real_datasets", "nile", "--eval_num_samples", "2",
                 "--per_device_batch_size", "4", "--real_eval_windows", "2", "--init", "split"]
-PATCHED_TINY = ["--disable_tqdm", "--pretrain_steps", "4", "--seq_len", "32", "--per_device_batch_size", "4", "--eval_windows", "4",
-                "--max_train_bytes", "60000", "--max_validation_bytes", "20000", "--hidden_size", "32",
-                "--intermediate_size", "64", "--num_hidden_layers", "2", "--num_attention_heads", "2",
-                "--num_key_value_heads", "1", "--mlr_ranks", "8", "4", "4", "--mlr_block_sizes", "16", "8",
-                "--sample_new_tokens", "4", "--learning_rate", "3e-3", "--warmup_steps", "2"]
+PATCHED_TINY = ["--disable_tqdm", "--pretrain_steps", "4", "--seq_len", "32", "--per_device_batch_size", "4",
+                "--eval_windows", "4", "--max_train_bytes", "60000", "--max_validation_bytes", "20000",
+                "--hidden_size", "32", "--intermediate_size", "64", "--num_hidden_layers", "2",
+                "--num_attention_heads", "2", "--num_key_value_heads", "1", "--mlr_ranks", "8", "4", "4",
+                "--mlr_block_sizes", "16", "8", "--sample_new_tokens", "4", "--learning_rate", "3e-3",
+                "--warmup_steps", "2"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -897,7 +898,8 @@ def test_two_cpu_processes_match_one_process(tmp_path):
         return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
 
     extra = tree(tmp_path / "two") - tree(tmp_path / "one")
-    assert extra == {"checkpoints/checkpoint_0/rng_state_1.safetensors", "checkpoints/checkpoint_1/rng_state_1.safetensors"}
+    assert extra == {"checkpoints/checkpoint_0/rng_state_1.safetensors",
+                     "checkpoints/checkpoint_1/rng_state_1.safetensors"}
     assert tree(tmp_path / "one") - tree(tmp_path / "two") == set()
     lines = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines if "train/loss" in r] == [1, 2, 3, 4]

@@ -171,7 +171,8 @@ def verify_checkpoint(path: Path, world_size: int) -> dict:
     except UnicodeDecodeError:
         raise CheckpointError(f"{run}: not text (invalid UTF-8)") from None
     except json.JSONDecodeError as error:
-        raise CheckpointError(f"{run}: invalid JSON at line {error.lineno}, column {error.colno}: {error.msg}") from None
+        raise CheckpointError(f"{run}: invalid JSON at line {error.lineno}, column {error.colno}: "
+                              f"{error.msg}") from None
     if not isinstance(state, dict):
         raise CheckpointError(f"{run}: expected a JSON object, got {type(state).__name__}")
     if state.get("format") != FORMAT or not isinstance(state.get("files"), dict):

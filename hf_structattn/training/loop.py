@@ -9,10 +9,10 @@ records up to the checkpoint's step, so the file always holds one run's history.
 
 **Exact resume.** The data of optimizer step ``s`` is a pure function of ``(seed, s)`` (each recipe's
 ``micro_batch_fn`` slices the step's *global* batch by rank and micro-step), evaluation runs inside
-``torch.random.fork_rng`` with its own seed, and a checkpoint (:mod:`.checkpoints`: atomic, verified, rotated only after
-success, no pickles) stores model, optimizer, learning-rate scheduler (``transformers.get_scheduler``), RNG states
-(dropout) and the step. The same slicing makes ``n`` processes with per-device batch ``B`` train on the same global
-batch as one process with ``n*B`` (gradient all-reduce averages equal-sized shards).
+``torch.random.fork_rng`` with its own seed, and a checkpoint (:mod:`.checkpoints`: atomic, verified, rotated only
+after success, no pickles) stores model, optimizer, learning-rate scheduler (``transformers.get_scheduler``), RNG
+states (dropout) and the step. The same slicing makes ``n`` processes with per-device batch ``B`` train on the same
+global batch as one process with ``n*B`` (gradient all-reduce averages equal-sized shards).
 """
 
 from __future__ import annotations
@@ -348,6 +348,10 @@ def train(accelerator: Accelerator, args: CommonArgs, model, optimizer, *,
     identical on every rank (reduce inside it, on ``accelerator.device``). Logs ``train/loss``, ``train/lr``,
     ``tokens``, ``flops`` every ``log_every`` steps and ``eval/*`` every ``eval_every`` steps (and at step 0 and the
     end); every evaluation is printed.
+
+    With ``resume_checkpoint`` (verified by :func:`start_run`) the checkpoint is loaded first; only once it has
+    loaded are ``metrics.jsonl`` cut back to its step and the trackers started, so a checkpoint that fails to load
+    (a one-line :class:`.checkpoints.CheckpointError`) leaves the run folder as it was.
     """
     from .outputs import public_configuration
 
