@@ -25,12 +25,26 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+DEFAULT_TARGETS = "encoder_self,decoder_self"
+# --help text is plain text (argparse prints it as is): no reST markup from the docstrings
+DESCRIPTION = ("hf-structattn: convert Hugging Face checkpoints to structured (MLR) attention. Run "
+               "'hf-structattn patch --help' for the options.")
+PATCH_DESCRIPTION = (
+    "Convert the T5, Chronos-T5, Chronos-Bolt or transformers decoder checkpoint (Llama, Qwen, Mistral, Gemma, "
+    "Phi-3, GPT-2, ...) in SRC_DIR to MLR attention, print how far its outputs moved on synthetic inputs, and save "
+    "the result with its code in OUT_DIR (atomically: OUT_DIR appears complete or not at all). Exit status 2: bad "
+    "arguments or an unusable SRC_DIR / OUT_DIR, nothing written; 1: writing OUT_DIR failed.")
+PATCH_EPILOG = ("example: hf-structattn patch t5-small t5-small-mlr --mlr-ranks 32,16,8,8 --mlr-block-sizes "
+                "256,128,64 --init svd")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-structattn", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="hf-structattn", description=DESCRIPTION)
     commands = parser.add_subparsers(dest="command", required=True)
     patch = commands.add_parser("patch", help="convert a T5 / Chronos-T5 / Chronos-Bolt / transformers decoder "
-                                              "checkpoint to MLR attention")
-    patch.add_argument("src_dir")
+                                              "checkpoint to MLR attention", description=PATCH_DESCRIPTION,
+                                epilog=PATCH_EPILOG)
+    patch.add_argument("src_dir", help="the checkpoint folder to convert (config.json + weights)")
     patch.add_argument("out_dir", help="created atomically; must not exist or be an empty directory")
     patch.add_argument("--attention", default="mlr", help="structured attention to install (mlr)")
     patch.add_argument("--mlr-ranks", type=_int_list, help="per-level ranks summing to d_kv, e.g. 32,16,8,8")
@@ -42,9 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Chronos only: block sizes of levels 2..L in time steps (Bolt: multiples of the patch "
                              "stride), e.g. 1024,256,64")
     patch.add_argument("--mlr-max-length", type=int, help="length in tokens the default dyadic blocks derive from")
-    patch.add_argument("--targets", default="encoder_self,decoder_self",
-                       help="comma-separated roles among encoder_self, decoder_self")
-    patch.add_argument("--init", choices=("split", "svd"), default="split", help="level split of pretrained q/k")
+    patch.add_argument("--targets", default=None,
+                       help=f"T5-family only: comma-separated roles among encoder_self, decoder_self (default "
+                            f"{DEFAULT_TARGETS})")
+    patch.add_argument("--init", choices=("split", "svd"), default="split",
+                       help="level split of pretrained q/k (decoders: split only)")
     patch.add_argument("--layers", type=_int_list, help="decoders only: layers to convert, e.g. 0,1,2 (default all)")
     patch.add_argument("--sliding-window-layers", choices=("refuse", "replace"),
                        help="decoders only: refuse (default) or replace sliding-window layers by global MLR layers")

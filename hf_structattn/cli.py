@@ -5,13 +5,14 @@ re-exported here, and ``python -m hf_structattn.cli`` runs it too.
 
 import json
 import os
+import re
 import secrets
 import shutil
 import sys
 from pathlib import Path
 
 import torch
-from hf_structattn_cli import build_parser, main  # noqa: F401  (re-exported: the CLI's entry points)
+from hf_structattn_cli import DEFAULT_TARGETS, build_parser, main  # noqa: F401  (re-exported: the CLI's entry points)
 
 # files the converted model writes itself, and the source's model card (it describes the unconverted model); weight
 # files of the source (single, sharded, other formats) never travel either
@@ -89,12 +90,48 @@ def _is_weight_file(name: str) -> bool:
     return name.endswith(_WEIGHT_SUFFIXES)
 
 
+def _partial_pattern(out: Path) -> "re.Pattern":
+    return re.compile(rf"\.{re.escape(out.name)}\.partial-(\d+)-[0-9a-f]{{8}}")
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    except OverflowError:
+        return False
+    return True
+
+
+def remove_stale_partials(out: Path) -> list[Path]:
+    """Delete the hidden staging folders of earlier writes of ``out`` whose writer is gone (killed, e.g. by
+    ``kill -9``, which no ``finally`` survives): folders next to ``out`` named exactly
+    ``.<name>.partial-<pid>-<8 hex>`` (the pattern :func:`save_atomically` creates) whose process no longer exists.
+    Folders of a live writer, of another output, symlinks and files are left alone. Returns what was removed."""
+    if not out.parent.is_dir():
+        return []
+    pattern, removed = _partial_pattern(out), []
+    for entry in out.parent.iterdir():
+        match = pattern.fullmatch(entry.name)
+        if match is None or entry.is_symlink() or not entry.is_dir() or _process_alive(int(match.group(1))):
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        removed.append(entry)
+    return removed
+
+
 def save_atomically(out: Path, write) -> None:
     """Call ``write(folder)`` on a fresh hidden folder next to ``out`` and rename it to ``out`` (which must be
     absent or empty). On any failure, interruption included, the folder and the parents this call created are
-    removed and the error is re-raised: ``out`` either appears complete or not at all."""
+    removed and the error is re-raised: ``out`` either appears complete or not at all. A process killed outright
+    (``kill -9``) cannot clean up; its folder is removed by the next write of the same ``out``
+    (:func:`remove_stale_partials`)."""
     created = [parent for parent in out.parents if not parent.exists()]
     out.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_partials(out)
     staging = out.parent / f".{out.name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
     staging.mkdir()
     try:
@@ -166,7 +203,17 @@ def patch_command(args) -> int:
                  "sliding_window_layers"):
         if getattr(args, name) is not None:
             fields[name] = getattr(args, name)
-    targets = tuple(t.strip() for t in args.targets.split(",") if t.strip())
+    if kind == "decoder":
+        if args.targets is not None:
+            raise CliError(f"--targets {args.targets}: targets name T5 attention roles; a decoder has only "
+                           "self-attention (choose layers with --layers)")
+        targets = ()
+    else:
+        if args.layers is not None or args.sliding_window_layers is not None:
+            option = "--layers" if args.layers is not None else "--sliding-window-layers"
+            raise CliError(f"{option} applies to transformers decoders only; {src} is a {kind} checkpoint "
+                           "(choose the attention roles with --targets)")
+        targets = tuple(t.strip() for t in (args.targets or DEFAULT_TARGETS).split(",") if t.strip())
 
     try:
         original, inputs = _load(kind, src)
@@ -183,7 +230,14 @@ def patch_command(args) -> int:
         report = drift_report(original, patched, inputs)
     else:
         report = hf_structattn.patch_report(original, patched, inputs)
-    print(f"patched {kind} checkpoint {src} with attention={args.attention} init={args.init} targets={targets}")
+    if kind == "decoder":
+        config = patched.config
+        layers = "all" if config.mlr_layers is None else config.mlr_layers
+        print(f"patched decoder checkpoint {src} ({type(original).__name__}) with attention={args.attention} "
+              f"mlr_ranks={config.mlr_ranks} mlr_block_sizes={config.mlr_block_sizes} layers={layers} "
+              f"sliding_window_layers={config.mlr_patch['sliding_window_layers']}")
+    else:
+        print(f"patched {kind} checkpoint {src} with attention={args.attention} init={args.init} targets={targets}")
     print("drift before fine-tuning (synthetic inputs):")
     print(hf_structattn.patching.format_report(report))
 

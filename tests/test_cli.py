@@ -7,6 +7,7 @@ import resource
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -173,3 +174,79 @@ def test_bolt_block_sizes_in_time_steps_identity_refusal_and_chronos_reload(tmp_
                  "--allow-identity"]) == 0
     drift = capsys.readouterr().out.split("forecast_rel")[1].split()[0]
     assert float(drift) < 1e-5  # an identity patch moves nothing beyond float32 rounding
+
+
+def test_help_is_plain_text_without_rest_markup(capsys):
+    """Issue 23 item 9: `hf-structattn --help` printed the docstring's reST literals (``hf-structattn``)."""
+    from hf_structattn_cli import build_parser
+
+    for argv in (["--help"], ["patch", "--help"]):
+        with pytest.raises(SystemExit) as exit_info:
+            build_parser().parse_args(argv)
+        assert exit_info.value.code == 0
+        text = capsys.readouterr().out
+        assert "``" not in text and ":func:" not in text and ":class:" not in text, text
+        assert text.startswith("usage: hf-structattn"), text
+    top = build_parser().format_help()
+    assert "convert Hugging Face checkpoints to structured (MLR) attention" in " ".join(top.split())
+
+
+def test_decoder_output_names_decoder_fields_and_refuses_t5_only_options(tmp_path, capsys):
+    """Issue 23 item 8: a decoder conversion printed `init=split targets=('encoder_self', 'decoder_self')`, T5 fields
+    that do not apply to decoders."""
+    from hf_structattn.decoder_patching import tiny_decoder
+
+    source = tmp_path / "src"
+    tiny_decoder("llama", vocab_size=64, dtype=torch.float32).save_pretrained(source)
+    assert main(["patch", str(source), str(tmp_path / "out"), "--mlr-ranks", "8,4,4", "--mlr-block-sizes", "16,8",
+                 "--layers", "1"]) == 0
+    stdout = capsys.readouterr().out
+    first = stdout.splitlines()[0]
+    assert first == (f"patched decoder checkpoint {source} (LlamaForCausalLM) with attention=mlr mlr_ranks=[8, 4, 4] "
+                     "mlr_block_sizes=[16, 8] layers=[1] sliding_window_layers=refuse"), first
+    assert "targets=" not in stdout and "init=" not in stdout
+    _expect_refusal(capsys, ["patch", str(source), str(tmp_path / "b"), *MLR_ARGS[:2], "--mlr-block-sizes", "16,8",
+                             "--targets", "encoder_self"], "--targets encoder_self", "decoder")
+    t5 = tmp_path / "t5"
+    tiny_t5().save_pretrained(t5)
+    _expect_refusal(capsys, ["patch", str(t5), str(tmp_path / "c"), *MLR_ARGS, "--layers", "0"],
+                    "--layers applies to transformers decoders only")
+    assert not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
+    assert main(["patch", str(t5), str(tmp_path / "d"), *MLR_ARGS]) == 0
+    assert "init=split targets=('encoder_self', 'decoder_self')" in capsys.readouterr().out
+
+
+def test_a_kill_9_leaves_a_partial_folder_that_the_next_run_removes(tmp_path, capsys):
+    """Issue 20 item 12: `kill -9` of `hf-structattn patch` while it writes leaves `.OUT.partial-<pid>-<hex>`, which
+    later runs never removed. The next write of the same OUT removes it once its writer is gone; a live writer's
+    folder, another output's folder and lookalike names stay."""
+    big = tmp_path / "t5"
+    # about 30 MB of weights, so that writing them takes long enough to be interrupted
+    tiny_t5(d_ff=3072, num_layers=3, num_decoder_layers=3).save_pretrained(big)
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS="1")
+    for attempt in range(4):  # the kill must land while OUT is being written; retried when it did not
+        out = tmp_path / f"out{attempt}"
+        proc = subprocess.Popen([sys.executable, "-m", "hf_structattn.cli", "patch", str(big), str(out), *MLR_ARGS],
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            while proc.poll() is None and not list(tmp_path.glob(f".{out.name}.partial-*")):
+                time.sleep(0.0002)
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+        finally:
+            proc.wait(timeout=300)
+        left = list(tmp_path.glob(f".{out.name}.partial-*"))
+        if proc.returncode == -signal.SIGKILL and left:
+            break
+    else:
+        pytest.fail("four runs finished before their output could be interrupted")
+    assert not out.exists() and len(left) == 1 and left[0].name.startswith(f".{out.name}.partial-{proc.pid}-")
+    live = tmp_path / f".{out.name}.partial-{os.getpid()}-0123abcd"  # this process is alive: not stale
+    other = tmp_path / f".other.partial-{proc.pid}-0123abcd"  # another output
+    lookalike = tmp_path / f".{out.name}.partial-{proc.pid}-notahex!"
+    for folder in (live, other, lookalike):
+        folder.mkdir()
+    assert main(["patch", str(big), str(out), *MLR_ARGS]) == 0, capsys.readouterr().err
+    assert (out / "model.safetensors").is_file()
+    assert not left[0].exists()
+    assert live.is_dir() and other.is_dir() and lookalike.is_dir()

@@ -40,6 +40,11 @@ class ConfigError(ValueError):
     """A bad recipe argument or config file entry (the message is one line naming the field)."""
 
 
+class RunFailure(RuntimeError):
+    """A run that failed after work started for a reason outside the code (disk full while saving a checkpoint, an
+    upload that did not go through): one line, exit status 1, nothing finished is lost."""
+
+
 def _strip_optional(annotation) -> tuple[Any, bool]:
     """(inner type, whether None is allowed) of ``Optional[X]`` / ``X | None``."""
     origin = typing.get_origin(annotation)
@@ -128,7 +133,14 @@ def load_config_file(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"--config {path}: no such file")
-    text = path.read_text()
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"--config {path}: not a YAML or JSON text file (byte 0x{raw[error.start]:02x} at offset "
+                          f"{error.start} is not UTF-8)") from None
+    if "\x00" in text:
+        raise ConfigError(f"--config {path}: not a YAML or JSON text file (it holds NUL bytes)")
     try:
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except json.JSONDecodeError as error:
@@ -312,10 +324,18 @@ def model_args_dataclass(name: str, config_cls: type, defaults: dict, helps: dic
 
 
 def run_main(main: Callable[[Optional[Sequence[str]]], Any], prog: str) -> None:
-    """Entry point of a recipe script: a :class:`ConfigError` (bad argument, config file, output folder, Hub
-    access) becomes one line on stderr and exit status 2."""
+    """Entry point of a recipe script: a :class:`ConfigError` (bad argument, config file, output folder, checkpoint,
+    Hub access) becomes one line on stderr and exit status 2; a :class:`RunFailure` (checkpoint write, upload) one line
+    and status 1; a ``--resume_from`` of a run that is already complete one line on stdout and status 0."""
+    from .loop import RunComplete
+
     try:
         main(None)
     except ConfigError as error:
         print(f"{prog}: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
+    except RunFailure as error:
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        raise SystemExit(1) from None
+    except RunComplete as complete:
+        print(f"{prog}: {complete}", flush=True)

@@ -175,7 +175,6 @@ def main(argv=None) -> dict:
     from . import timeseries
     from .data import step_generator
     from .metrics import load_metric
-    from .outputs import public_configuration
 
     accelerator, checkpoint = start_run(args, "finetune_chronos")
     out = Path(args.output_dir)
@@ -213,8 +212,6 @@ def main(argv=None) -> dict:
     set_eval_config = dict(num_samples=args.eval_num_samples)
     optimizer = build_optimizer(model, args)
     model, optimizer = accelerator.prepare(model, optimizer)
-    accelerator.init_trackers(args.run_name or "finetune_chronos",
-                              config=public_configuration(args, "finetune_chronos"))
     world = accelerator.num_processes
     mase, wql = load_metric("mase"), load_metric("wql")
     window = context_length + prediction_length

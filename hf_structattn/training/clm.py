@@ -81,9 +81,9 @@ class CLMArgs(CommonArgs):
             raise ConfigError(f"--eval_windows must be >= 1, got {self.eval_windows}")
         if self.sample_new_tokens < 0:
             raise ConfigError(f"--sample_new_tokens must be >= 0, got {self.sample_new_tokens}")
-        for path in self.text_files or []:
-            if not Path(path).is_file():
-                raise ConfigError(f"--text_files: {path} is not a file")
+        from .data import check_text_files
+
+        check_text_files(self.text_files)  # exists, not empty, UTF-8
 
     def check_model(self) -> None:
         config = StructAttnGPT2Config(**gpt2_config_fields(self.model))
@@ -184,7 +184,6 @@ def main(argv=None) -> dict:
     from ..tokenization import build_byte_tokenizer
     from .data import eval_windows, lm_micro_batch
     from .metrics import load_metric
-    from .outputs import public_configuration
 
     corpus = load_corpus(args)
     model = build_model(args)
@@ -194,7 +193,6 @@ def main(argv=None) -> dict:
                       f"{corpus.validation.numel():,} validation tokens")
     optimizer = build_optimizer(model, args)
     model, optimizer = accelerator.prepare(model, optimizer)
-    accelerator.init_trackers(args.run_name or "train_clm", config=public_configuration(args, "train_clm"))
 
     windows = eval_windows(corpus.validation, seq_len, args.eval_windows)
     metric = load_metric("bits_per_byte")

@@ -119,6 +119,37 @@ def load_stdlib_corpus(validation_percent: float = 5.0, max_train_bytes: Optiona
     return TextCorpus(train, validation, description, n_train, n_val)
 
 
+def check_text_files(text_files: Optional[Sequence[str]], field: str = "--text_files") -> None:
+    """Each file exists, is not empty and is UTF-8 text; otherwise a one-line ``ConfigError`` naming the file (and
+    the offset of the first byte that is not UTF-8). Reads the files once, in chunks."""
+    import codecs
+
+    from .args import ConfigError
+
+    for name in text_files or []:
+        path = Path(name)
+        if not path.is_file():
+            raise ConfigError(f"{field}: {name} is not a file")
+        if path.stat().st_size == 0:
+            raise ConfigError(f"{field}: {name} is empty")
+        decoder = codecs.getincrementaldecoder("utf-8")()
+        offset = 0
+        with open(path, "rb") as handle:
+            while True:
+                chunk = handle.read(1 << 20)
+                try:
+                    decoder.decode(chunk, final=not chunk)
+                except UnicodeDecodeError as error:
+                    # error.object is the decoder's pending bytes of the previous chunk followed by this chunk
+                    pending = len(error.object) - len(chunk)
+                    position = offset - pending + error.start
+                    raise ConfigError(f"{field}: {name} is not UTF-8 text (byte 0x{error.object[error.start]:02x} at "
+                                      f"offset {position:,}: {error.reason})") from None
+                if not chunk:
+                    break
+                offset += len(chunk)
+
+
 def load_text_files_corpus(text_files: Sequence[str], validation_percent: float = 5.0,
                            max_train_bytes: Optional[int] = None,
                            max_validation_bytes: Optional[int] = None) -> TextCorpus:

@@ -148,13 +148,11 @@ def main(argv=None) -> dict:
     accelerator, checkpoint = start_run(args, "train_icl")
     from ..flops import attention_cost_report, flops_per_token
     from .metrics import load_metric
-    from .outputs import public_configuration
 
     model = build_model(args)
     config = model.config
     optimizer = build_optimizer(model, args)
     model, optimizer = accelerator.prepare(model, optimizer)
-    accelerator.init_trackers(args.run_name or "train_icl", config=public_configuration(args, "train_icl"))
     world, rank = accelerator.num_processes, accelerator.process_index
     device = accelerator.device
     eval_xs, eval_ys, _ = eval_set(args)

@@ -9,11 +9,10 @@ records up to the checkpoint's step, so the file always holds one run's history.
 
 **Exact resume.** The data of optimizer step ``s`` is a pure function of ``(seed, s)`` (each recipe's
 ``micro_batch_fn`` slices the step's *global* batch by rank and micro-step), evaluation runs inside
-``torch.random.fork_rng`` with its own seed, and ``accelerator.save_state`` stores model, optimizer, learning-rate
-scheduler (``transformers.get_scheduler``), RNG states (dropout) and the step. Checkpoints are accelerate's
-``checkpoints/checkpoint_<i>`` (``ProjectConfiguration(automatic_checkpoint_naming=True, total_limit=...)``). The same
-slicing makes ``n`` processes with per-device batch ``B`` train on the same global batch as one process with ``n*B``
-(gradient all-reduce averages equal-sized shards).
+``torch.random.fork_rng`` with its own seed, and a checkpoint (:mod:`.checkpoints`: atomic, verified, rotated only
+after success, no pickles) stores model, optimizer, learning-rate scheduler (``transformers.get_scheduler``), RNG
+states (dropout) and the step. The same slicing makes ``n`` processes with per-device batch ``B`` train on the same
+global batch as one process with ``n*B`` (gradient all-reduce averages equal-sized shards).
 """
 
 from __future__ import annotations
@@ -35,10 +34,11 @@ from accelerate.utils import LoggerType, ProjectConfiguration, parse_flag_from_e
 from tqdm.auto import tqdm
 
 from .args import ConfigError, arg
+from .checkpoints import (CHECKPOINT_STATE, CheckpointWriter, checkpoint_dirs, load_checkpoint,  # noqa: F401
+                          remove_partial_checkpoints, resolve_checkpoint)
 from .tracking import JSONLTracker
 
-RUN_CONFIG = "run_config.json"   # in the output folder and in every checkpoint
-CHECKPOINT_STATE = "run.json"    # in every checkpoint: {"step": ..., "configuration": ...}
+RUN_CONFIG = "run_config.json"   # in the output folder
 LR_SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_min_lr", "cosine_with_restarts",
                 "polynomial", "inverse_sqrt")
 # fields that may change when a run is resumed: they do not change what the run computes
@@ -56,7 +56,7 @@ class CommonArgs:
     output_dir: str = arg("the run's folder; a loadable checkpoint with model card when done", default="outputs/run")
     overwrite_output_dir: bool = arg("delete the contents of a non-empty output_dir and start a new run",
                                        default=False)
-    resume_from: Optional[str] = arg("continue a run: 'latest' (newest checkpoint in output_dir) or a "
+    resume_from: Optional[str] = arg("continue a run: 'latest' (newest complete checkpoint in output_dir) or a "
                                        "checkpoints/checkpoint_<i> folder; its stored configuration must match",
                                        default=None)
     seed: int = arg("model init, data order, evaluation sampling", default=0)
@@ -83,7 +83,8 @@ class CommonArgs:
                             default=50)
     checkpoint_every: int = arg("save a resumable checkpoint every this many steps (and at the end); 0: only at "
                                   "the end", default=50)
-    checkpoints_total_limit: int = arg("checkpoints kept (accelerate deletes the oldest)", default=2)
+    checkpoints_total_limit: int = arg("complete checkpoints kept: the oldest are deleted only after a new one is "
+                                         "saved completely", default=2)
     stop_after_steps: Optional[int] = arg("stop after checkpointing at this step (simulates an interruption)",
                                             default=None)
     report_to: str = arg("trackers besides metrics.jsonl: 'all' installed ones, 'none', or a comma list of "
@@ -175,31 +176,18 @@ def configuration_differences(stored: dict, current: dict) -> list[str]:
     return found
 
 
-def checkpoint_dirs(output_dir: str | Path) -> list[Path]:
-    """accelerate's ``checkpoints/checkpoint_<i>`` folders of a run, oldest save first."""
-    root = Path(output_dir) / "checkpoints"
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.is_dir() and re.fullmatch(r"checkpoint_\d+", p.name)]
-    return sorted(found, key=lambda p: int(p.name.split("_")[1]))
-
-
-def resolve_checkpoint(resume_from: str, output_dir: str | Path) -> Path:
-    if resume_from == "latest":
-        found = [p for p in checkpoint_dirs(output_dir) if (p / CHECKPOINT_STATE).exists()]
-        if not found:
-            raise ConfigError(f"--resume_from latest: no checkpoint under {Path(output_dir) / 'checkpoints'}")
-        return found[-1]
-    path = Path(resume_from)
-    if not (path / CHECKPOINT_STATE).exists():
-        raise ConfigError(f"--resume_from {path}: not a checkpoint folder of a recipe run (no {CHECKPOINT_STATE})")
-    return path
+class RunComplete(Exception):
+    """``--resume_from`` on a run that already reached ``max_steps`` and wrote its outputs: nothing to do (the
+    recipe entry points print the message and exit with status 0)."""
 
 
 def prepare_output_dir(args: CommonArgs, recipe: str, state: PartialState) -> Optional[Path]:
-    """Apply the output-folder contract (module docstring); returns the checkpoint to resume from, if any.
+    """Apply the output-folder contract (module docstring); returns the checkpoint to resume from, if any (verified
+    by :func:`.checkpoints.resolve_checkpoint`). Raises :class:`RunComplete` when that checkpoint ends a run whose
+    outputs are written.
 
-    Every rank checks (so every rank raises the same error); only the main process changes the folder.
+    Every rank checks (so every rank raises the same error); only the main process changes the folder. Nothing is
+    written to the folder before every check passed (a refused resume leaves ``metrics.jsonl`` as it was).
     """
     out = Path(args.output_dir)
     current = run_configuration(args, recipe)
@@ -208,8 +196,8 @@ def prepare_output_dir(args: CommonArgs, recipe: str, state: PartialState) -> Op
     entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
     checkpoint = None
     if args.resume_from:
-        checkpoint = resolve_checkpoint(args.resume_from, out)
-        stored = json.loads((checkpoint / CHECKPOINT_STATE).read_text())["configuration"]
+        checkpoint, checkpoint_state = resolve_checkpoint(args.resume_from, out, state.num_processes)
+        stored = checkpoint_state["configuration"]
         differences = configuration_differences(stored, current)
         if not differences and entries and checkpoint.resolve().parent.parent != out.resolve():
             if (out / RUN_CONFIG).exists():  # a checkpoint from elsewhere into a folder that holds a run
@@ -221,6 +209,11 @@ def prepare_output_dir(args: CommonArgs, recipe: str, state: PartialState) -> Op
             raise ConfigError(f"--resume_from {checkpoint}: the stored run configuration differs in "
                               f"{'; '.join(differences)}. Resume with the same settings, or start a new run in "
                               "another --output_dir")
+        finished = out / "final_metrics.json"
+        if checkpoint_state["step"] >= args.max_steps and finished.exists():
+            raise RunComplete(f"the run in {out} is already complete ({checkpoint.name} is at step "
+                              f"{checkpoint_state['step']} of {args.max_steps}, final metrics in {finished}); "
+                              "nothing to train")
     elif entries and not args.overwrite_output_dir:
         shown = ", ".join(entries[:4]) + (", ..." if len(entries) > 4 else "")
         raise ConfigError(f"--output_dir {out} is not empty ({shown}): pass --overwrite_output_dir to delete it "
@@ -235,10 +228,10 @@ def prepare_output_dir(args: CommonArgs, recipe: str, state: PartialState) -> Op
             for entry in out.iterdir():
                 shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
         out.mkdir(parents=True, exist_ok=True)
+        remove_partial_checkpoints(out)  # left by a save that crashed; never a checkpoint
         if checkpoint is None:
             (out / RUN_CONFIG).write_text(json.dumps(current, indent=2, sort_keys=True))
-        else:
-            truncate_log(out / "metrics.jsonl", json.loads((checkpoint / CHECKPOINT_STATE).read_text())["step"])
+        # on resume, metrics.jsonl is cut back to the checkpoint's step only once the checkpoint has loaded (train)
     state.wait_for_everyone()
     return checkpoint
 
@@ -260,8 +253,9 @@ def truncate_log(path: Path, last_step: int) -> None:
 
 
 def start_run(args: CommonArgs, recipe: str) -> tuple[Accelerator, Optional[Path]]:
-    """Check the Hub first when ``--push_to_hub``, apply the output-folder contract, then build the Accelerator (JSONL tracker + ``report_to`` trackers, the
-    recipe's mixed precision, accelerate's automatic checkpoint naming). Returns it and the checkpoint to resume."""
+    """Check the Hub first when ``--push_to_hub``, apply the output-folder contract, then build the Accelerator
+    (JSONL tracker + ``report_to`` trackers, the recipe's mixed precision). Returns it and the checkpoint to resume
+    (verified; :func:`train` loads it)."""
     # Create accelerate's PartialState the way Accelerator would: the tracker's main-process check needs it, and
     # ACCELERATE_USE_CPU (multi-process CPU runs) would otherwise be ignored.
     if args.push_to_hub:
@@ -272,8 +266,9 @@ def start_run(args: CommonArgs, recipe: str) -> tuple[Accelerator, Optional[Path
     checkpoint = prepare_output_dir(args, recipe, state)
     out = Path(args.output_dir)
     trackers: list = [JSONLTracker(args.run_name or recipe, out), *report_trackers(args.report_to)]
-    project = ProjectConfiguration(project_dir=str(out), logging_dir=str(out), automatic_checkpoint_naming=True,
-                                   total_limit=args.checkpoints_total_limit)
+    # checkpoint naming, rotation and the non-pickle state files are .checkpoints' (accelerate's automatic naming
+    # deletes old checkpoints before the new one is written)
+    project = ProjectConfiguration(project_dir=str(out), logging_dir=str(out), automatic_checkpoint_naming=False)
     accelerator = Accelerator(mixed_precision=args.mixed_precision or None, log_with=trackers,
                               project_config=project)
     set_seed(args.seed)  # identical on every rank: identical initialisation
@@ -319,6 +314,7 @@ class TrainResult:
     interrupted: bool
     final_eval: dict
     train_seconds: float                    # wall time of the steps run here, evaluations included
+    start_step: int = 0                     # the checkpoint's step when resumed: step - start_step steps ran here
     tokens_per_second: float = 0.0          # training tokens / wall seconds of the optimizer steps (no evaluation)
     tokens_per_cpu_second: float = 0.0      # the same per CPU second of the main thread (time.thread_time): a
     #                                          load-independent throughput on a shared machine with one intra-op thread
@@ -352,20 +348,27 @@ def train(accelerator: Accelerator, args: CommonArgs, model, optimizer, *,
     identical on every rank (reduce inside it, on ``accelerator.device``). Logs ``train/loss``, ``train/lr``,
     ``tokens``, ``flops`` every ``log_every`` steps and ``eval/*`` every ``eval_every`` steps (and at step 0 and the
     end); every evaluation is printed.
+
+    With ``resume_checkpoint`` (verified by :func:`start_run`) the checkpoint is loaded first; only once it has
+    loaded are ``metrics.jsonl`` cut back to its step and the trackers started, so a checkpoint that fails to load
+    (a one-line :class:`.checkpoints.CheckpointError`) leaves the run folder as it was.
     """
+    from .outputs import public_configuration
+
+    # not accelerator.prepare(scheduler): accelerate would step it once per process; nor register_for_checkpointing
+    # (a pickle): the checkpoints store its state_dict as JSON
     scheduler = build_scheduler(optimizer, args)
-    # not accelerator.prepare(scheduler): accelerate would step it once per process; registered so that
-    # save_state/load_state carry it
-    accelerator.register_for_checkpointing(scheduler)
     configuration = run_configuration(args, recipe)
+    writer = CheckpointWriter(accelerator, args.output_dir, args.checkpoints_total_limit)
     start_step = 0
     if resume_checkpoint is not None:
-        accelerator.load_state(str(resume_checkpoint))
+        load_checkpoint(accelerator, resume_checkpoint, scheduler)  # one-line CheckpointError; nothing written yet
         start_step = json.loads((resume_checkpoint / CHECKPOINT_STATE).read_text())["step"]
-        # new checkpoints number after every existing one, so "latest" is always the newest save
-        existing = checkpoint_dirs(args.output_dir)
-        accelerator.project_configuration.iteration = int(existing[-1].name.split("_")[1]) + 1 if existing else 0
+        if accelerator.is_main_process:
+            truncate_log(Path(args.output_dir) / "metrics.jsonl", start_step)
+        accelerator.wait_for_everyone()
         accelerator.print(f"resumed from {resume_checkpoint} at step {start_step}")
+    accelerator.init_trackers(args.run_name or recipe, config=public_configuration(args, recipe))
     unwrapped = accelerator.unwrap_model(model)
     world, rank = accelerator.num_processes, accelerator.process_index
     accum = args.gradient_accumulation_steps
@@ -390,11 +393,7 @@ def train(accelerator: Accelerator, args: CommonArgs, model, optimizer, *,
         return metrics
 
     def save_checkpoint(step: int) -> None:
-        path = Path(accelerator.save_state())
-        if accelerator.is_main_process:
-            (path / CHECKPOINT_STATE).write_text(json.dumps({"step": step, "configuration": configuration},
-                                                            indent=2, sort_keys=True))
-        accelerator.wait_for_everyone()
+        writer.save(step, configuration, scheduler)
 
     progress = None
     final_eval: dict = {}
@@ -448,7 +447,7 @@ def train(accelerator: Accelerator, args: CommonArgs, model, optimizer, *,
         final_eval = evaluate_now(step)
     tokens = (step - start_step) * tokens_per_step
     return TrainResult(step=step, interrupted=interrupted, final_eval=final_eval, train_seconds=seconds,
-                       tokens_per_second=tokens / step_seconds if step_seconds > 0 else 0.0,
+                       start_step=start_step, tokens_per_second=tokens / step_seconds if step_seconds > 0 else 0.0,
                        tokens_per_cpu_second=tokens / step_cpu_seconds if step_cpu_seconds > 0 else 0.0)
 
 
@@ -461,7 +460,8 @@ def finish_run(accelerator: Accelerator, args: CommonArgs, model, result: TrainR
     full state dict on every rank (FSDP shards it), then rank 0 calls ``save_outputs(summary, state_dict)`` (model,
     card, plots; it may add to ``summary`` and returns a printable cost table or None), writes
     ``final_metrics.json``, uploads when ``--push_to_hub`` and prints the run summary."""
-    summary = {"step": result.step, "interrupted": result.interrupted, "train_seconds": result.train_seconds,
+    summary = {"step": result.step, "steps_run": result.step - result.start_step, "resumed_at": result.start_step,
+               "interrupted": result.interrupted, "train_seconds": result.train_seconds,
                "train_tokens_per_second": result.tokens_per_second,
                "train_tokens_per_cpu_second": result.tokens_per_cpu_second,
                **{f"eval_{k}": v for k, v in result.final_eval.items()}, **summary}
@@ -489,7 +489,9 @@ def finish_run(accelerator: Accelerator, args: CommonArgs, model, result: TrainR
 
 def print_summary(summary: dict, out: Path, cost_table: Optional[str]) -> None:
     final = {k[len("eval_"):]: v for k, v in summary.items() if k.startswith("eval_")}
-    lines = ["", f"== run finished: {summary['step']} steps in {summary['train_seconds']:.1f} s "
+    resumed = (f" (resumed at step {summary['resumed_at']}, {summary['step']} in total)"
+               if summary.get("resumed_at") else "")
+    lines = ["", f"== run finished: {summary['steps_run']} steps in {summary['train_seconds']:.1f} s{resumed} "
                  f"({summary['train_tokens_per_second']:,.0f} training tokens/s)",
              f"final evaluation: {_format_metrics(final)}"]
     if "flops_per_token" in summary:

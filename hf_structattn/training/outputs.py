@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 from typing import Optional
 
-from .args import ConfigError
+from .args import ConfigError, RunFailure
 from .tracking import read_jsonl
 
 # what upload_folder leaves out: resumable training state is not part of the published model
-HUB_IGNORE_PATTERNS = ["checkpoints/*", "checkpoints/**", "base_tiny_chronos_t5/*", "*.pkl", "run_config.json"]
+HUB_IGNORE_PATTERNS = ["checkpoints/*", "checkpoints/**", "base_tiny_chronos_t5/*", "source/*", "source/**", "*.pkl",
+                       "run_config.json"]
 
 
 def write_plots(output_dir: str | Path, log_path: Optional[str | Path] = None, loss_key: str = "train/loss",
@@ -117,25 +119,62 @@ def write_model_card(output_dir: str | Path, args, *, recipe: str, title: str, s
     return path
 
 
+_NETWORK_ERROR_NAMES = {"TransportError", "NetworkError", "ConnectError", "ConnectTimeout", "ReadTimeout",
+                        "TimeoutException", "ConnectionError", "ProxyError", "SSLError", "RemoteProtocolError"}
+
+
+def is_network_error(error: BaseException) -> bool:
+    """Whether ``error`` (or what caused it) is a failure to reach a server at all (connection refused, DNS, timeout,
+    TLS), as opposed to an answer from the Hub. Recognised by the HTTP clients' exception classes (httpx / requests
+    families) and the OS's socket errors, so no particular client has to be imported."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        names = {cls.__name__ for cls in type(error).__mro__}
+        if names & _NETWORK_ERROR_NAMES or isinstance(error, (ConnectionError, TimeoutError, socket.gaierror,
+                                                               socket.herror)):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def _one_line(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
 def check_hub_access(repo_id: str, private: bool = False) -> str:
     """Before any training: the token works (``whoami``) and the repository exists or can be created
-    (``create_repo(exist_ok=True)``). Offline, without a token or without write access this fails in seconds with a
-    one-line :class:`ConfigError`. Returns the repository id."""
-    from huggingface_hub import HfApi
-    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+    (``create_repo(exist_ok=True)``). Offline, unreachable, without a token, with a rejected token or without write
+    access this fails in seconds with a one-line :class:`ConfigError` that says which. Returns the repository id."""
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import HfHubHTTPError, LocalTokenNotFoundError, OfflineModeIsEnabled
 
     api = HfApi()
     try:
         user = api.whoami()
     except OfflineModeIsEnabled:
         raise ConfigError("--push_to_hub: the Hub is unreachable in offline mode (HF_HUB_OFFLINE is set)") from None
-    except Exception as error:  # no token (LocalTokenNotFoundError), bad token (401), no network
-        raise ConfigError(f"--push_to_hub: cannot authenticate with the Hub ({type(error).__name__}: "
-                          f"{str(error).splitlines()[0] if str(error) else 'no details'}); log in with `hf auth "
-                          "login` or set HF_TOKEN") from None
+    except LocalTokenNotFoundError:
+        raise ConfigError("--push_to_hub: no Hub token found; log in with `hf auth login` or set HF_TOKEN") from None
+    except Exception as error:
+        if is_network_error(error):
+            raise ConfigError(f"--push_to_hub: the Hub at {api.endpoint or constants.ENDPOINT} is unreachable "
+                              f"({_one_line(error)}); check the network connection (or HF_ENDPOINT) and retry"
+                              ) from None
+        status = getattr(getattr(error, "response", None), "status_code", None)
+        if isinstance(error, HfHubHTTPError) and status == 401:
+            raise ConfigError("--push_to_hub: the Hub rejected the token (401 Unauthorized); log in with `hf auth "
+                              "login` or set a valid HF_TOKEN") from None
+        raise ConfigError(f"--push_to_hub: cannot authenticate with the Hub ({_one_line(error)})") from None
     try:
         repo = api.create_repo(repo_id=repo_id, private=private, exist_ok=True, repo_type="model")
-    except (HfHubHTTPError, OSError) as error:
+    except Exception as error:
+        if is_network_error(error):
+            raise ConfigError(f"--push_to_hub: the Hub became unreachable while creating {repo_id} "
+                              f"({_one_line(error)})") from None
+        if not isinstance(error, (HfHubHTTPError, OSError)):
+            raise
         raise ConfigError(f"--push_to_hub: cannot create or access {repo_id} as {user.get('name', '?')} "
                           f"({str(error).splitlines()[0]})") from None
     return getattr(repo, "repo_id", repo_id)
@@ -144,11 +183,17 @@ def check_hub_access(repo_id: str, private: bool = False) -> str:
 def push_to_hub(output_dir: str | Path, repo_id: str, private: bool = False,
                 commit_message: str = "Upload model trained with hf_structattn") -> str:
     """``HfApi().upload_folder`` of the output folder (checkpoints and bookkeeping left out; the repository was
-    created by :func:`check_hub_access` before training). Returns the repository id."""
+    created by :func:`check_hub_access` before training). Returns the repository id. A failed upload is one
+    :class:`RunFailure` line (the trained run stays on disk)."""
     from huggingface_hub import HfApi
 
-    HfApi().upload_folder(repo_id=repo_id, folder_path=str(output_dir), commit_message=commit_message,
-                          ignore_patterns=HUB_IGNORE_PATTERNS, repo_type="model")
+    try:
+        HfApi().upload_folder(repo_id=repo_id, folder_path=str(output_dir), commit_message=commit_message,
+                              ignore_patterns=HUB_IGNORE_PATTERNS, repo_type="model")
+    except Exception as error:
+        what = "the Hub is unreachable" if is_network_error(error) else "the Hub refused it"
+        raise RunFailure(f"uploading {output_dir} to {repo_id} failed, {what} ({_one_line(error)}); the trained run "
+                         f"is complete on disk: upload it later with `hf upload {repo_id} {output_dir}`") from None
     return repo_id
 
 
