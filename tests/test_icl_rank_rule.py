@@ -3,7 +3,6 @@ scripts/icl_rank_report.py, its arms (measured score rank, equal initial logit s
 command."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -101,16 +100,20 @@ def test_the_sweep_command_runs_and_reports(tmp_path, capsys):
 
     small = ["--d", "4", "--out", str(tmp_path / "out"), "--arms", "i_dense12_half", "v_dense3_rank", "--lrs", "1e-3",
              "--seeds", "0"]
-    subprocess.run([sys.executable, str(SCRIPTS / "icl_rank_experiment.py"), "run", *small, "--steps", "3",
-                    "--eval_every", "2", "--jobs", "2"], check=True, capture_output=True, text=True, timeout=600)
-    for arm in ("i_dense12_half", "v_dense3_rank"):
-        result = json.loads((tmp_path / "out" / "d4" / f"{arm}_lr0.001_s0" / "result.json").read_text())
-        assert result["final_step"] == 3 and result["final"]["step"] == 3
-        assert result["rank_init"]["span_min"] == score_rank(4, arm)
-        assert len(result["rank_init"]["logit_rms"]) == 6
-    main(["report", *small, "--figures", str(tmp_path / "figures")])
-    assert "VERDICT: UNDECIDED" in capsys.readouterr().out
-    assert (tmp_path / "figures" / "icl_rank_d4.png").exists()
-    with pytest.raises(SystemExit):
-        main(["run", "--d", "4", "--arms", "vii"])
-    assert "--arms: unknown vii" in capsys.readouterr().err
+    threads = torch.get_num_threads()  # main() sets one thread for its runs
+    try:
+        main(["run", *small, "--steps", "3", "--eval_every", "2", "--jobs", "2"])  # one subprocess per run
+        assert "all runs finished" in capsys.readouterr().out
+        for arm in ("i_dense12_half", "v_dense3_rank"):
+            result = json.loads((tmp_path / "out" / "d4" / f"{arm}_lr0.001_s0" / "result.json").read_text())
+            assert result["final_step"] == 3 and result["final"]["step"] == 3
+            assert result["rank_init"]["span_min"] == score_rank(4, arm)
+            assert len(result["rank_init"]["logit_rms"]) == 6
+        main(["report", *small, "--figures", str(tmp_path / "figures")])
+        assert "VERDICT: UNDECIDED" in capsys.readouterr().out
+        assert (tmp_path / "figures" / "icl_rank_d4.png").exists()
+        with pytest.raises(SystemExit):
+            main(["run", "--d", "4", "--arms", "vii"])
+        assert "--arms: unknown vii" in capsys.readouterr().err
+    finally:
+        torch.set_num_threads(threads)
