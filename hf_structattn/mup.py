@@ -9,6 +9,17 @@ logits use ``1/r`` for dense and SWA heads, ``1/r_l`` per MLR level and ``1/widt
 its weight with the input embedding: muP needs ``tie_word_embeddings=False`` (the authors do not tie either) and
 :func:`mup_rules` refuses a tied model.
 
+Learning rate of bilinear BTT's key factor R (``weight_r``, paper W_K): ``lr * base_width / d``, its fan-in d, as in
+the authors' code (``768 / d``). The paper's App. E text gives ``eta_base * D1 / a`` for it, which disagrees with the
+same appendix's init of that factor (``N(0, 1/d)``, i.e. fan-in d) and with its own AdamW rule (learning rate
+``Theta(1/fan_in)``): R contracts the d index of x viewed as (c, d), and a is the output size of the other factor L.
+The factor L (``weight_l``, paper W_Q) gets ``lr * base_width / (c*s)`` as in both.
+
+:func:`attention_logit_rms` measures the attention logits' scale, which the coordinate check
+(``tests/test_mup.py``) holds flat across widths: with a fixed number of heads the head dim r grows with the width,
+and ``1/sqrt(r)`` logits then grow like ``sqrt(r)`` once training correlates queries and keys, where muP's ``1/r``
+keeps them Theta(1).
+
 Usage::
 
     config = StructAttnGPT2Config(..., **mup_config_overrides())
@@ -17,6 +28,7 @@ Usage::
     optimizer = torch.optim.AdamW(mup_param_groups(model, lr=3e-3, base_width=256), betas=(0.9, 0.95))
 """
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -127,3 +139,57 @@ def mup_init_(model: nn.Module, embedding_std: float = 0.02) -> None:
             param.fill_(1.0) if name.endswith("weight") else param.zero_()
         else:
             param.zero_()
+
+
+def _attended_pairs(scores: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """(B, 1, T, T) bool: the causal pairs (query i, key j <= i) of real tokens, for scores (B, H, T, T)."""
+    batch, _, length, _ = scores.shape
+    keep = torch.ones(length, length, dtype=torch.bool, device=scores.device).tril().expand(batch, 1, length, length)
+    if attention_mask is not None:
+        real = attention_mask.to(device=scores.device, dtype=torch.bool)
+        keep = keep & real[:, None, None, :] & real[:, None, :, None]
+    return keep
+
+
+def attention_logits(model: nn.Module, attention_mask: torch.Tensor | None = None, **inputs) -> list[torch.Tensor]:
+    """Every layer's pre-softmax attention logits, centred per query row, from the probabilities the model returns
+    with ``output_attentions=True`` (a public output of every variant; it applies the model's own q/k
+    normalisation, logit scales and MLR level averaging).
+
+    ``log p_ij = s_ij - logsumexp_j s_ij``, so centring ``log p`` over the keys a query attends to gives ``s_ij``
+    minus its row mean: the logits up to the per-row shift softmax ignores. Runs on a float64 copy in eval mode (so
+    that probabilities of logits far below the row maximum do not underflow). The model must be causal (the GPT-2
+    family; the ICL model included). ``inputs``: what the model's forward takes (``input_ids``, or ``xs`` and
+    ``ys``); ``attention_mask`` (B, T) keep-mask, optional.
+
+    Returns one tensor (B, H, T, T) per layer, 0 at the masked pairs and in rows of padding queries.
+    """
+    probe = copy.deepcopy(model).to(torch.float64).eval()
+    inputs = {name: value.to(torch.float64) if torch.is_tensor(value) and value.is_floating_point() else value
+              for name, value in inputs.items()}
+    if attention_mask is not None:
+        inputs["attention_mask"] = attention_mask
+    with torch.no_grad():
+        probabilities = probe(**inputs, output_attentions=True).attentions
+    if not probabilities:
+        raise ValueError(f"attention_logits: {type(model).__name__} returned no attention probabilities")
+    keep = _attended_pairs(probabilities[0], attention_mask)
+    counts = keep.sum(-1, keepdim=True).clamp_min(1)
+    logits = []
+    for layer, layer_probabilities in enumerate(probabilities):
+        if (layer_probabilities[keep.expand_as(layer_probabilities)] == 0).any():
+            raise ValueError(f"attention_logits: layer {layer} has attended probabilities that underflow float64 "
+                             f"(a logit spread beyond ~700)")
+        log_probabilities = torch.where(keep, layer_probabilities.log(), 0.0)
+        centred = log_probabilities - log_probabilities.sum(-1, keepdim=True) / counts
+        logits.append(torch.where(keep, centred, 0.0))
+    return logits
+
+
+def attention_logit_rms(model: nn.Module, attention_mask: torch.Tensor | None = None, **inputs) -> torch.Tensor:
+    """RMS of each layer's row-centred attention logits (:func:`attention_logits`) over batch, heads and the
+    attended pairs of query rows with at least two keys (a single key has no spread). Returns (n_layer,)."""
+    logits = attention_logits(model, attention_mask=attention_mask, **inputs)
+    keep = _attended_pairs(logits[0], attention_mask)
+    keep = keep & (keep.sum(-1, keepdim=True) >= 2)
+    return torch.stack([layer[keep.expand_as(layer)].pow(2).mean().sqrt() for layer in logits])

@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from hf_structattn import StructAttnGPT2Config, StructAttnGPT2LMHeadModel
-from hf_structattn.mup import mup_config_overrides, mup_init_, mup_param_groups, mup_rules
+from hf_structattn.mup import (attention_logit_rms, attention_logits, mup_config_overrides, mup_init_,
+                               mup_param_groups, mup_rules)
 
 
 def _model(width, attention="mlr", tie=False):
@@ -35,6 +36,16 @@ def test_bilinear_levels_get_their_own_fan_in():
     multipliers = _multipliers(_model(64, "bilinear_mlr"), 64)
     # level l has fan-in D / 2^(l-1): finer levels learn faster
     assert [multipliers[f"transformer.h.0.attn.q_proj.weights.{level}"] for level in range(4)] == [1.0, 2.0, 4.0, 8.0]
+
+
+def test_btt_key_factor_learns_at_its_fan_in_d_as_in_the_authors_code():
+    # factors (a, b, c, d) = (8, 8, 4, 16): the key factor R reads d = 16 features (init N(0, 1/d)); the paper's
+    # App. E text gives it eta_base * D1 / a (a = 8), the authors' code 768 / d; we follow the fan-in rule
+    config = StructAttnGPT2Config(vocab_size=50, n_positions=32, n_embd=64, n_head=4, n_layer=1,
+                                  attention="bilinear_btt", btt_factors=[8, 8, 4, 16], **mup_config_overrides())
+    multipliers = _multipliers(StructAttnGPT2LMHeadModel(config), 64)
+    assert multipliers["transformer.h.0.attn.k_proj.weight_r"] == 64 / 16  # not 64 / 8
+    assert multipliers["transformer.h.0.attn.k_proj.weight_l"] == 64 / 4  # L reads c * s = 4
 
 
 def test_mup_init_zeroes_outputs_and_scales_hidden():
@@ -146,3 +157,116 @@ def test_coordinate_check_activation_scale_is_flat_across_width(variant):
     if variant == "dense":
         standard = torch.stack([_activation_scales(variant, width, mup=False) for width in (64, 512)])
         assert standard[1, 0] / standard[0, 0] > 8, standard
+
+
+def _logits_from_c_attn(model, ids):
+    """First-layer logits of a dense or MLR GPT-2 layer without q/k normalisation, from the public pieces: q and k
+    from ``attn.c_attn`` (GPT-2's fused q|k|v projection of ``ln_1``'s output), heads as contiguous slices of
+    ``n_embd``, and the scale and MLR level structure from the config's fields. Returns (B, H, T, T) raw logits."""
+    config, block = model.config, model.transformer.h[0]
+    hidden = model(input_ids=ids, output_hidden_states=True).hidden_states[0]
+    query, key, _ = block.attn.c_attn(block.ln_1(hidden)).split(config.n_embd, dim=-1)
+    batch, length, _ = query.shape
+    heads, head_dim = config.n_head, config.n_embd // config.n_head
+    query, key = (t.view(batch, length, heads, head_dim).transpose(1, 2) for t in (query, key))
+    if config.attention == "dense":
+        scale = head_dim ** -0.5 if config.dense_scaling == "standard" else (
+            1 / head_dim if config.dense_scaling == "mup" else config.dense_scaling)
+        return query @ key.transpose(-1, -2) * scale
+    positions = torch.arange(length)
+    logits, shared = 0.0, 0
+    starts = [0] + list(torch.tensor(config.mlr_ranks).cumsum(0)[:-1])
+    for level, (start, rank) in enumerate(zip(starts, config.mlr_ranks)):
+        block_size = length if level == 0 else config.mlr_block_sizes[level - 1]
+        same_block = (positions[:, None] // block_size) == (positions[None, :] // block_size)
+        scale = head_dim ** -0.5 if config.mlr_scaling == "standard" else 1 / rank
+        part = query[..., start:start + rank] @ key[..., start:start + rank].transpose(-1, -2) * scale
+        logits = logits + part * same_block
+        shared = shared + same_block.to(part.dtype)
+    return logits / shared if config.mlr_average_levels else logits
+
+
+@pytest.mark.parametrize("fields", [
+    dict(attention="dense"), dict(attention="dense", dense_scaling="mup"), dict(attention="dense", dense_scaling=0.3),
+    dict(attention="mlr", mlr_ranks=[4, 2, 1, 1], mlr_block_sizes=[8, 4, 2], mlr_average_levels=True),
+    dict(attention="mlr", mlr_ranks=[4, 2, 1, 1], mlr_block_sizes=[8, 4, 2], mlr_scaling="mup")])
+def test_attention_logits_are_the_c_attn_scores_centred_per_query(fields):
+    # the logits the coordinate check measures (read back from output_attentions) are the model's scores: q . k
+    # from c_attn, scaled and (MLR) summed over the levels a pair shares, up to each query row's mean
+    torch.manual_seed(0)
+    config = StructAttnGPT2Config(vocab_size=50, n_positions=16, n_embd=32, n_head=4, n_layer=2, **fields)
+    model = StructAttnGPT2LMHeadModel(config).double().eval()
+    ids = torch.randint(0, 50, (3, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = _logits_from_c_attn(model, ids)
+    causal = torch.ones(16, 16, dtype=torch.bool).tril()
+    expected = expected.masked_fill(~causal, 0.0)
+    expected = torch.where(causal, expected - expected.sum(-1, keepdim=True) / causal.sum(-1, keepdim=True), 0.0)
+    measured = attention_logits(model, input_ids=ids)[0]
+    torch.testing.assert_close(measured, expected, rtol=1e-10, atol=1e-10)
+    rows = causal.sum(-1) >= 2  # the first query has a single key: no spread
+    keep = (causal & rows[:, None]).expand_as(expected)
+    torch.testing.assert_close(attention_logit_rms(model, input_ids=ids)[0], expected[keep].pow(2).mean().sqrt(),
+                               rtol=1e-12, atol=0)
+
+
+def test_attention_logits_leave_out_padding():
+    # right padding: the real part of a padded row has the logits of that row's prefix alone
+    torch.manual_seed(0)
+    config = StructAttnGPT2Config(vocab_size=50, n_positions=16, n_embd=32, n_head=4, n_layer=1, attention="mlr",
+                                  mlr_ranks=[4, 2, 1, 1], mlr_block_sizes=[8, 4, 2])
+    model = StructAttnGPT2LMHeadModel(config).double().eval()
+    ids = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[1, 11:] = 0
+    padded = attention_logits(model, attention_mask=mask, input_ids=ids)[0]
+    alone = attention_logits(model, input_ids=ids[1:, :11])[0]
+    torch.testing.assert_close(padded[1, :, :11, :11], alone[0], rtol=1e-10, atol=1e-10)
+    assert padded[1, :, 11:].abs().max() == 0 and padded[1, :, :, 11:].abs().max() == 0
+
+
+LOGIT_WIDTHS = (64, 128, 256, 512)
+
+
+def _first_layer_logit_scale(variant, width, logit_scaling, steps=6, lr=3e-2, heads=2):
+    """RMS of the first layer's attention logits after ``steps`` muP AdamW steps on one fixed batch, with a fixed
+    number of heads (so the head dim r = width / heads grows with the width) and muP everywhere except, with
+    ``logit_scaling="standard"``, the logit scales (1/sqrt(r) dense and MLR, 1/sqrt(width) bilinear)."""
+    rank = width // heads
+    structure = {"dense": {}, "bilinear_btt": {}, "mlr": dict(mlr_ranks=[rank // 2, rank // 4, rank // 8, rank // 8]),
+                 "bilinear_mlr": dict(bilinear_mlr_ranks=[rank // 2, rank // 4, rank // 8, rank // 8])}[variant]
+    torch.manual_seed(0)
+    fields = dict(vocab_size=64, n_positions=16, n_embd=width, n_head=heads, n_layer=2, attention=variant,
+                  qk_layernorm=True, qk_norm="rms", resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0,
+                  eos_token_id=0, **structure, **mup_config_overrides())
+    if logit_scaling == "standard":
+        fields.update(dense_scaling="standard", mlr_scaling="standard", bilinear_scaling="standard")
+    model = StructAttnGPT2LMHeadModel(StructAttnGPT2Config(**fields))
+    mup_init_(model)
+    optimizer = torch.optim.AdamW(mup_param_groups(model, lr, base_width=64), betas=(0.9, 0.95), weight_decay=0.0)
+    ids = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(1))
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=ids).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return float(attention_logit_rms(model, input_ids=ids)[0])
+
+
+LOGIT_SPREAD_LIMIT = 1.5
+
+
+@pytest.mark.parametrize("variant", list(COORD_VARIANTS))
+def test_coordinate_check_attention_logits_are_flat_across_width_under_mup(variant):
+    # muP's 1/r (1/r_l per MLR level, 1/width bilinear) keeps the logits Theta(1) as the head dim grows 8x
+    # (measured spread 1.04-1.21 over widths 64..512)
+    scales = torch.tensor([_first_layer_logit_scale(variant, width, "mup") for width in LOGIT_WIDTHS])
+    assert scales.max() / scales.min() < LOGIT_SPREAD_LIMIT, (variant, scales)
+
+
+@pytest.mark.parametrize("variant", list(COORD_VARIANTS))
+def test_coordinate_check_attention_logits_fail_with_inverse_sqrt_scaling(variant):
+    # the same check with 1/sqrt(r) logits and muP everything else: the logits grow with the head dim once training
+    # correlates q and k (measured 1.9-2.3x from width 64 to 512), which the activation check above cannot see
+    narrow, wide = (_first_layer_logit_scale(variant, width, "standard") for width in (64, 512))
+    assert wide / narrow > LOGIT_SPREAD_LIMIT, (variant, narrow, wide)

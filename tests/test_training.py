@@ -1,4 +1,6 @@
-"""Training features: gradient checkpointing, bf16 autocast, transformers.Trainer, torch.compile."""
+"""Training features: activation (gradient) checkpointing, bf16 autocast, transformers.Trainer, torch.compile."""
+
+import warnings
 
 import pytest
 import torch
@@ -22,8 +24,10 @@ def test_gradient_checkpointing_gives_the_same_gradients(variant):
     model = tiny_lm(variant).double().train()  # float64: recomputation must give the same gradients exactly
     ids = torch.randint(2, 61, (2, 48))
     loss, grads = _loss_and_grads(model, ids)
-    model.gradient_checkpointing_enable()
-    assert model.is_gradient_checkpointing
+    with warnings.catch_warnings():  # transformers 5.24 deprecates gradient_checkpointing_enable (FutureWarning)
+        warnings.simplefilter("error", FutureWarning)
+        model.activation_checkpointing_enable()
+        assert model.is_activation_checkpointing
     loss_ckpt, grads_ckpt = _loss_and_grads(model, ids)
     torch.testing.assert_close(loss_ckpt, loss)
     assert grads.keys() == grads_ckpt.keys()
