@@ -153,7 +153,7 @@ def _attended_pairs(scores: torch.Tensor, attention_mask: torch.Tensor | None) -
 
 def attention_logits(model: nn.Module, attention_mask: torch.Tensor | None = None, **inputs) -> list[torch.Tensor]:
     """Every layer's pre-softmax attention logits, centred per query row, from the probabilities the model returns
-    with ``output_attentions=True`` (a public output of every variant; it applies the model's own q/k
+    with ``output_attentions=True`` and eager attention (a public output of every variant; it applies the model's own q/k
     normalisation, logit scales and MLR level averaging).
 
     ``log p_ij = s_ij - logsumexp_j s_ij``, so centring ``log p`` over the keys a query attends to gives ``s_ij``
@@ -165,6 +165,7 @@ def attention_logits(model: nn.Module, attention_mask: torch.Tensor | None = Non
     Returns one tensor (B, H, T, T) per layer, 0 at the masked pairs and in rows of padding queries.
     """
     probe = copy.deepcopy(model).to(torch.float64).eval()
+    probe.set_attn_implementation("eager")  # as in transformers, only eager attention returns probabilities
     inputs = {name: value.to(torch.float64) if torch.is_tensor(value) and value.is_floating_point() else value
               for name, value in inputs.items()}
     if attention_mask is not None:

@@ -374,34 +374,6 @@ def test_save_and_load_with_remote_code_without_the_plugin(tmp_path):
         assert float(result["stock_dense_diff"]) > 1e-6
 
 
-def test_finetune_patched_recipe_reports_drift_and_recovers(tmp_path):
-    from hf_structattn.training.decoder_ft import main
-
-    out = tmp_path / "run"
-    metrics = main(["--output_dir", str(out), "--pretrain_steps", "30", "--max_steps", "30", "--seq_len", "64",
-                    "--per_device_batch_size", "4", "--eval_windows", "8", "--max_train_bytes", "200000",
-                    "--mlr_ranks", "8", "8", "16", "--mlr_block_sizes", "16", "4", "--sample_new_tokens", "8",
-                    "--learning_rate", "3e-3"])
-    assert metrics["drift"]["logit_max_abs"] > 1e-3 and metrics["loss_gap_before"] != 0.0
-    assert metrics["loss_patched_after"] < metrics["loss_patched_before"]
-    saved = out / "model"
-    assert {"structattn_decoder.py", "config.json", "model.safetensors", "metrics.json", "tokenizer.json"} <= {
-        path.name for path in saved.iterdir()}
-    source = transformers.AutoModelForCausalLM.from_pretrained(out / "source")
-    assert type(source) is transformers.LlamaForCausalLM
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(saved)
-    assert type(reloaded).__name__ == "MLRLlamaForCausalLM" and reloaded.config.mlr_block_sizes == [16, 4]
-    for folder in (saved, out / "source"):  # the saved tokenizers know the model's context, not a default
-        tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
-        assert tokenizer_config["model_max_length"] == reloaded.config.max_position_embeddings == 4096
-    with pytest.raises(ValueError, match="--seq_len"):
-        main(["--output_dir", str(tmp_path / "bad"), "--seq_len", "0"])
-    with pytest.raises(ValueError, match="--overwrite_output_dir"):
-        main(["--output_dir", str(out), "--max_steps", "1"])
-
-
-# logits are ~1.5 here; the stock Llama's own error against float64 is 6e-7 (float32) and 0.011 (bfloat16, eps 2^-8)
-@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 0.05)])
 def test_lower_precision_matches_float64(dtype, tolerance):
     _, mlr = patched("llama")
     ids = torch.randint(1, VOCAB, (2, 37))
