@@ -397,7 +397,7 @@ def _gpt2_layer_geometry(config: Any, variant: str) -> dict:
 
 
 def _gpt2_layers(config: Any) -> list[tuple[str, dict]]:
-    """(variant, geometry) of every layer, following ``attention_layers`` (e.g. global + SWA stacks) when set."""
+    """(variant, geometry) of every layer, following ``layer_types`` (e.g. global + SWA stacks)."""
     variants = [config.layer_attention(layer) for layer in range(config.n_layer)]
     return [(variant, _gpt2_layer_geometry(config, variant)) for variant in variants]
 
@@ -407,7 +407,7 @@ def nonembedding_matmul_params(config: Any) -> int:
 
     Per layer: q/k projections (dense/mlr/swa ``2 D^2``; bilinear_mlr ``2 D H sum_l r_l``; bilinear_btt
     ``H (c d b s + b a c s)``, the query being x itself), value and output projections ``2 D^2``, MLP
-    ``2 D n_inner`` (``n_inner`` defaults to 4D). Mixed stacks (``attention_layers``) are counted layer by layer.
+    ``2 D n_inner`` (``n_inner`` defaults to 4D). Mixed stacks (``layer_types``) are counted layer by layer.
     Biases and LayerNorms are left out: they carry no MACs, and every counted entry costs exactly one MAC per
     token, so the forward cost of these matmuls is ``2 x`` this.
     """
@@ -428,7 +428,7 @@ def flops_per_token(config: Any, seq_len: int, *, causal: bool = True, training:
     :func:`nonembedding_matmul_params` (q/k projections of structured variants included there, so they are not
     counted twice), and the attention terms are the causal (by default) per-head counts averaged over the T
     positions. Embedding lookups and the LM head are excluded, as in the usual 6N estimate. MLR block sizes
-    come from the config (its training length), not from ``seq_len``. Mixed stacks (``attention_layers``) are
+    come from the config (its training length), not from ``seq_len``. Mixed stacks (``layer_types``) are
     counted layer by layer.
     """
     check_int("seq_len", seq_len)
@@ -519,7 +519,7 @@ def attention_cost_report(config: Any, *, causal: bool = True, dtype_bytes: Any 
     """Attention FLOPs and cache bytes of a ``StructAttnGPT2Config`` model, whole model, against the same model
     with dense attention.
 
-    Counts every layer as built: ``attention`` or the per-layer ``attention_layers`` (the report's ``variant``
+    Counts every layer as built: its ``layer_types`` entry (the report's ``variant``
     then lists them; ``key_width``/``value_dim`` stay those of ``attention``), MLR blocks from
     ``mlr_block_sizes`` or the dyadic defaults of ``n_positions``, BTT factors from ``btt_factors`` or the
     balanced split of :func:`default_btt_factors`. ``context_len`` defaults to n_positions.

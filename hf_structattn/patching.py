@@ -28,6 +28,8 @@ Level split of pretrained q/k (``init``):
 """
 
 import copy
+import difflib
+import inspect
 import math
 from typing import NamedTuple, Optional, Sequence
 
@@ -89,6 +91,14 @@ def _kind_and_model(obj):
     return kind, model
 
 
+def check_keywords(given, known, kind: str) -> None:
+    """One-line error for a keyword ``patch`` does not take for this kind of model, with the closest known one."""
+    for name in sorted(set(given) - set(known)):
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise ValueError(f"patch: unknown keyword {name!r} for {kind}{hint}; known: {', '.join(sorted(known))}")
+
+
 def _structattn_fields(attention: str, targets: Sequence[str], variant_fields: dict) -> dict:
     if attention not in PATCH_ATTENTIONS:
         raise ValueError(f"attention={attention!r}: patch supports {PATCH_ATTENTIONS} (the bilinear variants replace "
@@ -100,9 +110,7 @@ def _structattn_fields(attention: str, targets: Sequence[str], variant_fields: d
     for target in targets:
         if target not in PATCH_TARGETS:
             raise ValueError(f"targets: {target!r} is not one of {PATCH_TARGETS}")
-    unknown = set(variant_fields) - set(T5_STRUCTATTN_FIELDS)
-    if unknown:
-        raise ValueError(f"unknown structured-attention field(s) {sorted(unknown)}; known: {T5_STRUCTATTN_FIELDS}")
+    check_keywords(variant_fields, T5_STRUCTATTN_FIELDS, "T5 / Chronos models")
     fields = {T5_ATTENTION_ROLES[target]: attention for target in targets}
     fields.update(variant_fields)
     return fields
@@ -270,6 +278,9 @@ def patch(obj, attention: str = "mlr", targets: Sequence[str] = ("encoder_self",
     if is_patchable_decoder(obj):  # Llama, Qwen, Mistral, Gemma, Phi-3, GPT-2, ...: docs/patching.md
         if mlr_block_steps is not None:
             raise ValueError(_NO_TIME_AXIS)
+        decoder_keywords = [name for name in inspect.signature(patch_decoder).parameters
+                            if name not in ("model", "attention", "init")]
+        check_keywords(variant_fields, decoder_keywords, f"decoders ({type(obj).__name__})")
         return patch_decoder(obj, attention, init=init, **variant_fields)
     if init not in INITS:
         raise ValueError(f"init={init!r} is not one of {INITS}")

@@ -209,3 +209,33 @@ def test_fused_attention_masks_are_finite_in_low_precision(dtype):
     torch.testing.assert_close(low.float(), exact, **_low_precision_tolerance(dtype, exact))
     ref = dense_attention_reference(q, k, v, scale=0.25, attention_mask=torch.ones(2, 12, dtype=torch.bool))
     torch.testing.assert_close(ref.float(), exact, **_low_precision_tolerance(dtype, exact))
+
+
+@pytest.mark.parametrize("implementation", ["fused", "math", "reference"])
+def test_uniform_left_padding_at_negative_positions(implementation):
+    """Every row left-padded by the same amount, positions counted over real tokens (padding at negative
+    positions, or any value): each path equals the rows without their padding, and agrees with the reference."""
+    generator = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(2, 3, 20, 8, generator=generator, dtype=torch.float64) for _ in range(3))
+    valid = torch.ones(2, 20, dtype=torch.bool)
+    valid[:, :4] = False
+    positions = torch.arange(20).expand(2, 20) - 4  # -4 .. 15: the padding sits at negative positions
+    kwargs = dict(ranks=[4, 2, 1, 1], block_sizes=[8, 4, 2], scales=[0.5] * 4, causal=True)
+    out = mlr_attention(q, k, v, positions=positions, attention_mask=valid, implementation=implementation, **kwargs)
+    alone = mlr_attention(q[:, :, 4:], k[:, :, 4:], v[:, :, 4:], implementation=implementation, **kwargs)
+    torch.testing.assert_close(out[:, :, 4:], alone, atol=1e-12, rtol=1e-12)
+    with pytest.raises(ValueError, match="non-negative"):
+        mlr_attention(q, k, v, positions=positions, implementation=implementation, **kwargs)  # real, negative
+
+
+def test_scales_as_tensors():
+    generator = torch.Generator().manual_seed(12)
+    q, k, v = (torch.randn(1, 2, 10, 8, generator=generator, dtype=torch.float64) for _ in range(3))
+    kwargs = dict(ranks=[4, 2, 2], block_sizes=[4, 2])
+    expected = mlr_attention(q, k, v, scales=0.5, **kwargs)
+    torch.testing.assert_close(mlr_attention(q, k, v, scales=torch.tensor(0.5), **kwargs), expected)
+    torch.testing.assert_close(mlr_attention(q, k, v, scales=torch.tensor([0.5, 0.5, 0.5]), **kwargs), expected)
+    with pytest.raises(ValueError, match="scales must be a number or one number per level"):
+        mlr_attention(q, k, v, scales=torch.ones(3, 1), **kwargs)
+    with pytest.raises(ValueError, match="finite number > 0"):
+        mlr_attention(q, k, v, scales=torch.tensor(-1.0), **kwargs)

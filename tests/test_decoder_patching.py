@@ -374,6 +374,8 @@ def test_save_and_load_with_remote_code_without_the_plugin(tmp_path):
         assert float(result["stock_dense_diff"]) > 1e-6
 
 
+# logits are ~1.5 here; the stock Llama's own error against float64 is 6e-7 (float32) and 0.011 (bfloat16, eps 2^-8)
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 0.05)])
 def test_lower_precision_matches_float64(dtype, tolerance):
     _, mlr = patched("llama")
     ids = torch.randint(1, VOCAB, (2, 37))
@@ -426,3 +428,80 @@ def test_saving_over_a_stock_card_puts_the_warning_on_top_and_keeps_its_text(tmp
         assert card.count("---\n") == 2 and "license: apache-2.0" in card  # one front matter, the stock one
     mlr.save_pretrained(tmp_path)  # saving again does not stack a second warning
     assert (tmp_path / "README.md").read_text() == card
+
+
+def test_patch_keywords_and_scales_are_checked_before_anything_is_built():
+    model = tiny_decoder("llama")
+    with pytest.raises(ValueError, match="unknown keyword 'mlr_rnaks'.*did you mean mlr_ranks"):
+        hf_structattn.patch(model, mlr_rnaks=RANKS, mlr_block_sizes=BLOCKS)
+    with pytest.raises(ValueError, match="mlr_level_scales.*finite number > 0"):
+        hf_structattn.patch(model, mlr_ranks=RANKS, mlr_block_sizes=BLOCKS, mlr_level_scales=[-1, 1, 1])
+    from hf_structattn import StructAttnT5Config, StructAttnT5ForConditionalGeneration
+
+    t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=50, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4, decoder_start_token_id=0))
+    with pytest.raises(ValueError, match="unknown keyword 'mlr_rank'.*did you mean mlr_ranks"):
+        hf_structattn.patch(t5, mlr_rank=[4, 4], mlr_block_sizes=[8])
+
+
+def test_patch_works_on_the_meta_device():
+    """A model initialised on the meta device (init-empty loading of a big checkpoint) patches without touching data;
+    filling it with the stock weights afterwards gives the model patched from real weights."""
+    real = tiny_decoder("llama")
+    with torch.device("meta"):
+        empty = transformers.LlamaForCausalLM(real.config)
+    patched_empty = hf_structattn.patch(empty, mlr_ranks=RANKS, mlr_block_sizes=BLOCKS)
+    assert all(param.is_meta for param in patched_empty.parameters())
+    patched_empty = patched_empty.to_empty(device="cpu").double()
+    patched_empty.load_state_dict(real.state_dict())
+    for name, buffer in real.named_buffers():  # the non-persistent RoPE frequencies
+        owner, _, attribute = name.rpartition(".")
+        setattr(patched_empty.get_submodule(owner), attribute, buffer.clone())
+    reference = hf_structattn.patch(real, mlr_ranks=RANKS, mlr_block_sizes=BLOCKS)
+    assert patched_empty.config.mlr_dim_order == reference.config.mlr_dim_order
+    ids = torch.randint(1, VOCAB, (2, 20))
+    torch.testing.assert_close(patched_empty(ids).logits, reference(ids).logits, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_forward_and_backward(dtype):
+    """Under autocast RoPE gives float32 q/k next to a half-precision v; MLR computes in the autocast dtype as SDPA
+    does (plain torch.autocast; accelerate's mixed_precision uses the same context)."""
+    _, mlr = patched("llama")
+    mlr = mlr.float().train()
+    ids = torch.randint(1, VOCAB, (2, 20))
+    with torch.autocast("cpu", dtype=dtype):
+        out = mlr(ids, labels=ids, use_cache=False)
+    out.loss.backward()
+    assert torch.isfinite(out.loss) and all(torch.isfinite(p.grad).all() for p in mlr.parameters() if p.grad is not None)
+    reference = mlr(ids, labels=ids, use_cache=False).loss
+    assert abs(float(out.loss) - float(reference)) < 0.05 * abs(float(reference))
+    mlr.eval()
+    with torch.autocast("cpu", dtype=dtype):
+        generated = mlr.generate(ids[:, :8], max_new_tokens=6, do_sample=False)
+    assert generated.shape == (2, 14)
+
+
+def test_every_tested_architecture_reloads_bare_generates_and_saves(tmp_path):
+    """Reloaded with trust_remote_code where hf_structattn cannot be imported (transformers builds its own subclass
+    of a remote class), every tested architecture generates without a cache and saves again (a class found twice in
+    the MRO made Phi-3 recurse forever)."""
+    from test_remote_code import run_isolated
+
+    paths = []
+    for arch in ARCHS:
+        _, mlr = patched(arch)
+        mlr.save_pretrained(tmp_path / arch)
+        paths.append(str(tmp_path / arch))
+    out = run_isolated(f"""
+        import torch, transformers
+        for path in {paths!r}:
+            model = transformers.AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)
+            ids = torch.randint(3, 61, (1, 9))
+            tokens = model.generate(ids, max_new_tokens=3, do_sample=False, use_cache=False)
+            cached = model.generate(ids, max_new_tokens=3, do_sample=False)
+            model.save_pretrained(path + "-again")
+            print(path.rsplit("/", 1)[-1], "ok", torch.equal(tokens, cached))
+    """, tmp_path)
+    for arch in ARCHS:
+        assert f"{arch} ok True" in out, out[-3000:]

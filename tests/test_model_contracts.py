@@ -402,3 +402,75 @@ def test_configs_changed_after_construction_cannot_be_saved_invalid(tmp_path):
     with pytest.raises(Exception, match=r"mlr_block_sizes=\[4, 8\] are not nested"):
         t5_config.save_pretrained(tmp_path / "t5")
     assert not (tmp_path / "t5" / "config.json").exists()
+
+
+# ------------------------------------------------------------------------------ stock GPT-2 / T5 behaviour (issue 20)
+
+
+def test_gpt2_accepts_past_key_values_as_transformers_gpt2_does():
+    """``past_key_values=`` is transformers 5.24's deprecated name of ``cache``: mapped, with its warning, never
+    dropped into **kwargs (the cached logits would silently ignore the cache)."""
+    model = tiny_lm("mlr").double()
+    ids = _ids(2, 20)
+    full = model(ids, use_cache=False).logits
+    cache = model(ids[:, :12]).cache
+    with pytest.warns(FutureWarning, match="past_key_values"):
+        rest = model(ids[:, 12:], past_key_values=cache).logits
+    torch.testing.assert_close(rest, full[:, 12:], **EXACT)
+
+
+@pytest.mark.parametrize("variant", ["dense", "mlr"])
+def test_gpt2_token_type_ids_are_embedded_as_in_transformers_gpt2(variant):
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=61, n_positions=64, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0)
+    stock = transformers.GPT2LMHeadModel(config).double().eval()
+    fields = dict(mlr_ranks=[16], mlr_block_sizes=[]) if variant == "mlr" else {}
+    ours = tiny_lm("dense" if variant == "dense" else "mlr", **fields).double()
+    ours.load_state_dict(stock.state_dict(), strict=False)
+    ids, types = _ids(2, 20), _ids(2, 20, seed=9) % 3
+    torch.testing.assert_close(ours(ids, token_type_ids=types).logits, stock(ids, token_type_ids=types).logits,
+                               **EXACT)
+    assert not torch.allclose(ours(ids, token_type_ids=types).logits, ours(ids).logits)
+    generated = ours.generate(ids[:, :8], token_type_ids=types[:, :8], max_new_tokens=4, do_sample=False)
+    assert torch.equal(generated, stock.generate(ids[:, :8], token_type_ids=types[:, :8], max_new_tokens=4,
+                                                 do_sample=False, pad_token_id=1))
+
+
+@pytest.mark.parametrize("variant", ["mlr", "mixed"])
+def test_gpt2_generate_with_every_row_padded_alike(variant):
+    """A batch whose rows are all left-padded by the same amount (positions from the mask: every real token is
+    offset by the same negative amount from its index) generates what each row generates alone."""
+    model = tiny_lm(variant).double()
+    ids = _ids(2, 12)
+    mask = torch.ones_like(ids)
+    mask[:, :3] = 0
+    batch = model.generate(ids, attention_mask=mask, max_new_tokens=10, min_new_tokens=10, do_sample=False)
+    for row in range(2):
+        alone = model.generate(ids[row:row + 1, 3:], max_new_tokens=10, min_new_tokens=10, do_sample=False)
+        assert torch.equal(batch[row, 3:], alone[0])
+
+
+def test_t5_with_one_left_padded_row_equals_the_row_alone():
+    model = tiny_t5(**MLR).double()
+    ids = _ids(1, 21, vocab=50)
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    decoder_ids = _ids(1, 9, seed=5, vocab=50)
+    padded = model(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids).logits
+    alone = model(input_ids=ids[:, 5:], decoder_input_ids=decoder_ids).logits
+    torch.testing.assert_close(padded, alone, **EXACT)
+    decoder_mask = torch.ones_like(decoder_ids)
+    decoder_mask[0, :2] = 0  # a decoder mask that starts with 0 (transformers' batching-equivalence test)
+    out = model(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids, decoder_attention_mask=decoder_mask)
+    assert torch.isfinite(out.logits).all()
+
+
+def test_gpt2_config_does_not_inherit_token_ids_outside_its_vocabulary(recwarn):
+    from hf_structattn import StructAttnGPT2Config
+
+    config = StructAttnGPT2Config(vocab_size=257, n_positions=64, n_embd=32, n_layer=2, n_head=2, attention="mlr",
+                                  mlr_ranks=[8, 4, 2, 2])
+    assert config.bos_token_id is None and config.eos_token_id is None
+    assert not [w for w in recwarn if "token_id" in str(w.message)]
+    assert StructAttnGPT2Config(n_layer=1).eos_token_id == 50256  # the full GPT-2 vocabulary keeps GPT-2's ids

@@ -366,3 +366,20 @@ def test_cli_patches_checkpoints_and_refuses_bad_arguments(tmp_path, capsys):
         assert not out.exists()
     assert main(["patch", str(tmp_path / "bert"), str(tmp_path / "bad_bert"), "--mlr-ranks", "4,4"]) == 2
     assert "model_type='bert'" in capsys.readouterr().err and not (tmp_path / "bad_bert").exists()
+
+
+def test_patched_chronos_forecasts_series_with_leading_nans(tmp_path):
+    """Leading NaNs are missing values that Chronos masks (every row padded alike when the batch is one series):
+    the patched Chronos-T5 and Chronos-Bolt forecast them as the series without the NaNs, as the stock pipelines
+    forecast them at all."""
+    series = contexts()[0]
+    gapped = torch.cat([torch.full((9,), float("nan")), series[9:]])
+    chronos_t5 = hf_structattn.patch(tiny_chronos_t5(tmp_path / "t5"), mlr_ranks=[4, 2, 2], mlr_block_steps=[16, 8])
+    bolt = ChronosBoltPipeline(hf_structattn.patch(tiny_bolt(tmp_path / "bolt").model, **MLR))
+    for pipe in (chronos_t5, bolt):
+        torch.manual_seed(0)
+        with_nans = pipe.predict([gapped], prediction_length=8)
+        torch.manual_seed(0)
+        trimmed = pipe.predict([series[9:]], prediction_length=8)
+        assert torch.isfinite(with_nans).all()
+        torch.testing.assert_close(with_nans, trimmed, atol=1e-5, rtol=1e-5)

@@ -265,6 +265,7 @@ def _reorder(query: torch.Tensor, key: Optional[torch.Tensor], geometry: MLRGeom
 
 def _uncached(module, query, key, value, geometry, scales, positions, valid, bias, causal, eager):
     """Uncached MLR (training, prefill, encoders): (B, Hq, T, r) queries, (B, Hk, T, r) keys in level order."""
+    key, value = key.to(query.dtype), value.to(query.dtype)  # a cache's pending keys may predate autocast's cast
     if torch.compiler.is_compiling() and not eager:
         # a compiled prefill: the materialised path traces without host reads or graph breaks (the fused kernel
         # runs eagerly and reads its inputs' positions on the host)
@@ -368,6 +369,11 @@ def _forward(module, query, key, value, attention_mask, scaling, dropout, eager,
     if geometry is None:
         return _dense_fallback(module, query, key, value, attention_mask, scaling, dropout, eager, kwargs)
     _check_kwargs(module, kwargs, dropout)
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):
+        # as SDPA under autocast: RoPE hands float32 q/k next to a half-precision v; compute in the autocast dtype
+        dtype = torch.get_autocast_dtype(device_type)
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     scales = geometry.scales(scaling)
     causal = bool(getattr(module, "is_causal", True))
     bias = kwargs.get("position_bias")

@@ -263,8 +263,8 @@ class MLRCacheLayerMixin:
         compiling = torch.compiler.is_compiling()
         if not compiling:
             self._check_contiguous(positions, valid)
-            if bool(valid.any()):
-                self._ensure_capacity(int(positions[valid].max()) - self.base + 1, key_states, value_states)
+            slots = int(positions[valid].max()) - self.base + 1 if bool(valid.any()) else 0
+            self._ensure_capacity(max(slots, self._view_length(key_states.shape[2])), key_states, value_states)
         slots = (positions - self.base).clamp(min=0, max=self._capacity() - 1)  # (B, c)
         if self.record_past:
             self._log_write(self._overwritten_fine(key_states, slots, valid), positions, valid)
@@ -490,7 +490,7 @@ class MLRKeyCacheLayer(MLRCacheLayerMixin, DynamicLayer):
                              "(cache_implementation='static') with torch.compile")
         real = positions[valid]
         needed = int(real.max()) - self.base + 1 if real.numel() else 1
-        return self._grown_capacity(needed)
+        return self._grown_capacity(max(needed, positions.shape[1]))
 
     def _grown_capacity(self, needed: int) -> int:
         if self._reserved is not None and self._reserved - self.base >= needed:
@@ -543,11 +543,17 @@ class MLRKeyCacheLayer(MLRCacheLayerMixin, DynamicLayer):
         self.cumulative_length -= tokens
         self._used = max(int(self.last_positions.max()) - self.base + 1, 0) if self.last_positions.numel() else 0
 
+    def _view_length(self, new_tokens: int = 0) -> int:
+        """Slots the returned views cover: every slot in use, and at least as many as tokens seen (padding
+        included), so that a consumer sizing a bias by the keys it gets (T5's relative bias) sees every token."""
+        return max(self._used, self.cumulative_length + new_tokens)
+
     def _refresh_views(self) -> None:
         if self._storage is None:
             return
-        self.keys = self._storage["keys"].narrow(2, 0, self._used)
-        self.values = self._storage["values"].narrow(2, 0, self._used)
+        length = self._view_length()
+        self.keys = self._storage["keys"].narrow(2, 0, length)
+        self.values = self._storage["values"].narrow(2, 0, length)
 
     def _drop_storage(self) -> None:
         self.keys = self.values = None
@@ -653,6 +659,9 @@ class MLRStaticKeyCacheLayer(MLRCacheLayerMixin, StaticLayer):
 
     def values_storage(self) -> torch.Tensor:
         return self.values
+
+    def _view_length(self, new_tokens: int = 0) -> int:
+        return self.max_cache_len
 
     def _held_slots(self) -> int:
         return self.max_cache_len

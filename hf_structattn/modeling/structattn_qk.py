@@ -1,6 +1,6 @@
 """Query/key producers of the attention variants, shared by the GPT-2 and T5 families.
 
-``StructuredQueryKey`` is the base class of ``StructAttnGPT2Attention`` and ``StructAttnT5Attention``. Its
+``StructuredQueryKey`` is the base class of ``StructAttnGPT2Attention`` and ``StructAttnT5BilinearAttention``. Its
 ``build_query_key`` creates the q/k parameters of a variant *on the attention module itself*, so their state-dict
 names are the attention's own (``q_proj.weights.{l}``, ``k_proj.weight_r``, ``q_norms.{l}``, ``q_norm`` ...) and
 saved checkpoints and the T5 patcher's adopted ``q, k, v, o`` keep their names; its ``query_key`` returns the

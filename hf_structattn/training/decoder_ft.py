@@ -309,18 +309,19 @@ def patched_flops_per_token(model, seq_len: int) -> float:
     from their ranks and blocks, the others dense at full head dim)."""
     from ..decoder_patching import head_dim_of
     from ..flops import pv_macs, score_macs
-    from ..modeling.structattn_decoder import is_mlr_layer, layer_ranks
+    from ..modeling.structattn_decoder import decoder_geometry, mlr_layer_indices
 
     config = model.config
     head = model.get_output_embeddings()
     params = sum(module.weight.numel() for module in model.modules()
                  if isinstance(module, torch.nn.Linear) and module is not head)
     head_dim = head_dim_of(config)
-    ranks, blocks = layer_ranks(config)
+    mlr = decoder_geometry(config)
+    mlr_layers = set(mlr_layer_indices(config))
     macs = 0
     for layer in range(config.num_hidden_layers):
-        geometry = (dict(variant="mlr", ranks=ranks, block_sizes=blocks) if is_mlr_layer(config, layer)
-                    else dict(variant="dense", head_dim=head_dim))
+        geometry = (dict(variant="mlr", ranks=list(mlr.ranks), block_sizes=list(mlr.block_sizes))
+                    if layer in mlr_layers else dict(variant="dense", head_dim=head_dim))
         variant = geometry.pop("variant")
         macs += score_macs(variant, seq_len, causal=True, **geometry) + pv_macs(variant, seq_len, causal=True,
                                                                                  **geometry)
