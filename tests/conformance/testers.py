@@ -7,6 +7,7 @@ the config only: the hf_structattn config class and its attention fields, or a s
 ``test_modeling_common.py`` / ``test_configuration_common.py`` (``upstream.py``).
 """
 
+import contextlib
 import inspect
 import os
 
@@ -25,10 +26,12 @@ ConfigTester = module("test_configuration_common").ConfigTester
 DEVICE = "cpu"
 
 
-def register_auto_classes_with_name_mappings():
+@contextlib.contextmanager
+def auto_registrations_in_name_tables():
     """transformers' mixin decides what a class is (a base model, a causal LM that takes ``labels``, ...) from the
-    name tables ``MODEL_*_MAPPING_NAMES``; a plugin registers with the Auto classes instead. Copy every Auto
-    registration into the matching name table, so that our classes are treated as the stock class they stand for."""
+    name tables ``MODEL_*_MAPPING_NAMES``; a plugin registers with the Auto classes instead. While active, every Auto
+    registration is also in the matching name table, so that our classes are treated as the stock class they stand
+    for; the tables are restored afterwards (they are transformers' globals, shared with the rest of the session)."""
     from transformers.models.auto import modeling_auto
 
     pairs = {
@@ -37,14 +40,18 @@ def register_auto_classes_with_name_mappings():
         "AutoModelForSeq2SeqLM": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
         "AutoModelForTextEncoding": "MODEL_FOR_TEXT_ENCODING_MAPPING_NAMES",
     }
+    added = []
     for auto_name, table_name in pairs.items():
-        auto_class = getattr(transformers, auto_name)
         table = getattr(modeling_auto, table_name)
-        for config_class, model_class in auto_class._model_mapping._extra_content.items():
-            table.setdefault(config_class.model_type, model_class.__name__)
-
-
-register_auto_classes_with_name_mappings()
+        for config_class, model_class in getattr(transformers, auto_name)._model_mapping._extra_content.items():
+            if config_class.model_type not in table:
+                table[config_class.model_type] = model_class.__name__
+                added.append((table, config_class.model_type))
+    try:
+        yield
+    finally:
+        for table, key in added:
+            table.pop(key, None)
 
 
 # ----------------------------------------------------------------------------------------------- decoder-only
