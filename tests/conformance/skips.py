@@ -10,7 +10,7 @@ import functools
 import unittest
 
 SKIPS = {
-    "t5": {
+    "t5": {  # the encoder-decoder classes
         "test_model_base_model_prefix": (
             "T5ForConditionalGeneration has no base-model submodule: its encoder and decoder sit directly on the "
             "head model, so model.base_model is the model itself (stock T5 fails the same way)"),
@@ -40,8 +40,8 @@ def apply_skips(*families: str):
 
     def decorate(cls):
         for name in dir(cls):
-            if not name.startswith("test_"):
-                continue
+            if not name.startswith("test_") or not callable(getattr(cls, name)):
+                continue  # parameterized.expand leaves the unexpanded name set to None
             listed = next((key for key in reasons if name == key or name.startswith(key + "_")), None)
             if listed is None:
                 continue

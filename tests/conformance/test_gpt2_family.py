@@ -7,6 +7,7 @@ One variant: ``python -m pytest tests/conformance/test_gpt2_family.py -k MLR``."
 import unittest
 
 import pytest
+import torch
 import transformers
 
 import hf_structattn
@@ -22,9 +23,42 @@ CLASSES = (hf_structattn.StructAttnGPT2Model, hf_structattn.StructAttnGPT2LMHead
 GPT2_CONFIG_TESTER_KWARGS = {"n_embd": 37, "n_head": 1}
 
 
+class GPT2TokenTypeIdsTests:
+    """GPT-2 takes ``token_type_ids`` (embedded with the token embedding): transformers' GPT-2 integration test
+    checks that they change the output; here on the tiny tester model, in forward and in generate."""
+
+    def test_token_type_ids_change_the_output(self):
+        config, inputs = self.model_tester.prepare_config_and_inputs_for_common()
+        if "token_type_ids" not in inputs:
+            self.skipTest(reason="CONFORMANCE_GPT2_TOKEN_TYPE_IDS=0 (diagnostic run)")
+        for model_class in self.all_model_classes:
+            model = model_class(config).eval()
+            with torch.no_grad():
+                with_types = model(**inputs)[0]
+                without = model(**{k: v for k, v in inputs.items() if k != "token_type_ids"})[0]
+                zeros = model(**{**inputs, "token_type_ids": torch.zeros_like(inputs["token_type_ids"])})[0]
+            self.assertFalse(torch.allclose(with_types, without), f"{model_class.__name__} ignores token_type_ids")
+            # type 0 is a real embedding row (GPT-2 shares wte), not the same as passing none
+            self.assertFalse(torch.allclose(zeros, without), f"{model_class.__name__}: token type 0 changes nothing")
+
+    def test_generate_with_token_type_ids(self):
+        config, inputs = self.model_tester.prepare_config_and_inputs_for_common()
+        if "token_type_ids" not in inputs:
+            self.skipTest(reason="CONFORMANCE_GPT2_TOKEN_TYPE_IDS=0 (diagnostic run)")
+        model = self.all_generative_model_classes[0](config).eval()
+        inputs = {k: v[:2] for k, v in inputs.items()}
+        kwargs = dict(do_sample=False, max_new_tokens=3, min_new_tokens=3, return_dict_in_generate=True,
+                      output_scores=True, pad_token_id=config.pad_token_id)
+        with_types = model.generate(**inputs, **kwargs)
+        without = model.generate(**{k: v for k, v in inputs.items() if k != "token_type_ids"}, **kwargs)
+        self.assertFalse(torch.allclose(with_types.scores[0], without.scores[0]),
+                         "generate ignores token_type_ids")
+
+
 def variant_test(variant):
     return type(f"StructAttnGPT2{variant.title().replace('_', '')}Test",
-                (CausalLMModelTest, ModelTesterMixin, GenerationTesterMixin, unittest.TestCase), {
+                (GPT2TokenTypeIdsTests, CausalLMModelTest, ModelTesterMixin, GenerationTesterMixin,
+                 unittest.TestCase), {
                     "model_tester_class": gpt2_tester(GPT2_ATTENTION_FIELDS[variant], *CLASSES),
                     "config_class": hf_structattn.StructAttnGPT2Config,
                     "config_tester_kwargs": GPT2_CONFIG_TESTER_KWARGS,
@@ -59,7 +93,8 @@ class StructAttnGPT2BilinearBTTTest(variant_test("bilinear_btt")):
 
 @pytest.mark.slow
 @apply_skips("gpt2")
-class StockGPT2ControlTest(CausalLMModelTest, ModelTesterMixin, GenerationTesterMixin, unittest.TestCase):
+class StockGPT2ControlTest(GPT2TokenTypeIdsTests, CausalLMModelTest, ModelTesterMixin, GenerationTesterMixin,
+                           unittest.TestCase):
     """The control: transformers' GPT-2 through the same harness."""
 
     model_tester_class = gpt2_tester(None, transformers.GPT2Model, transformers.GPT2LMHeadModel)

@@ -87,7 +87,7 @@ class StructAttnT5MLRTest(T5ModelTestBase, ModelTesterMixin, GenerationTesterMix
     all_model_classes = (hf_structattn.StructAttnT5Model, hf_structattn.StructAttnT5ForConditionalGeneration)
 
 
-@apply_skips("t5")
+@apply_skips("t5_encoder")
 class StructAttnT5EncoderOnlyMLRTest(T5EncoderOnlyModelTestBase, ModelTesterMixin, unittest.TestCase):
     model_tester_class = t5_tester(T5EncoderOnlyModelTester, T5_MLR_FIELDS["mlr"])
     config_class = hf_structattn.StructAttnT5Config
@@ -105,7 +105,7 @@ class StockT5ControlTest(T5ModelTestBase, ModelTesterMixin, GenerationTesterMixi
 
 
 @pytest.mark.slow
-@apply_skips("t5")
+@apply_skips("t5_encoder")
 class StockT5EncoderOnlyControlTest(T5EncoderOnlyModelTestBase, ModelTesterMixin, unittest.TestCase):
     model_tester_class = T5EncoderOnlyModelTester
     config_class = transformers.T5Config
