@@ -1,0 +1,69 @@
+"""The single list of skips of the conformance suite, each with its reason (paste into docs/contracts.md).
+
+A test is skipped here only where the behaviour cannot exist for the model or cannot be tested with transformers
+5.24 at all (it fails on the stock model of the same architecture too). Everything else runs, and fails until the
+library is fixed. Not listed here: the skips transformers' own tests make by themselves (``@slow``, GPU / Flash
+Attention / DeepSpeed only, capability checks such as "no sparse experts") and the not-applicable branches of our
+generation mixin (encoder-decoder models in decoder-only tests); FAILURES.md counts them per class."""
+
+import functools
+import unittest
+
+SKIPS = {
+    "t5": {  # the encoder-decoder classes
+        "test_model_base_model_prefix": (
+            "T5ForConditionalGeneration has no base-model submodule: its encoder and decoder sit directly on the "
+            "head model, so model.base_model is the model itself (stock T5 fails the same way)"),
+    },
+    "gemma3": {
+        "test_assisted_decoding_matches_greedy_search": (
+            "transformers 5.24 with a sliding-window layer: assisted decoding gives other tokens than greedy search "
+            "and attention maps of other widths (fails on stock Gemma-3; transformers' Gemma-3 tests skip it)"),
+        "test_assisted_decoding_sample": (
+            "transformers 5.24 with a sliding-window layer: assisted decoding returns attention maps of other widths "
+            "than the cache holds (fails on stock Gemma-3; transformers' Gemma-3 tests skip it)"),
+    },
+}
+
+
+def reasons_for(families) -> dict:
+    reasons = {}
+    for family in families:
+        reasons.update(SKIPS.get(family, {}))
+    return reasons
+
+
+def apply_skips(*families: str):
+    """Class decorator: each test listed for one of ``families`` (parameterized expansions ``name_0_...``
+    included) becomes a skip with its reason."""
+    reasons = reasons_for(families)
+
+    def decorate(cls):
+        for name in dir(cls):
+            if not name.startswith("test_") or not callable(getattr(cls, name)):
+                continue  # parameterized.expand leaves the unexpanded name set to None
+            listed = next((key for key in reasons if name == key or name.startswith(key + "_")), None)
+            if listed is None:
+                continue
+
+            @functools.wraps(getattr(cls, name))
+            def skipped(self, *args, _reason=reasons[listed], **kwargs):
+                raise unittest.SkipTest(_reason)
+
+            setattr(cls, name, skipped)
+        return cls
+
+    return decorate
+
+
+def skip_table() -> str:
+    """Markdown rows ``| family | test | reason |`` for docs/contracts.md."""
+    rows = ["| family | test | reason |", "|---|---|---|"]
+    for family, tests in SKIPS.items():
+        for test, reason in tests.items():
+            rows.append(f"| {family} | `{test}` | {reason} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(skip_table())
