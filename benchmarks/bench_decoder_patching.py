@@ -107,7 +107,7 @@ def main():
     parser.add_argument("--output", default=None, help="also write the markdown to this file")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    lines = [f"# Patched decoders: exactness and speed\n",
+    lines = ["# Patched decoders: exactness and speed\n",
              f"Machine: {cpu_name()}, {torch.get_num_threads()} thread, torch {torch.__version__}, transformers "
              f"{transformers.__version__}. Script: `benchmarks/bench_decoder_patching.py`.\n"]
     if not args.skip_exactness:

@@ -10,7 +10,7 @@ import importlib
 
 from transformers import AutoConfig
 
-from .modeling.configuration_structattn_chronos_bolt import StructAttnChronosBoltConfig
+from .modeling.modeling_structattn_chronos_bolt import StructAttnChronosBoltConfig
 from .modeling.configuration_structattn_gpt2 import StructAttnGPT2Config
 from .modeling.configuration_structattn_t5 import StructAttnT5Config
 from .modeling.structattn_geometry import FIRST_CONFIG_HOOKS
@@ -94,6 +94,21 @@ def _register_models(config_class: type) -> None:
         AutoModelForCausalLM.register(config_class, mlr_model_class(model_class), exist_ok=True)
 
 
+def register_models() -> None:
+    """Register every model class with the ``AutoModel*`` classes now, rather than when the first config of its
+    family is built: for code that reads the Auto mappings before building any config (listing supported models,
+    test harnesses that copy transformers' name tables). Imports the GPT-2 and T5 modeling code and the tested
+    decoder architectures."""
+    import transformers
+
+    from .modeling.structattn_decoder import mlr_config_class
+
+    for config_class in (StructAttnGPT2Config, StructAttnT5Config):
+        _register_models(config_class)
+    for name in _TESTED_CONFIGS:
+        _register_models(mlr_config_class(getattr(transformers, name)))
+
+
 def _deferred_mlr_config(config_name: str, model_type: str) -> type:
     """AutoConfig's entry for the ``MLR<Arch>Config`` of a tested decoder. That class subclasses transformers' own
     config, whose import can cost seconds (``LlamaConfig`` pulls in transformers' type validators), so it is built
@@ -132,4 +147,4 @@ FIRST_CONFIG_HOOKS.append(_register_models)
 _register_configs()
 
 __all__ = ["StructAttnChronosBoltConfig", "StructAttnGPT2Config", "StructAttnT5Config", "TESTED_ARCHITECTURES",
-           *sorted(_LAZY)]
+           "register_models", *sorted(_LAZY)]

@@ -1,6 +1,6 @@
 """The ``hf-structattn`` commands. Argument parsing and the console script's ``main`` are in the top-level module
-``hf_structattn_cli`` (outside this package, so that ``--help`` answers without importing torch); ``main`` is
-re-exported here, and ``python -m hf_structattn.cli`` runs it too.
+``hf_structattn_cli`` (outside this package, so that ``--help`` answers without importing torch; ``python -m
+hf_structattn_cli`` runs it), which imports this module once a command runs.
 """
 
 import json
@@ -12,10 +12,10 @@ import sys
 from pathlib import Path
 
 import torch
-from hf_structattn_cli import DEFAULT_TARGETS, build_parser, main  # noqa: F401  (re-exported: the CLI's entry points)
 
 # files the converted model writes itself, and the source's model card (it describes the unconverted model); weight
 # files of the source (single, sharded, other formats) never travel either
+T5_TARGETS = ("encoder_self", "decoder_self")  # hf_structattn.patch's default roles (hf_structattn_cli's --targets)
 _NOT_COPIED = {"config.json", "generation_config.json", "README.md"}
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx", ".index.json")
 _SOURCE_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -213,7 +213,8 @@ def patch_command(args) -> int:
             option = "--layers" if args.layers is not None else "--sliding-window-layers"
             raise CliError(f"{option} applies to transformers decoders only; {src} is a {kind} checkpoint "
                            "(choose the attention roles with --targets)")
-        targets = tuple(t.strip() for t in (args.targets or DEFAULT_TARGETS).split(",") if t.strip())
+        targets = T5_TARGETS if args.targets is None else \
+            tuple(t.strip() for t in args.targets.split(",") if t.strip())
 
     try:
         original, inputs = _load(kind, src)
@@ -262,5 +263,3 @@ def patch_command(args) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())

@@ -27,7 +27,6 @@ Level split of pretrained q/k (``init``):
   so the global level is the best rank-r_1 approximation of the head's score matrix (Eckart-Young).
 """
 
-import copy
 import difflib
 import inspect
 import math
@@ -35,7 +34,7 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-from .modeling.configuration_structattn_chronos_bolt import StructAttnChronosBoltConfig
+from .modeling.modeling_structattn_chronos_bolt import StructAttnChronosBoltConfig
 from .modeling.configuration_structattn_t5 import T5_ATTENTION_ROLES, T5_STRUCTATTN_FIELDS, StructAttnT5Config
 from .modeling.modeling_structattn_chronos_bolt import bolt_model_class
 from .modeling.modeling_structattn_t5 import StructAttnT5ForConditionalGeneration

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from icl_rank_experiment import FAILED, LABELS, SOLVED, arms
+from icl_rank_arms import FAILED, LABELS, SOLVED, arms
 
 LOW_RANK = "i_dense12_half"
 CONTROLS = ("ii_dense1", "iii_btt8", "v_dense3_rank")
@@ -128,7 +128,7 @@ def report(args) -> None:
     expected = len(arm_names) * len(args.lrs) * len(args.seeds)
     complete = sum(run["finished"] for run in runs) == expected
     table = scores(runs, arm_names, args.seeds)
-    print(f"| arm | D | heads | effective rank span (local) | seed | "
+    print("| arm | D | heads | effective rank span (local) | seed | "
           + " | ".join(f"lr {lr:g}" for lr in args.lrs) + " | best-LR error | solved at step |")
     print("|---|---|---|---|---|" + "---|" * len(args.lrs) + "---|---|")
     fields = arms(args.d)

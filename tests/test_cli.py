@@ -14,7 +14,7 @@ import torch
 import transformers
 
 import hf_structattn
-from hf_structattn.cli import main
+from hf_structattn_cli import main
 
 from test_patching import contexts, tiny_bolt, tiny_t5
 
@@ -38,7 +38,7 @@ def test_failure_while_writing_leaves_no_out_dir_and_a_rerun_succeeds(tmp_path, 
     assert weights > 2 * limit
     out = tmp_path / "parent" / "out"
     env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
-    result = subprocess.run([sys.executable, "-m", "hf_structattn.cli", "patch", str(tmp_path / "t5"), str(out),
+    result = subprocess.run([sys.executable, "-m", "hf_structattn_cli", "patch", str(tmp_path / "t5"), str(out),
                              *MLR_ARGS], capture_output=True, text=True, timeout=300, env=env,
                             preexec_fn=_limit_file_size(limit))
     assert not out.exists() and not (tmp_path / "parent").exists()  # nor the parent it had created
@@ -226,7 +226,7 @@ def test_a_kill_9_leaves_a_partial_folder_that_the_next_run_removes(tmp_path, ca
     env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS="1")
     for attempt in range(4):  # the kill must land while OUT is being written; retried when it did not
         out = tmp_path / f"out{attempt}"
-        proc = subprocess.Popen([sys.executable, "-m", "hf_structattn.cli", "patch", str(big), str(out), *MLR_ARGS],
+        proc = subprocess.Popen([sys.executable, "-m", "hf_structattn_cli", "patch", str(big), str(out), *MLR_ARGS],
                                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             while proc.poll() is None and not list(tmp_path.glob(f".{out.name}.partial-*")):

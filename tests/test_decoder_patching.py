@@ -2,7 +2,6 @@
 exactness in float64 against the stock models and the uncached forward, RoPE-pair levels, GQA, refusals."""
 
 import copy
-import json
 import re
 
 import pytest
@@ -389,7 +388,7 @@ def test_lower_precision_matches_float64(dtype, tolerance):
 
 
 def test_cli_patches_a_decoder_checkpoint(tmp_path, capsys):
-    from hf_structattn.cli import main as cli
+    from hf_structattn_cli import main as cli
     from hf_structattn.tokenization import build_byte_tokenizer
 
     model = tiny_decoder("llama", vocab_size=257)
@@ -436,7 +435,6 @@ def test_patch_keywords_and_scales_are_checked_before_anything_is_built():
         hf_structattn.patch(model, mlr_rnaks=RANKS, mlr_block_sizes=BLOCKS)
     with pytest.raises(ValueError, match="mlr_level_scales.*finite number > 0"):
         hf_structattn.patch(model, mlr_ranks=RANKS, mlr_block_sizes=BLOCKS, mlr_level_scales=[-1, 1, 1])
-    from hf_structattn import StructAttnT5Config, StructAttnT5ForConditionalGeneration
 
     t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(
         vocab_size=50, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4, decoder_start_token_id=0))

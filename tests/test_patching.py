@@ -14,7 +14,7 @@ import transformers
 
 import hf_structattn
 from hf_structattn.modeling.structattn_attention import mlr_geometry_of
-from hf_structattn.cli import main
+from hf_structattn_cli import main
 from hf_structattn.decoder_patching import tiny_decoder
 from hf_structattn.patching import svd_align_qk
 
@@ -330,7 +330,7 @@ def test_svd_init_moves_a_trained_model_less_than_the_naive_split():
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "hf_structattn.cli", *map(str, args)], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "hf_structattn_cli", *map(str, args)], capture_output=True, text=True,
                           timeout=300)
 
 

@@ -69,6 +69,18 @@ class StructAttnT5Config(StructAttnConfigMixin, T5Config):
         self._validate_structured_attention()  # a plain ValueError at construction
         announce_config(self)
 
+    def get_text_config(self, decoder=None, encoder=None):
+        """transformers' view of one side of this flat encoder-decoder config. For one side it copies the config and
+        renames the ``decoder_*`` (or ``encoder_*``) fields without their prefix, which would turn
+        ``decoder_attention`` into an unknown ``attention`` and leave this class's default in its place: the
+        structured-attention fields are kept as they are."""
+        text = super().get_text_config(decoder=decoder, encoder=encoder)
+        if text is not self:
+            text.__dict__.pop("attention", None)
+            for name in T5_ATTENTION_ROLES.values():
+                setattr(text, name, getattr(self, name))
+        return text
+
     def role_attention(self, role: str) -> str:
         """Variant of ``role`` ("encoder_self", "decoder_self" or "cross")."""
         return getattr(self, T5_ATTENTION_ROLES[role])

@@ -22,11 +22,32 @@ import functools
 
 from transformers import AutoModel
 
-from .configuration_structattn_chronos_bolt import BOLT_AUTO_MAP, BOLT_MODEL_CLASS_NAME, StructAttnChronosBoltConfig
-from .modeling_structattn_t5 import install_t5_structured_attention
+from .configuration_structattn_t5 import StructAttnT5Config
 
+BOLT_MODEL_CLASS_NAME = "StructAttnChronosBoltModelForForecasting"
+BOLT_AUTO_MAP = {
+    "AutoConfig": "modeling_structattn_chronos_bolt.StructAttnChronosBoltConfig",
+    "AutoModel": f"modeling_structattn_chronos_bolt.{BOLT_MODEL_CLASS_NAME}",
+}
 # patching keeps pretrained q/k/v/o: only MLR rearranges them; the bilinear variants would need new parameters
 BOLT_ATTENTIONS = ("dense", "mlr")
+
+
+class StructAttnChronosBoltConfig(StructAttnT5Config):
+    r"""``StructAttnT5Config`` of a Chronos-Bolt model (Chronos' ``chronos_config`` and ``chronos_pipeline_class``
+    are kept as extra attributes). Block sizes count encoder tokens, i.e. patches of
+    ``chronos_config["input_patch_stride"]`` time steps (plus the ``[REG]`` token at the end)."""
+
+    model_type = "structattn_chronos_bolt"
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        # ChronosBoltPipeline.from_pretrained reads this config and then looks the model class up by name in
+        # chronos.chronos_bolt: the class must be registered there by now
+        bolt_model_class()
+
+
+StructAttnChronosBoltConfig.register_for_auto_class()
 
 
 @functools.cache
@@ -37,6 +58,8 @@ def bolt_model_class():
         from chronos import chronos_bolt
     except ImportError:
         return None
+
+    from .modeling_structattn_t5 import install_t5_structured_attention  # the modeling half, on first use
 
     class StructAttnChronosBoltModelForForecasting(chronos_bolt.ChronosBoltModelForForecasting):
         """``chronos.chronos_bolt.ChronosBoltModelForForecasting`` whose encoder self-attention (and decoder
@@ -76,4 +99,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["BOLT_MODEL_CLASS_NAME", "StructAttnChronosBoltConfig", "bolt_model_class"]
+__all__ = ["BOLT_AUTO_MAP", "BOLT_MODEL_CLASS_NAME", "StructAttnChronosBoltConfig", "bolt_model_class"]

@@ -277,7 +277,7 @@ class StructAttnGPT2Model(StructAttnGPT2PreTrainedModel):
             use_cache = False
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
-        if cache is not None:
+        if cache is not None and not torch.compiler.is_compiling():  # a compiled step gets generate's prepared cache
             prepare_structattn_cache(cache, self.config.mlr_layer_geometries(), num_layers=self.config.n_layer)
         past = cache.get_seq_length() if cache is not None else 0
         if position_ids is None:

@@ -18,8 +18,8 @@ from typing import Optional
 
 import torch
 from torch import nn
-from transformers import initialization as init
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+from transformers.utils.deprecation import deprecate_kwarg
 from transformers.models.t5.modeling_t5 import (
     T5Attention,
     T5EncoderModel,
@@ -165,9 +165,13 @@ def install_t5_structured_attention(model: nn.Module, config) -> int:
             module = getattr(parent, name)
             if variant == "dense":
                 continue
-            if mlr_geometry_of(module) is not None or isinstance(module, StructAttnT5BilinearAttention):
-                raise ValueError(f"{name} of layer {module.layer_idx} already has structured attention; patch the "
-                                 f"original model")
+            installed = mlr_geometry_of(module)
+            if variant == "mlr" and installed == config.mlr_geometry() or isinstance(
+                    module, StructAttnT5BilinearAttention) and module.spec == config.attention_spec(role):
+                continue  # already this attention (``post_init`` runs again, e.g. after resizing embeddings)
+            if installed is not None or isinstance(module, StructAttnT5BilinearAttention):
+                raise ValueError(f"{name} of layer {module.layer_idx} already has another structured attention; "
+                                 f"patch the original model")
             if variant == "mlr":
                 install_mlr_attention(module, config.mlr_geometry())
             else:
@@ -214,8 +218,6 @@ def _forward_with_step(base):
 
     def forward(self, *args, **kwargs):
         kwargs.update(zip(positional, args))
-        if "past_key_values" in kwargs and kwargs.get("cache") is None:
-            kwargs["cache"] = kwargs.pop("past_key_values")
         _check_inputs(kwargs)
         if not hasattr(self, "decoder"):
             return base.forward(self, **kwargs)
@@ -239,6 +241,8 @@ def _forward_with_step(base):
 
     forward.__signature__ = signature
     forward.__doc__ = base.forward.__doc__
+    if "cache" in signature.parameters:  # transformers' own renaming and FutureWarning for ``past_key_values``
+        forward = deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")(forward)
     return forward
 
 

@@ -29,6 +29,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask,
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .structattn_cache import MLR_CACHE_LAYERS, STEP_KEY, PendingChunk
+from .structattn_decoder_spec import stock_layer_geometry
 from .structattn_geometry import MLRGeometry, mask_value, softmax_dtype
 from .structattn_mlr import mlr_attention
 from .structattn_mlr_decode import mlr_attention_full_keys, mlr_cached_chunk, mlr_decode_step
@@ -105,8 +106,6 @@ def _layer_geometry(module: torch.nn.Module) -> Optional[MLRGeometry]:
     geometry = mlr_geometry_of(module)
     if geometry is not None or getattr(getattr(module, "config", None), "mlr_ranks", None) is None:
         return geometry
-    from .structattn_decoder import stock_layer_geometry
-
     geometry = stock_layer_geometry(module)
     if geometry is not None:
         install_mlr_attention(module, geometry)

@@ -43,6 +43,7 @@ from .structattn_geometry import MLRGeometry
 STEP_KEY = "structattn_step"
 NO_POSITION = torch.iinfo(torch.int64).max // 4  # ``first_positions`` of a row with no real token yet
 _WARNED_WITHOUT_KWARGS = set()
+_WARNED_BEHIND: list = []
 MIN_GROWTH = 16  # dynamic layers grow by max(MIN_GROWTH, S/32) slots when no length was reserved
 
 
@@ -215,9 +216,9 @@ class MLRCacheLayerMixin:
             self._lazy_init(key_states, value_states, positions, valid)
         had_past = True if torch.compiler.is_compiling() else bool(self.get_seq_length() > 0)
         last_before = self.last_positions.clone()
-        rings_before = self._fine.clone() if chunk > 1 and had_past else None
         with torch.no_grad():  # the cache holds detached states written in place
-            self._write(key_states.detach(), value_states.detach(), positions, valid)
+            rings_before = self._write(key_states.detach(), value_states.detach(), positions, valid,
+                                       keep_rings_before=chunk > 1 and had_past)
         self.pending = PendingChunk(key_states, value_states, positions, valid, last_before, rings_before, had_past)
         return self.keys, self.values
 
@@ -237,7 +238,31 @@ class MLRCacheLayerMixin:
         elif positions.shape[-1] != chunk or positions.shape[0] not in (1, batch):
             raise ValueError(f"position_ids must have shape ({batch}, {chunk}) for {chunk} new tokens, got "
                              f"{tuple(positions.shape)}")
-        return positions.to(device=device, dtype=torch.long).expand(batch, chunk), valid.to(device=device)
+        positions = positions.to(device=device, dtype=torch.long).expand(batch, chunk)
+        valid = valid.to(device=device)
+        if self.last_positions is not None:
+            positions = self._continue_rows_behind(positions, valid)
+        return positions, valid
+
+    def _continue_rows_behind(self, positions, valid):
+        """Rows whose new real tokens start at or before the row's newest cached position: the signature of right
+        padding in ``generate`` (transformers gives the first generated token position ``0 + 1`` after a padded
+        tail). A position-addressed hierarchical cache cannot hold two tokens at one position, so such a row's new
+        tokens continue right after its newest cached token (MLR blocks follow the row's real tokens in order; the
+        model's position embeddings still see the given ``position_ids``). Warned once: the cached result differs
+        from the uncached one on such input, which is why transformers asks for left padding."""
+        first_new = torch.where(valid, positions, torch.full_like(positions, NO_POSITION)).amin(-1)
+        behind = (self.last_positions >= 0) & valid.any(-1) & (first_new <= self.last_positions)
+        shift = torch.where(behind, self.last_positions + 1 - first_new, torch.zeros_like(first_new))
+        if not torch.compiler.is_compiling() and bool(behind.any()) and not _WARNED_BEHIND:
+            _WARNED_BEHIND.append(True)
+            row = int(behind.nonzero()[0, 0])
+            warnings.warn(f"row {row}: new positions {positions[row][valid[row]].tolist()[:4]} do not continue the "
+                          f"row's newest cached position {int(self.last_positions[row])} (right padding?): the MLR "
+                          f"cache places them right after the row's cached tokens, which can differ from the "
+                          f"uncached result; pad on the left (tokenizer padding_side='left') for exact generation",
+                          stacklevel=4)
+        return positions + shift[:, None]
 
     def _lazy_init(self, key_states, value_states, positions, valid) -> None:
         """First write: fix ``base`` from the lowest real position, allocate, and start the per-row spans."""
@@ -258,13 +283,15 @@ class MLRCacheLayerMixin:
         if self.record_past:
             self._start_log(key_states)
 
-    def _write(self, key_states, value_states, positions, valid) -> None:
-        """Write the real tokens of a chunk into their slots and ring entries (padding is not stored)."""
+    def _write(self, key_states, value_states, positions, valid, keep_rings_before: bool = False):
+        """Write the real tokens of a chunk into their slots and ring entries (padding is not stored). Returns a copy
+        of the fine storage as it was before the writes (at the capacity after them) when ``keep_rings_before``."""
         compiling = torch.compiler.is_compiling()
         if not compiling:
             self._check_contiguous(positions, valid)
             slots = int(positions[valid].max()) - self.base + 1 if bool(valid.any()) else 0
             self._ensure_capacity(max(slots, self._view_length(key_states.shape[2])), key_states, value_states)
+        rings_before = self._fine.clone() if keep_rings_before else None
         slots = (positions - self.base).clamp(min=0, max=self._capacity() - 1)  # (B, c)
         if self.record_past:
             self._log_write(self._overwritten_fine(key_states, slots, valid), positions, valid)
@@ -278,6 +305,7 @@ class MLRCacheLayerMixin:
         self.first_positions.copy_(torch.minimum(self.first_positions, oldest))
         self._advance(key_states.shape[2])
         self._refresh_views()
+        return rings_before
 
     def _indexed_write(self, key_states, value_states, slots, positions, valid) -> None:
         """Eager writes of the real tokens only (a padding token may share a real token's position)."""

@@ -73,7 +73,7 @@ def keep_mask(attention_mask: Optional[torch.Tensor], batch: int, length: int, d
         if attention_mask.is_complex():
             raise ValueError(f"{name} must be a bool, integer or 0/1 float keep-mask, got {attention_mask.dtype}")
         outside = (attention_mask != 0) & (attention_mask != 1)
-        if bool(outside.any()):
+        if not torch.compiler.is_compiling() and bool(outside.any()):  # a host read: checked eagerly only
             value = float(attention_mask[outside].flatten()[0])
             raise ValueError(f"{name} must be a keep-mask holding only 0 and 1 (1 = attend), got a {attention_mask.dtype} "
                              f"mask holding {value}: additive masks (0 = attend, -inf = masked) are not accepted; "
@@ -137,10 +137,10 @@ def is_positive_scale(value) -> bool:
 def validate_config_numbers(config, positive_ints: Sequence[str], non_negative_floats: Sequence[str] = ()) -> None:
     """Raise ``ValueError`` naming the field unless each of ``positive_ints`` is an integer >= 1 and each of
     ``non_negative_floats`` a finite number >= 0. Shared by the GPT-2 and T5 configs."""
-    for field in positive_ints:
-        check_int(field, getattr(config, field))
-    for field in non_negative_floats:
-        check_non_negative(field, getattr(config, field))
+    for name in positive_ints:
+        check_int(name, getattr(config, name))
+    for name in non_negative_floats:
+        check_non_negative(name, getattr(config, name))
 
 
 def check_ranks(ranks, field: str = "ranks") -> list[int]:

@@ -327,7 +327,6 @@ def run_main(main: Callable[[Optional[Sequence[str]]], Any], prog: str) -> None:
     """Entry point of a recipe script: a :class:`ConfigError` (bad argument, config file, output folder, checkpoint,
     Hub access) becomes one line on stderr and exit status 2; a :class:`RunFailure` (checkpoint write, upload) one line
     and status 1; a ``--resume_from`` of a run that is already complete one line on stdout and status 0."""
-    from .loop import RunComplete
 
     try:
         main(None)
@@ -339,3 +338,35 @@ def run_main(main: Callable[[Optional[Sequence[str]]], Any], prog: str) -> None:
         raise SystemExit(1) from None
     except RunComplete as complete:
         print(f"{prog}: {complete}", flush=True)
+
+
+# ------------------------------------------------------------------------------------------ what defines a run
+
+FREE_ON_RESUME = ("config", "output_dir", "overwrite_output_dir", "resume_from", "stop_after_steps", "log_every",
+                  "checkpoint_every", "checkpoints_total_limit", "report_to", "run_name", "disable_tqdm",
+                  "push_to_hub", "hub_model_id", "hub_private", "hub_token")
+
+
+def run_configuration(args, recipe: str) -> dict:
+    """What defines a run: the recipe, every field that shapes training or evaluation, the model fields."""
+    values = dataclasses.asdict(args)
+    model = values.pop("model")
+    return {"recipe": recipe, "args": {k: v for k, v in values.items() if k not in FREE_ON_RESUME}, "model": model}
+
+
+def configuration_differences(stored: dict, current: dict) -> list[str]:
+    """``name (stored -> now)`` for every differing field; model fields are prefixed ``model.``."""
+    found = []
+    if stored.get("recipe") != current.get("recipe"):
+        found.append(f"recipe ({stored.get('recipe')} -> {current.get('recipe')})")
+    for section, prefix in (("args", ""), ("model", "model.")):
+        old, new = stored.get(section, {}), current.get(section, {})
+        for name in sorted(set(old) | set(new)):
+            if json.dumps(old.get(name), sort_keys=True) != json.dumps(new.get(name), sort_keys=True):
+                found.append(f"{prefix}{name} ({old.get(name, '<absent>')!r} -> {new.get(name, '<absent>')!r})")
+    return found
+
+
+class RunComplete(Exception):
+    """``--resume_from`` on a run that already reached ``max_steps`` and wrote its outputs: nothing to do (the
+    recipe entry points print the message and exit with status 0)."""

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path

@@ -10,7 +10,6 @@ that training never uses (the authors' code evaluated on the current training ba
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path

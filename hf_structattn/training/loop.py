@@ -4,7 +4,7 @@
 (which deletes its contents first) or ``--resume_from`` is given. A new run stores its configuration in
 ``run_config.json`` (and in every checkpoint); a resume compares the checkpoint's stored configuration with the
 current one and refuses, naming the fields, when anything that shapes training differs (seed, model, data, optimizer,
-schedule, batch; only the fields in :data:`FREE_ON_RESUME` may change). On resume ``metrics.jsonl`` keeps only the
+schedule, batch; only the fields in :data:`.args.FREE_ON_RESUME` may change). On resume ``metrics.jsonl`` keeps only the
 records up to the checkpoint's step, so the file always holds one run's history.
 
 **Exact resume.** The data of optimizer step ``s`` is a pure function of ``(seed, s)`` (each recipe's
@@ -18,7 +18,6 @@ global batch as one process with ``n*B`` (gradient all-reduce averages equal-siz
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import math
 import re
@@ -33,7 +32,7 @@ from accelerate import Accelerator, PartialState
 from accelerate.utils import LoggerType, ProjectConfiguration, parse_flag_from_env, set_seed
 from tqdm.auto import tqdm
 
-from .args import ConfigError, arg
+from .args import ConfigError, RunComplete, arg, configuration_differences, run_configuration
 from .checkpoints import (CHECKPOINT_STATE, CheckpointWriter, checkpoint_dirs, load_checkpoint,  # noqa: F401
                           remove_partial_checkpoints, resolve_checkpoint)
 from .tracking import JSONLTracker
@@ -42,9 +41,6 @@ RUN_CONFIG = "run_config.json"   # in the output folder
 LR_SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_min_lr", "cosine_with_restarts",
                 "polynomial", "inverse_sqrt")
 # fields that may change when a run is resumed: they do not change what the run computes
-FREE_ON_RESUME = ("config", "output_dir", "overwrite_output_dir", "resume_from", "stop_after_steps", "log_every",
-                  "checkpoint_every", "checkpoints_total_limit", "report_to", "run_name", "disable_tqdm",
-                  "push_to_hub", "hub_model_id", "hub_private", "hub_token")
 
 
 @dataclass
@@ -154,31 +150,6 @@ def report_trackers(report_to: str) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------ output-folder contract
-
-
-def run_configuration(args: CommonArgs, recipe: str) -> dict:
-    """What defines a run: the recipe, every field that shapes training or evaluation, the model fields."""
-    values = dataclasses.asdict(args)
-    model = values.pop("model")
-    return {"recipe": recipe, "args": {k: v for k, v in values.items() if k not in FREE_ON_RESUME}, "model": model}
-
-
-def configuration_differences(stored: dict, current: dict) -> list[str]:
-    """``name (stored -> now)`` for every differing field; model fields are prefixed ``model.``."""
-    found = []
-    if stored.get("recipe") != current.get("recipe"):
-        found.append(f"recipe ({stored.get('recipe')} -> {current.get('recipe')})")
-    for section, prefix in (("args", ""), ("model", "model.")):
-        old, new = stored.get(section, {}), current.get(section, {})
-        for name in sorted(set(old) | set(new)):
-            if json.dumps(old.get(name), sort_keys=True) != json.dumps(new.get(name), sort_keys=True):
-                found.append(f"{prefix}{name} ({old.get(name, '<absent>')!r} -> {new.get(name, '<absent>')!r})")
-    return found
-
-
-class RunComplete(Exception):
-    """``--resume_from`` on a run that already reached ``max_steps`` and wrote its outputs: nothing to do (the
-    recipe entry points print the message and exit with status 0)."""
 
 
 def prepare_output_dir(args: CommonArgs, recipe: str, state: PartialState) -> Optional[Path]:

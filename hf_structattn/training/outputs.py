@@ -7,7 +7,7 @@ import socket
 from pathlib import Path
 from typing import Optional
 
-from .args import ConfigError, RunFailure
+from .args import ConfigError, RunFailure, run_configuration
 from .tracking import read_jsonl
 
 # what upload_folder leaves out: resumable training state is not part of the published model
@@ -66,8 +66,6 @@ def _fmt(value) -> str:
 def public_configuration(args, recipe: str) -> dict:
     """The run configuration as it may be published (tracker config, model card): the fields named in the args
     class's ``PATH_FIELDS`` keep only their file names, so no local absolute path leaves the machine."""
-    from .loop import run_configuration
-
     configuration = run_configuration(args, recipe)
     for name in getattr(args, "PATH_FIELDS", ()):
         value = configuration["args"].get(name)

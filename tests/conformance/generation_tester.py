@@ -51,6 +51,33 @@ def _num_kv_heads(config) -> int:
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
+def _structattn_cache_layout(config, index: int):
+    """(key width, [(block size, rank) of each level ring]) that decoder cache layer ``index`` holds.
+
+    Harness adaptation, as transformers' own testers override their cache checks for models whose cache is not
+    (B, H, T, head dim) keys (Mamba, Gemma-3n, ...): an MLR layer keeps level 1's keys (``r_1`` wide) for every token
+    and one ring per finer level (``r_l`` wide, at most ``b_l`` entries); a bilinear MLR layer keeps its structured
+    keys (``sum_l 2^(l-1) r_l`` wide), a bilinear BTT layer ``x`` itself (model width); any other layer, and every
+    stock model, the head dim with no rings."""
+    if hasattr(config, "mlr_layer_geometries"):  # our GPT-2 and T5 families
+        geometries = config.mlr_layer_geometries()
+    elif getattr(config, "mlr_ranks", None) is not None:  # a patched decoder
+        from hf_structattn.modeling.structattn_decoder_spec import decoder_geometries
+        geometries = decoder_geometries(config)
+    else:
+        geometries = {}
+    if index in geometries:
+        geometry = geometries[index]
+        return geometry.ranks[0], list(zip(geometry.block_sizes, geometry.ranks[1:]))
+    layer_types = getattr(config, "layer_types", None) or []
+    kind = layer_types[index] if index < len(layer_types) else None
+    if kind == "bilinear_mlr_attention":
+        return sum(2 ** level * rank for level, rank in enumerate(config.bilinear_mlr_ranks)), []
+    if kind == "bilinear_btt_attention":
+        return config.n_embd, []
+    return _head_dim(config), []
+
+
 def _decoder_cache(cache):
     return cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
 
@@ -283,9 +310,16 @@ class GenerationTesterMixin:
                 held = self._visible_keys(config, layer_type, seq_length, 0, True)
             else:
                 held = seq_length
-            expected = (batch, _num_kv_heads(config), held, _head_dim(config))
-            self.assertEqual(tuple(layer.keys.shape), expected, f"keys of cache layer {index}")
-            self.assertEqual(tuple(layer.values.shape), expected, f"values of cache layer {index}")
+            key_width, rings = _structattn_cache_layout(config, index)
+            heads = _num_kv_heads(config)
+            self.assertEqual(tuple(layer.keys.shape), (batch, heads, held, key_width), f"keys of cache layer {index}")
+            self.assertEqual(tuple(layer.values.shape), (batch, heads, held, _head_dim(config)),
+                             f"values of cache layer {index}")
+            held_rings = [tuple(ring.shape) for ring in getattr(layer, "rings", None) or []]
+            self.assertEqual(len(held_rings), len(rings), f"level rings of cache layer {index}")
+            for (block, rank), shape in zip(rings, held_rings):
+                self.assertEqual((shape[0], shape[1], shape[3]), (batch, heads, rank), f"ring of cache layer {index}")
+                self.assertLessEqual(shape[2], block, f"ring of cache layer {index} longer than its block")
 
     # ----------------------------------------------------------------------------------- greedy / sample / beam
 

@@ -34,6 +34,7 @@ def auto_registrations_in_name_tables():
     for; the tables are restored afterwards (they are transformers' globals, shared with the rest of the session)."""
     from transformers.models.auto import modeling_auto
 
+    hf_structattn.register_models()  # the package registers a family's classes when its first config is built
     pairs = {
         "AutoModel": "MODEL_MAPPING_NAMES",
         "AutoModelForCausalLM": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
