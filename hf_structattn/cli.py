@@ -8,7 +8,6 @@ import os
 import re
 import secrets
 import shutil
-import sys
 from pathlib import Path
 
 import torch
