@@ -91,8 +91,13 @@ def family_rows(models: dict, mlr: str, stock: str, prompts, new_tokens: int, ca
     rows = []
     for prompt in prompts:
         allocated, tokens = {}, {}
-        for name in (mlr, stock, *others):
-            allocated[name], tokens[name] = measure(models[name], prompt, new_tokens, cache, vocab)
+        try:
+            for name in (mlr, stock, *others):
+                allocated[name], tokens[name] = measure(models[name], prompt, new_tokens, cache, vocab)
+        except ValueError as error:  # e.g. a cache_implementation the model refuses: say so, measure the rest
+            rows.append(f"| {mlr} | {cache} | {prompt} | not measured: {str(error).splitlines()[0]} |" + " |" * 7)
+            print(rows[-1], flush=True)
+            continue
         formula = formula_bytes(models[mlr], tokens[mlr])
         base = allocated[stock]
         extra = "".join(f" {allocated[name]:,} ({allocated[name] / base:.2f}x) |" for name in others)

@@ -1,20 +1,23 @@
 """Compare CLM recipe runs (the README main job trains the same model with dense and with MLR attention).
 
-    python scripts/compare_runs.py OUT_DENSE OUT_MLR [--decode_tokens 200] [--rounds 7] [--plot outputs/dense_vs_mlr.png]
+    python scripts/compare_runs.py OUT_DENSE OUT_MLR [--decode_tokens 200] [--rounds 11] [--plot outputs/dense_vs_mlr.png]
 
 For each output folder: validation bits per byte and training tokens/s from its ``final_metrics.json`` (written by
 ``recipes/train_clm.py``; training tokens per CPU second of its main thread, one intra-op thread, evaluation
 excluded), and, measured here:
 
-* decode milliseconds per token: ``model.generate`` with the model's default cache (the hierarchical MLR key cache
-  for MLR layers, full keys for dense ones), greedy, ``--decode_tokens`` new tokens after a one-token prompt, batch
-  1, one intra-op thread, CPU time of this thread (``time.thread_time``: the machine may be shared) for the whole
-  call divided by the new tokens. The runs are timed interleaved, one call each per round (the order alternates
-  between rounds), ``--rounds`` rounds after one untimed warm-up round; cells are the median [min-max] over rounds,
-  and the ratio to the first run is taken within each round (median [min-max] of those per-round ratios);
-* key/value cache bytes of the cache ``generate(..., return_dict_in_generate=True)`` returned: **allocated** (the
-  unique storages of every tensor it holds, ``hf_structattn.flops.allocated_cache_bytes``) beside the **formula**
-  (keys, and keys + values, in use for the tokens the cache holds: ``hf_structattn.flops.attention_cost_report``).
+* decode milliseconds per token: the model's default generation cache (the hierarchical MLR key cache for MLR
+  layers, full keys for dense ones) is built and prefilled by ``model.generate(prompt, max_new_tokens=1,
+  return_dict_in_generate=True)`` on a one-token prompt, then ``--decode_tokens`` greedy steps
+  ``model(token, cache=cache)`` + argmax (the step generate runs; the tokens are checked against
+  ``model.generate``) are timed one by one, batch 1, one intra-op thread, CPU time of this thread
+  (``time.thread_time``: the machine may be shared). The runs' steps alternate (the order flips every step), so
+  a busy moment of the machine slows them alike; ``--rounds`` rounds after one untimed warm-up round; cells are
+  the median [min-max] over rounds of the round's time per step, and the ratio to the first run is taken within
+  each round (median [min-max] of those per-round ratios). The cache then holds ``1 + --decode_tokens`` tokens;
+* key/value cache bytes of that cache after the last round: **allocated** (the unique storages of every tensor it
+  holds, ``hf_structattn.flops.allocated_cache_bytes``) beside the **formula** (keys, and keys + values, in use for
+  the tokens the cache holds: ``hf_structattn.flops.attention_cost_report``).
 
 Prints a markdown table with the machine and versions and a note on what the decode ratio means, saves the
 validation curves of all runs in one plot (linear axes) and the table next to it (``.md``).
@@ -57,35 +60,56 @@ def load(path: Path):
     return model, tokenizer
 
 
+def prompt_ids(tokenizer) -> torch.Tensor:
+    return tokenizer("\n", return_tensors="pt").input_ids
+
+
 @torch.no_grad()
-def generate_once(model, tokenizer, new_tokens: int):
-    """(thread seconds, returned cache) of one greedy generation of ``new_tokens`` after a one-token prompt."""
-    ids = tokenizer("\n", return_tensors="pt").input_ids
-    started = time.thread_time()  # CPU time of this thread: the machine may be shared
-    out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+def start_decode(model, tokenizer):
+    """(cache, first new token) from ``generate`` on the prompt: the model's default cache, filled by prefill."""
+    out = model.generate(prompt_ids(tokenizer), max_new_tokens=1, min_new_tokens=1, do_sample=False,
                          pad_token_id=tokenizer.pad_token_id, return_dict_in_generate=True)
-    seconds = time.thread_time() - started
-    if out.sequences.shape[1] != ids.shape[1] + new_tokens:
-        raise RuntimeError(f"generate returned {out.sequences.shape[1] - ids.shape[1]} new tokens, not {new_tokens}")
-    return seconds, returned_cache(out)
+    return returned_cache(out), out.sequences[:, -1:]
 
 
-def measure_decode(models: list, new_tokens: int, rounds: int) -> list:
-    """Per model: seconds of each timed round, interleaved across models (order alternating), after a warm-up."""
+@torch.no_grad()
+def measure_decode(models: list, steps: int, rounds: int) -> tuple:
+    """Per model, the thread seconds of ``steps`` greedy decode steps (``model(token, cache=cache)``, the step
+    generate runs, plus the argmax) in each timed round, after one warm-up round; in every round the models'
+    steps alternate (the order flips every step), so a slow moment of the machine hits all of them alike.
+    Also returns each model's cache after the last round and the tokens it decoded."""
     seconds = [[] for _ in models]
-    order = list(range(len(models)))
     for round_index in range(rounds + 1):  # round 0 warms up
-        for index in (order if round_index % 2 else order[::-1]):
-            model, tokenizer = models[index]
-            elapsed, _ = generate_once(model, tokenizer, new_tokens)
-            if round_index:
-                seconds[index].append(elapsed)
-    return seconds
+        states = [list(start_decode(model, tokenizer)) for model, tokenizer in models]
+        decoded = [[token] for _, token in states]
+        totals = [0.0 for _ in models]
+        for step in range(steps):
+            for index in (range(len(models)) if step % 2 == 0 else reversed(range(len(models)))):
+                model, cache, token = models[index][0], states[index][0], states[index][1]
+                started = time.thread_time()  # CPU time of this thread: the machine may be shared
+                token = model(token, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+                totals[index] += time.thread_time() - started
+                states[index][1] = token
+                decoded[index].append(token)
+        if round_index:
+            for index, total in enumerate(totals):
+                seconds[index].append(total)
+    return seconds, [state[0] for state in states], [torch.cat(tokens, dim=1) for tokens in decoded]
 
 
-def cache_bytes(model, tokenizer, new_tokens: int) -> dict:
-    """Allocated and formula bytes of the cache generate returns after ``new_tokens`` greedy tokens."""
-    _, cache = generate_once(model, tokenizer, new_tokens)
+@torch.no_grad()
+def check_same_as_generate(model, tokenizer, decoded: torch.Tensor) -> None:
+    """The timed loop must decode what ``generate`` decodes (greedy), or it did not measure generation."""
+    ids = prompt_ids(tokenizer)
+    new = decoded.shape[1]
+    out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                         pad_token_id=tokenizer.pad_token_id)
+    if not torch.equal(out[:, ids.shape[1]:], decoded):
+        raise RuntimeError("the timed decode loop produced other tokens than model.generate")
+
+
+def cache_bytes(model, cache) -> dict:
+    """Allocated and formula bytes of a filled generation cache."""
     held = int(cache.get_seq_length())
     item = next(model.parameters()).element_size()
     report = attention_cost_report(model.config, dtype_bytes=item, context_len=held)
@@ -116,11 +140,11 @@ def table(rows: list, args, threads: int) -> str:
     tokens = base["cached_tokens"]
     lines = [f"Machine: {cpu_name()}, torch {torch.__version__}, transformers {transformers.__version__}. Training: "
              "tokens per CPU second of the training thread (one intra-op thread, evaluation excluded). Decode: "
-             f"{threads} thread, batch 1, greedy `generate` of {args.decode_tokens} tokens after a 1-token prompt "
-             f"with the model's default cache (it then holds {tokens} tokens), CPU time of the thread per token; "
-             f"runs interleaved, median [min-max] over {args.rounds} rounds; ratio to {base['run']} taken within "
-             "each round. Cache: bytes allocated (unique storages of the returned cache's tensors) and the formula "
-             f"(bytes in use) at {tokens} tokens.", "",
+             f"{threads} thread, batch 1, greedy, {args.decode_tokens} steps `model(token, cache=cache)` after a "
+             "1-token prompt prefilled by `generate` into the model's default cache (it then holds "
+             f"{tokens} tokens), CPU time of the thread per step; the runs' steps alternate, median [min-max] over "
+             f"{args.rounds} rounds; ratio to {base['run']} taken within each round. Cache: bytes allocated (unique "
+             f"storages of the cache's tensors) and the formula (bytes in use) at {tokens} tokens.", "",
              f"| run | attention | steps | validation bits/byte | training tokens/CPU-s | decode ms/token | decode "
              f"/ {base['run']} | cache bytes allocated | formula K+V bytes | formula key bytes |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -154,18 +178,23 @@ def plot(args, rows: list) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import AutoMinorLocator, MaxNLocator
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for path, row in zip(args.runs, rows):
-        steps, values = zip(*eval_curve(path))
-        ax.plot(steps, values, "o-", label=f"{row['attention']} ({row['bits_per_byte']:.3f} at the end)")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("validation bits per byte")
-    for axis in (ax.xaxis, ax.yaxis):  # a linear axis with enough ticks to read values off
-        axis.set_major_locator(MaxNLocator(nbins=10))
-        axis.set_minor_locator(AutoMinorLocator())
-    ax.grid(which="major", alpha=0.4)
-    ax.grid(which="minor", alpha=0.15)
-    ax.legend()
+    # left: the whole curves; right: from the second evaluation on, where the runs differ (the step-0 value,
+    # ~8 bits/byte, would squeeze them together); both linear, with enough ticks to read values off
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    for panel, ax in enumerate(axes):
+        for path, row in zip(args.runs, rows):
+            curve = eval_curve(path)
+            steps, values = zip(*(curve[1:] if panel and len(curve) > 2 else curve))
+            ax.plot(steps, values, "o-", label=f"{row['attention']} ({row['bits_per_byte']:.3f} at the end)")
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("validation bits per byte")
+        ax.set_title("all evaluations" if panel == 0 else "from the second evaluation on", fontsize=10)
+        for axis in (ax.xaxis, ax.yaxis):
+            axis.set_major_locator(MaxNLocator(nbins=10, steps=[1, 2, 2.5, 5, 10]))
+            axis.set_minor_locator(AutoMinorLocator())
+        ax.grid(which="major", alpha=0.4)
+        ax.grid(which="minor", alpha=0.15)
+        ax.legend()
     fig.tight_layout()
     args.plot.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.plot, dpi=110)
@@ -177,7 +206,7 @@ def parse_args(argv=None):
     parser.add_argument("runs", nargs="+", type=Path, help="output folders of recipes/train_clm.py; the first is "
                         "the baseline of the ratios")
     parser.add_argument("--decode_tokens", type=int, default=200)
-    parser.add_argument("--rounds", type=int, default=7, help="timed decode rounds (after one warm-up round)")
+    parser.add_argument("--rounds", type=int, default=11, help="timed decode rounds (after one warm-up round)")
     parser.add_argument("--plot", type=Path, default=None, help="PNG of the validation curves (and a .md table)")
     args = parser.parse_args(argv)
     if args.decode_tokens < 1:
@@ -201,9 +230,11 @@ def main(argv=None) -> str:
                      "bits_per_byte": metrics["eval_bits_per_byte"],
                      "train_tokens_per_second": metrics["train_tokens_per_cpu_second"]})
         models.append(load(path))
-    for row, seconds, (model, tokenizer) in zip(rows, measure_decode(models, args.decode_tokens, args.rounds), models):
-        row["decode_seconds"] = seconds
-        row.update(cache_bytes(model, tokenizer, args.decode_tokens))
+    seconds, caches, decoded = measure_decode(models, args.decode_tokens, args.rounds)
+    for row, (model, tokenizer), run_seconds, cache, tokens in zip(rows, models, seconds, caches, decoded):
+        check_same_as_generate(model, tokenizer, tokens)
+        row["decode_seconds"] = run_seconds
+        row.update(cache_bytes(model, cache))
     text = table(rows, args, torch.get_num_threads())
     print(text)
     if args.plot is not None:
