@@ -257,7 +257,9 @@ def decode_markdown(device: str, batches, prompts, steps: int, warmup: int, back
     import bench_generation as generation
     import torch
 
-    torch._dynamo.config.recompile_limit = 64  # two models x batch sizes x prompts: beyond the default 8
+    # the models' compiled forwards share one code object and its recompile limit: beyond the default 8, Dynamo
+    # would silently run eagerly
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     overrides = {} if (n_layer, n_embd) == (6, 512) else dict(n_layer=n_layer, n_embd=n_embd,
                                                                 n_head=n_embd // HEAD_DIM)
     models = generation.gpt2_models(device=device, **overrides)
