@@ -21,6 +21,14 @@ from .structattn_geometry import depth_scale_vector, level_prefix_widths, mask_v
 
 _cpu_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _cpu_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+# A coarse group's forward holds its scaled query rows and the kernel's output for them until they are merged, and
+# every coarse depth covers about half of all rows: in one piece the two add ~1x the output to the peak (a prefill
+# at 2x SDPA's memory). Pieces of at most 1/PIECE_FRACTION of the output keep the extra at ~2/PIECE_FRACTION;
+# pieces are not cut below MIN_PIECE_ELEMENTS (1 MiB in float32), where the extra kernel calls and merges cost more
+# time than the memory is worth (5-15 % of the forward at T = 1024, 8 heads, one thread). Above it the pieces cost
+# 0-5 % of the forward (docs/benchmarks.md, "Transient memory of the fused MLR op").
+PIECE_FRACTION = 8
+MIN_PIECE_ELEMENTS = 2 ** 18
 
 
 class _Group:
@@ -83,22 +91,30 @@ class _Group:
     # kernel's head dim; for (B, H, T, E) memory H joins the batch too and the kernel sees one head. Either
     # way every group is a strided view of the inputs, and the own-block group's results are whole-sequence
     # tensors in the inputs' layout without a copy.
-    def fold(self, x: torch.Tensor, children: slice, heads_in_batch: bool) -> torch.Tensor:
+    def fold(self, x: torch.Tensor, children: slice, heads_in_batch: bool, piece: Optional[tuple] = None
+             ) -> torch.Tensor:
         """x (B, H, Tc, ...) -> (B * n_parents * count, H, child, ...), or (B * H * n_parents * count, 1,
-        child, ...) when ``heads_in_batch`` (a view when the strides allow)."""
+        child, ...) when ``heads_in_batch`` (a view when the strides allow). ``piece``: (batch, heads, parents)
+        slices to fold only a part of the group (see ``_GroupInputs.pieces``)."""
         batch, heads = x.shape[:2]
         rest = x.shape[3:]
         picked = x.reshape(batch, heads, self.n_parents, self.n_children, self.child, *rest)[:, :, :, children]
+        if piece is not None:
+            picked = picked[piece]
+        batch, heads, parents, count = picked.shape[:4]
         if heads_in_batch:
-            return picked.reshape(batch * heads * self.n_parents * self.count, 1, self.child, *rest)
+            return picked.reshape(batch * heads * parents * count, 1, self.child, *rest)
         picked = picked.movedim(1, 3)  # (B, nP, count, H, child, ...)
-        return picked.reshape(batch * self.n_parents * self.count, heads, self.child, *rest)
+        return picked.reshape(batch * parents * count, heads, self.child, *rest)
 
-    def unfold(self, t: torch.Tensor, batch: int, heads: int, heads_in_batch: bool) -> torch.Tensor:
-        """Inverse of ``fold`` as a view: kernel-side tensor -> (B, H, n_parents, count, child, ...)."""
+    def unfold(self, t: torch.Tensor, batch: int, heads: int, heads_in_batch: bool, parents: Optional[int] = None
+               ) -> torch.Tensor:
+        """Inverse of ``fold`` as a view: kernel-side tensor -> (B, H, n_parents, count, child, ...) (the
+        piece's sizes when ``fold`` had a piece)."""
+        parents = self.n_parents if parents is None else parents
         if heads_in_batch:
-            return t.squeeze(1).unflatten(0, (batch, heads, self.n_parents, self.count))
-        return t.unflatten(0, (batch, self.n_parents, self.count)).movedim(3, 1)
+            return t.squeeze(1).unflatten(0, (batch, heads, parents, self.count))
+        return t.unflatten(0, (batch, parents, self.count)).movedim(3, 1)
 
     def fold_mask(self, key_valid: Optional[torch.Tensor], bias: Optional[torch.Tensor], batch: int, heads: int,
                   dtype: torch.dtype, heads_in_batch: bool) -> Optional[torch.Tensor]:
@@ -128,6 +144,13 @@ class _Plan:
             for offset in offsets:
                 self.groups.append(_Group(depth, parent, child, offset, length))
         self.prefix_widths = level_prefix_widths(ranks)
+
+
+def _split(size: int, parts: int) -> list:
+    """``parts`` (at most ``size``) contiguous slices of nearly equal length covering ``range(size)``."""
+    parts = max(1, min(parts, size))
+    bounds = [size * index // parts for index in range(parts + 1)]
+    return [slice(start, stop) for start, stop in zip(bounds[:-1], bounds[1:])]
 
 
 def _uniform_scale(vector: torch.Tensor, width: int) -> Optional[float]:
@@ -182,6 +205,33 @@ class _GroupInputs:
         self.vectors = {depth: F.pad(vec, (0, width - vec.shape[0])) for depth, vec in scale_vectors.items()}
         self.own_scale = _uniform_scale(self.vectors[plan.groups[0].depth], self.head_dim)
         self.q_scratch = self.grad_scratch = None
+        self.max_piece = max(q.shape[0] * q.shape[1] * q.shape[2] * width // PIECE_FRACTION, MIN_PIECE_ELEMENTS)
+
+    def pieces(self, group: _Group, masked: bool) -> list:
+        """((batch, heads, parents) slices, a slice of each query child's rows) pairs that split the group's
+        forward into pieces of at most ``max_piece`` kernel elements; [(whole, whole)] for small groups and for
+        masked calls (padding, bias). Pieces cut the batch first, then the heads when they are in the kernel
+        batch (a head slice of (B, T, H, E) memory makes the kernel slow), then the parents, and the rows only
+        when that is not enough: every piece's fold stays a view, and the kernel keeps long query runs (it tiles
+        queries more finely, and runs slower, below 768 rows)."""
+        whole = (slice(None), slice(None), slice(None))
+        batch, heads, _, width = self.q.shape
+        elements = batch * heads * group.n_parents * group.count * group.child * width
+        wanted = -(-elements // self.max_piece)
+        if wanted <= 1 or masked:
+            return [(whole, slice(None))]
+        if wanted <= batch:
+            return [((part, slice(None), slice(None)), slice(None)) for part in _split(batch, wanted)]
+        wanted = -(-wanted // batch)  # per batch row
+        head_parts = [slice(None)]
+        if self.heads_in_batch:
+            head_parts = _split(heads, wanted)
+            wanted = -(-wanted // heads)
+        parent_parts = _split(group.n_parents, wanted)
+        wanted = -(-wanted // group.n_parents)
+        row_parts = _split(group.child, wanted)
+        return [((slice(index, index + 1), head_part, parent_part), row_part) for index in range(batch)
+                for head_part in head_parts for parent_part in parent_parts for row_part in row_parts]
 
     def prefix(self, group: _Group) -> int:
         """Number of leading dims the group's scores use (later dims of its scaled q are zero)."""
@@ -189,17 +239,19 @@ class _GroupInputs:
             return self.head_dim
         return self.plan.prefix_widths[group.depth - 1]
 
-    def queries(self, group: _Group):
-        """(kernel q, kernel scale, multiplier of the kernel's dq or None) for one group."""
-        rows = group.fold(self.q, group.query_children, self.heads_in_batch)
+    def queries(self, group: _Group, piece: Optional[tuple] = None, rows: slice = slice(None)):
+        """(kernel q, kernel scale, multiplier of the kernel's dq or None) for one group, or for one piece of it
+        and a slice of the rows of each query child (the kernel's length dim)."""
+        rows = group.fold(self.q, group.query_children, self.heads_in_batch, piece)[:, :, rows]
         if group is self.plan.groups[0] and self.own_scale is not None:
             return rows, self.own_scale, None
         vector = self.vectors[group.depth]
         return torch.mul(rows, vector, out=_scratch_view(self, "q_scratch", rows)), 1.0, vector
 
-    def keys(self, group: _Group):
+    def keys(self, group: _Group, piece: Optional[tuple] = None):
         fold = self.heads_in_batch
-        return group.fold(self.k, group.key_children, fold), group.fold(self.v, group.key_children, fold)
+        return (group.fold(self.k, group.key_children, fold, piece),
+                group.fold(self.v, group.key_children, fold, piece))
 
     def fold(self, group: _Group, x: torch.Tensor) -> torch.Tensor:
         """The group's query rows of x (B, H, Tc, ...) as the kernel sees them."""
@@ -232,25 +284,36 @@ class _FusedMLRFunction(torch.autograd.Function):
         out = lse = None
         for group in plan.groups:
             mask = inputs.mask(group, key_valid, bias, q.dtype)
-            group_q, kernel_scale, _ = inputs.queries(group)
-            group_k, group_v = inputs.keys(group)
-            group_out, group_lse = _cpu_flash(group_q, group_k, group_v, 0.0, causal and group.is_own_block,
-                                              attn_mask=mask, scale=kernel_scale)
-            group_out = inputs.unfold(group, group_out[..., :value_dim])
-            group_lse = inputs.unfold(group, group_lse)
             if out is None:  # the own-block group covers every query row: its result (a view) starts the merge
-                out = group_out.to(acc_dtype).reshape(batch, heads, length, value_dim)
-                lse = group_lse.to(acc_dtype).reshape(batch, heads, length)
+                group_q, kernel_scale, _ = inputs.queries(group)
+                group_k, group_v = inputs.keys(group)
+                group_out, group_lse = _cpu_flash(group_q, group_k, group_v, 0.0, causal, attn_mask=mask,
+                                                  scale=kernel_scale)
+                out = inputs.unfold(group, group_out[..., :value_dim]).to(acc_dtype).reshape(
+                    batch, heads, length, value_dim)
+                lse = inputs.unfold(group, group_lse).to(acc_dtype).reshape(batch, heads, length)
                 continue
-            # Merge weights sum to one, so the merge is one in-place lerp over the group's rows.
-            running = group.rows(lse)
-            group_lse = group_lse.to(acc_dtype)
-            merged = torch.logaddexp(running, group_lse)
-            weight = torch.sub(group_lse, merged, out=group_lse if group_lse.dtype == acc_dtype else None).exp_()
-            out_rows = group.view(out, group.query_children)
-            out_rows.lerp_(group_out.to(acc_dtype), weight[..., None])
-            running.copy_(merged)
-            del group_out
+            # Coarse groups are not causal inside, so their query rows split into independent pieces.
+            out_rows, lse_rows = group.view(out, group.query_children), group.rows(lse)
+            pieces = inputs.pieces(group, mask is not None)
+            for piece, rows in pieces:
+                group_q, kernel_scale, _ = inputs.queries(group, piece, rows)
+                if rows.start is None or rows.start == 0:  # a piece's keys serve every row slice of it
+                    group_k, group_v = inputs.keys(group, piece)
+                group_out, group_lse = _cpu_flash(group_q, group_k, group_v, 0.0, False, attn_mask=mask,
+                                                  scale=kernel_scale)
+                piece_out, piece_lse = out_rows[piece][..., rows, :], lse_rows[piece][..., rows]
+                batch_part, heads_part, parents_part = piece_out.shape[:3]
+                group_out = group.unfold(group_out[..., :value_dim], batch_part, heads_part, inputs.heads_in_batch,
+                                         parents_part)
+                group_lse = group.unfold(group_lse, batch_part, heads_part, inputs.heads_in_batch,
+                                         parents_part).to(acc_dtype)
+                # Merge weights sum to one, so the merge is one in-place lerp over the piece's rows.
+                merged = torch.logaddexp(piece_lse, group_lse)
+                weight = torch.sub(group_lse, merged, out=group_lse).exp_()
+                piece_out.lerp_(group_out.to(acc_dtype), weight[..., None])
+                piece_lse.copy_(merged)
+                del group_out
         inputs.q_scratch = None
         result = out.to(q.dtype)
         if result._is_view():

@@ -1,0 +1,268 @@
+"""The measurement tooling at toy sizes: the allocated-cache-bytes helper, bench_cache_memory, bench_memory (and the
+fused op's forward pieces it motivated), bench_generation's decode cells and scripts/compare_runs.py."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+
+from hf_structattn import StructAttnGPT2Config, StructAttnGPT2LMHeadModel, mlr_attention, mlr_attention_reference
+from hf_structattn.flops import allocated_cache_bytes, attention_cost_report
+from hf_structattn.modeling import structattn_mlr_fused
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+import bench_cache_memory  # noqa: E402
+import bench_generation  # noqa: E402
+import bench_memory  # noqa: E402
+import compare_runs  # noqa: E402
+
+SHAPE = dict(vocab_size=61, n_positions=64, n_embd=32, n_head=2, n_layer=2, bos_token_id=0, eos_token_id=1,
+             pad_token_id=1)
+
+
+def _generate(model, ids, **kwargs):
+    output = model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False, return_dict_in_generate=True,
+                            **kwargs)
+    return bench_cache_memory.returned_cache(output)
+
+
+# ------------------------------------------------------------------------------------ allocated_cache_bytes
+
+
+@torch.no_grad()
+def test_allocated_cache_bytes_of_stock_dynamic_cache_is_keys_plus_values():
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**SHAPE)).eval()
+    cache = _generate(model, torch.randint(2, 60, (2, 9)))
+    held = int(cache.get_seq_length())
+    # stock transformers concatenates: exactly batch x heads x tokens x head dim per tensor, keys and values
+    assert allocated_cache_bytes(cache) == 2 * SHAPE["n_layer"] * 2 * SHAPE["n_head"] * held * 16 * 4
+
+
+@torch.no_grad()
+def test_allocated_cache_bytes_of_static_cache_counts_every_slot_and_the_counters():
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**SHAPE)).eval()
+    cache = _generate(model, torch.randint(2, 60, (2, 9)), cache_implementation="static", max_cache_len=40)
+    slots = cache.layers[0].max_cache_len
+    assert slots >= 40 > cache.get_seq_length()
+    per_layer = 2 * 2 * SHAPE["n_head"] * slots * 16 * 4 + 8  # keys, values and the int64 length counter
+    assert allocated_cache_bytes(cache) == SHAPE["n_layer"] * per_layer
+
+
+def test_allocated_cache_bytes_counts_a_shared_storage_once_at_its_full_size():
+    cache = transformers.DynamicCache()
+    storage = torch.zeros(1, 2, 10, 48)  # 3840 bytes; the layer views only part of it
+    layer = transformers.cache_utils.DynamicLayer()
+    layer.keys, layer.values = storage[..., :16], storage[..., 16:40]
+    layer.extra = {"positions": [storage[0, 0, :, 0]]}  # tensors inside containers are found too
+    cache.layers = [layer]
+    assert allocated_cache_bytes(cache) == storage.untyped_storage().nbytes() == 3840
+
+
+@torch.no_grad()
+def test_allocated_cache_bytes_of_encoder_decoder_cache_with_and_without_cross_attention():
+    config = transformers.T5Config(vocab_size=61, d_model=32, d_ff=64, num_layers=2, num_decoder_layers=2,
+                                   num_heads=2, d_kv=16, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(config).eval()
+    cache = _generate(model, torch.randint(2, 60, (2, 9)))
+    cross = 2 * 2 * 2 * 2 * 9 * 16 * 4  # layers x (k, v) x batch x heads x encoder tokens x d_kv x float32
+    assert allocated_cache_bytes(cache) - allocated_cache_bytes(cache, cross_attention=False) == cross
+
+
+def test_allocated_cache_bytes_rejects_what_is_not_a_cache():
+    with pytest.raises(TypeError, match="cache=dict"):
+        allocated_cache_bytes({"keys": torch.zeros(3)})
+
+
+@torch.no_grad()
+def test_mlr_cache_allocation_is_measured_beside_the_formula():
+    """The MLR cache generate returns: allocated bytes are at least the formula's bytes in use."""
+    torch.manual_seed(0)
+    config = StructAttnGPT2Config(**SHAPE, attention="mlr", mlr_ranks=[8, 4, 2, 2])
+    model = StructAttnGPT2LMHeadModel(config).eval()
+    cache = _generate(model, torch.randint(2, 60, (1, 20)))
+    formula = attention_cost_report(config, dtype_bytes=4, context_len=int(cache.get_seq_length())).kv_cache_bytes
+    assert allocated_cache_bytes(cache) >= formula > 0
+
+
+# ----------------------------------------------------------------------------------------- bench_cache_memory
+
+
+def test_bench_cache_memory_table(tmp_path, capsys):
+    output = tmp_path / "cache.md"
+    bench_cache_memory.main(["--prompts", "8", "40", "--new_tokens", "2", "--output", str(output)])
+    text = output.read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| MLR GPT-2") or line.startswith("| patched")]
+    assert len(rows) == 4
+    for row in rows:
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        prompt, held = int(cells[2]), int(cells[3])
+        assert held == prompt + 1  # prompt + new tokens - 1 fed back
+        stock = int(cells[6].replace(",", ""))
+        heads, layers = (4, 2) if row.startswith("| MLR") else (2, 2)  # Llama: 2 KV heads
+        assert stock == layers * 2 * heads * held * 64 * 4  # stock transformers allocates exactly what it holds
+        mlr, formula = int(cells[4].replace(",", "")), int(cells[5].replace(",", ""))
+        assert cells[-3] == f"**{mlr / stock:.2f}x**" and cells[-1] == f"{mlr / formula:.2f}x"
+
+
+def test_bench_cache_memory_rejects_bad_prompts():
+    with pytest.raises(SystemExit):
+        bench_cache_memory.main(["--prompts", "0"])
+
+
+# ------------------------------------------------------------------------------------------------ bench_memory
+
+
+@pytest.mark.parametrize("layout", ["bthd", "bhtd"])
+def test_bench_memory_peak_includes_the_output_and_training_includes_the_gradients(layout):
+    length, heads = 256, 2
+    output_bytes = heads * length * 64 * 4
+    prefill, _ = bench_memory.measure("SDPA", length, heads, layout, training=False)
+    step, _ = bench_memory.measure("SDPA", length, heads, layout, training=True)
+    assert prefill >= output_bytes
+    assert step >= prefill + 3 * output_bytes  # dq, dk, dv (or the packed projection's gradient)
+
+
+@pytest.mark.parametrize("layout", ["bthd", "bhtd"])
+def test_fused_mlr_prefill_peak_memory_stays_near_sdpa(layout):
+    """Regression (issue 24): each coarse group's scaled query copy and kernel output used to be live together
+    in one piece, ~1x the output on top of it (1.94x SDPA's peak at T = 4096); in pieces it is ~1.25x."""
+    mlr, _ = bench_memory.measure("MLR fused", 4096, 8, layout, training=False)
+    sdpa, _ = bench_memory.measure("SDPA", 4096, 8, layout, training=False)
+    assert mlr <= 1.35 * sdpa
+
+
+def test_bench_memory_script_prints_both_tables(tmp_path):
+    output = tmp_path / "memory.md"
+    bench_memory.main(["--lengths", "256", "--heads", "2", "--layouts", "bthd", "--breakdown", "--output",
+                       str(output)])
+    text = output.read_text()
+    assert "prefill (forward, no grad)" in text and "training step (forward + backward)" in text
+    assert "| bthd | MLR fused |" in text and "allocating op" in text
+    with pytest.raises(SystemExit):
+        bench_memory.main(["--lengths", "100"])
+
+
+@pytest.mark.parametrize("layout", ["bthd", "bhtd"])
+@pytest.mark.parametrize("fraction", [2, 4, 16, 64], ids=lambda f: f"1/{f}")
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
+def test_fused_forward_in_pieces_is_exact(monkeypatch, float64_default, layout, fraction, causal):
+    """Pieces cut the batch, heads, parents and rows (all four at 1/64); output and gradients still equal the
+    naive reference in float64."""
+    monkeypatch.setattr(structattn_mlr_fused, "MIN_PIECE_ELEMENTS", 1)
+    monkeypatch.setattr(structattn_mlr_fused, "PIECE_FRACTION", fraction)
+    batch, heads, length, ranks, blocks = 2, 2, 32, [4, 2, 2], [16, 8]
+    generator = torch.Generator().manual_seed(fraction)
+    if layout == "bthd":
+        packed = torch.randn(batch, length, 3 * heads * 8, generator=generator, requires_grad=True)
+        leaves = [packed]
+        q, k, v = (t.view(batch, length, heads, 8).transpose(1, 2) for t in packed.split(heads * 8, -1))
+    else:
+        leaves = [torch.randn(batch, heads, length, 8, generator=generator, requires_grad=True) for _ in range(3)]
+        q, k, v = leaves
+    grad = torch.randn(batch, heads, length, 8, generator=generator)
+    fused = mlr_attention(q, k, v, ranks=ranks, block_sizes=blocks, causal=causal, implementation="fused")
+    fused_grads = torch.autograd.grad(fused, leaves, grad)
+    reference = mlr_attention_reference(q, k, v, ranks=ranks, block_sizes=blocks, causal=causal)
+    reference_grads = torch.autograd.grad(reference, leaves, grad)
+    torch.testing.assert_close(fused, reference, rtol=0, atol=1e-12)
+    for mine, theirs in zip(fused_grads, reference_grads):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-12)
+
+
+# -------------------------------------------------------------------------------------------- bench_generation
+
+
+def test_decode_cell_times_every_variant_interleaved_and_tables_follow():
+    models = bench_generation.gpt2_models(n_layer=1, n_embd=64, n_head=1)
+    variants = bench_generation.decode_variants(list(models), ["eager", "static", "compiled"])
+    assert [label for label, _, _ in variants] == ["MLR", "dense", "MLR static", "dense static", "MLR compiled",
+                                                   "dense compiled"]
+    clock = bench_generation.Clock("thread")
+    times = bench_generation.decode_cell(models, variants, batch=2, prompt=12, steps=2, warmup=2, clock=clock,
+                                         compiled={}, compile_backend="eager")
+    assert set(times) == {label for label, _, _ in variants}
+    assert all(len(clock_times) == len(wall) == 2 for clock_times, wall in times.values())
+    rows = bench_generation.cell_rows(2, 12, variants, times)
+    assert len(rows) == 6 and rows[0].startswith("| GPT-2 | 2 | 12 | MLR |")
+    summary = bench_generation.summary_table([(2, 12, times)], ["eager", "static", "compiled"])
+    assert summary[0].count("MLR / dense") == 3 and summary[2].startswith("| 2 | 12 |")
+
+
+@torch.no_grad()
+def test_prefilled_cache_holds_the_prompt_and_a_static_one_has_room():
+    models = bench_generation.gpt2_models(n_layer=1, n_embd=64, n_head=1)
+    ids = torch.randint(2, 200, (1, 10))
+    for model in models.values():
+        assert bench_generation.prefilled_cache(model, ids).get_seq_length() == 10
+        static = bench_generation.prefilled_cache(model, ids, static_len=20)
+        assert static.get_seq_length() == 10
+        # a decode step at the next position writes into the static cache's free slots
+        model(ids[:, :1], cache=static, use_cache=True, position_ids=torch.full((1, 1), 10))
+        assert static.get_seq_length() == 11
+
+
+@pytest.mark.parametrize("argv, field", [(["--steps", "0"], "--steps"), (["--batches", "0"], "--batches"),
+                                         (["--prompts", "4090"], "--prompts"), (["--modes", "fast"], "--modes")])
+def test_bench_generation_rejects_bad_arguments(argv, field, capsys):
+    with pytest.raises(SystemExit):
+        bench_generation.parse_args(argv)
+    assert field in capsys.readouterr().err
+
+
+def test_bench_generation_modes_keep_their_order_without_duplicates():
+    args = bench_generation.parse_args(["--modes", "compiled", "eager", "--static", "--compile"])
+    assert args.modes == ["eager", "static", "compiled"]
+
+
+# -------------------------------------------------------------------------------------- scripts/compare_runs.py
+
+
+def _fake_run(folder, attention, model, tokenizer, bits):
+    """A finished run's folder as recipes/train_clm.py leaves it: model + tokenizer, final metrics, eval curve."""
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    (folder / "final_metrics.json").write_text(json.dumps(
+        {"step": 4, "eval_bits_per_byte": bits, "train_tokens_per_cpu_second": 1000.0}))
+    (folder / "metrics.jsonl").write_text("\n".join(json.dumps({"step": step, "eval/bits_per_byte": bits + 1 / step})
+                                                    for step in (1, 2, 4)) + "\n")
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_compare_runs_table_and_plot(tmp_path):
+    from hf_structattn.tokenization import build_byte_tokenizer
+
+    tokenizer = build_byte_tokenizer()
+    fields = dict(vocab_size=257, n_positions=64, n_embd=64, n_head=1, n_layer=1, bos_token_id=256,
+                  eos_token_id=256, pad_token_id=256)
+    runs = []
+    for attention, extra in (("dense", {}), ("mlr", {"mlr_ranks": [32, 16, 8, 8]})):
+        torch.manual_seed(0)
+        model = StructAttnGPT2LMHeadModel(StructAttnGPT2Config(**fields, attention=attention, **extra))
+        folder = tmp_path / f"clm_{attention}"
+        _fake_run(folder, attention, model, tokenizer, 2.0)
+        runs.append(str(folder))
+    plot = tmp_path / "plot" / "dense_vs_mlr.png"
+    text = compare_runs.main([*runs, "--decode_tokens", "6", "--rounds", "2", "--plot", str(plot)])
+    assert plot.is_file() and plot.with_suffix(".md").read_text().strip() == text.strip()
+    dense_row, mlr_row = [line for line in text.splitlines() if line.startswith("| clm_")]
+    assert "1.00 [1.00-1.00]x" in dense_row  # every round's ratio of the baseline to itself
+    cells = [cell.strip() for cell in mlr_row.strip("|").split("|")]
+    allocated, formula_kv, formula_keys = (int(cell.replace(",", "")) for cell in cells[-3:])
+    assert allocated >= formula_kv > formula_keys
+    assert "fewer key bytes than dense keys" in text and "(it then holds" in text
+
+
+def test_compare_runs_rejects_a_folder_without_final_metrics(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        compare_runs.parse_args([str(tmp_path)])
+    assert "final_metrics.json" in capsys.readouterr().err
