@@ -114,6 +114,30 @@ def test_greedy_generate_cached_equals_uncached(arch):
         assert torch.equal(alone[0], cached[row, pad:])
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_assisted_decoding_equals_greedy_with_a_sliding_layer(arch):
+    """Speculative decoding rolls the MLR cache back (and Gemma-3's sliding layers next to it): assisted decoding
+    with the model itself, with another patched model, and prompt lookup give the greedy tokens and scores for a
+    left-padded prompt (transformers runs speculative decoding with batch 1)."""
+    _, mlr = patched(arch)
+    _, assistant = patched(arch)
+    with torch.no_grad():
+        for param in assistant.parameters():
+            param.add_(torch.randn_like(param) * 0.5)  # a different model: some drafts are rejected
+    for model in (mlr, assistant):
+        model.generation_config.num_assistant_tokens = 3
+        model.generation_config.num_assistant_tokens_schedule = "constant"
+    ids = torch.randint(3, VOCAB, (1, 24))
+    batch, mask, _ = left_padded(ids, [5], 24)
+    kwargs = dict(attention_mask=mask, max_new_tokens=20, min_new_tokens=20, do_sample=False,
+                  return_dict_in_generate=True, output_scores=True)
+    greedy = mlr.generate(batch, **kwargs)
+    for extra in (dict(assistant_model=mlr), dict(assistant_model=assistant), dict(prompt_lookup_num_tokens=3)):
+        other = mlr.generate(batch, **kwargs, **extra)
+        assert torch.equal(other.sequences, greedy.sequences), extra.keys()
+        torch.testing.assert_close(torch.stack(other.scores), torch.stack(greedy.scores), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_sampling_and_beam_cached_equal_uncached(arch):
     _, mlr = patched(arch)

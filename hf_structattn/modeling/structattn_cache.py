@@ -847,12 +847,16 @@ def prepare_structattn_cache(cache: Optional[Cache], geometries: dict, *, reserv
         if isinstance(layer, MLR_CACHE_LAYERS):
             if not layer.is_bound and layer.get_seq_length() == 0:
                 layer.bind(geometry)
-        elif type(layer) is DynamicLayer and layer.get_seq_length() == 0:
-            layer = target.layers[layer_idx] = MLRKeyCacheLayer(geometry)
-        elif type(layer) is StaticLayer and not layer.is_initialized:
-            layer = target.layers[layer_idx] = MLRStaticKeyCacheLayer(layer.max_cache_len, geometry)
         else:
-            continue
+            recording = bool(getattr(layer, "record_past", False))
+            if type(layer) is DynamicLayer and layer.get_seq_length() == 0:
+                layer = target.layers[layer_idx] = MLRKeyCacheLayer(geometry)
+            elif type(layer) is StaticLayer and not layer.is_initialized:
+                layer = target.layers[layer_idx] = MLRStaticKeyCacheLayer(layer.max_cache_len, geometry)
+            else:
+                continue
+            if recording:  # generate activated rollback on the cache it built (an assistant's, a speculative run's)
+                layer.activate_past_recording()
         if reserve is not None and isinstance(layer, MLRKeyCacheLayer) and layer.get_seq_length() == 0:
             layer.reserve(reserve)
     return cache

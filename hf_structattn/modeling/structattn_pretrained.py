@@ -75,6 +75,10 @@ class StructAttnPreTrainedMixin:
         if cache is not None:
             prepare_structattn_cache(cache, self.structattn_cache_geometries(), reserve=max_cache_length,
                                      num_layers=self.structattn_num_cache_layers())
+            if getattr(generation_config, "is_assistant", False) and not getattr(cache, "_is_user_defined", False):
+                # transformers activated rollback on the cache it built for an assistant model; the layers
+                # replaced above start recording too
+                cache.activate_past_recording()
         return result
 
     def _prepare_generated_length(self, generation_config, has_default_max_length, has_default_min_length,

@@ -17,11 +17,11 @@ SKIPS = {
     },
     "gemma3": {
         "test_assisted_decoding_matches_greedy_search": (
-            "transformers 5.24 with a sliding-window layer: assisted decoding gives other tokens than greedy search "
-            "and attention maps of other widths (fails on stock Gemma-3; transformers' Gemma-3 tests skip it)"),
-        "test_assisted_decoding_sample": (
-            "transformers 5.24 with a sliding-window layer: assisted decoding returns attention maps of other widths "
-            "than the cache holds (fails on stock Gemma-3; transformers' Gemma-3 tests skip it)"),
+            "the tester's prompts are right-padded, and with a sliding-window layer transformers 5.24's assisted "
+            "decoding of a right-padded prompt gives other tokens than greedy search on stock Gemma-3 too (which "
+            "passes or fails by seed); transformers' Gemma-3 tests skip it. Left-padded assisted decoding equals "
+            "greedy search for the patched Gemma-3: tests/test_decoder_patching.py::"
+            "test_assisted_decoding_equals_greedy_with_a_sliding_layer"),
     },
 }
 

@@ -364,7 +364,10 @@ class DecoderModelTester(CausalLMModelTester):
         config = self.config_class(**self.config_kwargs())
         if self.patch_kwargs is None:
             return config
-        return hf_structattn.patch(self.stock_causal_lm_class(config), **self.patch_kwargs).config
+        patched = hf_structattn.patch(self.stock_causal_lm_class(config), **self.patch_kwargs).config
+        # a fresh config, as the patched checkpoint's config.json loads: the patched model's own config object has
+        # been through a model's __init__ (which fixes its attention implementation), a stock tester's has not
+        return type(patched).from_dict(patched.to_dict())
 
 
 def decoder_tester(config_class, causal_lm_class, extra_config=None, patch_kwargs=None):

@@ -1,0 +1,100 @@
+"""What the generation caches really allocate (issue 24): the unique storage bytes of every tensor the cache returned
+by ``generate`` holds stay within ``1.05 x`` the formula plus one block per level, for the GPT-2 family, T5 and a
+patched decoder, with the dynamic and the static cache, at prompts of one block, several blocks and 4x the coarsest
+block; and an MLR cache allocates less than the stock dense cache of the same model once the formula says so.
+
+The formula is written out here, independently of the package: per layer, row and KV head, an MLR layer holds
+``S r_1 + sum_{l>=2} min(b_l, S) r_l`` key entries and ``S dv`` value entries (S = tokens held), any other layer
+``S (r + dv)``."""
+
+import pytest
+import torch
+import transformers
+
+import hf_structattn
+from hf_structattn import StructAttnGPT2Config, StructAttnGPT2LMHeadModel, StructAttnT5Config
+from hf_structattn import StructAttnT5ForConditionalGeneration
+from hf_structattn.flops import allocated_cache_bytes
+
+BLOCKS = [16, 8, 4]  # b_2, b_3, b_4: the coarsest fine block is 16 tokens
+RANKS = [8, 4, 2, 2]  # head dim 16
+PROMPTS = {"one block": 16, "several blocks": 40, "4x coarsest block": 64}
+NEW_TOKENS = 4
+BYTES = 4  # float32
+
+
+def _mlr_elements(tokens: int, ranks=RANKS, blocks=BLOCKS) -> int:
+    return tokens * ranks[0] + sum(min(block, tokens) * rank for block, rank in zip(blocks, ranks[1:]))
+
+
+def _one_block_per_level(ranks=RANKS, blocks=BLOCKS) -> int:
+    return sum(block * rank for block, rank in zip(blocks, ranks[1:]))
+
+
+def _gpt2(layer_types):
+    config = StructAttnGPT2Config(vocab_size=61, n_positions=128, n_embd=32, n_layer=len(layer_types), n_head=2,
+                                  layer_types=layer_types, mlr_ranks=RANKS, mlr_block_sizes=BLOCKS,
+                                  bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    torch.manual_seed(0)
+    return StructAttnGPT2LMHeadModel(config).eval()
+
+
+def _check(cache, rows: int, heads: int, layers_mlr: list, head_dim: int = 16, value_dim: int = 16,
+           cross_attention: bool = True):
+    """allocated <= 1.05 formula + one block per level (per MLR layer, row and head); returns (allocated, formula)."""
+    held = int(hf_structattn.modeling.structattn_cache.self_attention_cache(cache).get_seq_length())
+    formula = slack = 0
+    for is_mlr in layers_mlr:
+        keys = _mlr_elements(held) if is_mlr else held * head_dim
+        formula += rows * heads * (keys + held * value_dim) * BYTES
+        slack += rows * heads * _one_block_per_level() * BYTES if is_mlr else 0
+    allocated = allocated_cache_bytes(cache, cross_attention=cross_attention)
+    assert allocated <= 1.05 * formula + slack, (held, allocated, formula, slack)
+    assert allocated >= formula, "the cache holds fewer bytes than the formula: the formula or the check is wrong"
+    return allocated, formula
+
+
+@pytest.mark.parametrize("cache_implementation", [None, "static"])
+@pytest.mark.parametrize("prompt", PROMPTS.values(), ids=PROMPTS.keys())
+def test_gpt2_family_cache_allocates_the_formula(prompt, cache_implementation):
+    layer_types = ["mlr_attention", "full_attention", "mlr_attention"]
+    model = _gpt2(layer_types)
+    ids = torch.randint(2, 61, (2, prompt))
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                         do_sample=False, return_dict_in_generate=True, cache_implementation=cache_implementation)
+    _check(out.cache, rows=2, heads=2, layers_mlr=[kind == "mlr_attention" for kind in layer_types])
+
+
+@pytest.mark.parametrize("cache_implementation", [None, "static"])
+@pytest.mark.parametrize("prompt", PROMPTS.values(), ids=PROMPTS.keys())
+def test_t5_decoder_cache_allocates_the_formula(prompt, cache_implementation):
+    torch.manual_seed(0)
+    config = StructAttnT5Config(vocab_size=64, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2,
+                                decoder_attention="mlr", mlr_ranks=RANKS, mlr_block_sizes=BLOCKS,
+                                decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    model = StructAttnT5ForConditionalGeneration(config).eval()
+    encoder_ids = torch.randint(2, 64, (2, 9))
+    decoder_ids = torch.randint(2, 64, (2, prompt))
+    out = model.generate(encoder_ids, decoder_input_ids=decoder_ids, max_new_tokens=NEW_TOKENS,
+                         min_new_tokens=NEW_TOKENS, do_sample=False, return_dict_in_generate=True,
+                         cache_implementation=cache_implementation)
+    # the self-attention part (the cross-attention cache is the encoder's keys and values, not structured)
+    _check(out.cache, rows=2, heads=2, layers_mlr=[True, True], cross_attention=False)
+
+
+@pytest.mark.parametrize("cache_implementation", [None, "static"])
+@pytest.mark.parametrize("prompt", PROMPTS.values(), ids=PROMPTS.keys())
+def test_patched_decoder_cache_allocates_the_formula_and_less_than_stock(prompt, cache_implementation):
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                      bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    torch.manual_seed(0)
+    stock = transformers.LlamaForCausalLM(config).eval()
+    patched = hf_structattn.patch(stock, mlr_ranks=RANKS, mlr_block_sizes=BLOCKS).eval()
+    ids = torch.randint(2, 64, (2, prompt))
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                  do_sample=False, return_dict_in_generate=True, cache_implementation=cache_implementation)
+    ours, formula = _check(patched.generate(ids, **kwargs).cache, rows=2, heads=2, layers_mlr=[True, True])
+    dense = allocated_cache_bytes(stock.generate(ids, **kwargs).cache)
+    if formula < dense:
+        assert ours < dense, (ours, dense)
