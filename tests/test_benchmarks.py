@@ -3,7 +3,6 @@ fused op's forward pieces it motivated), bench_generation's decode cells and scr
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest

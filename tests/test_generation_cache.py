@@ -8,7 +8,6 @@ import pytest
 import torch
 import transformers
 
-from hf_structattn.modeling import structattn_mlr_decode
 from hf_structattn.modeling.structattn_cache import (
     STEP_KEY,
     MLRKeyCacheLayer,
@@ -69,13 +68,9 @@ def _reference_rows(q, k, v, positions, valid, geometry, query_index):
 
 @pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("average_levels", [False, True])
-@pytest.mark.parametrize("broadcast", [False, True])
-def test_decode_step_equals_the_reference(static, average_levels, broadcast, monkeypatch):
+def test_decode_step_equals_the_reference(static, average_levels):
     """Prefill 9 tokens, then one token at a time across every block boundary, rows padded and offset differently
-    (their blocks differ: the broadcast path), two query rows per cached head (grouped-query attention); and with
-    every row in step (the contiguous path), forced onto the broadcast path too."""
-    if broadcast:
-        monkeypatch.setattr(structattn_mlr_decode, "_shared_block_starts", lambda starts: None)
+    (their blocks differ), two query rows per cached head (grouped-query attention); and with every row in step."""
     geometry = _geometry(average_levels)
     for pads, offsets in (((0, 5, 13), (0, 0, 3)), ((0, 0, 0), (0, 0, 0))):
         q, k, v, positions, valid = _rows(pads=pads, offsets=offsets)
@@ -84,8 +79,9 @@ def test_decode_step_equals_the_reference(static, average_levels, broadcast, mon
         for index in range(9, 40):
             _write(layer, k[:, :, index:index + 1], v[:, :, index:index + 1], positions[:, index:index + 1],
                    valid[:, index:index + 1])
-            got = mlr_decode_step(q[:, :, :, index], layer.keys, layer.values, layer.rings, geometry,
-                                  geometry.level_scales, layer.last_positions, layer.first_positions, layer.base)
+            got = mlr_decode_step(q[:, :, :, index], layer.keys, layer.values, layer.fine_storage,
+                                  layer.ring_widths, geometry, geometry.level_scales, layer.last_positions,
+                                  layer.first_positions, layer.base)
             expected = _reference_rows(q, k, v, positions, valid, geometry, index)
             real = valid[:, index][:, None, None, None]
             torch.testing.assert_close(got * real, expected * real, **EXACT, msg=f"step {index}, pads {pads}")
@@ -190,6 +186,43 @@ def test_crop_beyond_what_was_recorded_is_refused():
     assert layer.get_seq_length() == 10 and layer.last_positions.tolist() == [9, 9, 9]
 
 
+@pytest.mark.parametrize("static", [False, True])
+def test_rollback_window_bounds_the_log_and_crops_within_it_exactly(static):
+    """With a rollback window of 5 tokens, a 30-token recorded prefill logs only its last 5 writes (the log does
+    not grow with the context); crop(-5) then restores the 25-token state exactly, crop(-6) is refused."""
+    geometry = _geometry()
+    _, k, v, positions, valid = _rows(length=40, pads=(0, 5, 13), offsets=(0, 0, 3))
+    layer, clean = _layer(static, geometry), _layer(static, geometry)
+    layer.rollback_window = 5
+    layer.activate_past_recording()
+    _write(layer, k[:, :, :30], v[:, :, :30], positions[:, :30], valid[:, :30])
+    _write(clean, k[:, :, :25], v[:, :, :25], positions[:, :25], valid[:, :25])
+    log_tokens = {tensor.shape[-2] if tensor.dim() == 4 else tensor.shape[-1] for tensor in layer._log_tensors()}
+    assert max(log_tokens) <= 5  # the static layer's fixed log buffers are 5 tokens long
+    assert layer._logged_tokens() == 5
+    with pytest.raises(ValueError, match=r"only the 5 tokens"):
+        layer.crop(-6)
+    layer.crop(-5)
+    for target in (layer, clean):  # the next decode steps see the same state
+        _write(target, k[:, :, 25:28], v[:, :, 25:28], positions[:, 25:28], valid[:, 25:28])
+    assert torch.equal(layer.last_positions, clean.last_positions)
+    for ours, theirs, size in zip(layer.rings, clean.rings, BLOCKS):
+        for row in range(3):
+            last, first = int(clean.last_positions[row]), int(clean.first_positions[row])
+            entries = [(p - clean.base) % size for p in range(max(last // size * size, first), last + 1)]
+            torch.testing.assert_close(ours[row][:, entries], theirs[row][:, entries], atol=0, rtol=0)
+
+
+def test_generate_sets_the_rollback_window_from_the_draft_length():
+    model = tiny_lm("mlr", n_positions=128)
+    prompt = torch.randint(2, 61, (1, 40), generator=torch.Generator().manual_seed(1))
+    common = dict(max_new_tokens=6, do_sample=False, pad_token_id=1, return_dict_in_generate=True)
+    lookup = model.generate(prompt, prompt_lookup_num_tokens=4, **common)
+    plain = model.generate(prompt, **common)
+    assert [layer.rollback_window for layer in lookup.cache.layers] == [6, 6]  # the draft and one token, + 1
+    assert [layer.rollback_window for layer in plain.cache.layers] == [None, None]
+
+
 @pytest.mark.parametrize("variant", ["mlr", "mlr_avg_mup"])
 def test_speculative_decoding_equals_greedy(variant):
     """Prompt lookup and assisted decoding (an MLR assistant, whose own cache is rolled back too) give the greedy
@@ -277,9 +310,9 @@ def test_half_precision_decode_is_finite_and_close_to_float32(dtype):
         for index in range(6, 18):
             _write(layer, cast(k[:, :, index:index + 1]), cast(v[:, :, index:index + 1]),
                    positions[:, index:index + 1], valid[:, index:index + 1])
-            outputs.append(mlr_decode_step(cast(q[:, :, :, index]), layer.keys, layer.values, layer.rings, geometry,
-                                           geometry.level_scales, layer.last_positions, layer.first_positions,
-                                           layer.base))
+            outputs.append(mlr_decode_step(cast(q[:, :, :, index]), layer.keys, layer.values, layer.fine_storage,
+                                           layer.ring_widths, geometry, geometry.level_scales, layer.last_positions,
+                                           layer.first_positions, layer.base))
         results[run_dtype] = torch.stack(outputs)
     assert results[dtype].dtype == dtype and torch.isfinite(results[dtype]).all()
     eps = torch.finfo(dtype).eps

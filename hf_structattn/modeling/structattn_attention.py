@@ -326,7 +326,8 @@ def _token_weights(weights: torch.Tensor, valid_keys: Optional[torch.Tensor], fi
     return gathered * valid_keys[:, None, None, :]
 
 
-def _cached(module, query, layer, pending: PendingChunk, geometry, scales, bias, attention_mask, eager):
+def _cached(module, query, layer, pending: PendingChunk, geometry, scales, bias, attention_mask, eager,
+            plans: Optional[dict] = None):
     """Queries of the tokens the layer's last update stored, against everything it holds. query (B, Hq, c, r) level
     order. Returns (output (B, Hq, c, dv), probabilities in token order or None)."""
     batch, q_heads, chunk, width = query.shape
@@ -338,8 +339,12 @@ def _cached(module, query, layer, pending: PendingChunk, geometry, scales, bias,
     rows = query.reshape(batch, kv_heads, groups * chunk, width)  # group-major: row g*c + i
     if chunk == 1 and not eager:
         shift = (tokens - 1) - layer.last_positions + base if bias is not None else None
-        out = mlr_decode_step(rows, layer.keys, layer.values, layer.rings, geometry, scales, layer.last_positions,
-                              layer.first_positions, base, bias=_slot_bias(bias, shift, slots))
+        # one plan per forward, shared by its layers (compiled code needs none: the graph is traced once)
+        plan = None if plans is None or torch.compiler.is_compiling() else \
+            plans.setdefault(("decode read", geometry, base, slots, tuple(layer.ring_widths)), {})
+        out = mlr_decode_step(rows, layer.keys, layer.values, layer.fine_storage, layer.ring_widths, geometry, scales,
+                              layer.last_positions, layer.first_positions, base, bias=_slot_bias(bias, shift, slots),
+                              plan=plan)
         return out.reshape(batch, q_heads, chunk, -1), None
     query_positions = pending.positions.repeat(1, groups)  # (B, g*c)
     rings_before = layer._fine_views(pending.rings_before, layer._capacity()) if pending.rings_before is not None \
@@ -384,7 +389,8 @@ def _forward(module, query, key, value, attention_mask, scaling, dropout, eager,
         pending, layer.pending = layer.pending, None
         query, _ = _reorder(query, None, geometry)
         if pending.had_past:
-            out, weights = _cached(module, query, layer, pending, geometry, scales, bias, attention_mask, eager)
+            out, weights = _cached(module, query, layer, pending, geometry, scales, bias, attention_mask, eager,
+                                   step.plans)
             return out.transpose(1, 2).contiguous(), weights
         if bias is not None and bias.shape[-1] > length:  # T5's bias over a static cache's slots: the chunk's first
             bias = bias[..., :length]

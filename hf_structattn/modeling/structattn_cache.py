@@ -94,6 +94,9 @@ class MLRCacheLayerMixin:
     ``_capacity()``."""
 
     geometry: Optional[MLRGeometry] = None
+    # the most tokens a crop can remove (the rollback log keeps what the last ``rollback_window`` writes replaced);
+    # None: everything written since the last crop. ``generate`` sets it from the draft length of speculative decoding
+    rollback_window: Optional[int] = None
 
     def _init_state(self) -> None:
         self.geometry = None
@@ -136,6 +139,16 @@ class MLRCacheLayerMixin:
     @rings.setter
     def rings(self, views: list) -> None:
         self._ring_views = views
+
+    @property
+    def fine_storage(self) -> Optional[torch.Tensor]:
+        """(B, H, sum_l W_l r_l): every ring, flat (ring l after the rings before it, entry-major)."""
+        return self._fine
+
+    @property
+    def ring_widths(self) -> list:
+        """Entries W_l = min(b_l, capacity) of each ring."""
+        return self._ring_widths(self._capacity()) if self._fine is not None else []
 
     def _ring_widths(self, capacity: int) -> list:
         return [min(size, capacity) for size in self.geometry.block_sizes]
@@ -211,6 +224,14 @@ class MLRCacheLayerMixin:
         order = geometry.dim_order_index(key_states.device)
         if order is not None:
             key_states = key_states.index_select(-1, order)
+        if chunk == 1 and self.is_initialized and not self.record_past and not torch.compiler.is_compiling():
+            plan = self._decode_write_plan(step, batch, key_states.device)
+            if plan is not None:
+                with torch.no_grad():
+                    self._decode_write(plan, key_states.detach(), value_states.detach())
+                self.pending = PendingChunk(key_states, value_states, plan["positions"], plan["valid"],
+                                            plan["last_before"], None, True)
+                return self.keys, self.values
         positions, valid = self._new_token_positions(step, batch, chunk, key_states.device)
         if not self.is_initialized:
             self._lazy_init(key_states, value_states, positions, valid)
@@ -221,6 +242,61 @@ class MLRCacheLayerMixin:
                                        keep_rings_before=chunk > 1 and had_past)
         self.pending = PendingChunk(key_states, value_states, positions, valid, last_before, rings_before, had_past)
         return self.keys, self.values
+
+    def _decode_write_plan(self, step, batch: int, device) -> Optional[dict]:
+        """What an eager decode step (one real token per row, continuing each row) writes, worked out once per model
+        forward and shared by its MLR layers of this geometry (they hold the same positions): one host read per step
+        instead of several per layer. None: the general path (padding in the step, a row not continuing, the first
+        write)."""
+        key = ("decode write", self.geometry, self.base, batch)
+        plan = step.plans.get(key)
+        if plan is not None:
+            return plan or None
+        step.plans[key] = {}
+        if self.last_positions is None or self.last_positions.shape[0] != batch:
+            return None
+        last = self.last_positions
+        if step.positions is None:
+            position = last + 1
+        else:
+            position = step.positions.to(device=device, dtype=torch.long).expand(batch, 1)[:, 0]
+        continuing = (last >= 0) & (position == last + 1)
+        if step.valid is not None:
+            continuing = continuing & step.valid.to(device).reshape(batch)
+        all_continue, newest = torch.stack([continuing.all().long(), position.max()]).tolist()
+        if not all_continue:
+            return None
+        slot = position - self.base
+        plan = {"positions": position[:, None], "valid": torch.ones(batch, 1, dtype=torch.bool, device=device),
+                "last_before": last.clone(), "slot": slot, "rows": torch.arange(batch, device=device),
+                "needed": newest - self.base + 1, "last": position,
+                "first": torch.minimum(self.first_positions, position), "fine index": {}}
+        step.plans[key] = plan
+        return plan
+
+    def _decode_write(self, plan: dict, key_states, value_states) -> None:
+        """One token per row into its slot and ring entries: an indexed write of the level-1 keys and of the values,
+        one scatter into the flat fine storage (every ring at once)."""
+        self._ensure_capacity(max(plan["needed"], self._view_length(1)), key_states, value_states)
+        geometry = self.geometry
+        rank = geometry.ranks[0]
+        rows, slot = plan["rows"], plan["slot"]
+        self.keys_storage()[rows, :, slot] = key_states[:, :, 0, :rank]
+        self.values_storage()[rows, :, slot] = value_states[:, :, 0]
+        if geometry.block_sizes:
+            widths = tuple(self.ring_widths)
+            index = plan["fine index"].get(widths)
+            if index is None:
+                # (B, sum r_l): a token at slot s writes element o_l + (s % b_l) r_l + j of the flat storage
+                layout = geometry.fine_layout(widths, slot.device)
+                index = plan["fine index"][widths] = layout["element offset"] + \
+                    (slot[:, None] % layout["element block"]) * layout["element rank"]
+            batch, heads = key_states.shape[:2]
+            self._fine.scatter_(2, index[:, None, :].expand(batch, heads, index.shape[-1]), key_states[:, :, 0, rank:])
+        self.last_positions.copy_(plan["last"])
+        self.first_positions.copy_(plan["first"])
+        self._advance_decoded(plan["needed"])
+        self._refresh_views()
 
     def _new_token_positions(self, step, batch: int, chunk: int, device):
         positions = valid = None
@@ -567,6 +643,10 @@ class MLRKeyCacheLayer(MLRCacheLayerMixin, DynamicLayer):
         self._used = max(self._used, int(self.last_positions.max()) - self.base + 1) if self.last_positions.numel() \
             else self._used
 
+    def _advance_decoded(self, needed_slots: int) -> None:
+        self.cumulative_length += 1
+        self._used = max(self._used, needed_slots)
+
     def _rewind(self, tokens: int) -> None:
         self.cumulative_length -= tokens
         self._used = max(int(self.last_positions.max()) - self.base + 1, 0) if self.last_positions.numel() else 0
@@ -617,6 +697,15 @@ class MLRKeyCacheLayer(MLRCacheLayerMixin, DynamicLayer):
 
     def _log_write(self, old_fine, positions, valid) -> None:
         self._log.append((valid.clone(), positions.clone(), old_fine))
+        excess = self._logged_tokens() - self.rollback_window if self.rollback_window is not None else 0
+        while excess > 0:  # forget the oldest writes: the log stays O(window), whatever the prompt's length
+            valid, positions, old = self._log[0]
+            if valid.shape[1] <= excess:
+                self._log.pop(0)
+                excess -= valid.shape[1]
+            else:
+                self._log[0] = (valid[:, excess:].clone(), positions[:, excess:].clone(), old[:, :, excess:].clone())
+                excess = 0
 
     def _logged_tokens(self) -> int:
         return sum(entry[0].shape[1] for entry in self._log)
@@ -697,6 +786,9 @@ class MLRStaticKeyCacheLayer(MLRCacheLayerMixin, StaticLayer):
     def _advance(self, chunk: int) -> None:
         self.cumulative_length.add_(chunk)
 
+    def _advance_decoded(self, needed_slots: int) -> None:
+        self.cumulative_length.add_(1)
+
     def _rewind(self, tokens: int) -> None:
         self.cumulative_length.sub_(tokens)
 
@@ -730,6 +822,8 @@ class MLRStaticKeyCacheLayer(MLRCacheLayerMixin, StaticLayer):
 
     # ------------------------------------------------------------------ rollback log (fixed buffers)
     def _start_log(self, like) -> None:
+        if self.rollback_window is not None:
+            self.rollback_tokens = self.rollback_window
         if self._log_buffers is None or self._log_buffers[0].shape[1] < self.rollback_tokens:
             batch, heads = self._fine.shape[:2]
             fine_width = sum(self.geometry.ranks[1:])
@@ -740,6 +834,18 @@ class MLRStaticKeyCacheLayer(MLRCacheLayerMixin, StaticLayer):
 
     def _log_write(self, old_fine, positions, valid) -> None:
         chunk = positions.shape[1]
+        window = self.rollback_window
+        if window is not None and self._log_count + chunk > window and not torch.compiler.is_compiling():
+            if chunk >= window:  # only the chunk's last ``window`` tokens can be rolled back
+                old_fine, positions, valid = old_fine[:, :, -window:], positions[:, -window:], valid[:, -window:]
+                self._log_count, chunk = 0, window
+            else:  # forget the oldest logged writes
+                keep = window - chunk
+                start = self._log_count - keep
+                for tensor in self._log_buffers:
+                    axis = 1 if tensor.dim() == 2 else 2
+                    tensor.narrow(axis, 0, keep).copy_(tensor.narrow(axis, start, keep).clone())
+                self._log_count = keep
         if self._log_count + chunk > self._log_buffers[0].shape[1]:
             if torch.compiler.is_compiling():
                 raise ValueError(f"the static MLR cache records at most {self._log_buffers[0].shape[1]} tokens between "
@@ -779,6 +885,17 @@ class MLRStaticKeyCacheLayer(MLRCacheLayerMixin, StaticLayer):
 
 
 MLR_CACHE_LAYERS = (MLRKeyCacheLayer, MLRStaticKeyCacheLayer)
+
+
+def set_rollback_window(cache: Cache, tokens: Optional[int]) -> None:
+    """Let ``crop`` remove at most ``tokens`` tokens from every MLR layer of ``cache`` (None: everything written since
+    the last crop). The rollback log then costs ``tokens * sum_{l>=2} r_l`` entries per row and head (plus a bool and
+    a position per token), however long the context."""
+    if tokens is not None and (not isinstance(tokens, int) or tokens < 1):
+        raise ValueError(f"rollback window must be a positive number of tokens or None, got {tokens!r}")
+    for layer in self_attention_cache(cache).layers:
+        if isinstance(layer, MLR_CACHE_LAYERS):
+            layer.rollback_window = tokens
 
 
 def key_cache_bytes(cache: Cache) -> int:
@@ -863,4 +980,4 @@ def prepare_structattn_cache(cache: Optional[Cache], geometries: dict, *, reserv
 
 
 __all__ = ["MLRKeyCacheLayer", "MLRStaticKeyCacheLayer", "StructAttnStep", "STEP_KEY", "key_cache_bytes",
-           "prepare_structattn_cache", "self_attention_cache"]
+           "prepare_structattn_cache", "self_attention_cache", "set_rollback_window"]

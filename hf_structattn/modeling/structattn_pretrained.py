@@ -10,7 +10,26 @@ from typing import Optional
 
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache, StaticCache
 
-from .structattn_cache import prepare_structattn_cache
+from .structattn_cache import prepare_structattn_cache, set_rollback_window
+
+
+def _rollback_window(generation_config, model_kwargs: dict, generation_mode) -> Optional[int]:
+    """The most tokens speculative decoding will crop from this generation's cache (None: not speculative, or no
+    bound known). Prompt lookup and a constant draft length crop at most the draft and one token; a growing draft
+    (transformers' "heuristic" schedule) at most the new tokens still to come, never the prompt."""
+    if generation_config.prompt_lookup_num_tokens is not None:
+        return generation_config.prompt_lookup_num_tokens + 2
+    assisted = model_kwargs.get("assistant_model") is not None or "assisted" in str(generation_mode).lower()
+    if not assisted and not getattr(generation_config, "is_assistant", False):
+        return None
+    if generation_config.num_assistant_tokens_schedule == "constant":
+        return (generation_config.num_assistant_tokens or 0) + 2
+    if getattr(generation_config, "is_assistant", False):
+        return None  # an assistant's drafts grow over calls it cannot see from here: all since its last crop
+    mask = model_kwargs.get("attention_mask")
+    if mask is None or generation_config.max_length is None:
+        return None
+    return max(generation_config.max_length - mask.shape[-1], 0) + 2
 
 
 class StructAttnPreTrainedMixin:
@@ -69,12 +88,15 @@ class StructAttnPreTrainedMixin:
             max_cache_length += generation_config.prompt_lookup_num_tokens + 1
         elif model_kwargs.get("assistant_model") is not None or "assisted" in str(generation_mode).lower():
             max_cache_length += (generation_config.num_assistant_tokens or 0) + 1
+        window = _rollback_window(generation_config, model_kwargs, generation_mode)
         result = super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, batch_size,
                                                        max_cache_length)
         cache = model_kwargs.get("cache")
         if cache is not None:
             prepare_structattn_cache(cache, self.structattn_cache_geometries(), reserve=max_cache_length,
                                      num_layers=self.structattn_num_cache_layers())
+            if not getattr(cache, "_is_user_defined", False):
+                set_rollback_window(cache, window)
             if getattr(generation_config, "is_assistant", False) and not getattr(cache, "_is_user_defined", False):
                 # transformers activated rollback on the cache it built for an assistant model; the layers
                 # replaced above start recording too
