@@ -1,5 +1,6 @@
 """The measurement tooling at toy sizes: the allocated-cache-bytes helper, bench_cache_memory, bench_memory (and the
-fused op's forward pieces it motivated), bench_generation's decode cells and scripts/compare_runs.py."""
+fused op's forward pieces it motivated), bench_generation's decode cells, bench_speculative and
+scripts/compare_runs.py."""
 
 import json
 import os
@@ -20,6 +21,7 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import bench_cache_memory  # noqa: E402
 import bench_generation  # noqa: E402
 import bench_memory  # noqa: E402
+import bench_speculative  # noqa: E402
 import compare_runs  # noqa: E402
 
 SHAPE = dict(vocab_size=61, n_positions=64, n_embd=32, n_head=2, n_layer=2, bos_token_id=0, eos_token_id=1,
@@ -265,3 +267,37 @@ def test_compare_runs_rejects_a_folder_without_final_metrics(tmp_path, capsys):
     with pytest.raises(SystemExit):
         compare_runs.parse_args([str(tmp_path)])
     assert "final_metrics.json" in capsys.readouterr().err
+
+
+def test_speculation_counts_from_forward_input_lengths():
+    # a 10-token prompt + a 3-token draft, then the last token + drafts of 3, 2 and 0 tokens (8 drafted); 12 new
+    # tokens from 4 forwards, each of which emits one token of its own: 8 accepted
+    drafted, accepted = bench_speculative.speculation_counts([13, 4, 3, 1], prompt=10, new_tokens=12)
+    assert (drafted, accepted) == (3 + 3 + 2 + 0, 12 - 4)
+
+
+@torch.no_grad()
+def test_bench_speculative_table_on_saved_models(tmp_path, capsys):
+    from hf_structattn.tokenization import build_byte_tokenizer
+
+    tokenizer = build_byte_tokenizer()
+    fields = dict(vocab_size=257, n_positions=256, n_embd=32, n_head=1, n_layer=1, bos_token_id=256,
+                  eos_token_id=256, pad_token_id=256)
+    for attention, extra in (("dense", {}), ("mlr", {"mlr_ranks": [16, 8, 8]})):
+        torch.manual_seed(0)
+        model = StructAttnGPT2LMHeadModel(StructAttnGPT2Config(**fields, attention=attention, **extra))
+        model.save_pretrained(tmp_path / f"clm_{attention}_stdlib")
+        tokenizer.save_pretrained(tmp_path / f"clm_{attention}_stdlib")
+    assert bench_speculative.main(["--runs", str(tmp_path), "--new_tokens", "24", "--rounds", "1"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| dense") or
+            line.startswith("| mlr")]
+    assert [row.split("|")[2].strip() for row in rows] == ["greedy", "prompt lookup"] * 2
+    for row in rows[1::2]:
+        drafted, accepted = (int(cell) for cell in row.split("|")[5:7])
+        assert 0 <= accepted <= drafted
+
+
+def test_bench_speculative_needs_the_main_jobs_models(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        bench_speculative.main(["--runs", str(tmp_path)])
+    assert "run `bash scripts/run.sh` first" in capsys.readouterr().err
