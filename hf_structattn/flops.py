@@ -476,6 +476,9 @@ class AttentionCostReport:
     dense_kv_cache_bytes: int
     key_cache_ratio: float
     kv_cache_ratio: float
+    # speculative decoding: what the MLR layers' rollback logs add for a crop window of ``rollback_window`` tokens
+    rollback_window: int = 0
+    rollback_log_bytes: int = 0
 
     @property
     def attention_flops_per_token(self) -> float:
@@ -515,15 +518,29 @@ def _ratio_text(value: float, reference: float) -> str:
     return f"{value / reference:.4f}" if reference else "n/a"
 
 
+def rollback_log_bytes(ranks: Sequence[int], kv_heads: int, mlr_layers: int, rollback_window: Optional[int], *,
+                       dtype_bytes: Any = 2) -> int:
+    """Bytes one sequence's MLR cache adds to be croppable by up to ``rollback_window`` tokens (speculative
+    decoding; None or 0: nothing is recorded). Per MLR layer and logged token: the finer-level keys a write replaced,
+    ``kv_heads * sum(ranks[1:])`` elements, plus its position (int64) and padding flag (bool). O(window), independent
+    of the context length; the formula bytes of the cache itself are unchanged."""
+    window = 0 if rollback_window is None else check_int("rollback_window", rollback_window, minimum=0)
+    fine_width = sum(int(rank) for rank in list(ranks)[1:])
+    return window * mlr_layers * (kv_heads * fine_width * _dtype_bytes(dtype_bytes) + 8 + 1)
+
+
 def attention_cost_report(config: Any, *, causal: bool = True, dtype_bytes: Any = 2,
-                          context_len: Optional[int] = None) -> AttentionCostReport:
+                          context_len: Optional[int] = None,
+                          rollback_window: Optional[int] = None) -> AttentionCostReport:
     """Attention FLOPs and cache bytes of a ``StructAttnGPT2Config`` model, whole model, against the same model
     with dense attention.
 
     Counts every layer as built: its ``layer_types`` entry (the report's ``variant``
     then lists them; ``key_width``/``value_dim`` stay those of ``attention``), MLR blocks from
     ``mlr_block_sizes`` or the dyadic defaults of ``n_positions``, BTT factors from ``btt_factors`` or the
-    balanced split of :func:`default_btt_factors`. ``context_len`` defaults to n_positions.
+    balanced split of :func:`default_btt_factors`. ``context_len`` defaults to n_positions. ``rollback_window``:
+    the crop window of speculative decoding, whose log bytes (:func:`rollback_log_bytes`) the report adds as
+    ``rollback_log_bytes`` (not counted in ``key_cache_bytes``).
     """
     context = config.n_positions if context_len is None else check_int("context_len", context_len)
     n_head = config.n_head
@@ -557,6 +574,9 @@ def attention_cost_report(config: Any, *, causal: bool = True, dtype_bytes: Any 
         score_ratio=score / dense_score, attention_ratio=(score + pv) / (dense_score + dense_pv),
         key_cache_bytes=keys, kv_cache_bytes=kv, dense_key_cache_bytes=dense_keys, dense_kv_cache_bytes=dense_kv,
         key_cache_ratio=keys / dense_keys, kv_cache_ratio=kv / dense_kv,
+        rollback_window=rollback_window or 0,
+        rollback_log_bytes=rollback_log_bytes(config.resolved_mlr_ranks, n_head, names.count("mlr"),
+                                              rollback_window, dtype_bytes=item) if "mlr" in names else 0,
     )
 
 
@@ -628,7 +648,8 @@ def encoder_decoder_flops(config: Any, encoder_len: int, decoder_len: int, *, tr
 # ------------------------------------------------------------------------------- patched transformers decoders
 
 
-def decoder_cache_report(config: Any, context_len: int, *, dtype_bytes: Any = 2) -> dict:
+def decoder_cache_report(config: Any, context_len: int, *, dtype_bytes: Any = 2,
+                         rollback_window: Optional[int] = None) -> dict:
     """Key / KV cache bytes of a transformers decoder patched by ``hf_structattn.patch`` (its ``MLR<Arch>Config``:
     ``mlr_ranks``, ``mlr_block_sizes`` and ``mlr_layers`` set and checked by the patcher), for one sequence of
     ``context_len`` = T tokens, whole model.
@@ -638,7 +659,8 @@ def decoder_cache_report(config: Any, context_len: int, *, dtype_bytes: Any = 2)
     for sliding-window layers (``layer_types`` / ``sliding_window``). Values keep every position (``min(T, w)``
     for sliding layers). ``dense_*`` counts the same model with full-width keys in its MLR layers.
     Returns ``key_cache_bytes``, ``dense_key_cache_bytes``, ``key_cache_ratio``, ``kv_cache_bytes``,
-    ``dense_kv_cache_bytes``, ``kv_cache_ratio``.
+    ``dense_kv_cache_bytes``, ``kv_cache_ratio`` and ``rollback_log_bytes``: what speculative decoding with a crop
+    window of ``rollback_window`` tokens adds (:func:`rollback_log_bytes`; 0 without one).
     """
     from .modeling.structattn_decoder import decoder_geometry, mlr_layer_indices  # the patched models' own reading
 
@@ -665,7 +687,9 @@ def decoder_cache_report(config: Any, context_len: int, *, dtype_bytes: Any = 2)
     return {"key_cache_bytes": keys, "dense_key_cache_bytes": dense_keys,
             "key_cache_ratio": keys / dense_keys if dense_keys else 1.0,
             "kv_cache_bytes": keys + values, "dense_kv_cache_bytes": dense_keys + values,
-            "kv_cache_ratio": (keys + values) / (dense_keys + values) if dense_keys else 1.0}
+            "kv_cache_ratio": (keys + values) / (dense_keys + values) if dense_keys else 1.0,
+            "rollback_log_bytes": rollback_log_bytes(geometry.ranks, kv_heads, len(mlr_layers), rollback_window,
+                                                     dtype_bytes=item)}
 
 
 # ------------------------------------------------------------------------------------ measured allocation
@@ -673,7 +697,8 @@ def decoder_cache_report(config: Any, context_len: int, *, dtype_bytes: Any = 2)
 
 def _tensors_in(value: Any, seen: set, depth: int):
     """Tensors reachable from ``value`` through lists, tuples, dicts and plain objects' attributes (not through
-    modules, classes or functions), at most ``depth`` levels down; ``seen`` holds ids already walked (cycles)."""
+    modules, classes, functions or objects declaring ``holds_cache_state = False``), at most ``depth`` levels down;
+    ``seen`` holds ids already walked (cycles)."""
     if id(value) in seen or depth < 0:
         return
     seen.add(id(value))
@@ -686,6 +711,8 @@ def _tensors_in(value: Any, seen: set, depth: int):
         children = list(value)
     elif isinstance(value, (str, bytes, int, float, bool, type(None), type)) or callable(value):
         return
+    elif getattr(value, "holds_cache_state", True) is False:  # e.g. MLRGeometry: a layer's configuration and its
+        return  # index constants, shared by every cache of that geometry
     elif hasattr(value, "__dict__") and not hasattr(value, "named_parameters"):  # an nn.Module is no cache state
         children = list(vars(value).values())
     else:

@@ -12,10 +12,12 @@ from transformers import DynamicCache
 
 import hf_structattn
 from hf_structattn.decoder_patching import TINY_DECODERS, find_rotary, tiny_decoder
-from hf_structattn.flops import decoder_cache_report, key_cache_elements
+from hf_structattn.flops import attention_cost_report, decoder_cache_report, key_cache_elements
+from hf_structattn.modeling import structattn_attention
 from hf_structattn.modeling.structattn_attention import mlr_attention_forward
 from hf_structattn.modeling.structattn_cache import key_cache_bytes
 from hf_structattn.modeling.structattn_decoder import attention_modules, rotary_pair_order
+from conftest import tiny_lm
 
 VOCAB = 61
 HEAD_DIM = 16
@@ -106,6 +108,7 @@ def test_greedy_generate_cached_equals_uncached(arch):
     batch, mask, _ = left_padded(ids, [0, 3, 7], 20)
     kwargs = dict(attention_mask=mask, max_new_tokens=14, do_sample=False, min_new_tokens=14)
     cached = mlr.generate(batch, **kwargs)  # the hierarchical key cache (full keys for GPT-NeoX)
+    # a DynamicCache built the transformers way: its MLR layers take the hierarchical form on first use
     plain = mlr.generate(batch, cache=DynamicCache(config=mlr.config), **kwargs)
     uncached = mlr.generate(batch, use_cache=False, **kwargs)
     assert torch.equal(cached, uncached) and torch.equal(plain, uncached)
@@ -307,10 +310,17 @@ def test_soft_capping_and_multimodal_are_refused():
 
 
 def test_packed_sequences_are_refused():
+    """With or without a cache: uncached, transformers turns restarting position_ids into a block-diagonal mask whose
+    last row (the one MLR reads padding from) hides the earlier segments -- they must not pass as padding."""
     _, mlr = patched("llama")
     ids = torch.randint(1, VOCAB, (1, 20))
-    with pytest.raises(ValueError, match="packed sequences"):
-        mlr(ids, position_ids=torch.cat([torch.arange(10), torch.arange(10)])[None])
+    for use_cache in (True, False):
+        with pytest.raises(ValueError, match="packed sequences"):
+            mlr(ids, position_ids=torch.cat([torch.arange(10), torch.arange(10)])[None], use_cache=use_cache)
+    gpt2 = tiny_lm("mlr")
+    for use_cache in (True, False):
+        with pytest.raises(ValueError, match="packed sequences"):
+            gpt2(ids, position_ids=torch.cat([torch.arange(8), torch.arange(12)])[None], use_cache=use_cache)
 
 
 def test_bad_patch_arguments_name_the_field():
@@ -527,3 +537,46 @@ def test_every_tested_architecture_reloads_bare_generates_and_saves(tmp_path):
     """, tmp_path)
     for arch in ARCHS:
         assert f"{arch} ok True" in out, out[-3000:]
+
+
+def test_attention_dropout_is_applied_by_the_eager_implementation_and_warned_about_otherwise():
+    _, mlr = patched("llama")
+    for module in attention_modules(mlr).values():
+        module.attention_dropout = 0.5
+    mlr.train()
+    ids = torch.randint(1, VOCAB, (2, 12))
+    mlr.set_attn_implementation("eager")
+    torch.manual_seed(0)
+    first = mlr(ids, use_cache=False).logits
+    second = mlr(ids, use_cache=False).logits
+    assert not torch.allclose(first, second)  # different dropout masks
+    mlr.eval()
+    torch.testing.assert_close(mlr(ids, use_cache=False).logits, mlr(ids, use_cache=False).logits, atol=0, rtol=0)
+    mlr.train()
+    mlr.set_attn_implementation("sdpa")
+    structattn_attention._warned.discard("dropout")
+    with pytest.warns(UserWarning, match="only with attn_implementation='eager'"):
+        mlr(ids, use_cache=False)
+
+
+def test_reports_state_the_rollback_log_bytes_speculative_decoding_allocates():
+    """The static cache's rollback log (fixed buffers sized by the crop window generate sets) is what the cache
+    reports say speculative decoding adds: patched GQA Llama (float64) and an MLR GPT-2 (float32)."""
+    _, mlr = patched("llama")
+    gpt2 = tiny_lm("mlr", n_positions=128)
+    prompt = torch.randint(2, VOCAB, (1, 40), generator=torch.Generator().manual_seed(1))
+    for model in (mlr, gpt2):
+        out = model.generate(prompt, prompt_lookup_num_tokens=4, max_new_tokens=6, do_sample=False, pad_token_id=1,
+                             return_dict_in_generate=True, cache_implementation="static")
+        layers = [layer for layer in out.cache.layers if getattr(layer, "_log_buffers", None) is not None]
+        assert layers and {layer.rollback_window for layer in layers} == {6}
+        logged = sum(t.numel() * t.element_size() for layer in layers for t in layer._log_buffers)
+        item = layers[0].keys.element_size()
+        if model is mlr:
+            report = decoder_cache_report(model.config, 46, dtype_bytes=item, rollback_window=6)
+            assert report["rollback_log_bytes"] == logged > 0
+            assert decoder_cache_report(model.config, 46, dtype_bytes=item)["rollback_log_bytes"] == 0
+        else:
+            report = attention_cost_report(model.config, dtype_bytes=item, rollback_window=6)
+            assert report.rollback_log_bytes == logged > 0
+            assert report.key_cache_bytes == attention_cost_report(model.config, dtype_bytes=item).key_cache_bytes

@@ -8,6 +8,8 @@ import pytest
 import torch
 import transformers
 
+import hf_structattn
+
 from hf_structattn.modeling.structattn_cache import (
     STEP_KEY,
     MLRKeyCacheLayer,
@@ -223,11 +225,12 @@ def test_generate_sets_the_rollback_window_from_the_draft_length():
     assert [layer.rollback_window for layer in plain.cache.layers] == [None, None]
 
 
-@pytest.mark.parametrize("variant", ["mlr", "mlr_avg_mup"])
+@pytest.mark.parametrize("variant", ["mlr", "mlr_avg_mup", "mixed"])
 def test_speculative_decoding_equals_greedy(variant):
     """Prompt lookup and assisted decoding (an MLR assistant, whose own cache is rolled back too) give the greedy
-    tokens, with the dynamic and the static cache; drafts cross block boundaries at every level. (A model with
-    sliding-window layers cannot: transformers' DynamicSlidingWindowLayer is not croppable.)"""
+    tokens, with the dynamic and the static cache; drafts cross block boundaries at every level ("mixed" adds dense,
+    sliding-window and bilinear layers, whose transformers cache layers are cropped beside the MLR ones -- dynamic only:
+    transformers' StaticSlidingWindowLayer cannot be cropped once a cache is longer than its window, for any model)."""
     model = tiny_lm(variant, n_positions=128).double()
     with torch.no_grad():  # sharper than the tiny init, so that drafts are both accepted and rejected
         for param in model.parameters():
@@ -240,7 +243,8 @@ def test_speculative_decoding_equals_greedy(variant):
     with torch.no_grad():
         for param in assistant.parameters():
             param.add_(torch.randn_like(param) * 0.05)
-    for cache in ({}, dict(cache_implementation="static")):
+    caches = ({},) if variant == "mixed" else ({}, dict(cache_implementation="static"))
+    for cache in caches:
         lookup = model.generate(prompt, prompt_lookup_num_tokens=6, **common, **cache)
         assisted = model.generate(prompt, assistant_model=assistant, **common, **cache)
         assert torch.equal(lookup, greedy) and torch.equal(assisted, greedy), cache
@@ -347,7 +351,7 @@ def test_compiled_decode_steps_do_not_recompile_per_step():
 
 def test_compiled_decode_equals_eager():
     """``model.forward = torch.compile(model.forward)`` with the static cache (transformers' recipe) gives the eager
-    tokens; the decode step traces the fixed-shape (broadcast) path with no graph break."""
+    tokens; the decode step traces the fixed-shape path (flat finer levels, indexed writes) with no graph break."""
     model = tiny_lm("mlr")
     prompt = torch.randint(2, 61, (2, 6))
     mask = torch.ones_like(prompt)
@@ -361,6 +365,37 @@ def test_compiled_decode_equals_eager():
         torch.testing.assert_close(model.generate(prompt, **common), eager)
     finally:
         del model.forward
+
+
+@pytest.mark.parametrize("family", ["t5", "llama"])
+def test_compiled_decode_equals_eager_for_t5_and_patched_decoders(family):
+    """The same recipe, traced as one graph per step (``fullgraph=True``), for a T5 MLR decoder and a patched Llama
+    (grouped-query attention): the compiled tokens and scores are the eager ones, with a left-padded row."""
+    torch.manual_seed(0)
+    if family == "t5":
+        model = transformers.AutoModelForSeq2SeqLM.from_config(hf_structattn.StructAttnT5Config(
+            vocab_size=61, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_attention="mlr",
+            mlr_ranks=[4, 2, 2], mlr_block_sizes=[8, 4], decoder_start_token_id=0, pad_token_id=0,
+            eos_token_id=1)).eval()
+    else:
+        llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=61, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128, bos_token_id=0, eos_token_id=1, pad_token_id=1))
+        model = hf_structattn.patch(llama.eval(), mlr_ranks=[8, 4, 4], mlr_block_sizes=[8, 4]).eval()
+    prompt = torch.randint(2, 61, (2, 7))
+    mask = torch.ones_like(prompt)
+    mask[1, :3] = 0
+    common = dict(max_new_tokens=14, min_new_tokens=14, do_sample=False, attention_mask=mask,
+                  cache_implementation="static", return_dict_in_generate=True, output_scores=True)
+    eager = model.generate(prompt, **common)
+    torch._dynamo.reset()
+    model.forward = torch.compile(model.forward, backend="eager", fullgraph=True)
+    try:
+        compiled = model.generate(prompt, **common)
+    finally:
+        del model.forward
+    assert torch.equal(compiled.sequences, eager.sequences)
+    torch.testing.assert_close(torch.stack(compiled.scores), torch.stack(eager.scores), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow

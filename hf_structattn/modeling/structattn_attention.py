@@ -24,6 +24,7 @@ import warnings
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -158,9 +159,12 @@ def _check_standard_mask(attention_mask: Optional[torch.Tensor], valid: Optional
         future = torch.ones(query_length, key_length, dtype=torch.bool, device=attention_mask.device).triu_(1 + offset)
         expected = expected & ~future
     expected = expected[..., -allowed.shape[-2]:, :].expand_as(allowed)
-    # a query with no real key at all may be given any row (transformers unmasks such rows to avoid NaN)
+    # a query with no real key at all (a padding query) may be given no key or every key (transformers unmasks such
+    # rows to avoid NaN) -- but not some keys: that is a packed sequence, whose earlier segments would look like
+    # padding to the last row that ``key_validity`` reads
     rows = expected.any(-1, keepdim=True)
-    if not bool(((allowed == expected) | ~rows).all()):
+    padding_row_ok = ~allowed.any(-1, keepdim=True) | allowed.all(-1, keepdim=True)
+    if not bool(torch.where(rows, allowed == expected, padding_row_ok).all()):
         raise ValueError("MLR attention got a 4-D attention mask that is not a causal/padding mask (packed sequences, "
                          "a custom or multimodal mask); MLR layers take padding from the mask and causality and "
                          "blocks from positions, so such masks are not supported")
@@ -221,7 +225,7 @@ def _key_positions(query_positions: torch.Tensor, valid_queries: Optional[torch.
 # ------------------------------------------------------------------------------------------- the functions
 
 
-def _check_kwargs(module, kwargs: dict, dropout: float) -> None:
+def _check_kwargs(module, kwargs: dict, dropout: float, eager: bool) -> None:
     for name in UNSUPPORTED_KWARGS:
         if kwargs.get(name) is not None:
             raise ValueError(f"{name} was passed: packed sequences (varlen / padding-free batches) are not "
@@ -232,8 +236,9 @@ def _check_kwargs(module, kwargs: dict, dropout: float) -> None:
         raise ValueError(f"layer {getattr(module, 'layer_idx', '?')} is a sliding-window layer (window "
                          f"{kwargs['sliding_window']}); MLR replaces it only when patched with "
                          f"sliding_window_layers='replace'")
-    if dropout and module.training:
-        _warn_once("dropout", f"attention dropout (p={dropout}) is not applied by MLR attention layers")
+    if dropout and module.training and not eager:
+        _warn_once("dropout", f"attention dropout (p={dropout}) is applied by MLR attention layers only with "
+                              f"attn_implementation='eager' (the fused kernels do not drop weights)")
 
 
 def _dense_fallback(module, query, key, value, attention_mask, scaling, dropout, eager, kwargs):
@@ -262,7 +267,7 @@ def _reorder(query: torch.Tensor, key: Optional[torch.Tensor], geometry: MLRGeom
     return query.index_select(-1, order), (None if key is None else key.index_select(-1, order))
 
 
-def _uncached(module, query, key, value, geometry, scales, positions, valid, bias, causal, eager):
+def _uncached(module, query, key, value, geometry, scales, positions, valid, bias, causal, eager, dropout=0.0):
     """Uncached MLR (training, prefill, encoders): (B, Hq, T, r) queries, (B, Hk, T, r) keys in level order."""
     key, value = key.to(query.dtype), value.to(query.dtype)  # a cache's pending keys may predate autocast's cast
     if torch.compiler.is_compiling() and not eager:
@@ -295,8 +300,7 @@ def _uncached(module, query, key, value, geometry, scales, positions, valid, bia
     if valid is not None:
         allowed = allowed & valid[:, None, None, :]
     weights = torch.softmax(scores.masked_fill(~allowed, torch.finfo(work).min), dim=-1)
-    dropout = getattr(module, "dropout", 0.0)
-    if isinstance(dropout, (int, float)) and dropout and module.training:
+    if dropout and module.training:
         weights = torch.nn.functional.dropout(weights, p=float(dropout), training=True)
     return weights.to(value.dtype) @ value, weights.to(query.dtype)
 
@@ -339,12 +343,18 @@ def _cached(module, query, layer, pending: PendingChunk, geometry, scales, bias,
     rows = query.reshape(batch, kv_heads, groups * chunk, width)  # group-major: row g*c + i
     if chunk == 1 and not eager:
         shift = (tokens - 1) - layer.last_positions + base if bias is not None else None
-        # one plan per forward, shared by its layers (compiled code needs none: the graph is traced once)
-        plan = None if plans is None or torch.compiler.is_compiling() else \
-            plans.setdefault(("decode read", geometry, base, slots, tuple(layer.ring_widths)), {})
-        out = mlr_decode_step(rows, layer.keys, layer.values, layer.fine_storage, layer.ring_widths, geometry, scales,
-                              layer.last_positions, layer.first_positions, base, bias=_slot_bias(bias, shift, slots),
-                              plan=plan)
+        # one plan per forward, shared by its layers (they hold the same positions); keyed by plain tuples, which
+        # torch.compile can trace (so a compiled step computes it once too)
+        key = ("decode read", geometry.ranks, geometry.block_sizes, geometry.average_levels, base,
+               layer.keys_storage().shape[2], tuple(layer.ring_widths))
+        plan = None if plans is None else plans.setdefault(key, {})
+        # the whole storages (slots past the newest are masked): matmuls over a narrowed view would copy it
+        keys, values = layer.keys_storage(), layer.values_storage()
+        slot_bias = _slot_bias(bias, shift, slots)
+        if slot_bias is not None and slot_bias.shape[-1] < keys.shape[2]:
+            slot_bias = F.pad(slot_bias, (0, keys.shape[2] - slot_bias.shape[-1]))
+        out = mlr_decode_step(rows, keys, values, layer.fine_storage, layer.ring_widths, geometry, scales,
+                              layer.last_positions, layer.first_positions, base, bias=slot_bias, plan=plan)
         return out.reshape(batch, q_heads, chunk, -1), None
     query_positions = pending.positions.repeat(1, groups)  # (B, g*c)
     rings_before = layer._fine_views(pending.rings_before, layer._capacity()) if pending.rings_before is not None \
@@ -372,7 +382,7 @@ def _forward(module, query, key, value, attention_mask, scaling, dropout, eager,
     geometry = _layer_geometry(module)
     if geometry is None:
         return _dense_fallback(module, query, key, value, attention_mask, scaling, dropout, eager, kwargs)
-    _check_kwargs(module, kwargs, dropout)
+    _check_kwargs(module, kwargs, dropout, eager)
     device_type = query.device.type
     if torch.is_autocast_enabled(device_type):
         # as SDPA under autocast: RoPE hands float32 q/k next to a half-precision v; compute in the autocast dtype
@@ -415,7 +425,7 @@ def _forward(module, query, key, value, attention_mask, scaling, dropout, eager,
     _check_not_packed(positions, valid_queries)
     if key_length == length:
         out, weights = _uncached(module, query, key, value, geometry, scales, positions, valid_queries, bias, causal,
-                                 eager)
+                                 eager, dropout)
         return out.transpose(1, 2).contiguous(), weights
     if not causal:
         raise ValueError("MLR attention with cached keys is implemented for causal self-attention only")

@@ -224,7 +224,18 @@ class MLRCacheLayerMixin:
         order = geometry.dim_order_index(key_states.device)
         if order is not None:
             key_states = key_states.index_select(-1, order)
-        if chunk == 1 and self.is_initialized and not self.record_past and not torch.compiler.is_compiling():
+        if chunk == 1 and self.is_initialized and not self.record_past:
+            if torch.compiler.is_compiling():
+                plan = self._compiled_decode_plan(step, batch, key_states.device)
+                with torch.no_grad():
+                    self._put_one_token(key_states.detach(), value_states.detach(), plan["rows"], plan["slot"],
+                                        plan["valid"][:, 0], plan["fine index"])
+                    self.last_positions.copy_(torch.maximum(self.last_positions, plan["newest"]))
+                    self.first_positions.copy_(torch.minimum(self.first_positions, plan["oldest"]))
+                    self._advance(1)
+                self.pending = PendingChunk(key_states, value_states, plan["positions"], plan["valid"],
+                                            plan["last_before"], None, True)
+                return self.keys, self.values
             plan = self._decode_write_plan(step, batch, key_states.device)
             if plan is not None:
                 with torch.no_grad():
@@ -274,29 +285,56 @@ class MLRCacheLayerMixin:
         step.plans[key] = plan
         return plan
 
-    def _decode_write(self, plan: dict, key_states, value_states) -> None:
-        """One token per row into its slot and ring entries: an indexed write of the level-1 keys and of the values,
-        one scatter into the flat fine storage (every ring at once)."""
-        self._ensure_capacity(max(plan["needed"], self._view_length(1)), key_states, value_states)
+    def _compiled_decode_plan(self, step, batch: int, device) -> dict:
+        """The decode write of a compiled step (no host reads: padding tokens write back what their slot holds),
+        traced once per forward and shared by the MLR layers of this geometry (keyed by plain tuples, which Dynamo
+        traces)."""
         geometry = self.geometry
-        rank = geometry.ranks[0]
-        rows, slot = plan["rows"], plan["slot"]
-        self.keys_storage()[rows, :, slot] = key_states[:, :, 0, :rank]
-        self.values_storage()[rows, :, slot] = value_states[:, :, 0]
-        if geometry.block_sizes:
-            widths = tuple(self.ring_widths)
-            index = plan["fine index"].get(widths)
-            if index is None:
-                # (B, sum r_l): a token at slot s writes element o_l + (s % b_l) r_l + j of the flat storage
-                layout = geometry.fine_layout(widths, slot.device)
-                index = plan["fine index"][widths] = layout["element offset"] + \
-                    (slot[:, None] % layout["element block"]) * layout["element rank"]
-            batch, heads = key_states.shape[:2]
-            self._fine.scatter_(2, index[:, None, :].expand(batch, heads, index.shape[-1]), key_states[:, :, 0, rank:])
+        key = ("compiled decode write", geometry.ranks, geometry.block_sizes, batch)
+        plan = step.plans.get(key)
+        if plan is None:
+            positions, valid = self._new_token_positions(step, batch, 1, device)
+            slot = (positions[:, 0] - self.base).clamp(min=0, max=self._capacity() - 1)
+            plan = step.plans[key] = {
+                "positions": positions, "valid": valid, "slot": slot, "rows": torch.arange(batch, device=device),
+                "fine index": self._fine_index(slot) if geometry.block_sizes else None,
+                "last_before": self.last_positions.clone(),
+                "newest": torch.where(valid[:, 0], positions[:, 0], torch.full_like(slot, -1)),
+                "oldest": torch.where(valid[:, 0], positions[:, 0], torch.full_like(slot, NO_POSITION))}
+        return plan
+
+    def _decode_write(self, plan: dict, key_states, value_states) -> None:
+        """One token per row into its slot and ring entries (every row's token is real)."""
+        self._ensure_capacity(max(plan["needed"], self._view_length(1)), key_states, value_states)
+        widths = tuple(self.ring_widths)
+        if widths not in plan["fine index"]:
+            plan["fine index"][widths] = self._fine_index(plan["slot"])
+        self._put_one_token(key_states, value_states, plan["rows"], plan["slot"], None, plan["fine index"][widths])
         self.last_positions.copy_(plan["last"])
         self.first_positions.copy_(plan["first"])
         self._advance_decoded(plan["needed"])
         self._refresh_views()
+
+    def _fine_index(self, slot: torch.Tensor) -> torch.Tensor:
+        """(B, sum_{l>=2} r_l): the elements of the flat fine storage a token at slot ``slot`` (B,) writes: dim j of
+        level l goes to element ``o_l + (slot % b_l) r_l + j`` (entry ``slot % b_l`` of ring l)."""
+        layout = self.geometry.fine_layout(self.ring_widths, slot.device)
+        return layout["element offset"] + (slot[:, None] % layout["element block"]) * layout["element rank"]
+
+    def _put_one_token(self, key_states, value_states, rows, slot, valid, fine_index) -> None:
+        """Write one token per row (key_states (B, H, 1, r), slot (B,)) with indexed assignments, which inductor
+        performs in place on the cache's buffers (a ``scatter_`` there makes it copy whole storages every step).
+        ``valid`` (B,) bool or None (all real): a padding token writes back what its slot holds."""
+        rank = self.geometry.ranks[0]
+        parts = [(self.keys_storage(), rows, slot, key_states[:, :, 0, :rank]),
+                 (self.values_storage(), rows, slot, value_states[:, :, 0])]
+        if self.geometry.block_sizes:  # (B, sum r_l, H): advanced indices before the sliced head axis come first
+            parts.append((self._fine, rows[:, None], fine_index, key_states[:, :, 0, rank:].transpose(1, 2)))
+        for storage, row_index, column_index, new in parts:
+            if valid is not None:
+                keep = valid.view(-1, *([1] * (new.dim() - 1)))
+                new = torch.where(keep, new, storage[row_index, :, column_index])
+            storage[row_index, :, column_index] = new
 
     def _new_token_positions(self, step, batch: int, chunk: int, device):
         positions = valid = None
@@ -406,6 +444,11 @@ class MLRCacheLayerMixin:
         """Fixed-shape writes (what torch.compile traces; a decode step has one token per row): a padding token writes
         back what its slot holds."""
         batch, heads, chunk, _ = key_states.shape
+        if chunk == 1:
+            slot = slots[:, 0]
+            self._put_one_token(key_states, value_states, torch.arange(batch, device=slot.device), slot, valid[:, 0],
+                                self._fine_index(slot) if self.geometry.block_sizes else None)
+            return
         ranks = self.geometry.ranks
         keep = valid[:, None, :, None]
 

@@ -15,7 +15,7 @@ Conventions (paper §3.4):
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import Optional, Sequence, Union
+from typing import ClassVar, Optional, Sequence, Union
 
 import torch
 
@@ -295,6 +295,8 @@ class MLRGeometry:
     average_levels: bool = False
     dim_order: Optional[tuple] = None
     tensors: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+    # a layer's configuration, not state of the caches that reference it (flops.allocated_cache_bytes skips it)
+    holds_cache_state: ClassVar[bool] = False
 
     @classmethod
     def build(cls, ranks, block_sizes, scales=None, *, head_dim: Optional[int] = None, average_levels: bool = False,

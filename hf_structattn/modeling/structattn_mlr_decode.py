@@ -48,12 +48,19 @@ def mlr_decode_step(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     first real position; base: position of slot 0; bias: additive, broadcastable to (B, Hk, g, C) in slot order.
     Returns (B, Hk, g, dv) in the query dtype, and the probabilities (B, Hk, g, C) when ``return_weights``.
 
-    The finer levels are scored all at once, whatever their number: the query's fine dims are gathered to line up
-    with the flat storage, multiplied elementwise, summed per ring entry (one ``index_add_``), and each entry's score
-    is added onto its slot in the query's current block (one ``scatter_add_`` onto the level-1 scores, padded by a
-    coarsest block so that entries past the last slot land outside). A handful of kernels per layer, eager or
-    compiled, instead of several per level. ``plan``: a dict shared by the layers of one model forward that hold the
-    same positions (an empty dict is filled): the index work that depends only on positions is done once."""
+    ``keys`` and ``values`` may be the whole preallocated storage (slots past each row's newest position are
+    masked): a narrowed view would make every batched matmul copy it first.
+
+    Finer levels, two formulations of the same sum. When every row's current block starts at the same slot (no
+    padding, or padding that keeps rows in step; eager only, decided once per step by the plan) each level adds
+    ``q_l @ ring_l^T`` onto that block's slots in place, one small matmul per level. Otherwise (rows in different
+    blocks, and always while ``torch.compile`` traces) all levels are scored at once over the flat storage: the
+    query's fine dims are gathered to line up with it, multiplied elementwise, summed per ring entry (one
+    ``index_add_``), and each entry's score is added onto its slot in the row's current block (one ``scatter_add_``
+    onto the level-1 scores, padded by a coarsest block so that entries past the last slot land outside); in a
+    compiled step that fuses into a few loops, however many levels. ``plan``: a dict shared by the layers of one
+    model forward that hold the same positions (an empty dict is filled): the index work that depends only on
+    positions is done once."""
     work = softmax_dtype(query.dtype)
     batch, heads, rows, _ = query.shape
     slots = keys.shape[2]
@@ -63,7 +70,16 @@ def mlr_decode_step(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     plan = {} if plan is None else plan
     if plan.get("work") != work:
         _plan_decode(plan, geometry, ring_widths, new_positions, first_positions, base, slots, work, query.device)
-    if plan["entries"]:
+    if plan["shared starts"] is not None:
+        offset = 0
+        for level_query, rank, width, start in zip(query[..., first_rank:].split(list(geometry.ranks[1:]), dim=-1),
+                                                   geometry.ranks[1:], ring_widths, plan["shared starts"]):
+            used = min(width, slots - start)
+            if used > 0:
+                ring = fine[..., offset:offset + used * rank].view(batch, heads, used, rank)
+                scores[..., start:start + used].add_((level_query @ ring.transpose(-1, -2)).to(work))
+            offset += width * rank
+    elif plan["entries"]:
         fine_query = query[..., first_rank:]
         # (B, Hk, g, F); a 2-D index_select: along the last dim of a 4-D tensor it is ~20x slower on CPU
         gathered = fine_query.reshape(-1, fine_query.shape[-1]).index_select(1, plan["query dims"]).view(
@@ -101,6 +117,14 @@ def _plan_decode(plan: dict, geometry: MLRGeometry, ring_widths: Sequence[int], 
         block = constants["entry block"]
         plan["entry slots"] = ((new_positions[:, None] // block) * block - base).clamp(min=0) + \
             constants["entry index"]
+    shared = None
+    if not torch.compiler.is_compiling() and constants["entries"]:
+        sizes = constants["sizes"]
+        starts = ((new_positions[:, None] // sizes) * sizes - base).clamp(min=0)  # (B, L-1)
+        columns = starts.T.tolist()  # one host read per step
+        if all(min(column) == max(column) for column in columns):
+            shared = [column[0] for column in columns]
+    plan["shared starts"] = shared
     slot_index = torch.arange(slots, device=device)
     inverse_depth = None
     if geometry.average_levels:

@@ -20,12 +20,14 @@ def _rollback_window(generation_config, model_kwargs: dict, generation_mode) -> 
     if generation_config.prompt_lookup_num_tokens is not None:
         return generation_config.prompt_lookup_num_tokens + 2
     assisted = model_kwargs.get("assistant_model") is not None or "assisted" in str(generation_mode).lower()
-    if not assisted and not getattr(generation_config, "is_assistant", False):
+    if getattr(generation_config, "is_assistant", False):
+        # an assistant's cache is cropped back to what the main model accepted, across calls it cannot see from
+        # here (its drafts plus the main model's corrections): no bound is known, the log keeps all since its last crop
+        return None
+    if not assisted:
         return None
     if generation_config.num_assistant_tokens_schedule == "constant":
         return (generation_config.num_assistant_tokens or 0) + 2
-    if getattr(generation_config, "is_assistant", False):
-        return None  # an assistant's drafts grow over calls it cannot see from here: all since its last crop
     mask = model_kwargs.get("attention_mask")
     if mask is None or generation_config.max_length is None:
         return None
