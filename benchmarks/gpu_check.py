@@ -127,8 +127,8 @@ def attention_rows(lengths, device: str, dtype, heads: int = 16, batch: int = 1,
                              f"blocks T/2..T/{2 ** (len(MLR_RANKS) - 1)} need")
         blocks = [length >> level for level in range(1, len(MLR_RANKS))]
         generator = torch.Generator().manual_seed(length)
-        q, k, v, grad = (torch.randn(batch, heads, length, HEAD_DIM, generator=generator).to(device, dtype)
-                         for _ in range(4))
+        q, k, v, grad = [torch.randn(batch, heads, length, HEAD_DIM, generator=generator).to(device, dtype)
+                         for _ in range(4)]
         for t in (q, k, v):
             t.requires_grad_()
 
@@ -159,7 +159,6 @@ def attention_rows(lengths, device: str, dtype, heads: int = 16, batch: int = 1,
             except Exception as error:  # e.g. no flash kernel for this GPU / dtype: the other variants still run
                 row[name, "error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
         rows.append(row)
-        del q, k, v, grad
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
     return rows
