@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Paper §5.1 / Fig. 5 at CPU scale: MLR vs dense vs SWA vs global+SWA attention, byte-level LM on the Python stdlib.
+# Paper §5.1 / Fig. 4 at CPU scale: MLR vs dense vs SWA vs global+SWA attention, byte-level LM on the Python stdlib.
 #   bash scripts/reproduce_lm.sh [--budget small|full] [--jobs N] [--out DIR]
 # small: T=1024, 6 layers, head dim 64, D in {128 (2 heads), 192 (3 heads)}, 120 steps x 4 sequences (~35 min on 2
 #        shared CPU cores, 2 runs at a time, OMP_NUM_THREADS=1).
