@@ -35,7 +35,7 @@ declare -A VARIANT
 VARIANT[mlr]='--attention mlr --mlr_ranks 32,8,6,4,4,4,4,2 --mlr_average_levels true --mlr_scaling mup'
 VARIANT[dense]='--attention dense'
 VARIANT[swa]='--attention swa --sliding_window 129'
-VARIANT[gswa]='--attention swa --sliding_window 129 --attention_layers dense,swa,swa,dense,swa,swa'
+VARIANT[gswa]='--attention swa --sliding_window 129 --layer_types full_attention,sliding_attention,sliding_attention,full_attention,sliding_attention,sliding_attention'
 run_one() {  # variant width
   local v="$1" d="$2" dir="$OUT/$1_d$2"
   if [ -f "$dir/final_metrics.json" ]; then echo "skip $dir (done)"; return; fi
