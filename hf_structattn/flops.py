@@ -725,7 +725,7 @@ def allocated_cache_bytes(cache: Any, *, cross_attention: bool = True) -> int:
     """Bytes a generation cache really allocates: the summed sizes of the unique storages of every tensor it
     holds, however the cache lays them out (reserved slots past the length, rings, positions, flags, scratch).
 
-    ``cache``: a transformers ``Cache`` (``DynamicCache``, ``StaticCache``, the models' ``StructAttnCache``, ...),
+    ``cache``: a transformers ``Cache`` (``DynamicCache``, ``StaticCache``, ...),
     e.g. ``model.generate(..., return_dict_in_generate=True).cache``, or an ``EncoderDecoderCache`` (its
     self-attention cache and, with ``cross_attention``, its cross-attention cache). Every tensor attribute of
     the cache and of each of its ``layers`` counts, also inside lists, dicts and helper objects they hold; a

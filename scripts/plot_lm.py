@@ -1,4 +1,4 @@
-"""Plots and table for scripts/reproduce_lm.sh (paper §5.1 / Fig. 5 at CPU scale).
+"""Plots and table for scripts/reproduce_lm.sh (paper §5.1 / Fig. 4 at CPU scale).
 
 python scripts/plot_lm.py [--root outputs/reproduce/lm] [--out docs/results] [--reeval N]
 --reeval N: also re-evaluate every finished run's saved model on N validation windows of 1024 bytes spread evenly

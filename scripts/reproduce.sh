@@ -5,7 +5,7 @@
 #   (results under $REPRODUCE_OUT, default outputs/reproduce, figures in $REPRODUCE_FIGURES, default docs/results;
 #   finished runs are skipped on a rerun)
 #
-# Experiment 1 (implemented): in-context linear regression (paper §2.2 Fig. 2 and §4 Fig. 4a/4b).
+# Experiment 1 (implemented): in-context linear regression (paper §2.2 Fig. 2 and §4 Fig. 3a/3b).
 #   x ~ N(0, I/d), w ~ N(0, I), y = <x, w>, N = 2d points; 8-head dense, 1-head dense, 8-head bilinear BTT and
 #   8-head bilinear MLR attention at widths D; the same number of training steps for every run; evaluation on
 #   fresh prompts never trained on (recipes/train_icl.py). Results: outputs/reproduce/icl/d<d>/<variant>_D<D>/
@@ -124,10 +124,10 @@ run_icl() {
 }
 
 # ---------------------------------------------------------------------------------------------------------------
-# Experiment 2 -- language modelling (paper §4, MLR attention vs dense / sliding-window scaling, recipes/train_clm.py)
+# Experiment 2 -- language modelling (paper §5.1 Fig. 4, MLR attention vs dense / sliding-window scaling, recipes/train_clm.py)
 run_clm() { bash scripts/reproduce_lm.sh --budget "$BUDGET" --jobs "$JOBS"; }
 
-# Experiment 3 -- time series (paper §4 Fig. 6 and App. E, recipes/finetune_chronos.py)
+# Experiment 3 -- time series (paper §5.2 Fig. 5 and App. I, recipes/finetune_chronos.py)
 # A small Chronos-T5 trained from scratch (no pretrained weights can be downloaded) on KernelSynth-style GP series +
 # statsmodels' real series, stock dense T5 attention vs MLR in encoder and decoder self-attention (ranks 8|2|2|2|1|1 =
 # the paper's 32|10|8|8|4|2 scaled to d_kv 16, dyadic blocks from the context length), same random init, same

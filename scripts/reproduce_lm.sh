@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Paper §5.1 / Fig. 5 at CPU scale: MLR vs dense vs SWA vs global+SWA attention, byte-level LM on the Python stdlib.
+# Paper §5.1 / Fig. 4 at CPU scale: MLR vs dense vs SWA vs global+SWA attention, byte-level LM on the Python stdlib.
 #   bash scripts/reproduce_lm.sh [--budget small|full] [--jobs N] [--out DIR]
 # small: T=1024, 6 layers, head dim 64, D in {128 (2 heads), 192 (3 heads)}, 120 steps x 4 sequences (~35 min on 2
 #        shared CPU cores, 2 runs at a time, OMP_NUM_THREADS=1).
@@ -35,7 +35,7 @@ declare -A VARIANT
 VARIANT[mlr]='--attention mlr --mlr_ranks 32,8,6,4,4,4,4,2 --mlr_average_levels true --mlr_scaling mup'
 VARIANT[dense]='--attention dense'
 VARIANT[swa]='--attention swa --sliding_window 129'
-VARIANT[gswa]='--attention swa --sliding_window 129 --attention_layers dense,swa,swa,dense,swa,swa'
+VARIANT[gswa]='--attention swa --sliding_window 129 --layer_types full_attention,sliding_attention,sliding_attention,full_attention,sliding_attention,sliding_attention'
 run_one() {  # variant width
   local v="$1" d="$2" dir="$OUT/$1_d$2"
   if [ -f "$dir/final_metrics.json" ]; then echo "skip $dir (done)"; return; fi
