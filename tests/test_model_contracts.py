@@ -474,3 +474,47 @@ def test_gpt2_config_does_not_inherit_token_ids_outside_its_vocabulary(recwarn):
     assert config.bos_token_id is None and config.eos_token_id is None
     assert not [w for w in recwarn if "token_id" in str(w.message)]
     assert StructAttnGPT2Config(n_layer=1).eos_token_id == 50256  # the full GPT-2 vocabulary keeps GPT-2's ids
+
+
+def test_4d_masks_other_than_causal_and_padding_are_refused_by_mlr_layers():
+    """MLR layers take padding from the mask and causality and blocks from positions: transformers' own causal +
+    padding 4-D mask (bool or additive) equals the 2-D mask; any other 4-D mask is refused, not silently ignored."""
+    model = tiny_lm("mlr").double()
+    ids = _ids(2, 12, vocab=61)
+    keep = torch.ones(2, 12, dtype=torch.bool)
+    keep[1, :4] = False  # left padding
+    causal = torch.ones(12, 12, dtype=torch.bool).tril()
+    four_d = (causal[None, None] & keep[:, None, None, :]) | ~keep[:, None, :, None]  # padding queries see everything
+    reference = model(ids, attention_mask=keep.long(), use_cache=False).logits
+    additive = torch.zeros(four_d.shape, dtype=torch.float64).masked_fill(~four_d, torch.finfo(torch.float64).min)
+    for mask in (four_d, additive):
+        logits = model(ids, attention_mask=mask, use_cache=False).logits
+        torch.testing.assert_close(logits[keep], reference[keep], **EXACT)
+    overlay = four_d.clone()
+    overlay[0, 0, 7, 2] = False  # one causal pair hidden: a custom overlay
+    with pytest.raises(ValueError, match="not a causal/padding mask"):
+        model(ids, attention_mask=overlay, use_cache=False)
+
+
+def test_right_padded_generate_warns_once_and_continues_the_rows(recwarn):
+    from hf_structattn.modeling import structattn_cache
+
+    model = tiny_lm("mlr").double()
+    ids = _ids(2, 10, vocab=61)
+    mask = torch.ones_like(ids)
+    mask[1, 7:] = 0  # right padding
+    structattn_cache._WARNED_BEHIND.clear()
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                         pad_token_id=1)
+    model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=1)
+    warned = [w for w in recwarn if "right padding" in str(w.message)]
+    assert len(warned) == 1 and "padding_side='left'" in str(warned[0].message)
+    alone = model.generate(ids[:1], max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=1)
+    assert torch.equal(out[0], alone[0])  # the unpadded row is unaffected
+    # transformers repeats the right-padded row's positions after its padding; uncached MLR continues the row as the
+    # cache does, so the cache stays an optimisation (transformers' tester prompts are right-padded like this)
+    common = dict(attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=1,
+                  output_scores=True, return_dict_in_generate=True)
+    cached, uncached = model.generate(ids, **common), model.generate(ids, use_cache=False, **common)
+    assert torch.equal(cached.sequences, uncached.sequences) and torch.equal(cached.sequences, out)
+    torch.testing.assert_close(torch.stack(cached.scores), torch.stack(uncached.scores), **EXACT)

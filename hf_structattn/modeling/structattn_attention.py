@@ -196,17 +196,36 @@ def _query_positions(kwargs: dict, valid: Optional[torch.Tensor], batch: int, le
     return (valid.long().cumsum(-1) - 1).clamp(min=0)[:, -length:]
 
 
-def _check_not_packed(positions: torch.Tensor, valid: Optional[torch.Tensor]) -> None:
-    """Positions of the real tokens of a row must increase: a reset means packed sequences, which MLR's causal-by-
-    position attention would mix across sequence boundaries."""
+def _checked_positions(positions: torch.Tensor, valid: Optional[torch.Tensor]) -> torch.Tensor:
+    """(B, T) positions MLR uses for causality and blocks. Positions of adjacent real tokens of a row must increase:
+    a reset means packed sequences, which MLR's causal-by-position attention would mix across sequence boundaries
+    (refused). A run of real tokens after padding that does not continue the row (transformers' positions for the
+    tokens generated after a right-padded prompt repeat the prompt's last ones) continues right after the row's
+    previous real token, as the MLR cache places it (``MLRKeyCacheLayer._continue_rows_behind``, which warns), so that
+    uncached and cached generation agree; the model's position embeddings still see the given positions."""
     if positions.shape[1] < 2 or torch.compiler.is_compiling():
-        return
+        return positions
     step = positions[:, 1:] - positions[:, :-1]
     if valid is not None:
         step = torch.where(valid[:, 1:] & valid[:, :-1], step, torch.ones_like(step))
     if bool((step <= 0).any()):
         raise ValueError("position_ids restart or decrease inside a row: packed sequences are not supported by MLR "
                          "attention (pass one sequence per row, with padding)")
+    if valid is None:
+        return positions
+    real = torch.where(valid, positions, torch.full_like(positions, torch.iinfo(positions.dtype).min))
+    before = torch.cat([real[:, :1], real[:, :-1]], 1).cummax(1).values  # newest real position before each token
+    before[:, 0] = torch.iinfo(positions.dtype).min
+    if not bool((valid & (positions <= before)).any()):
+        return positions
+    fixed = positions.clone()
+    for row in range(positions.shape[0]):  # rare (right-padded generation): a host loop over the row's real runs
+        newest = None
+        for index in valid[row].nonzero().flatten().tolist():
+            if newest is not None and int(fixed[row, index]) <= newest:
+                fixed[row, index:] += newest + 1 - int(fixed[row, index])
+            newest = int(fixed[row, index])
+    return fixed
 
 
 def _key_positions(query_positions: torch.Tensor, valid_queries: Optional[torch.Tensor], slots: int) -> torch.Tensor:
@@ -422,7 +441,7 @@ def _forward(module, query, key, value, attention_mask, scaling, dropout, eager,
     positions = _query_positions(kwargs, None if valid_keys is None else valid_keys[:, :written], batch, length,
                                  written, query.device)
     valid_queries = None if valid_keys is None else valid_keys[:, written - length:written]
-    _check_not_packed(positions, valid_queries)
+    positions = _checked_positions(positions, valid_queries)
     if key_length == length:
         out, weights = _uncached(module, query, key, value, geometry, scales, positions, valid_queries, bias, causal,
                                  eager, dropout)

@@ -363,8 +363,9 @@ class MLRCacheLayerMixin:
         padding in ``generate`` (transformers gives the first generated token position ``0 + 1`` after a padded
         tail). A position-addressed hierarchical cache cannot hold two tokens at one position, so such a row's new
         tokens continue right after its newest cached token (MLR blocks follow the row's real tokens in order; the
-        model's position embeddings still see the given ``position_ids``). Warned once: the cached result differs
-        from the uncached one on such input, which is why transformers asks for left padding."""
+        model's position embeddings still see the given ``position_ids``); uncached MLR attention places them the
+        same way (``structattn_attention._checked_positions``), so cached and uncached agree. Warned once: the
+        row's generated tokens then follow its padding, which is why transformers asks for left padding."""
         first_new = torch.where(valid, positions, torch.full_like(positions, NO_POSITION)).amin(-1)
         behind = (self.last_positions >= 0) & valid.any(-1) & (first_new <= self.last_positions)
         shift = torch.where(behind, self.last_positions + 1 - first_new, torch.zeros_like(first_new))
@@ -372,9 +373,9 @@ class MLRCacheLayerMixin:
             _WARNED_BEHIND.append(True)
             row = int(behind.nonzero()[0, 0])
             warnings.warn(f"row {row}: new positions {positions[row][valid[row]].tolist()[:4]} do not continue the "
-                          f"row's newest cached position {int(self.last_positions[row])} (right padding?): the MLR "
-                          f"cache places them right after the row's cached tokens, which can differ from the "
-                          f"uncached result; pad on the left (tokenizer padding_side='left') for exact generation",
+                          f"row's newest cached position {int(self.last_positions[row])} (right padding?): MLR "
+                          f"attention places them right after the row's real tokens, behind its padding; pad on the "
+                          f"left (tokenizer padding_side='left') to generate what each row generates alone",
                           stacklevel=4)
         return positions + shift[:, None]
 
