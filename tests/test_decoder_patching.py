@@ -580,3 +580,29 @@ def test_reports_state_the_rollback_log_bytes_speculative_decoding_allocates():
             report = attention_cost_report(model.config, dtype_bytes=item, rollback_window=6)
             assert report.rollback_log_bytes == logged > 0
             assert report.key_cache_bytes == attention_cost_report(model.config, dtype_bytes=item).key_cache_bytes
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "linear", "factor": 2.0},
+    {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32},
+    {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 32},
+])
+def test_rope_scaling_cached_equals_uncached(rope):
+    """RoPE scaling changes the frequencies, not the pair structure MLR levels are cut along: a patched Llama with
+    linear, YaRN and Llama-3 scaling decodes chunk by chunk exactly as its uncached forward (float64)."""
+    from hf_structattn.decoder_patching import _tiny_common
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**_tiny_common(VOCAB), num_key_value_heads=2,
+                                      rope_parameters={"rope_theta": 10000.0, **rope})
+    model = transformers.LlamaForCausalLM(config).double().eval()
+    mlr = hf_structattn.patch(model, mlr_ranks=RANKS, mlr_block_sizes=BLOCKS)
+    ids = torch.randint(1, VOCAB, (2, 37))
+    uncached = mlr(ids, use_cache=False).logits
+    cache = mlr.new_cache()
+    bounds = [(0, 13), (13, 20)] + [(i, i + 1) for i in range(20, 37)]
+    chunked = torch.cat([mlr(ids[:, a:b], cache=cache, use_cache=True).logits for a, b in bounds], dim=1)
+    torch.testing.assert_close(chunked, uncached, rtol=0, atol=1e-12)
+    greedy = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    assert torch.equal(mlr.generate(ids, **greedy), mlr.generate(ids, use_cache=False, **greedy))
