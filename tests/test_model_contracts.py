@@ -518,3 +518,20 @@ def test_right_padded_generate_warns_once_and_continues_the_rows(recwarn):
     cached, uncached = model.generate(ids, **common), model.generate(ids, use_cache=False, **common)
     assert torch.equal(cached.sequences, uncached.sequences) and torch.equal(cached.sequences, out)
     torch.testing.assert_close(torch.stack(cached.scores), torch.stack(uncached.scores), **EXACT)
+
+
+def test_static_cache_attention_maps_span_the_cache_slots_as_transformers_does():
+    """With cache_implementation="static", transformers' layers return maps over every slot of the cache, the
+    prefill included; MLR layers do the same (the prefill's maps padded past its tokens with zeros)."""
+    model = tiny_lm("mlr")
+    model.set_attn_implementation("eager")
+    ids = _ids(2, 7, vocab=61)
+    out = model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=1,
+                         cache_implementation="static", output_attentions=True, return_dict_in_generate=True)
+    slots = out.cache.layers[0].max_cache_len
+    for step, maps in enumerate(out.attentions):
+        for layer_maps in maps:
+            assert layer_maps.shape[-1] == slots, (step, layer_maps.shape)
+    prefill = out.attentions[0][0]
+    assert torch.equal(prefill[..., 7:], torch.zeros_like(prefill[..., 7:]))
+    torch.testing.assert_close(prefill.sum(-1), torch.ones_like(prefill.sum(-1)))

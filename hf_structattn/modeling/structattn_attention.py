@@ -29,7 +29,7 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .structattn_cache import MLR_CACHE_LAYERS, STEP_KEY, PendingChunk
+from .structattn_cache import MLR_CACHE_LAYERS, STEP_KEY, MLRStaticKeyCacheLayer, PendingChunk
 from .structattn_decoder_spec import stock_layer_geometry
 from .structattn_geometry import MLRGeometry, mask_value, softmax_dtype
 from .structattn_mlr import mlr_attention
@@ -425,6 +425,9 @@ def _forward(module, query, key, value, attention_mask, scaling, dropout, eager,
             bias = bias[..., :length]
         out, weights = _uncached(module, query, pending.keys, pending.values, geometry, scales, pending.positions,
                                  None if bool(pending.valid.all()) else pending.valid, bias, causal, eager)
+        if weights is not None and isinstance(layer, MLRStaticKeyCacheLayer) and layer.max_cache_len > length:
+            # as transformers' static layers: a prefill's maps span the cache's slots (the chunk's tokens first)
+            weights = F.pad(weights, (0, layer.max_cache_len - weights.shape[-1]))
         return out.transpose(1, 2).contiguous(), weights
     # no cache, or an ordinary transformers cache layer: full-width keys in token order; a static layer's buffer holds
     # the written tokens first, then empty slots
