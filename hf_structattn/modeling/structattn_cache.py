@@ -544,6 +544,25 @@ class MLRCacheLayerMixin:
         """Undo the writes of tokens (newest first): valid, positions (B, n); old_fine (B, H, n, sum r_l)."""
         geometry = self.geometry
         batch, heads = old_fine.shape[:2]
+        count = positions.shape[1]
+        if count and bool(valid.all()) and all(count <= size <= ring.shape[-2] for size, ring in
+                                               zip(geometry.block_sizes, self.rings)):
+            # every token real and at most one block per level: consecutive positions hit distinct ring entries, so
+            # one scatter per level restores them all (in any order)
+            slots = (positions - self.base).clamp(min=0)
+            start = 0
+            for rank, size, ring in zip(geometry.ranks[1:], geometry.block_sizes, self.rings):
+                target = (slots % size)[:, None, :, None].expand(batch, heads, count, rank)
+                ring.scatter_(2, target, old_fine[..., start:start + rank].to(ring.dtype))
+                start += rank
+            oldest = positions[:, 0]
+            emptied = oldest <= self.first_positions
+            self.last_positions.copy_(torch.where(emptied, torch.full_like(oldest, -1), oldest - 1))
+            self.first_positions.copy_(torch.where(emptied, torch.full_like(oldest, NO_POSITION),
+                                                   self.first_positions))
+            self._rewind(count)
+            self._refresh_views()
+            return
         for index in range(positions.shape[1] - 1, -1, -1):
             real, position = valid[:, index], positions[:, index]
             slots = (position - self.base).clamp(min=0)
