@@ -25,6 +25,7 @@ from transformers import DynamicCache
 import hf_structattn
 from hf_structattn.decoder_patching import TINY_DECODERS, tiny_decoder
 from hf_structattn.flops import decoder_cache_report
+from hf_structattn.modeling.structattn_cache import key_cache_bytes
 
 from bench_generation import cpu_name  # benchmarks/ is on sys.path when a script here runs
 
@@ -58,9 +59,8 @@ def exactness_row(arch: str) -> dict:
 
 
 def key_bytes(cache) -> int:
-    if hasattr(cache, "key_cache_bytes"):
-        return cache.key_cache_bytes()
-    return sum(layer.keys.numel() * layer.keys.element_size() for layer in cache.layers if layer.is_initialized)
+    """Key bytes the cache holds: MLR layers count level 1 and their rings (``structattn_cache.key_cache_bytes``)."""
+    return key_cache_bytes(cache)
 
 
 def new_cache(model):
