@@ -98,3 +98,24 @@ def test_patched_decoder_cache_allocates_the_formula_and_less_than_stock(prompt,
     dense = allocated_cache_bytes(stock.generate(ids, **kwargs).cache)
     if formula < dense:
         assert ours < dense, (ours, dense)
+
+
+def test_a_cache_grown_outside_generate_over_allocates_a_bounded_fraction_and_reset_releases_it():
+    """A direct ``model(ids, use_cache=True)`` loop (no final length known): the MLR layers grow by at most
+    max(16 slots, S / 32) of level-1 keys and values past the S tokens held, never by doubling; ``reset`` frees
+    the storage."""
+    layer_types = ["mlr_attention", "mlr_attention"]
+    model = _gpt2(layer_types)
+    cache = transformers.DynamicCache(config=model.config)
+    ids = torch.randint(2, 61, (1, 120))
+    with torch.no_grad():
+        model(ids[:, :16], cache=cache, use_cache=True)
+        for step in range(16, 120):
+            model(ids[:, step:step + 1], cache=cache, use_cache=True)
+            held = step + 1
+            formula = 2 * 2 * (_mlr_elements(held) + held * 16) * BYTES  # 2 layers x 2 heads, batch 1
+            spare_slots = max(16, held // 32)
+            bound = formula + 2 * 2 * spare_slots * (RANKS[0] + 16) * BYTES + 2 * 2 * 8  # + two positions per layer
+            assert formula <= allocated_cache_bytes(cache) <= bound, (held, allocated_cache_bytes(cache), bound)
+    cache.reset()
+    assert allocated_cache_bytes(cache) <= 2 * 2 * 8  # only the per-row positions may remain
