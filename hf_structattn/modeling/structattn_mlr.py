@@ -117,35 +117,56 @@ def mlr_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ranks: S
     valid = keep_mask(attention_mask, batch, length, q.device)
     positions = check_positions(positions, batch, length, q.device)
     check_bias(bias, (batch, heads, length, length))
+    common = dict(ranks=ranks, block_sizes=block_sizes, causal=causal, scales=level_scales, positions=positions,
+                  attention_mask=valid, bias=bias, average_levels=average_levels)
     if implementation == "reference":
-        return mlr_attention_reference(q, k, v, ranks=ranks, block_sizes=block_sizes, causal=causal,
-                                       scales=level_scales, positions=positions, attention_mask=valid,
-                                       bias=bias, average_levels=average_levels)
+        return mlr_attention_reference(q, k, v, **common)
 
-    if positions is None:
-        offsets, uniform = None, True
-    else:
+    offsets, uniform = None, True
+    if positions is not None:
         offsets = _row_offsets(positions, valid if valid is not None else torch.ones_like(positions, dtype=torch.bool))
         if offsets is None:  # non-contiguous positions (e.g. packed sequences): only the naive path is exact
-            return mlr_attention_reference(q, k, v, ranks=ranks, block_sizes=block_sizes, causal=causal,
-                                           scales=level_scales, positions=positions, attention_mask=valid,
-                                           bias=bias, average_levels=average_levels)
+            return mlr_attention_reference(q, k, v, **common)
         uniform = bool((offsets == offsets[0]).all())
         if uniform and int(offsets[0]) < 0:
             # every row's real tokens start at index -offset or later: the indices before are padding at negative
             # positions (uniform left padding); run on the rest and give the padding rows zeros
-            return _without_leading_padding(q, k, v, -int(offsets[0]), ranks=ranks, block_sizes=block_sizes,
-                                            causal=causal, scales=level_scales, positions=positions,
-                                            attention_mask=valid, bias=bias, average_levels=average_levels,
-                                            implementation=implementation)
+            return _without_leading_padding(q, k, v, -int(offsets[0]), implementation=implementation, **common)
         if not uniform and valid is None:
             # per-row offsets go through the canonical scatter, which marks real tokens with the mask
             valid = torch.ones(batch, length, dtype=torch.bool, device=q.device)
 
-    # Range of positions that carry real tokens decides which levels every pair shares.
+    base_offset = 0 if offsets is None else int(offsets[0])
+    first_depth, base, canonical_length = _canonical_span(positions, valid, base_offset if uniform else None,
+                                                          length, block_sizes, len(ranks))
+    backend = _pick_backend(implementation, q, bias)
+    if backend == "math" and uniform:
+        # materialised scores need no canonical padding: partial blocks at the ends are handled directly
+        return mlr_attention_math(q, k, v, valid, bias, ranks, block_sizes, first_depth, level_scales,
+                                  average_levels, causal, start=base_offset)
     if uniform:
-        base_offset = 0 if offsets is None else int(offsets[0])
-        low, high = base_offset, base_offset + length - 1
+        left = base_offset - base
+        q_c, k_c, v_c, key_valid, bias_c = _pad_to_canonical(q, k, v, valid, bias, left, canonical_length)
+    else:
+        index = (positions - base).masked_fill(~valid, canonical_length)  # invalid tokens go to a dump slot
+        q_c, k_c, v_c, key_valid, bias_c = _scatter_to_canonical(q, k, v, valid, bias, index, canonical_length)
+    out_c = _run_backend(backend, q_c, k_c, v_c, key_valid, bias_c, ranks, block_sizes, first_depth, level_scales,
+                         average_levels, causal, base, canonical_length)
+    if uniform:
+        return out_c[:, :, left:left + length] if canonical_length != length else out_c
+    safe_index = index.clamp(max=canonical_length - 1)
+    out = out_c.gather(2, safe_index[:, None, :, None].expand(batch, heads, length, out_c.shape[-1]))
+    return out.masked_fill(~valid[:, None, :, None], 0.0)
+
+
+def _canonical_span(positions: Optional[torch.Tensor], valid: Optional[torch.Tensor], uniform_offset: Optional[int],
+                    length: int, block_sizes: Sequence[int], num_levels: int) -> tuple[int, int, int]:
+    """(first_depth, base, canonical_length): the deepest level every pair of real tokens shares (1 = only the global
+    level), and the block-aligned range of positions [base, base + canonical_length) the backends run on.
+    ``uniform_offset``: the shared offset of every row's positions, or None when rows differ (then read from
+    ``positions`` and ``valid``, (B, T))."""
+    if uniform_offset is not None:
+        low, high = uniform_offset, uniform_offset + length - 1
     else:
         token_positions = positions.masked_fill(~valid, -1) if valid is not None else positions
         high = int(token_positions.max())
@@ -158,74 +179,85 @@ def mlr_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ranks: S
         if low // size != high // size:
             break
         first_depth += 1
-    num_levels = len(ranks)
     if first_depth < num_levels:
         granule = block_sizes[first_depth - 1]
         base = (low // granule) * granule
-        canonical_length = -(-(high + 1 - base) // granule) * granule
-    else:
-        base, canonical_length = low, high + 1 - low
+        return first_depth, base, -(-(high + 1 - base) // granule) * granule
+    return first_depth, low, high + 1 - low
 
-    backend = implementation
-    if backend == "auto":
-        # neither kernel differentiates the additive bias (T5's learned relative bias): the math path does
-        bias_needs_grad = bias is not None and bias.requires_grad
-        if q.device.type == "cpu" and not bias_needs_grad:
-            backend = "fused"
-        elif q.device.type == "cuda" and not bias_needs_grad and _triton_kernel() is not None:
-            backend = "triton"
-        else:
-            backend = "math"
-    if backend == "math" and uniform:
-        # materialised scores need no canonical padding: partial blocks at the ends are handled directly
-        return mlr_attention_math(q, k, v, valid, bias, ranks, block_sizes, first_depth, level_scales,
-                                  average_levels, causal, start=0 if offsets is None else int(offsets[0]))
 
-    if uniform:
-        left = base_offset - base
-        right = canonical_length - left - length
-        pad = (lambda t: F.pad(t, (0, 0, left, right))) if (left or right) else (lambda t: t)
-        q_c, k_c, v_c = pad(q), pad(k), pad(v)
-        key_valid = None
-        if left or right or valid is not None:
-            key_valid = torch.zeros(batch, canonical_length, dtype=torch.bool, device=q.device)
-            key_valid[:, left:left + length] = True if valid is None else valid
-        bias_c = None
-        if bias is not None:
-            bias_c = bias if bias.dim() == 4 else bias.view((1,) * (4 - bias.dim()) + tuple(bias.shape))
-            bias_c = bias_c.expand(bias_c.shape[0], bias_c.shape[1], length, length)
-            if left or right:
-                bias_c = F.pad(bias_c, (left, right, left, right))
-    else:
-        index = (positions - base).masked_fill(~valid, canonical_length)  # invalid tokens go to a dump slot
-        gather_index = index[:, None, :, None]
+def _pick_backend(implementation: str, q: torch.Tensor, bias: Optional[torch.Tensor]) -> str:
+    if implementation != "auto":
+        return implementation
+    # neither kernel differentiates the additive bias (T5's learned relative bias): the math path does
+    bias_needs_grad = bias is not None and bias.requires_grad
+    if q.device.type == "cpu" and not bias_needs_grad:
+        return "fused"
+    if q.device.type == "cuda" and not bias_needs_grad and _triton_kernel() is not None:
+        return "triton"
+    return "math"
 
-        def to_canonical(t):
-            shape = (batch, t.shape[1], canonical_length + 1, t.shape[-1])
-            return t.new_zeros(shape).scatter(2, gather_index.expand_as(t), t)[:, :, :canonical_length]
 
-        q_c, k_c, v_c = to_canonical(q), to_canonical(k), to_canonical(v)
-        key_valid = torch.zeros(batch, canonical_length + 1, dtype=torch.bool, device=q.device)
-        key_valid.scatter_(1, index, valid)
-        key_valid = key_valid[:, :canonical_length]
-        bias_c = None
-        if bias is not None:
-            full_bias = bias if bias.dim() == 4 else bias.view((1,) * (4 - bias.dim()) + tuple(bias.shape))
-            full_bias = full_bias.expand(batch, full_bias.shape[1], length, length)
-            rows = full_bias.new_zeros(batch, full_bias.shape[1], canonical_length + 1, length)
-            rows = rows.scatter(2, index[:, None, :, None].expand_as(full_bias), full_bias)
-            cols = full_bias.new_zeros(batch, full_bias.shape[1], canonical_length + 1, canonical_length + 1)
-            bias_c = cols.scatter(3, index[:, None, None, :].expand_as(rows), rows)[
-                :, :, :canonical_length, :canonical_length]
+def _full_bias(bias: torch.Tensor, batch: Optional[int], length: int) -> torch.Tensor:
+    """A bias broadcastable to (B, H, T, T) as a 4-D view expanded over the query and key dims (and the batch)."""
+    full = bias if bias.dim() == 4 else bias.view((1,) * (4 - bias.dim()) + tuple(bias.shape))
+    return full.expand(full.shape[0] if batch is None else batch, full.shape[1], length, length)
 
+
+def _pad_to_canonical(q, k, v, valid, bias, left: int, canonical_length: int):
+    """Rows sharing one offset: pad (B, H, T, .) to the canonical range, ``left`` slots before the tokens.
+    Returns q, k, v, key_valid (B, C) or None, bias (.., C, C) or None."""
+    batch, _, length, _ = q.shape
+    right = canonical_length - left - length
+    if left or right:
+        q, k, v = (F.pad(t, (0, 0, left, right)) for t in (q, k, v))
+    key_valid = None
+    if left or right or valid is not None:
+        key_valid = torch.zeros(batch, canonical_length, dtype=torch.bool, device=q.device)
+        key_valid[:, left:left + length] = True if valid is None else valid
+    bias_c = None
+    if bias is not None:
+        bias_c = _full_bias(bias, None, length)
+        if left or right:
+            bias_c = F.pad(bias_c, (left, right, left, right))
+    return q, k, v, key_valid, bias_c
+
+
+def _scatter_to_canonical(q, k, v, valid, bias, index: torch.Tensor, canonical_length: int):
+    """Rows with their own offsets: scatter each real token to slot ``index`` (B, T) of the canonical range
+    (padding to a dump slot past it). Returns q, k, v, key_valid (B, C), bias (B, H, C, C) or None."""
+    batch = q.shape[0]
+    length = q.shape[2]
+    gather_index = index[:, None, :, None]
+
+    def to_canonical(t):
+        shape = (batch, t.shape[1], canonical_length + 1, t.shape[-1])
+        return t.new_zeros(shape).scatter(2, gather_index.expand_as(t), t)[:, :, :canonical_length]
+
+    key_valid = torch.zeros(batch, canonical_length + 1, dtype=torch.bool, device=q.device)
+    key_valid.scatter_(1, index, valid)
+    bias_c = None
+    if bias is not None:
+        full_bias = _full_bias(bias, batch, length)
+        rows = full_bias.new_zeros(batch, full_bias.shape[1], canonical_length + 1, length)
+        rows = rows.scatter(2, index[:, None, :, None].expand_as(full_bias), full_bias)
+        cols = full_bias.new_zeros(batch, full_bias.shape[1], canonical_length + 1, canonical_length + 1)
+        bias_c = cols.scatter(3, index[:, None, None, :].expand_as(rows), rows)[
+            :, :, :canonical_length, :canonical_length]
+    return to_canonical(q), to_canonical(k), to_canonical(v), key_valid[:, :canonical_length], bias_c
+
+
+def _run_backend(backend: str, q_c, k_c, v_c, key_valid, bias_c, ranks, block_sizes, first_depth: int,
+                 level_scales, average_levels: bool, causal: bool, base: int, canonical_length: int) -> torch.Tensor:
+    """One backend over the canonical range: (B, H, C, r) inputs, returns (B, H, C, dv)."""
     if backend == "fused":
-        if q.device.type != "cpu":
-            raise ValueError(f"implementation='fused' needs CPU tensors, got device {q.device}")
+        if q_c.device.type != "cpu":
+            raise ValueError(f"implementation='fused' needs CPU tensors, got device {q_c.device}")
         if bias_c is not None and bias_c.requires_grad:
             raise ValueError("implementation='fused' cannot differentiate the bias; use 'math' or 'auto'")
-        out_c = mlr_attention_fused(q_c, k_c, v_c, key_valid, bias_c, ranks, block_sizes, first_depth,
-                                    level_scales, average_levels, causal)
-    elif backend == "triton":
+        return mlr_attention_fused(q_c, k_c, v_c, key_valid, bias_c, ranks, block_sizes, first_depth,
+                                   level_scales, average_levels, causal)
+    if backend == "triton":
         mlr_attention_triton = _triton_kernel()
         if mlr_attention_triton is None:
             raise ValueError("implementation='triton' needs the triton package")
@@ -233,15 +265,8 @@ def mlr_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ranks: S
         # canonical range (still nested) because the canonical base is only aligned to the finer levels.
         kernel_blocks = [canonical_length * 2 ** (first_depth - level) if level <= first_depth else size
                          for level, size in enumerate(block_sizes, start=2)]
-        out_c = mlr_attention_triton(q_c, k_c, v_c, ranks=ranks, block_sizes=kernel_blocks, causal=causal,
-                                     level_scales=level_scales, average_levels=average_levels,
-                                     key_padding_mask=key_valid, bias=bias_c)
-    else:
-        out_c = mlr_attention_math(q_c, k_c, v_c, key_valid, bias_c, ranks, block_sizes, first_depth,
-                                   level_scales, average_levels, causal, start=base)
-
-    if uniform:
-        return out_c[:, :, left:left + length] if (left or right) else out_c
-    safe_index = index.clamp(max=canonical_length - 1)
-    out = out_c.gather(2, safe_index[:, None, :, None].expand(batch, heads, length, out_c.shape[-1]))
-    return out.masked_fill(~valid[:, None, :, None], 0.0)
+        return mlr_attention_triton(q_c, k_c, v_c, ranks=ranks, block_sizes=kernel_blocks, causal=causal,
+                                    level_scales=level_scales, average_levels=average_levels,
+                                    key_padding_mask=key_valid, bias=bias_c)
+    return mlr_attention_math(q_c, k_c, v_c, key_valid, bias_c, ranks, block_sizes, first_depth, level_scales,
+                              average_levels, causal, start=base)
