@@ -413,3 +413,23 @@ def test_inductor_generate_equals_eager(variant):
             torch.testing.assert_close(model.generate(prompt, **common), tokens)
     finally:
         del model.forward
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_compiled_decode_step_formulation_equals_eager_on_rows_in_different_blocks(static):
+    """The per-level gather ``mlr_decode_step`` traces under torch.compile equals the eager formulations (shared
+    block starts where rows are in step, the flat scatter where they are not) in float64, on left-padded rows with
+    offsets whose current blocks start at different slots, at every step across block boundaries."""
+    geometry = _geometry()
+    q, k, v, positions, valid = _rows(length=40, pads=(0, 5, 13), offsets=(0, 0, 3))
+    layer = _layer(static, geometry)
+    _write(layer, k[:, :, :9], v[:, :, :9], positions[:, :9], valid[:, :9])
+    step = torch.compile(mlr_decode_step, backend="eager", fullgraph=True)
+    for index in range(9, 40):
+        _write(layer, k[:, :, index:index + 1], v[:, :, index:index + 1], positions[:, index:index + 1],
+               valid[:, index:index + 1])
+        args = (q[:, :, :, index], layer.keys_storage(), layer.values_storage(), layer.fine_storage,
+                layer.ring_widths, geometry, geometry.level_scales, layer.last_positions, layer.first_positions,
+                layer.base)
+        eager = mlr_decode_step(*args)
+        torch.testing.assert_close(step(*args), eager, **EXACT)

@@ -51,14 +51,16 @@ def mlr_decode_step(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     ``keys`` and ``values`` may be the whole preallocated storage (slots past each row's newest position are
     masked): a narrowed view would make every batched matmul copy it first.
 
-    Finer levels, two formulations of the same sum. When every row's current block starts at the same slot (no
+    Finer levels, three formulations of the same sum. When every row's current block starts at the same slot (no
     padding, or padding that keeps rows in step; eager only, decided once per step by the plan) each level adds
-    ``q_l @ ring_l^T`` onto that block's slots in place, one small matmul per level. Otherwise (rows in different
-    blocks, and always while ``torch.compile`` traces) all levels are scored at once over the flat storage: the
-    query's fine dims are gathered to line up with it, multiplied elementwise, summed per ring entry (one
-    ``index_add_``), and each entry's score is added onto its slot in the row's current block (one ``scatter_add_``
-    onto the level-1 scores, padded by a coarsest block so that entries past the last slot land outside); in a
-    compiled step that fuses into a few loops, however many levels. ``plan``: a dict shared by the layers of one
+    ``q_l @ ring_l^T`` onto that block's slots in place, one small matmul per level. While ``torch.compile``
+    traces, each level's entry scores ``q_l @ ring_l^T`` are gathered back at the slots of each row's current block
+    (one gather per level, fused by inductor with the softmax; a scatter over every entry made inductor loop over
+    the entries for every slot). Otherwise (eager, rows in different blocks) all levels are scored at once over the
+    flat storage: the query's fine dims are gathered to line up with it, multiplied elementwise, summed per ring
+    entry (one ``index_add_``), and each entry's score is added onto its slot in the row's current block (one
+    ``scatter_add_`` onto the level-1 scores, padded by a coarsest block so that entries past the last slot land
+    outside). ``plan``: a dict shared by the layers of one
     model forward that hold the same positions (an empty dict is filled): the index work that depends only on
     positions is done once."""
     work = softmax_dtype(query.dtype)
@@ -79,6 +81,21 @@ def mlr_decode_step(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
                 ring = fine[..., offset:offset + used * rank].view(batch, heads, used, rank)
                 scores[..., start:start + used].add_((level_query @ ring.transpose(-1, -2)).to(work))
             offset += width * rank
+    elif plan["entries"] and torch.compiler.is_compiling():
+        # compiled: each level's W_l entry scores are read back at the slots of the row's current block by one
+        # gather (O(C) per level, fused by inductor with the softmax), where a scatter over every entry would
+        # make inductor loop over entries for every slot
+        offset = 0
+        for level, (level_query, rank, width) in enumerate(zip(
+                query[..., first_rank:].split(list(geometry.ranks[1:]), dim=-1), geometry.ranks[1:], ring_widths)):
+            ring = fine[..., offset:offset + width * rank].view(batch, heads, width, rank)
+            offset += width * rank
+            entry_scores = (level_query @ ring.transpose(-1, -2)).to(work)  # (B, Hk, g, W_l)
+            entry = plan["slot index"] - plan["level starts"][:, level:level + 1]  # (B, C)
+            inside = ((entry >= 0) & (entry < width))[:, None, None, :]
+            picked = entry_scores.gather(-1, entry.clamp(0, width - 1)[:, None, None, :].expand(
+                batch, heads, rows, slots))
+            scores = scores + torch.where(inside, picked, torch.zeros_like(picked))
     elif plan["entries"]:
         fine_query = query[..., first_rank:]
         # (B, Hk, g, F); a 2-D index_select: along the last dim of a 4-D tensor it is ~20x slower on CPU
@@ -126,6 +143,10 @@ def _plan_decode(plan: dict, geometry: MLRGeometry, ring_widths: Sequence[int], 
             shared = [column[0] for column in columns]
     plan["shared starts"] = shared
     slot_index = torch.arange(slots, device=device)
+    if constants["entries"]:
+        sizes = constants["sizes"]
+        plan["level starts"] = ((new_positions[:, None] // sizes) * sizes - base).clamp(min=0)  # (B, L-1)
+        plan["slot index"] = slot_index
     inverse_depth = None
     if geometry.average_levels:
         sizes = constants["sizes"]
