@@ -370,6 +370,8 @@ def test_t5_bad_inputs_name_the_argument():
     (dict(dense_scaling=float("inf")), r"dense_scaling=inf must be .*finite number > 0"),
     (dict(bilinear_scale_constant=float("inf")), r"bilinear_scale_constant=inf must be a finite number > 0"),
     (dict(bilinear_scale_constant=float("nan")), r"bilinear_scale_constant=nan must be a finite number > 0"),
+    (dict(resid_pdrop=1.5), r"resid_pdrop=1.5 must be a dropout probability in \[0, 1\]"),
+    (dict(embd_pdrop=-0.1), r"embd_pdrop must be a finite number >= 0, got -0.1"),
 ])
 def test_gpt2_config_rejects_degenerate_numbers(fields, match):
     from conftest import tiny_gpt2_config
