@@ -121,6 +121,18 @@ COORD_VARIANTS = {"dense": {}, "mlr": dict(mlr_ranks=[8, 4, 2, 2]),
                   "bilinear_mlr": dict(bilinear_mlr_ranks=[8, 4, 2, 2]), "bilinear_btt": {}}
 
 
+def _train_on_one_batch(model, groups, steps: int) -> torch.Tensor:
+    """``steps`` AdamW steps (betas 0.9/0.95, no weight decay) on one fixed (8, 16) batch; returns the batch."""
+    optimizer = torch.optim.AdamW(groups, betas=(0.9, 0.95), weight_decay=0.0)
+    ids = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(1))
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=ids).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return ids
+
+
 def _activation_scales(variant, width, mup, steps=3, lr=1e-2):
     """RMS of the first block's output and of the logits after ``steps`` AdamW steps on one fixed batch."""
     torch.manual_seed(0)
@@ -135,13 +147,7 @@ def _activation_scales(variant, width, mup, steps=3, lr=1e-2):
         groups = mup_param_groups(model, lr, base_width=64)
     else:
         groups = [{"params": list(model.parameters()), "lr": lr}]
-    optimizer = torch.optim.AdamW(groups, betas=(0.9, 0.95), weight_decay=0.0)
-    ids = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(1))
-    for _ in range(steps):
-        loss = model(input_ids=ids, labels=ids).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+    ids = _train_on_one_batch(model, groups, steps)
     with torch.no_grad():
         out = model(input_ids=ids, output_hidden_states=True)
     return torch.tensor([out.hidden_states[1].pow(2).mean().sqrt(), out.logits.pow(2).mean().sqrt()])
@@ -243,13 +249,7 @@ def _first_layer_logit_scale(variant, width, logit_scaling, steps=6, lr=3e-2, he
         fields.update(dense_scaling="standard", mlr_scaling="standard", bilinear_scaling="standard")
     model = StructAttnGPT2LMHeadModel(StructAttnGPT2Config(**fields))
     mup_init_(model)
-    optimizer = torch.optim.AdamW(mup_param_groups(model, lr, base_width=64), betas=(0.9, 0.95), weight_decay=0.0)
-    ids = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(1))
-    for _ in range(steps):
-        loss = model(input_ids=ids, labels=ids).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+    ids = _train_on_one_batch(model, mup_param_groups(model, lr, base_width=64), steps)
     return float(attention_logit_rms(model, input_ids=ids)[0])
 
 
