@@ -417,7 +417,7 @@ def test_inductor_generate_equals_eager(variant):
 
 @pytest.mark.parametrize("static", [False, True])
 def test_compiled_decode_step_formulation_equals_eager_on_rows_in_different_blocks(static):
-    """The per-level gather ``mlr_decode_step`` traces under torch.compile equals the eager formulations (shared
+    """The tiled formulation ``mlr_decode_step`` traces under torch.compile equals the eager formulations (shared
     block starts where rows are in step, the flat scatter where they are not) in float64, on left-padded rows with
     offsets whose current blocks start at different slots, at every step across block boundaries."""
     geometry = _geometry()

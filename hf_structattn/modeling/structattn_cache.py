@@ -126,7 +126,8 @@ class MLRCacheLayerMixin:
     # ------------------------------------------------------------------ storage helpers
     @property
     def rings(self) -> list:
-        """Per fine level (B, H, W_l, r_l): views into the one flat fine storage ``_fine`` (B, H, sum W_l r_l).
+        """Per fine level (B, H, W_l, r_l): views into the one flat fine storage ``_fine`` (B, H, sum W_l r_l),
+        transposed (the storage is dim-major, see ``fine_storage``).
 
         While ``torch.compile`` traces, the views are made from ``_fine`` inside the graph, so ``_fine`` is the only
         graph input behind them: stored views would each become an input aliasing the others, and the decode step
@@ -142,7 +143,9 @@ class MLRCacheLayerMixin:
 
     @property
     def fine_storage(self) -> Optional[torch.Tensor]:
-        """(B, H, sum_l W_l r_l): every ring, flat (ring l after the rings before it, entry-major)."""
+        """(B, H, sum_l W_l r_l): every ring, flat (ring l after the rings before it, dim-major: the ``W_l`` entries
+        of dim 1, then of dim 2, ...; ``MLRGeometry.fine_layout``). Dim-major, one fine dim of consecutive slots is
+        contiguous, so a compiled decode step reads the ring entries of a block of slots with vector loads."""
         return self._fine
 
     @property
@@ -154,10 +157,16 @@ class MLRCacheLayerMixin:
         return [min(size, capacity) for size in self.geometry.block_sizes]
 
     def _fine_views(self, fine: torch.Tensor, capacity: int) -> list:
+        """Per fine level (B, H, W_l, r_l): entry-major views of the dim-major storage ``fine``."""
+        return [view.transpose(-1, -2) for view in self._dim_major_views(fine, capacity)]
+
+    def _dim_major_views(self, fine: torch.Tensor, capacity: int) -> list:
+        """Per fine level (B, H, r_l, W_l): the rings as stored (what an in-place write traced by torch.compile must
+        go through: AOTAutograd cannot replay a write through the transposed views)."""
         views, offset = [], 0
         batch, heads = fine.shape[:2]
         for rank, width in zip(self.geometry.ranks[1:], self._ring_widths(capacity)):
-            views.append(fine[..., offset:offset + width * rank].view(batch, heads, width, rank))
+            views.append(fine[..., offset:offset + width * rank].view(batch, heads, rank, width))
             offset += width * rank
         return views
 
@@ -317,9 +326,9 @@ class MLRCacheLayerMixin:
 
     def _fine_index(self, slot: torch.Tensor) -> torch.Tensor:
         """(B, sum_{l>=2} r_l): the elements of the flat fine storage a token at slot ``slot`` (B,) writes: dim j of
-        level l goes to element ``o_l + (slot % b_l) r_l + j`` (entry ``slot % b_l`` of ring l)."""
+        level l goes to element ``o_l + j W_l + slot % b_l`` (dim j of entry ``slot % b_l`` of ring l)."""
         layout = self.geometry.fine_layout(self.ring_widths, slot.device)
-        return layout["element offset"] + (slot[:, None] % layout["element block"]) * layout["element rank"]
+        return layout["element offset"] + slot[:, None] % layout["element block"]
 
     def _put_one_token(self, key_states, value_states, rows, slot, valid, fine_index) -> None:
         """Write one token per row (key_states (B, H, 1, r), slot (B,)) with indexed assignments, which inductor
@@ -460,8 +469,11 @@ class MLRCacheLayerMixin:
         put(self.keys_storage(), slots, key_states[..., :ranks[0]])
         put(self.values_storage(), slots, value_states)
         start = ranks[0]
-        for rank, size, ring in zip(ranks[1:], self.geometry.block_sizes, self.rings):
-            put(ring, slots % size, key_states[..., start:start + rank])
+        for rank, size, ring in zip(ranks[1:], self.geometry.block_sizes,
+                                    self._dim_major_views(self._fine, self._capacity())):
+            index = (slots % size)[:, None, None, :].expand(batch, heads, rank, chunk)
+            new = key_states[..., start:start + rank].transpose(-1, -2)  # (B, H, r_l, c)
+            ring.scatter_(3, index, torch.where(valid[:, None, None, :], new, ring.gather(3, index)))
             start += rank
 
     def _overwritten_fine(self, key_states, slots, valid) -> torch.Tensor:

@@ -338,27 +338,28 @@ class MLRGeometry:
 
     def fine_layout(self, ring_widths: Sequence[int], device) -> dict:
         """Index tensors over the flat storage of the finer levels' rings (ring l: ``ring_widths[l]`` entries of
-        ``r_l`` dims, after the rings before it, entry-major; cached):
+        ``r_l`` dims, after the rings before it, dim-major: element ``o_l + j W_l + e`` is dim j of entry e, so that
+        one dim of consecutive entries is contiguous; cached):
 
         * "query dims" (F,): for each element, the fine query dim (counted from r_1) it multiplies;
         * "entry of element" (F,): the ring entry (of all levels, E = sum_l W_l) it belongs to; "entries": E;
         * "entry block", "entry index" (E,): the block size b_l of an entry's level and its index e in its ring;
-        * "element block", "element rank", "element offset" (sum_l r_l,): per fine dim j of level l, b_l, r_l and
-          ``o_l + j`` (o_l: the ring's start), so that a token at slot s writes element ``o_l + (s % b_l) r_l + j``;
+        * "element block", "element offset" (sum_l r_l,): per fine dim j of level l, b_l and ``o_l + j W_l``
+          (o_l: the ring's start), so that a token at slot s writes element ``o_l + j W_l + s % b_l``;
         * "sizes" (L-1,): the block sizes."""
         key = ("fine layout", tuple(ring_widths), str(device))
         if key not in self.tensors:
             query_dims, entry_of_element, entry_block, entry_index = [], [], [], []
-            element_block, element_rank, element_offset = [], [], []
+            element_block, element_offset = [], []
             dim_offset = entries = offset = 0
             for rank, width, size in zip(self.ranks[1:], ring_widths, self.block_sizes):
-                query_dims += list(range(dim_offset, dim_offset + rank)) * width
-                entry_of_element += [entries + e for e in range(width) for _ in range(rank)]
+                for j in range(rank):
+                    query_dims += [dim_offset + j] * width
+                    entry_of_element += range(entries, entries + width)
                 entry_block += [size] * width
                 entry_index += list(range(width))
                 element_block += [size] * rank
-                element_rank += [rank] * rank
-                element_offset += [offset + j for j in range(rank)]
+                element_offset += [offset + j * width for j in range(rank)]
                 dim_offset += rank
                 entries += width
                 offset += width * rank
@@ -369,8 +370,8 @@ class MLRGeometry:
             self.tensors[key] = {
                 "query dims": tensor(query_dims), "entry of element": tensor(entry_of_element), "entries": entries,
                 "entry block": tensor(entry_block), "entry index": tensor(entry_index),
-                "element block": tensor(element_block), "element rank": tensor(element_rank),
-                "element offset": tensor(element_offset), "sizes": tensor(list(self.block_sizes))}
+                "element block": tensor(element_block), "element offset": tensor(element_offset),
+                "sizes": tensor(list(self.block_sizes))}
         return self.tensors[key]
 
     def dim_order_index(self, device) -> Optional[torch.Tensor]:

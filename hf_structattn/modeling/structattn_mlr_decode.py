@@ -2,18 +2,18 @@
 full-width keys of an ordinary transformers cache. The op-package side of ``structattn_cache`` (which only stores).
 
 Slot layout (see ``structattn_cache``): position ``p`` of a row lives in slot ``p - base``; ``keys`` hold the
-level-1 dims of every slot, ring l holds the level-l dims of position ``p`` at entry ``(p - base) % b_l``; a row's
-real positions are ``[first, last]``. Score of a query at position ``q`` and a key at position ``p``:
-``sum over levels l shared by (q, p) of alpha_l <q_l, k_l>`` (optionally divided by the number of shared levels),
-the executable spec being ``structattn_reference.mlr_attention_reference``.
+level-1 dims of every slot, ring l holds the level-l dims of position ``p`` at entry ``(p - base) % b_l`` (stored
+dim-major in the flat fine storage); a row's real positions are ``[first, last]``. Score of a query at position ``q``
+and a key at position ``p``: ``sum over levels l shared by (q, p) of alpha_l <q_l, k_l>`` (optionally divided by the
+number of shared levels), the executable spec being ``structattn_reference.mlr_attention_reference``.
 
 * ``mlr_decode_step``: one query position per row (the newest token). Level-1 scores over every slot in one matmul;
-  each finer level scores its ring and adds it onto the slots of the query's current level-l block: slot
-  ``s0 + e`` gets entry ``e`` where ``s0`` is the block's first slot. When every row's block starts at the same
-  slot (no padding, or padding that keeps rows in step) that is one contiguous ``add_`` per level; otherwise (rows
-  in different blocks, and always while ``torch.compile`` traces) the slot axis is viewed as blocks of ``b_l`` and
-  the ring scores are broadcast onto the query's block with a one-hot block mask: pointwise work that compiles to
-  one fused kernel, with no scatter. Stale entries land on future or empty slots, which are masked.
+  each finer level scores its ring and adds it onto the slots of the query's current level-l block, where slot
+  ``s`` holds entry ``s % b_l``. When every row's block starts at the same slot (no padding, or padding that keeps
+  rows in step) that is one contiguous ``add_`` per level; while ``torch.compile`` traces, the entry scores are
+  tiled over the slot axis and kept on the row's current block (pointwise work with affine indices, which inductor
+  fuses with the softmax into one pass of vector loads); otherwise (eager, rows in different blocks) all levels are
+  scored at once over the flat storage and scattered onto their slots.
 * ``mlr_cached_chunk``: several new queries per row (chunked prefill, speculative verification): materialised scores
   over every slot; fine-level scores of the rings as they were before the chunk and of the chunk's own keys are
   scattered onto their slots with their same-block weights.
@@ -54,48 +54,54 @@ def mlr_decode_step(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     Finer levels, three formulations of the same sum. When every row's current block starts at the same slot (no
     padding, or padding that keeps rows in step; eager only, decided once per step by the plan) each level adds
     ``q_l @ ring_l^T`` onto that block's slots in place, one small matmul per level. While ``torch.compile``
-    traces, each level's entry scores ``q_l @ ring_l^T`` are gathered back at the slots of each row's current block
-    (one gather per level, fused by inductor with the softmax; a scatter over every entry made inductor loop over
-    the entries for every slot). Otherwise (eager, rows in different blocks) all levels are scored at once over the
-    flat storage: the query's fine dims are gathered to line up with it, multiplied elementwise, summed per ring
-    entry (one ``index_add_``), and each entry's score is added onto its slot in the row's current block (one
-    ``scatter_add_`` onto the level-1 scores, padded by a coarsest block so that entries past the last slot land
-    outside). ``plan``: a dict shared by the layers of one
-    model forward that hold the same positions (an empty dict is filled): the index work that depends only on
-    positions is done once."""
+    traces, each level's entry scores ``q_l @ ring_l^T`` (B, Hk, g, W_l) are tiled over the slot axis (slot ``s``
+    of a block holds entry ``s % b_l``) and kept where the slot is in the row's current block: no gather or
+    scatter, so inductor fuses every level into the softmax's pass over the slots with vector loads (a gather made
+    it load ring entries one scalar at a time). Otherwise (eager, rows in different blocks) all levels are scored at
+    once over the flat storage: the query's fine dims are gathered to line up with it, multiplied elementwise,
+    summed per ring entry (one ``index_add_``), and each entry's score is added onto its slot in the row's current
+    block (one ``scatter_add_`` onto the level-1 scores, padded by a coarsest block so that entries past the last
+    slot land outside). ``plan``: a dict shared by the layers of one model forward that hold the same positions (an
+    empty dict is filled): the index work that depends only on positions is done once."""
     work = softmax_dtype(query.dtype)
     batch, heads, rows, _ = query.shape
     slots = keys.shape[2]
     query = query * geometry.scale_vector(scales, query.dtype, query.device)
     first_rank = geometry.ranks[0]
-    scores = (query[..., :first_rank] @ keys.transpose(-1, -2)).to(work)  # (B, Hk, g, C)
     plan = {} if plan is None else plan
     if plan.get("work") != work:
         _plan_decode(plan, geometry, ring_widths, new_positions, first_positions, base, slots, work, query.device)
+    if plan["shared starts"] is not None and query.dtype == work:
+        scores = _shared_start_scores(query, keys, fine, ring_widths, geometry, plan["shared starts"])
+    else:
+        scores = (query[..., :first_rank] @ keys.transpose(-1, -2)).to(work)  # (B, Hk, g, C)
     if plan["shared starts"] is not None:
-        offset = 0
-        for level_query, rank, width, start in zip(query[..., first_rank:].split(list(geometry.ranks[1:]), dim=-1),
-                                                   geometry.ranks[1:], ring_widths, plan["shared starts"]):
-            used = min(width, slots - start)
-            if used > 0:
-                ring = fine[..., offset:offset + used * rank].view(batch, heads, used, rank)
-                scores[..., start:start + used].add_((level_query @ ring.transpose(-1, -2)).to(work))
-            offset += width * rank
+        if query.dtype != work:  # low precision: products in the query dtype, accumulated in the working dtype
+            offset = 0
+            for level_query, rank, width, start in zip(
+                    query[..., first_rank:].split(list(geometry.ranks[1:]), dim=-1), geometry.ranks[1:],
+                    ring_widths, plan["shared starts"]):
+                used = min(width, slots - start)
+                if used > 0:
+                    ring = fine[..., offset:offset + width * rank].view(batch, heads, rank, width)[..., :used]
+                    scores[..., start:start + used].add_((level_query @ ring).to(work))
+                offset += width * rank
     elif plan["entries"] and torch.compiler.is_compiling():
-        # compiled: each level's W_l entry scores are read back at the slots of the row's current block by one
-        # gather (O(C) per level, fused by inductor with the softmax), where a scatter over every entry would
-        # make inductor loop over entries for every slot
+        # compiled: slot s of the row's current level-l block holds entry s % b_l, so each level's entry scores are
+        # tiled over the slot axis (an expand and a reshape: affine indices that inductor turns into vector loads)
+        # and kept where the slot is in the row's current block; one fused pass over the slots, no gather
         offset = 0
-        for level, (level_query, rank, width) in enumerate(zip(
-                query[..., first_rank:].split(list(geometry.ranks[1:]), dim=-1), geometry.ranks[1:], ring_widths)):
-            ring = fine[..., offset:offset + width * rank].view(batch, heads, width, rank)
+        for level, (level_query, rank, width, size) in enumerate(zip(
+                query[..., first_rank:].split(list(geometry.ranks[1:]), dim=-1), geometry.ranks[1:], ring_widths,
+                geometry.block_sizes)):
+            ring = fine[..., offset:offset + width * rank].view(batch, heads, rank, width)
             offset += width * rank
-            entry_scores = (level_query @ ring.transpose(-1, -2)).to(work)  # (B, Hk, g, W_l)
-            entry = plan["slot index"] - plan["level starts"][:, level:level + 1]  # (B, C)
-            inside = ((entry >= 0) & (entry < width))[:, None, None, :]
-            picked = entry_scores.gather(-1, entry.clamp(0, width - 1)[:, None, None, :].expand(
-                batch, heads, rows, slots))
-            scores = scores + torch.where(inside, picked, torch.zeros_like(picked))
+            entry_scores = (level_query @ ring).to(work)  # (B, Hk, g, W_l)
+            if size <= slots:  # W_l = b_l: one copy of the entries per block
+                tiles = -(-slots // size)
+                entry_scores = entry_scores[..., None, :].expand(batch, heads, rows, tiles, size).reshape(
+                    batch, heads, rows, tiles * size)
+            scores = scores + torch.where(plan["current block"][:, level], entry_scores[..., :slots], 0.0)
     elif plan["entries"]:
         fine_query = query[..., first_rank:]
         # (B, Hk, g, F); a 2-D index_select: along the last dim of a 4-D tensor it is ~20x slower on CPU
@@ -114,8 +120,39 @@ def mlr_decode_step(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     if bias is not None:
         scores = scores + bias.to(work)
     probabilities = torch.softmax(scores, dim=-1)
-    output = probabilities.to(values.dtype) @ values
+    # 3-D bmm: a 4-D matmul adds a handful of expand / reshape calls per layer, which an eager step pays for
+    output = torch.bmm(probabilities.to(values.dtype).reshape(batch * heads, rows, slots),
+                       values.reshape(batch * heads, slots, values.shape[-1])).view(batch, heads, rows, -1)
     return (output, probabilities) if return_weights else output
+
+
+def _shared_start_scores(query: torch.Tensor, keys: torch.Tensor, fine: torch.Tensor, ring_widths: Sequence[int],
+                         geometry: MLRGeometry, starts: Sequence[int]) -> torch.Tensor:
+    """(B, Hk, g, C) scores when every row's current level-l block starts at slot ``starts[l]`` (query already
+    scaled, in the working dtype): level 1 by one bmm over every slot, each finer level by one in-place ``baddbmm_``
+    of ``q_l`` (g, r_l) and its dim-major ring (r_l, used entries) onto the block's slots. Consecutive levels whose
+    blocks start at the same slot and whose rings are as wide (levels whose block covers the whole cache) are one
+    ``baddbmm_``: their dims are adjacent rows of the storage, and their entries land on the same slots."""
+    batch, heads, rows, _ = query.shape
+    slots, first_rank = keys.shape[2], geometry.ranks[0]
+    query = query.reshape(batch * heads, rows, -1)
+    scores = torch.bmm(query[..., :first_rank], keys.reshape(batch * heads, slots, first_rank).transpose(1, 2))
+    fine = fine.reshape(batch * heads, -1)
+    groups = []  # [start, width, first query dim, dims, storage offset]
+    offset, dim = 0, first_rank
+    for rank, width, start in zip(geometry.ranks[1:], ring_widths, starts):
+        if groups and groups[-1][0] == start and groups[-1][1] == width:
+            groups[-1][3] += rank
+        else:
+            groups.append([start, width, dim, rank, offset])
+        offset += width * rank
+        dim += rank
+    for start, width, dim, dims, offset in groups:
+        used = min(width, slots - start)
+        if used > 0:
+            ring = fine[:, offset:offset + width * dims].view(batch * heads, dims, width)[..., :used]
+            scores[..., start:start + used].baddbmm_(query[..., dim:dim + dims], ring)
+    return scores.view(batch, heads, rows, slots)
 
 
 def _plan_decode(plan: dict, geometry: MLRGeometry, ring_widths: Sequence[int], new_positions: torch.Tensor,
@@ -126,6 +163,7 @@ def _plan_decode(plan: dict, geometry: MLRGeometry, ring_widths: Sequence[int], 
     * "entry slots" (B, E): the slot an entry's score lands on, the slot of its position in the row's current
       level-l block (base is block-aligned, so entry e of ring l sits at the block's first slot + e; a row with no
       real token yet, newest position -1, has every slot masked);
+    * "current block" (B, L-1, 1, 1, C), while torch.compile traces: the slot is in the row's current level-l block;
     * "inverse depth" (B, 1, 1, C) or None: 1 / the number of levels a slot shares with the query (average_levels);
     * "additive mask" (B, 1, 1, C): 0 on the row's slots first..newest, the dtype's lowest value elsewhere."""
     constants = geometry.fine_layout(ring_widths, device)
@@ -143,10 +181,11 @@ def _plan_decode(plan: dict, geometry: MLRGeometry, ring_widths: Sequence[int], 
             shared = [column[0] for column in columns]
     plan["shared starts"] = shared
     slot_index = torch.arange(slots, device=device)
-    if constants["entries"]:
-        sizes = constants["sizes"]
-        plan["level starts"] = ((new_positions[:, None] // sizes) * sizes - base).clamp(min=0)  # (B, L-1)
-        plan["slot index"] = slot_index
+    if constants["entries"] and torch.compiler.is_compiling():
+        sizes = constants["sizes"][:, None]
+        # (B, L-1, 1, 1, C): the slot is in the row's current level-l block (base is a multiple of every b_l)
+        plan["current block"] = ((slot_index + base) // sizes == new_positions[:, None, None] // sizes)[
+            :, :, None, None, :]
     inverse_depth = None
     if geometry.average_levels:
         sizes = constants["sizes"]
