@@ -90,6 +90,31 @@ def test_decode_step_equals_the_reference(static, average_levels):
 
 
 @pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_decode_step_with_levels_covering_the_whole_cache_equals_the_reference(static, dtype):
+    """Blocks 64 and 32 wider than a 30-slot cache: levels 2 and 3 both hold every slot from slot 0, so the eager
+    step scores them with one ``baddbmm_`` over their adjacent dim-major rows (level 4, blocks of 4, on its own);
+    rows in step, every step up to the cache's last slot, float64 exactly and float32 within rounding."""
+    geometry = MLRGeometry.build(RANKS, [64, 32, 4], [0.5, 0.7, 0.9, 1.1])
+    q, k, v, positions, valid = _rows(length=30, pads=(0, 0, 0), offsets=(0, 0, 0), dtype=dtype)
+    layer = _layer(static, geometry, capacity=30)
+    if not static:
+        layer.reserve(30)  # generate's exact allocation: 30 slots, below both blocks
+    _write(layer, k[:, :, :9], v[:, :, :9], positions[:, :9], valid[:, :9])
+    tolerance = EXACT if dtype == torch.float64 else dict(atol=2e-6, rtol=2e-5)
+    for index in range(9, 30):
+        _write(layer, k[:, :, index:index + 1], v[:, :, index:index + 1], positions[:, index:index + 1],
+               valid[:, index:index + 1])
+        widths = layer.ring_widths
+        assert widths[0] == widths[1] == layer.keys_storage().shape[2] and widths[2] == 4
+        got = mlr_decode_step(q[:, :, :, index], layer.keys_storage(), layer.values_storage(), layer.fine_storage,
+                              widths, geometry, geometry.level_scales, layer.last_positions, layer.first_positions,
+                              layer.base)
+        expected = _reference_rows(q.double(), k.double(), v.double(), positions, valid, geometry, index)
+        torch.testing.assert_close(got.double(), expected, **tolerance, msg=f"step {index}")
+
+
+@pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("average_levels", [False, True])
 def test_chunks_equal_the_reference(static, average_levels):
     """Chunks of 7, 6, 11 and 9 tokens, longer than the finest block and crossing every level's boundary, whose
