@@ -11,8 +11,11 @@ in the modes (``--modes``, default ``eager compiled``):
 * ``compiled``: ``cache_implementation="static"`` and the forward compiled with ``torch.compile`` (inductor unless
   ``--compile-backend``), i.e. transformers' fast decoding path (``model.forward = torch.compile(model.forward)``;
   here the compiled forward is kept beside the eager one so one model serves every mode).
-Every cache comes from public API: ``model.generate(prompt, max_new_tokens=1, return_dict_in_generate=True,
-[cache_implementation="static", max_cache_len=...])`` prefills it and returns it. ``--warmup`` decode steps per
+Every cache comes from public API: ``model.generate(prompt, max_new_tokens=N, return_dict_in_generate=True,
+[cache_implementation="static", max_cache_len=...])``, stopped after its first token by a ``StoppingCriteria``,
+prefills it and returns it, sized as generate sizes it for the N = warmup + steps + 1 tokens of the cell (the
+dynamic MLR cache reserves the final length, as in ``generate``; dense's ``DynamicLayer`` grows by concatenation
+either way). ``--warmup`` decode steps per
 variant and cell are not timed (the compile happens in the first); then the variants are interleaved step by step
 for ``--steps`` steps. A cell is the median [min] over steps of the per-step time; ``/ dense`` divides medians of
 the same mode. After the per-variant rows, a summary table has one row per (batch, prompt) cell.
@@ -125,12 +128,22 @@ def returned_cache(output):
     return cache if cache is not None else output.past_key_values
 
 
+class StopAfterPrefill(transformers.StoppingCriteria):
+    """Stops ``generate`` after its first token: what the timed steps continue from."""
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
+        return torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
 @torch.no_grad()
-def prefilled_cache(model, ids: torch.Tensor, static_len=None):
-    """The cache ``generate`` builds and fills with the prompt ``ids`` (B, P) (public API only); with ``static_len``
-    a ``cache_implementation="static"`` cache of at least that many slots."""
-    kwargs = dict(max_new_tokens=1, min_new_tokens=1, do_sample=False, return_dict_in_generate=True,
-                  disable_compile=True)  # on CUDA generate would compile a static-cache forward by itself
+def prefilled_cache(model, ids: torch.Tensor, static_len=None, new_tokens: int = 1):
+    """The cache ``generate`` builds and fills with the prompt ``ids`` (B, P) (public API only), sized as for
+    ``new_tokens`` generated tokens (a dynamic MLR cache reserves the final length, as ``generate(...,
+    max_new_tokens=new_tokens)`` does; generate is stopped after the first); with ``static_len`` a
+    ``cache_implementation="static"`` cache of at least that many slots."""
+    kwargs = dict(max_new_tokens=max(1, new_tokens), min_new_tokens=1, do_sample=False, return_dict_in_generate=True,
+                  disable_compile=True,  # on CUDA generate would compile a static-cache forward by itself
+                  stopping_criteria=transformers.StoppingCriteriaList([StopAfterPrefill()]))
     if static_len is not None:
         kwargs.update(cache_implementation="static", max_cache_len=static_len)
     return returned_cache(model.generate(ids, **kwargs))
@@ -155,7 +168,8 @@ def decode_cell(models: dict, variants: list, batch: int, prompt: int, steps: in
     state = {}
     for label, name, mode in variants:
         model = models[name]
-        cache = prefilled_cache(model, ids, static_len if mode in ("static", "compiled") else None)
+        cache = prefilled_cache(model, ids, static_len if mode in ("static", "compiled") else None,
+                                new_tokens=warmup + steps + 1)
         forward = model.forward
         if mode == "compiled":
             if name not in compiled:

@@ -212,6 +212,21 @@ def test_prefilled_cache_holds_the_prompt_and_a_static_one_has_room():
         assert static.get_seq_length() == 11
 
 
+@torch.no_grad()
+def test_prefilled_cache_is_sized_as_generate_sizes_it_for_the_cells_tokens():
+    """The timed steps of a cell run on a dynamic MLR cache reserved for them, as ``generate(max_new_tokens=N)``
+    reserves it: 29 decode steps after the prompt write into the storage the prefill allocated."""
+    model = bench_generation.gpt2_models(n_layer=1, n_embd=64, n_head=1)["MLR"]
+    ids = torch.randint(2, 200, (1, 10))
+    cache = bench_generation.prefilled_cache(model, ids, new_tokens=30)
+    assert cache.get_seq_length() == 10
+    layer = cache.layers[0]
+    storage = layer.keys_storage().data_ptr()
+    for position in range(10, 39):
+        model(ids[:, :1], cache=cache, use_cache=True, position_ids=torch.full((1, 1), position))
+    assert cache.get_seq_length() == 39 and layer.keys_storage().data_ptr() == storage
+
+
 @pytest.mark.parametrize("argv, field", [(["--steps", "0"], "--steps"), (["--batches", "0"], "--batches"),
                                          (["--prompts", "4090"], "--prompts"), (["--modes", "fast"], "--modes")])
 def test_bench_generation_rejects_bad_arguments(argv, field, capsys):

@@ -352,7 +352,8 @@ def _token_weights(weights: torch.Tensor, valid_keys: Optional[torch.Tensor], fi
 def _cached(module, query, layer, pending: PendingChunk, geometry, scales, bias, attention_mask, eager,
             plans: Optional[dict] = None):
     """Queries of the tokens the layer's last update stored, against everything it holds. query (B, Hq, c, r) level
-    order. Returns (output (B, Hq, c, dv), probabilities in token order or None)."""
+    order. Returns (output (B, c, Hq, dv) contiguous, as attention functions return it; probabilities in token order
+    or None)."""
     batch, q_heads, chunk, width = query.shape
     kv_heads = layer.keys.shape[1]
     groups = q_heads // kv_heads
@@ -366,15 +367,23 @@ def _cached(module, query, layer, pending: PendingChunk, geometry, scales, bias,
         # torch.compile can trace (so a compiled step computes it once too)
         key = ("decode read", geometry.ranks, geometry.block_sizes, geometry.average_levels, base,
                layer.keys_storage().shape[2], tuple(layer.ring_widths))
-        plan = None if plans is None else plans.setdefault(key, {})
-        # the whole storages (slots past the newest are masked): matmuls over a narrowed view would copy it
+        plan = None if plans is None else plans.setdefault(key + (pending.slots_in_use,), {})
+        # the whole storages (slots past the newest are masked; a compiled step keeps fixed shapes), or in an eager
+        # step the slots up to the newest position (a narrowed view along the slot axis: the step's 3-D matmuls read
+        # it in place)
         keys, values = layer.keys_storage(), layer.values_storage()
+        if pending.slots_in_use is not None:
+            slots = pending.slots_in_use
+            keys, values = keys.narrow(2, 0, slots), values.narrow(2, 0, slots)
         slot_bias = _slot_bias(bias, shift, slots)
         if slot_bias is not None and slot_bias.shape[-1] < keys.shape[2]:
             slot_bias = F.pad(slot_bias, (0, keys.shape[2] - slot_bias.shape[-1]))
+        known = None if pending.shared_newest is None else (pending.shared_newest, pending.latest_first)
         out = mlr_decode_step(rows, keys, values, layer.fine_storage, layer.ring_widths, geometry, scales,
-                              layer.last_positions, layer.first_positions, base, bias=slot_bias, plan=plan)
-        return out.reshape(batch, q_heads, chunk, -1), None
+                              layer.last_positions, layer.first_positions, base, bias=slot_bias, plan=plan,
+                              known_positions=known)
+        # (B, Hk, g, dv) holds the heads of the one new token in order: it is the (B, 1, Hq, dv) output already
+        return out.view(batch, 1, q_heads, -1), None
     query_positions = pending.positions.repeat(1, groups)  # (B, g*c)
     rings_before = layer._fine_views(pending.rings_before, layer._capacity()) if pending.rings_before is not None \
         else layer.rings
@@ -388,7 +397,7 @@ def _cached(module, query, layer, pending: PendingChunk, geometry, scales, bias,
                            layer.first_positions, base, bias=_slot_bias(bias, shift, slots) if bias is not None
                            else None, return_weights=eager)
     out, weights = out if eager else (out, None)
-    out = out.reshape(batch, q_heads, chunk, -1)
+    out = out.reshape(batch, q_heads, chunk, -1).transpose(1, 2).contiguous()
     if weights is not None:
         key_length = attention_mask.shape[-1] if attention_mask is not None else int(tokens)
         valid_keys = key_validity(attention_mask, batch, key_length)
@@ -418,9 +427,7 @@ def _forward(module, query, key, value, attention_mask, scaling, dropout, eager,
         pending, layer.pending = layer.pending, None
         query, _ = _reorder(query, None, geometry)
         if pending.had_past:
-            out, weights = _cached(module, query, layer, pending, geometry, scales, bias, attention_mask, eager,
-                                   step.plans)
-            return out.transpose(1, 2).contiguous(), weights
+            return _cached(module, query, layer, pending, geometry, scales, bias, attention_mask, eager, step.plans)
         if bias is not None and bias.shape[-1] > length:  # T5's bias over a static cache's slots: the chunk's first
             bias = bias[..., :length]
         out, weights = _uncached(module, query, pending.keys, pending.values, geometry, scales, pending.positions,

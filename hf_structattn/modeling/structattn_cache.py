@@ -86,6 +86,12 @@ class PendingChunk:
     last_before: torch.Tensor
     rings_before: Optional[torch.Tensor]
     had_past: bool
+    # eager decode write (no padding, every row continuing): newest real position - base + 1 over the rows, and the
+    # host values the read's plan needs (newest position of every row when they are equal, else None; the rows'
+    # latest first position), so that it reads nothing back
+    slots_in_use: Optional[int] = None
+    shared_newest: Optional[int] = None
+    latest_first: Optional[int] = None
 
 
 class MLRCacheLayerMixin:
@@ -103,6 +109,7 @@ class MLRCacheLayerMixin:
         self.base = None
         self.first_positions = self.last_positions = None
         self._fine = None
+        self._widths_at = None  # (capacity, geometry, ring widths) of the last ``_ring_widths`` call
         self.rings = []
         self.pending = None
         self._record_past = False
@@ -154,7 +161,13 @@ class MLRCacheLayerMixin:
         return self._ring_widths(self._capacity()) if self._fine is not None else []
 
     def _ring_widths(self, capacity: int) -> list:
-        return [min(size, capacity) for size in self.geometry.block_sizes]
+        if torch.compiler.is_compiling():  # no attribute writes in a traced step
+            return [min(size, capacity) for size in self.geometry.block_sizes]
+        cached = self._widths_at  # per-step Python of an eager decode step adds up: computed once per capacity
+        if cached is None or cached[0] != capacity or cached[1] is not self.geometry:
+            cached = self._widths_at = (capacity, self.geometry, [min(size, capacity) for size in
+                                                                  self.geometry.block_sizes])
+        return cached[2]
 
     def _fine_views(self, fine: torch.Tensor, capacity: int) -> list:
         """Per fine level (B, H, W_l, r_l): entry-major views of the dim-major storage ``fine``."""
@@ -247,10 +260,14 @@ class MLRCacheLayerMixin:
                 return self.keys, self.values
             plan = self._decode_write_plan(step, batch, key_states.device)
             if plan is not None:
-                with torch.no_grad():
-                    self._decode_write(plan, key_states.detach(), value_states.detach())
+                if torch.is_grad_enabled():
+                    with torch.no_grad():  # copies into the buffers: nothing recorded, no detach needed
+                        self._decode_write(plan, key_states, value_states)
+                else:  # generate: skip the context manager's cost
+                    self._decode_write(plan, key_states, value_states)
                 self.pending = PendingChunk(key_states, value_states, plan["positions"], plan["valid"],
-                                            plan["last_before"], None, True)
+                                            plan["last_before"], None, True, plan["needed"], plan["shared newest"],
+                                            plan["latest first"])
                 return self.keys, self.values
         positions, valid = self._new_token_positions(step, batch, chunk, key_states.device)
         if not self.is_initialized:
@@ -273,24 +290,30 @@ class MLRCacheLayerMixin:
         if plan is not None:
             return plan or None
         step.plans[key] = {}
-        if self.last_positions is None or self.last_positions.shape[0] != batch:
+        if self.last_positions is None or self.last_positions.shape[0] != batch or batch == 0:
             return None
         last = self.last_positions
         if step.positions is None:
             position = last + 1
         else:
             position = step.positions.to(device=device, dtype=torch.long).expand(batch, 1)[:, 0]
-        continuing = (last >= 0) & (position == last + 1)
-        if step.valid is not None:
-            continuing = continuing & step.valid.to(device).reshape(batch)
-        all_continue, newest = torch.stack([continuing.all().long(), position.max()]).tolist()
-        if not all_continue:
+        rows = [position, last, self.first_positions]
+        rows += [step.valid.to(device).reshape(batch).long()] if step.valid is not None else []
+        # one host read per step, and the checks in Python: a few tensor ops less per step
+        reads = torch.stack(rows).tolist()
+        real = reads[3] if step.valid is not None else [1] * batch
+        if not all(is_real and newest >= 0 and new == newest + 1
+                   for new, newest, is_real in zip(reads[0], reads[1], real)):
             return None
+        newest, oldest = max(reads[0]), min(reads[0])
         slot = position - self.base
+        shared_slot = newest - self.base if newest == oldest else None
+        # every row continuing holds a real token already (first <= last < position): first_positions stay
         plan = {"positions": position[:, None], "valid": torch.ones(batch, 1, dtype=torch.bool, device=device),
-                "last_before": last.clone(), "slot": slot, "rows": torch.arange(batch, device=device),
-                "needed": newest - self.base + 1, "last": position,
-                "first": torch.minimum(self.first_positions, position), "fine index": {}}
+                "last_before": last.clone(), "slot": slot, "shared slot": shared_slot,
+                "rows": torch.arange(batch, device=device) if shared_slot is None else None,
+                "needed": newest - self.base + 1, "last": position, "fine index": {},
+                "shared newest": newest if newest == oldest else None, "latest first": max(reads[2])}
         step.plans[key] = plan
         return plan
 
@@ -316,11 +339,15 @@ class MLRCacheLayerMixin:
         """One token per row into its slot and ring entries (every row's token is real)."""
         self._ensure_capacity(max(plan["needed"], self._view_length(1)), key_states, value_states)
         widths = tuple(self.ring_widths)
+        shared_slot = plan["shared slot"]
         if widths not in plan["fine index"]:
-            plan["fine index"][widths] = self._fine_index(plan["slot"])
-        self._put_one_token(key_states, value_states, plan["rows"], plan["slot"], None, plan["fine index"][widths])
+            index = self._fine_index(plan["slot"])  # (B, sum_{l>=2} r_l)
+            plan["fine index"][widths] = index if shared_slot is None else index[0]
+        if shared_slot is None:
+            self._put_one_token(key_states, value_states, plan["rows"], plan["slot"], None, plan["fine index"][widths])
+        else:
+            self._put_at_slot(key_states, value_states, shared_slot, plan["fine index"][widths])
         self.last_positions.copy_(plan["last"])
-        self.first_positions.copy_(plan["first"])
         self._advance_decoded(plan["needed"])
         self._refresh_views()
 
@@ -329,6 +356,17 @@ class MLRCacheLayerMixin:
         level l goes to element ``o_l + j W_l + slot % b_l`` (dim j of entry ``slot % b_l`` of ring l)."""
         layout = self.geometry.fine_layout(self.ring_widths, slot.device)
         return layout["element offset"] + slot[:, None] % layout["element block"]
+
+    def _put_at_slot(self, key_states, value_states, slot: int, fine_index: torch.Tensor) -> None:
+        """Write one token per row, every row's into slot ``slot`` (key_states (B, H, 1, r)): the eager decode step
+        without padding, where a narrowed copy and one ``index_copy_`` of the fine dims (``fine_index``
+        (sum_{l>=2} r_l,), the elements ``_fine_index`` gives for this slot) cost a few small ops, where indexed
+        assignments with index tensors cost several each."""
+        rank = self.geometry.ranks[0]
+        self.keys_storage().narrow(2, slot, 1).copy_(key_states[..., :rank])
+        self.values_storage().narrow(2, slot, 1).copy_(value_states)
+        if self.geometry.block_sizes:
+            self._fine.index_copy_(2, fine_index, key_states[:, :, 0, rank:])
 
     def _put_one_token(self, key_states, value_states, rows, slot, valid, fine_index) -> None:
         """Write one token per row (key_states (B, H, 1, r), slot (B,)) with indexed assignments, which inductor

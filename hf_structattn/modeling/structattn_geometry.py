@@ -277,6 +277,9 @@ VARIANT_KINDS = {"dense": FULL_ATTENTION, "mlr": MLR_ATTENTION, "swa": SLIDING_A
 KIND_VARIANTS = {kind: variant for variant, kind in VARIANT_KINDS.items()}
 
 
+_BUILT_GEOMETRIES: dict = {}
+
+
 @dataclass(frozen=True)
 class MLRGeometry:
     """Everything MLR attention needs to know about one layer, validated once (by ``build``).
@@ -303,7 +306,28 @@ class MLRGeometry:
               dim_order=None, ranks_field: str = "mlr_ranks", blocks_field: str = "mlr_block_sizes",
               scales_field: str = "mlr_scaling") -> "MLRGeometry":
         """Validate and build. ``scales``: None (module scaling), "standard" (1/sqrt(r)), "mup" (1/r_l), a number
-        or one number per level; errors name the given field names."""
+        or one number per level; errors name the given field names. Built once per distinct arguments (a model
+        forward asks its config for its geometries; the validation would cost every decode step)."""
+        try:
+            key = (cls, tuple(ranks), tuple(block_sizes), tuple(scales) if isinstance(scales, list) else scales,
+                   head_dim, bool(average_levels), None if dim_order is None else tuple(dim_order), ranks_field,
+                   blocks_field, scales_field)
+            hash(key)
+        except TypeError:  # unhashable or non-iterable input: validation below names the field
+            key = None
+        built = _BUILT_GEOMETRIES.get(key) if key is not None else None
+        if built is not None:
+            return built
+        built = cls._build(ranks, block_sizes, scales, head_dim=head_dim, average_levels=average_levels,
+                           dim_order=dim_order, ranks_field=ranks_field, blocks_field=blocks_field,
+                           scales_field=scales_field)
+        if key is not None and len(_BUILT_GEOMETRIES) < 256:
+            _BUILT_GEOMETRIES[key] = built
+        return built
+
+    @classmethod
+    def _build(cls, ranks, block_sizes, scales, *, head_dim, average_levels, dim_order, ranks_field, blocks_field,
+               scales_field) -> "MLRGeometry":
         validate_mlr_geometry(ranks, block_sizes, head_dim, ranks_field, blocks_field)
         ranks, block_sizes = tuple(int(r) for r in ranks), tuple(int(b) for b in block_sizes)
         level_scales = None if scales is None else tuple(resolve_level_scales(ranks, scales, scales_field))

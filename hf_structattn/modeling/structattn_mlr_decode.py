@@ -38,7 +38,8 @@ def _masked_softmax(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor
 def mlr_decode_step(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, fine: torch.Tensor,
                     ring_widths: Sequence[int], geometry: MLRGeometry, scales: Sequence[float],
                     new_positions: torch.Tensor, first_positions: torch.Tensor, base: int, *,
-                    bias: Optional[torch.Tensor] = None, return_weights: bool = False, plan: Optional[dict] = None):
+                    bias: Optional[torch.Tensor] = None, return_weights: bool = False, plan: Optional[dict] = None,
+                    known_positions: Optional[tuple] = None):
     """MLR attention of the newest token of every row against the hierarchical cache.
 
     query: (B, Hk, g, r) in level order (g query rows per cached head: the query heads of a grouped-query group);
@@ -62,7 +63,9 @@ def mlr_decode_step(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     summed per ring entry (one ``index_add_``), and each entry's score is added onto its slot in the row's current
     block (one ``scatter_add_`` onto the level-1 scores, padded by a coarsest block so that entries past the last
     slot land outside). ``plan``: a dict shared by the layers of one model forward that hold the same positions (an
-    empty dict is filled): the index work that depends only on positions is done once."""
+    empty dict is filled): the index work that depends only on positions is done once. ``known_positions``: (the
+    newest position, shared by every row, the rows' latest first position) as host integers when the caller read them
+    already (the cache's decode write), so that planning reads nothing back from the device."""
     work = softmax_dtype(query.dtype)
     batch, heads, rows, _ = query.shape
     slots = keys.shape[2]
@@ -70,9 +73,10 @@ def mlr_decode_step(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     first_rank = geometry.ranks[0]
     plan = {} if plan is None else plan
     if plan.get("work") != work:
-        _plan_decode(plan, geometry, ring_widths, new_positions, first_positions, base, slots, work, query.device)
+        _plan_decode(plan, geometry, ring_widths, new_positions, first_positions, base, slots, work, query.device,
+                     known_positions)
     if plan["shared starts"] is not None and query.dtype == work:
-        scores = _shared_start_scores(query, keys, fine, ring_widths, geometry, plan["shared starts"])
+        scores = _shared_start_scores(query, keys, fine, plan["shared groups"])
     else:
         scores = (query[..., :first_rank] @ keys.transpose(-1, -2)).to(work)  # (B, Hk, g, C)
     if plan["shared starts"] is not None:
@@ -115,7 +119,7 @@ def mlr_decode_step(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
         scores = padded.scatter_add_(-1, target, entry_scores)[..., :slots]
     if plan["inverse depth"] is not None:
         scores = torch.addcmul(plan["additive mask"], scores, plan["inverse depth"])
-    else:
+    elif plan["additive mask"] is not None:
         scores = scores + plan["additive mask"]
     if bias is not None:
         scores = scores + bias.to(work)
@@ -126,20 +130,40 @@ def mlr_decode_step(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     return (output, probabilities) if return_weights else output
 
 
-def _shared_start_scores(query: torch.Tensor, keys: torch.Tensor, fine: torch.Tensor, ring_widths: Sequence[int],
-                         geometry: MLRGeometry, starts: Sequence[int]) -> torch.Tensor:
-    """(B, Hk, g, C) scores when every row's current level-l block starts at slot ``starts[l]`` (query already
-    scaled, in the working dtype): level 1 by one bmm over every slot, each finer level by one in-place ``baddbmm_``
-    of ``q_l`` (g, r_l) and its dim-major ring (r_l, used entries) onto the block's slots. Consecutive levels whose
-    blocks start at the same slot and whose rings are as wide (levels whose block covers the whole cache) are one
-    ``baddbmm_``: their dims are adjacent rows of the storage, and their entries land on the same slots."""
-    batch, heads, rows, _ = query.shape
-    slots, first_rank = keys.shape[2], geometry.ranks[0]
-    query = query.reshape(batch * heads, rows, -1)
-    scores = torch.bmm(query[..., :first_rank], keys.reshape(batch * heads, slots, first_rank).transpose(1, 2))
+def _shared_start_scores(query: torch.Tensor, keys: torch.Tensor, fine: torch.Tensor, groups: Sequence[tuple]
+                         ) -> torch.Tensor:
+    """(B, Hk, g, C) scores when every row's current level-l block starts at the same slot (query already scaled,
+    in the working dtype): level 1 by one bmm over every slot, each group of finer levels by one in-place
+    ``baddbmm_`` of its query dims (g, dims) and its dim-major ring rows (dims, used entries) onto the block's slots.
+    ``groups``: (start slot, used entries, first query dim, dims, storage offset, ring width) from ``_plan_decode``
+    (levels whose blocks start at the same slot with rings as wide are one group: their dims are adjacent rows of the
+    storage and their entries land on the same slots)."""
+    batch, heads, rows, width = query.shape
+    slots, first_rank = keys.shape[2], keys.shape[3]
+    # every eager op costs microseconds of dispatch, which a decode step of ~7 levels feels: the query is split once,
+    # each ring is one strided view, and groups over the same slots share one slice of the scores
+    pieces = query.reshape(batch * heads, rows, width).split([first_rank] + [group[3] for group in groups], dim=2)
+    scores = torch.bmm(pieces[0], keys.reshape(batch * heads, slots, first_rank).transpose(1, 2))
     fine = fine.reshape(batch * heads, -1)
+    row_stride, element_stride = fine.stride()
+    storage_offset = fine.storage_offset()
+    targets = {}
+    for (start, used, dim, dims, offset, ring_width), level_query in zip(groups, pieces[1:]):
+        ring = fine.as_strided((batch * heads, dims, used), (row_stride, ring_width * element_stride, element_stride),
+                               storage_offset + offset * element_stride)
+        target = targets.get((start, used))
+        if target is None:
+            target = targets[start, used] = scores.narrow(2, start, used)
+        target.baddbmm_(level_query, ring)
+    return scores.view(batch, heads, rows, slots)
+
+
+def _shared_groups(geometry: MLRGeometry, ring_widths: Sequence[int], starts: Sequence[int], slots: int) -> list:
+    """The finer levels of a step whose rows share block starts, as ``_shared_start_scores`` scores them: (start
+    slot, used entries, first query dim, dims, storage offset, ring width) per group of consecutive levels with the
+    same start and ring width, in level order (together they cover every fine dim once)."""
     groups = []  # [start, width, first query dim, dims, storage offset]
-    offset, dim = 0, first_rank
+    offset, dim = 0, geometry.ranks[0]
     for rank, width, start in zip(geometry.ranks[1:], ring_widths, starts):
         if groups and groups[-1][0] == start and groups[-1][1] == width:
             groups[-1][3] += rank
@@ -147,16 +171,13 @@ def _shared_start_scores(query: torch.Tensor, keys: torch.Tensor, fine: torch.Te
             groups.append([start, width, dim, rank, offset])
         offset += width * rank
         dim += rank
-    for start, width, dim, dims, offset in groups:
-        used = min(width, slots - start)
-        if used > 0:
-            ring = fine[:, offset:offset + width * dims].view(batch * heads, dims, width)[..., :used]
-            scores[..., start:start + used].baddbmm_(query[..., dim:dim + dims], ring)
-    return scores.view(batch, heads, rows, slots)
+    return [(min(start, slots), max(0, min(width, slots - start)), dim, dims, offset, width)
+            for start, width, dim, dims, offset in groups]
 
 
 def _plan_decode(plan: dict, geometry: MLRGeometry, ring_widths: Sequence[int], new_positions: torch.Tensor,
-                 first_positions: torch.Tensor, base: int, slots: int, work: torch.dtype, device) -> None:
+                 first_positions: torch.Tensor, base: int, slots: int, work: torch.dtype, device,
+                 known_positions: Optional[tuple] = None) -> None:
     """Fill ``plan`` with what a decode step's scores need besides q, k and the storage: the constants of
     ``MLRGeometry.fine_layout`` and
 
@@ -165,23 +186,38 @@ def _plan_decode(plan: dict, geometry: MLRGeometry, ring_widths: Sequence[int], 
       real token yet, newest position -1, has every slot masked);
     * "current block" (B, L-1, 1, 1, C), while torch.compile traces: the slot is in the row's current level-l block;
     * "inverse depth" (B, 1, 1, C) or None: 1 / the number of levels a slot shares with the query (average_levels);
-    * "additive mask" (B, 1, 1, C): 0 on the row's slots first..newest, the dtype's lowest value elsewhere."""
+    * "shared starts", "shared groups": the block start of each finer level when every row's is the same (eager
+      only; None otherwise), and the level groups ``_shared_start_scores`` adds;
+    * "additive mask" (B, 1, 1, C): 0 on the row's slots first..newest, the dtype's lowest value elsewhere; None when
+      every row holds every slot (an eager step over the slots in use, no padding)."""
     constants = geometry.fine_layout(ring_widths, device)
     plan.update(constants)
-    if constants["entries"]:
+    compiling = torch.compiler.is_compiling()
+    shared, every_slot_allowed = None, False
+    if not compiling and known_positions is not None:  # every row's newest position known on the host: no reads
+        newest, latest_first = known_positions
+        shared = [max((newest // size) * size - base, 0) for size in geometry.block_sizes]
+        every_slot_allowed = latest_first <= base and newest - base >= slots - 1
+    elif not compiling and new_positions.numel():
+        batch = new_positions.shape[0]
+        sizes = constants["sizes"]
+        starts = ((new_positions[:, None] // sizes) * sizes - base).clamp(min=0)  # (B, L-1)
+        # one host read per step: the rows' block starts, and whether every row holds every slot 0..C-1
+        reads = torch.cat([starts.T.reshape(-1),
+                           torch.stack([first_positions.max(), new_positions.min()]) - base]).tolist()
+        columns = [reads[level * batch:(level + 1) * batch] for level in range(starts.shape[1])]
+        if constants["entries"] and all(min(column) == max(column) for column in columns):
+            shared = [column[0] for column in columns]
+        every_slot_allowed = reads[-2] <= 0 and reads[-1] >= slots - 1
+    plan["shared starts"] = shared
+    plan["shared groups"] = None if shared is None else _shared_groups(geometry, ring_widths, shared, slots)
+    if constants["entries"] and shared is None and not compiling:
         block = constants["entry block"]
         plan["entry slots"] = ((new_positions[:, None] // block) * block - base).clamp(min=0) + \
             constants["entry index"]
-    shared = None
-    if not torch.compiler.is_compiling() and constants["entries"]:
-        sizes = constants["sizes"]
-        starts = ((new_positions[:, None] // sizes) * sizes - base).clamp(min=0)  # (B, L-1)
-        columns = starts.T.tolist()  # one host read per step
-        if all(min(column) == max(column) for column in columns):
-            shared = [column[0] for column in columns]
-    plan["shared starts"] = shared
-    slot_index = torch.arange(slots, device=device)
-    if constants["entries"] and torch.compiler.is_compiling():
+    slot_index = torch.arange(slots, device=device) if compiling or geometry.average_levels or \
+        not every_slot_allowed else None
+    if constants["entries"] and compiling:
         sizes = constants["sizes"][:, None]
         # (B, L-1, 1, 1, C): the slot is in the row's current level-l block (base is a multiple of every b_l)
         plan["current block"] = ((slot_index + base) // sizes == new_positions[:, None, None] // sizes)[
@@ -190,12 +226,15 @@ def _plan_decode(plan: dict, geometry: MLRGeometry, ring_widths: Sequence[int], 
     if geometry.average_levels:
         sizes = constants["sizes"]
         starts = (new_positions[:, None] // sizes) * sizes - base  # (B, L-1)
-        shared = (slot_index >= starts[..., None]) & (slot_index < (starts + sizes)[..., None])  # (B, L-1, C)
-        inverse_depth = (1 + shared.sum(1)).to(work).reciprocal()[:, None, None, :]
-    slot_positions = slot_index + base
-    allowed = (slot_positions >= first_positions[:, None]) & (slot_positions <= new_positions[:, None])
-    additive = torch.zeros(allowed.shape, dtype=work, device=device).masked_fill(~allowed, torch.finfo(work).min)
-    plan.update({"inverse depth": inverse_depth, "additive mask": additive[:, None, None, :], "work": work})
+        in_block = (slot_index >= starts[..., None]) & (slot_index < (starts + sizes)[..., None])  # (B, L-1, C)
+        inverse_depth = (1 + in_block.sum(1)).to(work).reciprocal()[:, None, None, :]
+    additive = None
+    if not every_slot_allowed or inverse_depth is not None:
+        slot_positions = slot_index + base
+        allowed = (slot_positions >= first_positions[:, None]) & (slot_positions <= new_positions[:, None])
+        additive = torch.zeros(allowed.shape, dtype=work, device=device).masked_fill(~allowed, torch.finfo(work).min)
+        additive = additive[:, None, None, :]
+    plan.update({"inverse depth": inverse_depth, "additive mask": additive, "work": work})
 
 
 def mlr_cached_chunk(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
