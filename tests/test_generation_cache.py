@@ -116,6 +116,57 @@ def test_decode_step_with_levels_covering_the_whole_cache_equals_the_reference(s
 
 @pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("average_levels", [False, True])
+def test_decode_step_over_the_slots_in_use_with_host_positions_equals_the_reference(static, average_levels):
+    """What an eager model step runs: rows in step, keys and values narrowed to the slots up to the newest position,
+    and the newest / latest first position handed over as host integers (no additive mask is planned when every row
+    holds every slot). Every step across every block boundary, float64 exactly; without padding, and with padding
+    that keeps the rows in step but starts them later (then the mask is kept)."""
+    geometry = _geometry(average_levels)
+    for pads in ((0, 0, 0), (0, 2, 4)):
+        q, k, v, positions, valid = _rows(pads=pads, offsets=(0, 0, 0))
+        positions = torch.arange(40).expand(3, 40)  # padding first, then real tokens at the same positions per row
+        layer = _layer(static, geometry)
+        _write(layer, k[:, :, :9], v[:, :, :9], positions[:, :9], valid[:, :9])
+        for index in range(9, 40):
+            _write(layer, k[:, :, index:index + 1], v[:, :, index:index + 1], positions[:, index:index + 1],
+                   valid[:, index:index + 1])
+            slots = index - layer.base + 1
+            plan = {}
+            got = mlr_decode_step(q[:, :, :, index], layer.keys_storage().narrow(2, 0, slots),
+                                  layer.values_storage().narrow(2, 0, slots), layer.fine_storage, layer.ring_widths,
+                                  geometry, geometry.level_scales, layer.last_positions, layer.first_positions,
+                                  layer.base, plan=plan,
+                                  known_positions=(index, int(layer.first_positions.max())))
+            expected = _reference_rows(q, k, v, positions, valid, geometry, index)
+            torch.testing.assert_close(got, expected, **EXACT, msg=f"step {index}, pads {pads}")
+            assert (plan["additive mask"] is None) == (pads == (0, 0, 0) and not average_levels)
+
+
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("offsets", [(0, 0, 0), (0, 2, 5)])
+def test_token_by_token_writes_store_what_one_chunk_write_stores(static, offsets):
+    """The eager decode write (every row's token in one slot: narrowed copies and one ``index_copy_``; rows at
+    different positions: indexed assignments) leaves the slots and rings a single 40-token write leaves."""
+    geometry = _geometry()
+    _, k, v, positions, valid = _rows(pads=(0, 0, 0), offsets=offsets)
+    stepwise, chunked = _layer(static, geometry), _layer(static, geometry)
+    _write(stepwise, k[:, :, :9], v[:, :, :9], positions[:, :9], valid[:, :9])
+    for index in range(9, 40):
+        _write(stepwise, k[:, :, index:index + 1], v[:, :, index:index + 1], positions[:, index:index + 1],
+               valid[:, index:index + 1])
+    _write(chunked, k, v, positions, valid)
+    used = 40 + max(offsets)
+    for got, expected in ((stepwise.keys_storage(), chunked.keys_storage()),
+                          (stepwise.values_storage(), chunked.values_storage())):
+        torch.testing.assert_close(got[:, :, :used], expected[:, :, :used], atol=0, rtol=0)
+    for got, expected in zip(stepwise.rings, chunked.rings):
+        torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    assert torch.equal(stepwise.last_positions, chunked.last_positions)
+    assert torch.equal(stepwise.first_positions, chunked.first_positions)
+
+
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("average_levels", [False, True])
 def test_chunks_equal_the_reference(static, average_levels):
     """Chunks of 7, 6, 11 and 9 tokens, longer than the finest block and crossing every level's boundary, whose
     writes overwrite ring entries their own first queries still read."""
