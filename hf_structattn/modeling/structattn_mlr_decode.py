@@ -50,11 +50,12 @@ def mlr_decode_step(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     Returns (B, Hk, g, dv) in the query dtype, and the probabilities (B, Hk, g, C) when ``return_weights``.
 
     ``keys`` and ``values`` may be the whole preallocated storage (slots past each row's newest position are
-    masked): a narrowed view would make every batched matmul copy it first.
+    masked; what a compiled step passes: fixed shapes) or a view narrowed along the slot axis to the slots in use
+    (what an eager model step passes: the 3-D matmuls read it in place, and with no padding no mask is needed).
 
     Finer levels, three formulations of the same sum. When every row's current block starts at the same slot (no
-    padding, or padding that keeps rows in step; eager only, decided once per step by the plan) each level adds
-    ``q_l @ ring_l^T`` onto that block's slots in place, one small matmul per level. While ``torch.compile``
+    padding, or padding that keeps rows in step; eager only, decided once per step by the plan) each group of levels
+    adds ``q_l @ ring_l^T`` onto that block's slots in place, one small matmul per group (``_shared_start_scores``). While ``torch.compile``
     traces, each level's entry scores ``q_l @ ring_l^T`` (B, Hk, g, W_l) are tiled over the slot axis (slot ``s``
     of a block holds entry ``s % b_l``) and kept where the slot is in the row's current block: no gather or
     scatter, so inductor fuses every level into the softmax's pass over the slots with vector loads (a gather made
