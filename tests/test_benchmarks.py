@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 import bench_cache_memory  # noqa: E402
+import bench_decode_ab  # noqa: E402
 import bench_generation  # noqa: E402
 import bench_memory  # noqa: E402
 import bench_speculative  # noqa: E402
@@ -225,6 +226,28 @@ def test_prefilled_cache_is_sized_as_generate_sizes_it_for_the_cells_tokens():
     for position in range(10, 39):
         model(ids[:, :1], cache=cache, use_cache=True, position_ids=torch.full((1, 1), position))
     assert cache.get_seq_length() == 39 and layer.keys_storage().data_ptr() == storage
+
+
+def test_bench_decode_ab_runs_two_payload_versions_side_by_side(capsys):
+    """Against HEAD the old payload is this one: the two MLR models (same weights) give the same logits, and every
+    variant is timed."""
+    result = bench_decode_ab.main(["--against", "HEAD", "--prompt", "16", "--steps", "2", "--warmup", "1"])
+    assert set(result["medians"]) == {"dense", "old", "new"} and all(v > 0 for v in result["medians"].values())
+    assert result["logit difference"] < 1e-4
+    modules = result["layer modules"]
+    assert len(modules["old"]) == len(modules["new"]) == 6
+    assert all(m.startswith("payload_at_HEAD.") for m in modules["old"])
+    assert all(m.startswith("hf_structattn.modeling.") for m in modules["new"])
+    assert result["pending consumed"]
+    assert "new / old" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, field", [(["--against", "HEAD", "--steps", "0"], "--steps"),
+                                         (["--against", "HEAD", "--prompt", "4090"], "--prompt")])
+def test_bench_decode_ab_rejects_bad_arguments(argv, field, capsys):
+    with pytest.raises(SystemExit):
+        bench_decode_ab.parse_args(argv)
+    assert field in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, field", [(["--steps", "0"], "--steps"), (["--batches", "0"], "--batches"),
