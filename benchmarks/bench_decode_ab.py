@@ -19,6 +19,7 @@ math changed).
 
 import argparse
 import importlib
+import json
 import os
 import statistics
 import subprocess
@@ -91,6 +92,7 @@ def parse_args(argv=None):
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--json", help="also write the result (medians, ratios, checks) to this JSON file")
     args = parser.parse_args(argv)
     for name in ("batch", "prompt", "steps", "warmup"):
         if getattr(args, name) < (0 if name == "warmup" else 1):
@@ -100,9 +102,32 @@ def parse_args(argv=None):
     return args
 
 
+def registries() -> list:
+    """The transformers registries importing a payload writes to (attention and mask functions by name, cache layer
+    classes by layer type)."""
+    return [ALL_ATTENTION_FUNCTIONS._global_mapping, ALL_MASK_ATTENTION_FUNCTIONS._global_mapping,
+            cache_utils.DYNAMIC_LAYER_TYPE_MAPPING, cache_utils.STATIC_LAYER_TYPE_MAPPING]
+
+
 @torch.no_grad()
 def main(argv=None) -> dict:
-    args = parse_args(argv)
+    """Run the comparison; the registries and ``sys.path`` / ``sys.modules`` are restored afterwards, so that a
+    process that goes on (a test) sees only this payload's functions again."""
+    saved = [dict(mapping) for mapping in registries()]
+    path, modules = list(sys.path), set(sys.modules)
+    try:
+        return _compare(parse_args(argv))
+    finally:
+        for mapping, copy in zip(registries(), saved):
+            mapping.clear()
+            mapping.update(copy)
+        sys.path[:] = path
+        for name in set(sys.modules) - modules:
+            if name.startswith("payload_at_"):
+                del sys.modules[name]
+
+
+def _compare(args) -> dict:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as folder:
         package, _ = payload_at(args.against, folder)
@@ -156,8 +181,12 @@ def main(argv=None) -> dict:
                      if getattr(layer, "pending", None) is not None or hasattr(layer, "geometry")]
               for name in ("old", "new")}
     consumed = all(layer.pending is None for name in ("old", "new") for layer in state[name]["cache"].layers)
-    return {"medians": medians, "ratios": ratios, "logit difference": difference, "layer modules": layers,
-            "pending consumed": consumed}
+    result = {"medians": medians, "ratios": ratios, "logit difference": difference, "layer modules": layers,
+              "pending consumed": consumed}
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(result, handle, indent=1)
+    return result
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ scripts/compare_runs.py."""
 
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -228,10 +229,16 @@ def test_prefilled_cache_is_sized_as_generate_sizes_it_for_the_cells_tokens():
     assert cache.get_seq_length() == 39 and layer.keys_storage().data_ptr() == storage
 
 
-def test_bench_decode_ab_runs_two_payload_versions_side_by_side(capsys):
-    """Against HEAD the old payload is this one: the two MLR models (same weights) give the same logits, and every
-    variant is timed."""
-    result = bench_decode_ab.main(["--against", "HEAD", "--prompt", "16", "--steps", "2", "--warmup", "1"])
+def test_bench_decode_ab_runs_two_payload_versions_side_by_side(tmp_path):
+    """Against HEAD the old payload is this one: the two MLR models (same weights) give the same logits, each reads
+    its own cache layers, and every variant is timed. Run as the script (a subprocess), as it is used."""
+    output = tmp_path / "ab.json"
+    completed = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_decode_ab.py"), "--against",
+                                "HEAD", "--prompt", "16", "--steps", "2", "--warmup", "1", "--json", str(output)],
+                               capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    assert "new / old" in completed.stdout
+    result = json.loads(output.read_text())
     assert set(result["medians"]) == {"dense", "old", "new"} and all(v > 0 for v in result["medians"].values())
     assert result["logit difference"] < 1e-4
     modules = result["layer modules"]
@@ -239,7 +246,15 @@ def test_bench_decode_ab_runs_two_payload_versions_side_by_side(capsys):
     assert all(m.startswith("payload_at_HEAD.") for m in modules["old"])
     assert all(m.startswith("hf_structattn.modeling.") for m in modules["new"])
     assert result["pending consumed"]
-    assert "new / old" in capsys.readouterr().out
+
+
+def test_bench_decode_ab_restores_the_registries_it_writes_to():
+    """Importing the old payload registers its attention functions and cache layers under the shared names; after
+    ``main`` this process's own are registered again."""
+    before = [dict(mapping) for mapping in bench_decode_ab.registries()]
+    bench_decode_ab.main(["--against", "HEAD", "--prompt", "8", "--steps", "1", "--warmup", "0"])
+    assert [dict(mapping) for mapping in bench_decode_ab.registries()] == before
+    assert not [name for name in sys.modules if name.startswith("payload_at_")]
 
 
 @pytest.mark.parametrize("argv, field", [(["--against", "HEAD", "--steps", "0"], "--steps"),
