@@ -12,9 +12,9 @@ weights (the GPT-2 family model of ``bench_generation``: 6 layers, n_embd 512, 8
     OMP_NUM_THREADS=1 python benchmarks/bench_decode_ab.py --against 0b59f53 --mode compiled --prompt 3584 --steps 12
 
 Prints one line: the median ms/token of each variant and the medians of the per-step ratios (new / old, new /
-dense, old / dense; a ratio taken within each step pairs steps that ran under the same conditions), and the largest difference
-between the two MLR versions' logits at the first step (the same weights and input: 0 up to rounding unless the
-math changed).
+dense, old / dense; a ratio taken within each step pairs steps that ran under the same conditions), and the largest
+difference between the two MLR versions' logits at the first step (the same weights and input: 0 up to rounding
+unless the math changed).
 """
 
 import argparse

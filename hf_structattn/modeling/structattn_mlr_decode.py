@@ -55,18 +55,19 @@ def mlr_decode_step(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
 
     Finer levels, three formulations of the same sum. When every row's current block starts at the same slot (no
     padding, or padding that keeps rows in step; eager only, decided once per step by the plan) each group of levels
-    adds ``q_l @ ring_l^T`` onto that block's slots in place, one small matmul per group (``_shared_start_scores``). While ``torch.compile``
-    traces, each level's entry scores ``q_l @ ring_l^T`` (B, Hk, g, W_l) are tiled over the slot axis (slot ``s``
-    of a block holds entry ``s % b_l``) and kept where the slot is in the row's current block: no gather or
-    scatter, so inductor fuses every level into the softmax's pass over the slots with vector loads (a gather made
-    it load ring entries one scalar at a time). Otherwise (eager, rows in different blocks) all levels are scored at
-    once over the flat storage: the query's fine dims are gathered to line up with it, multiplied elementwise,
-    summed per ring entry (one ``index_add_``), and each entry's score is added onto its slot in the row's current
-    block (one ``scatter_add_`` onto the level-1 scores, padded by a coarsest block so that entries past the last
-    slot land outside). ``plan``: a dict shared by the layers of one model forward that hold the same positions (an
-    empty dict is filled): the index work that depends only on positions is done once. ``known_positions``: (the
-    newest position, shared by every row, the rows' latest first position) as host integers when the caller read them
-    already (the cache's decode write), so that planning reads nothing back from the device."""
+    adds ``q_l @ ring_l^T`` onto that block's slots in place, one small matmul per group (``_shared_start_scores``).
+    While ``torch.compile`` traces, each level's entry scores ``q_l @ ring_l^T`` (B, Hk, g, W_l) are tiled over the
+    slot axis (slot ``s`` of a block holds entry ``s % b_l``) and kept where the slot is in the row's current block:
+    no gather or scatter, so inductor fuses every level into the softmax's pass over the slots with vector loads (a
+    gather made it load ring entries one scalar at a time). Otherwise (eager, rows in different blocks) all levels
+    are scored at once over the flat storage: the query's fine dims are gathered to line up with it, multiplied
+    elementwise, summed per ring entry (one ``index_add_``), and each entry's score is added onto its slot in the
+    row's current block (one ``scatter_add_`` onto the level-1 scores, padded by a coarsest block so that entries
+    past the last slot land outside). ``plan``: a dict shared by the layers of one model forward that hold the same
+    positions (an empty dict is filled): the index work that depends only on positions is done once.
+    ``known_positions``: (the newest position, shared by every row, the rows' latest first position) as host integers
+    when the caller read them already (the cache's decode write), so that planning reads nothing back from the
+    device."""
     work = softmax_dtype(query.dtype)
     batch, heads, rows, _ = query.shape
     slots = keys.shape[2]
