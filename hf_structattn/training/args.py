@@ -21,7 +21,7 @@ import json
 import sys
 import types
 import typing
-from argparse import Action, ArgumentTypeError
+from argparse import ArgumentTypeError
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -89,22 +89,13 @@ def parse_mapping(text: str) -> dict:
 parse_mapping.__name__ = "mapping"
 
 
-class _FlattenLists(Action):
-    """``nargs="+"`` whose items are themselves comma lists: ``--x 1,2 3`` -> ``[1, 2, 3]``."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        flat = []
-        for value in values:
-            flat.extend(value if isinstance(value, list) else [value])
-        setattr(namespace, self.dest, flat)
-
-
 class RecipeArgumentParser(HfArgumentParser):
     """``HfArgumentParser`` that raises :class:`ConfigError` instead of printing usage and exiting, and that reads
     comma lists and ``none`` for optional fields."""
 
     def __init__(self, dataclass_types, **kwargs):
         super().__init__(dataclass_types, allow_abbrev=False, **kwargs)
+        self._flattened = set()  # list fields: "--x a,b c" parses to [[a, b], [c]], flattened after parsing
         hints = {}
         for dtype in self.dataclass_types:
             hints.update(typing.get_type_hints(dtype))
@@ -117,9 +108,18 @@ class RecipeArgumentParser(HfArgumentParser):
                 action.type = parse_mapping
             if typing.get_origin(inner) is list and action.nargs == "+":
                 action.type = _comma_list(action.type)
-                action.__class__ = _FlattenLists
+                self._flattened.add(action.dest)
             if optional and action.type is not None:
                 action.type = _nullable(action.type)
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        for dest in self._flattened:
+            value = getattr(namespace, dest, None)
+            if isinstance(value, list):
+                setattr(namespace, dest, [item for entry in value
+                                          for item in (entry if isinstance(entry, list) else [entry])])
+        return namespace, extras
 
     def error(self, message: str):
         # "argument --max_steps/--max-steps: invalid int value: 'x'" -> "--max_steps: invalid int value: 'x'"
