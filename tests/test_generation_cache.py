@@ -378,10 +378,13 @@ def test_formula_bytes_and_layer_types():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_precision_decode_is_finite_and_close_to_float32(dtype):
-    """Masked fills and the softmax run in promote_types(dtype, float32): padded and unwritten slots never overflow."""
+@pytest.mark.parametrize("compiled", [False, True])
+def test_half_precision_decode_is_finite_and_close_to_float32(dtype, compiled):
+    """Masked fills and the softmax run in promote_types(dtype, float32): padded and unwritten slots never overflow;
+    eagerly and in the formulation torch.compile traces (level-1 scores accumulated in float32 there too)."""
     geometry = _geometry()
     q, k, v, positions, valid = _rows(length=18, dtype=torch.float32)
+    step = torch.compile(mlr_decode_step, backend="eager", fullgraph=True) if compiled else mlr_decode_step
     results = {}
     for run_dtype in (torch.float32, dtype):
         layer, outputs = MLRStaticKeyCacheLayer(24, geometry), []
@@ -390,9 +393,9 @@ def test_half_precision_decode_is_finite_and_close_to_float32(dtype):
         for index in range(6, 18):
             _write(layer, cast(k[:, :, index:index + 1]), cast(v[:, :, index:index + 1]),
                    positions[:, index:index + 1], valid[:, index:index + 1])
-            outputs.append(mlr_decode_step(cast(q[:, :, :, index]), layer.keys, layer.values, layer.fine_storage,
-                                           layer.ring_widths, geometry, geometry.level_scales, layer.last_positions,
-                                           layer.first_positions, layer.base))
+            outputs.append(step(cast(q[:, :, :, index]), layer.keys, layer.values, layer.fine_storage,
+                                layer.ring_widths, geometry, geometry.level_scales, layer.last_positions,
+                                layer.first_positions, layer.base))
         results[run_dtype] = torch.stack(outputs)
     assert results[dtype].dtype == dtype and torch.isfinite(results[dtype]).all()
     eps = torch.finfo(dtype).eps
@@ -492,12 +495,18 @@ def test_inductor_generate_equals_eager(variant):
 
 
 @pytest.mark.parametrize("static", [False, True])
-def test_compiled_decode_step_formulation_equals_eager_on_rows_in_different_blocks(static):
-    """The tiled formulation ``mlr_decode_step`` traces under torch.compile equals the eager formulations (shared
-    block starts where rows are in step, the flat scatter where they are not) in float64, on left-padded rows with
-    offsets whose current blocks start at different slots, at every step across block boundaries."""
-    geometry = _geometry()
+@pytest.mark.parametrize("average_levels", [False, True])
+@pytest.mark.parametrize("query_rows", [1, 2])
+def test_compiled_decode_step_formulation_equals_eager_on_rows_in_different_blocks(static, average_levels,
+                                                                                   query_rows):
+    """The formulation ``mlr_decode_step`` traces under torch.compile (tiled finer levels and the mask in one tensor,
+    level-1 scores and the values by ``baddbmm``) equals the eager formulations (shared block starts where rows are
+    in step, the flat scatter where they are not) and the reference in float64, on left-padded rows with offsets
+    whose current blocks start at different slots, at every step across block boundaries; with one query row per
+    cached head (what inductor would lower to its own loops) and with a grouped-query pair."""
+    geometry = _geometry(average_levels)
     q, k, v, positions, valid = _rows(length=40, pads=(0, 5, 13), offsets=(0, 0, 3))
+    q = q[:, :, :query_rows]
     layer = _layer(static, geometry)
     _write(layer, k[:, :, :9], v[:, :, :9], positions[:, :9], valid[:, :9])
     step = torch.compile(mlr_decode_step, backend="eager", fullgraph=True)
@@ -508,4 +517,9 @@ def test_compiled_decode_step_formulation_equals_eager_on_rows_in_different_bloc
                 layer.ring_widths, geometry, geometry.level_scales, layer.last_positions, layer.first_positions,
                 layer.base)
         eager = mlr_decode_step(*args)
-        torch.testing.assert_close(step(*args), eager, **EXACT)
+        compiled, weights = step(*args, return_weights=True)
+        torch.testing.assert_close(compiled, eager, **EXACT)
+        real = valid[:, index]  # a padding query's output is arbitrary
+        reference = _reference_rows(q, k, v, positions, valid, geometry, index)
+        torch.testing.assert_close(compiled[real], reference[real], **EXACT)
+        torch.testing.assert_close(weights.sum(-1), torch.ones_like(weights[..., 0]), **EXACT)

@@ -12,8 +12,8 @@ number of shared levels), the executable spec being ``structattn_reference.mlr_a
   ``s`` holds entry ``s % b_l``. When every row's block starts at the same slot (no padding, or padding that keeps
   rows in step) that is one contiguous ``add_`` per level; while ``torch.compile`` traces, the entry scores are
   tiled over the slot axis and kept on the row's current block (pointwise work with affine indices, which inductor
-  fuses with the softmax into one pass of vector loads); otherwise (eager, rows in different blocks) all levels are
-  scored at once over the flat storage and scattered onto their slots.
+  fuses with the mask into one pass of vector loads; the matmuls stay library calls); otherwise (eager, rows in
+  different blocks) all levels are scored at once over the flat storage and scattered onto their slots.
 * ``mlr_cached_chunk``: several new queries per row (chunked prefill, speculative verification): materialised scores
   over every slot; fine-level scores of the rings as they were before the chunk and of the chunk's own keys are
   scattered onto their slots with their same-block weights.
@@ -58,13 +58,13 @@ def mlr_decode_step(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     adds ``q_l @ ring_l^T`` onto that block's slots in place, one small matmul per group (``_shared_start_scores``).
     While ``torch.compile`` traces, each level's entry scores ``q_l @ ring_l^T`` (B, Hk, g, W_l) are tiled over the
     slot axis (slot ``s`` of a block holds entry ``s % b_l``) and kept where the slot is in the row's current block:
-    no gather or scatter, so inductor fuses every level into the softmax's pass over the slots with vector loads (a
-    gather made it load ring entries one scalar at a time). Otherwise (eager, rows in different blocks) all levels
-    are scored at once over the flat storage: the query's fine dims are gathered to line up with it, multiplied
-    elementwise, summed per ring entry (one ``index_add_``), and each entry's score is added onto its slot in the
-    row's current block (one ``scatter_add_`` onto the level-1 scores, padded by a coarsest block so that entries
-    past the last slot land outside). ``plan``: a dict shared by the layers of one model forward that hold the same
-    positions (an empty dict is filled): the index work that depends only on positions is done once.
+    no gather or scatter, so inductor fuses every level and the mask into one pass over the slots with vector loads,
+    onto which one ``baddbmm`` adds the level-1 scores (``_compiled_scores``). Otherwise (eager, rows in different
+    blocks) all levels are scored at once over the flat storage: the query's fine dims are gathered to line up with
+    it, multiplied elementwise, summed per ring entry (one ``index_add_``), and each entry's score is added onto its
+    slot in the row's current block (one ``scatter_add_`` onto the level-1 scores, padded by a coarsest block so that
+    entries past the last slot land outside). ``plan``: a dict shared by the layers of one model forward that hold
+    the same positions (an empty dict is filled): the index work that depends only on positions is done once.
     ``known_positions``: (the newest position, shared by every row, the rows' latest first position) as host integers
     when the caller read them already (the cache's decode write), so that planning reads nothing back from the
     device."""
@@ -77,11 +77,16 @@ def mlr_decode_step(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     if plan.get("work") != work:
         _plan_decode(plan, geometry, ring_widths, new_positions, first_positions, base, slots, work, query.device,
                      known_positions)
-    if plan["shared starts"] is not None and query.dtype == work:
+    compiling = torch.compiler.is_compiling()
+    if compiling:  # every level, and the mask unless average_levels
+        scores = _compiled_scores(query, keys, fine, ring_widths, geometry, plan, work)
+    elif plan["shared starts"] is not None and query.dtype == work:
         scores = _shared_start_scores(query, keys, fine, plan["shared groups"])
     else:
         scores = (query[..., :first_rank] @ keys.transpose(-1, -2)).to(work)  # (B, Hk, g, C)
-    if plan["shared starts"] is not None:
+    if compiling:
+        pass
+    elif plan["shared starts"] is not None:
         if query.dtype != work:  # low precision: products in the query dtype, accumulated in the working dtype
             offset = 0
             for level_query, rank, width, start in zip(
@@ -92,22 +97,6 @@ def mlr_decode_step(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
                     ring = fine[..., offset:offset + width * rank].view(batch, heads, rank, width)[..., :used]
                     scores[..., start:start + used].add_((level_query @ ring).to(work))
                 offset += width * rank
-    elif plan["entries"] and torch.compiler.is_compiling():
-        # compiled: slot s of the row's current level-l block holds entry s % b_l, so each level's entry scores are
-        # tiled over the slot axis (an expand and a reshape: affine indices that inductor turns into vector loads)
-        # and kept where the slot is in the row's current block; one fused pass over the slots, no gather
-        offset = 0
-        for level, (level_query, rank, width, size) in enumerate(zip(
-                query[..., first_rank:].split(list(geometry.ranks[1:]), dim=-1), geometry.ranks[1:], ring_widths,
-                geometry.block_sizes)):
-            ring = fine[..., offset:offset + width * rank].view(batch, heads, rank, width)
-            offset += width * rank
-            entry_scores = (level_query @ ring).to(work)  # (B, Hk, g, W_l)
-            if size <= slots:  # W_l = b_l: one copy of the entries per block
-                tiles = -(-slots // size)
-                entry_scores = entry_scores[..., None, :].expand(batch, heads, rows, tiles, size).reshape(
-                    batch, heads, rows, tiles * size)
-            scores = scores + torch.where(plan["current block"][:, level], entry_scores[..., :slots], 0.0)
     elif plan["entries"]:
         fine_query = query[..., first_rank:]
         # (B, Hk, g, F); a 2-D index_select: along the last dim of a 4-D tensor it is ~20x slower on CPU
@@ -121,15 +110,64 @@ def mlr_decode_step(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
         scores = padded.scatter_add_(-1, target, entry_scores)[..., :slots]
     if plan["inverse depth"] is not None:
         scores = torch.addcmul(plan["additive mask"], scores, plan["inverse depth"])
-    elif plan["additive mask"] is not None:
+    elif plan["additive mask"] is not None and not compiling:
         scores = scores + plan["additive mask"]
     if bias is not None:
         scores = scores + bias.to(work)
     probabilities = torch.softmax(scores, dim=-1)
     # 3-D bmm: a 4-D matmul adds a handful of expand / reshape calls per layer, which an eager step pays for
-    output = torch.bmm(probabilities.to(values.dtype).reshape(batch * heads, rows, slots),
-                       values.reshape(batch * heads, slots, values.shape[-1])).view(batch, heads, rows, -1)
+    weights = probabilities.to(values.dtype).reshape(batch * heads, rows, slots)
+    values = values.reshape(batch * heads, slots, values.shape[-1])
+    if compiling:
+        # inductor lowers a CPU bmm with one query row to its own multiply-and-sum loop (it assumes such a product is
+        # memory bound), which walks the values 8 columns at a time, C slots per pass, ~1.5x slower than the BLAS
+        # product at C = 512-4096; a baddbmm onto zeros stays one library call
+        output = torch.baddbmm(weights.new_zeros(batch * heads, rows, values.shape[-1]), weights, values)
+    else:
+        output = torch.bmm(weights, values)
+    output = output.view(batch, heads, rows, -1)
     return (output, probabilities) if return_weights else output
+
+
+def _compiled_scores(query: torch.Tensor, keys: torch.Tensor, fine: torch.Tensor, ring_widths: Sequence[int],
+                     geometry: MLRGeometry, plan: dict, work: torch.dtype) -> torch.Tensor:
+    """(B, Hk, g, C) scores of a compiled step in the working dtype (query already scaled), the additive mask
+    included unless ``average_levels`` (which divides the scores first): the finer levels' scores and the mask as one
+    pointwise tensor over the slots, then the level-1 product added onto it (in the query's dtype: by one ``baddbmm``,
+    a library matmul; inductor would lower a one-row ``bmm`` to a slower loop of its own, see the values product in
+    ``mlr_decode_step``).
+
+    Finer levels: each level's entry scores ``q_l @ ring_l^T`` (B, Hk, g, W_l) are tiled over the slot axis (slot
+    ``s`` of a block holds entry ``s % b_l``; an expand and a reshape, affine indices that inductor turns into vector
+    loads) and kept where the slot is in the row's current block: no gather or scatter (a gather made inductor load
+    ring entries one scalar at a time), every level fuses into one pass over the slots."""
+    batch, heads, rows, _ = query.shape
+    slots, first_rank = keys.shape[2], geometry.ranks[0]
+    fine_scores, offset = None, 0
+    for level, (level_query, rank, width, size) in enumerate(zip(
+            query[..., first_rank:].split(list(geometry.ranks[1:]), dim=-1), geometry.ranks[1:], ring_widths,
+            geometry.block_sizes)):
+        ring = fine[..., offset:offset + width * rank].view(batch, heads, rank, width)
+        offset += width * rank
+        entry_scores = (level_query @ ring).to(work)  # (B, Hk, g, W_l)
+        if size <= slots:  # W_l = b_l: one copy of the entries per block
+            tiles = -(-slots // size)
+            entry_scores = entry_scores[..., None, :].expand(batch, heads, rows, tiles, size).reshape(
+                batch, heads, rows, tiles * size)
+        kept = torch.where(plan["current block"][:, level], entry_scores[..., :slots], 0.0)
+        fine_scores = kept if fine_scores is None else fine_scores + kept
+    additive = plan["additive mask"] if plan["inverse depth"] is None else None
+    if additive is not None:
+        fine_scores = additive.expand(batch, heads, rows, slots) if fine_scores is None else fine_scores + additive
+    first_query = query[..., :first_rank].reshape(batch * heads, rows, first_rank)
+    first_keys = keys.reshape(batch * heads, slots, first_rank).transpose(1, 2)
+    if query.dtype != work:  # low precision: the product in the query dtype, accumulated in the working dtype
+        first_scores = torch.bmm(first_query, first_keys).to(work).view(batch, heads, rows, slots)
+        return first_scores if fine_scores is None else fine_scores + first_scores
+    if fine_scores is None:
+        fine_scores = query.new_zeros(batch, heads, rows, slots)
+    return torch.baddbmm(fine_scores.reshape(batch * heads, rows, slots), first_query, first_keys).view(
+        batch, heads, rows, slots)
 
 
 def _shared_start_scores(query: torch.Tensor, keys: torch.Tensor, fine: torch.Tensor, groups: Sequence[tuple]
@@ -220,9 +258,12 @@ def _plan_decode(plan: dict, geometry: MLRGeometry, ring_widths: Sequence[int], 
     slot_index = torch.arange(slots, device=device) if compiling or geometry.average_levels or \
         not every_slot_allowed else None
     if constants["entries"] and compiling:
-        sizes = constants["sizes"][:, None]
-        # (B, L-1, 1, 1, C): the slot is in the row's current level-l block (base is a multiple of every b_l)
-        plan["current block"] = ((slot_index + base) // sizes == new_positions[:, None, None] // sizes)[
+        # (B, L-1, 1, 1, C): the slot is in the row's current level-l block, as two comparisons with the block's
+        # first and past-the-end slots (B, L-1) (a per-slot integer division, which CPUs do not vectorise, cost more
+        # than the rest of the fine levels together); the block sizes as Python integers are constants in the graph
+        starts = torch.stack([(new_positions // size) * size - base for size in geometry.block_sizes], dim=1)
+        ends = starts + torch.tensor(geometry.block_sizes, device=device)
+        plan["current block"] = ((slot_index >= starts[..., None]) & (slot_index < ends[..., None]))[
             :, :, None, None, :]
     inverse_depth = None
     if geometry.average_levels:
