@@ -12,6 +12,10 @@ token and decode ms per generated token (``model(token, cache=...)``, the step g
 keys the cache holds after the prompt (measured from the cache object, and the formula).
 
     python benchmarks/bench_decoder_patching.py --output docs/bench_decoder_patching.md
+    python benchmarks/bench_decoder_patching.py --skip_exactness --compiled --prompts 512 2048 --steps 24
+
+``--compiled`` adds compiled static-cache decode (``cache_implementation="static"``, the forward compiled with
+``torch.compile``; the static cache prefilled by ``generate``), stock vs MLR interleaved step by step.
 """
 
 import argparse
@@ -27,7 +31,7 @@ from hf_structattn.decoder_patching import TINY_DECODERS, tiny_decoder
 from hf_structattn.flops import decoder_cache_report
 from hf_structattn.modeling.structattn_cache import key_cache_bytes
 
-from bench_generation import cpu_name  # benchmarks/ is on sys.path when a script here runs
+from bench_generation import cpu_name, prefilled_cache  # benchmarks/ is on sys.path when a script here runs
 
 
 @torch.no_grad()
@@ -92,6 +96,32 @@ def speed(models: dict, prompt: int, steps: int, repeats: int) -> dict:
             for name in models}
 
 
+@torch.no_grad()
+def compiled_decode(models: dict, prompt: int, steps: int, warmup: int = 3, backend: str = "inductor") -> dict:
+    """ms per decode step of each model with ``cache_implementation="static"`` and ``torch.compile(model.forward)``
+    (transformers' fast decoding path), interleaved step by step; the static cache prefilled by ``generate``."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 1000, (1, prompt))
+    token = torch.randint(0, 1000, (1, 1))
+    state = {}
+    for name, model in models.items():
+        cache = prefilled_cache(model, ids, static_len=prompt + warmup + steps + 1, new_tokens=warmup + steps + 1)
+        forward = torch.compile(model.forward, backend=backend)
+        position = prompt
+        for _ in range(warmup):  # the first compiles
+            forward(token, cache=cache, use_cache=True, position_ids=torch.full((1, 1), position))
+            position += 1
+        state[name] = [forward, cache, position, []]
+    for _ in range(steps):
+        for name, entry in state.items():
+            forward, cache, position, times = entry
+            start = time.thread_time()
+            forward(token, cache=cache, use_cache=True, position_ids=torch.full((1, 1), position))
+            times.append(time.thread_time() - start)
+            entry[2] += 1
+    return {name: 1e3 * statistics.median(entry[3]) for name, entry in state.items()}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, nargs="+", default=[512, 1024])
@@ -104,6 +134,8 @@ def main():
     parser.add_argument("--mlr_ranks", type=int, nargs="+", default=[16, 8, 8])
     parser.add_argument("--mlr_block_sizes", type=int, nargs="+", default=[256, 128])
     parser.add_argument("--skip_exactness", action="store_true")
+    parser.add_argument("--compiled", action="store_true",
+                        help="also time compiled static-cache decode steps (torch.compile, inductor; minutes)")
     parser.add_argument("--output", default=None, help="also write the markdown to this file")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -140,6 +172,15 @@ def main():
         for name, (prefill_ms, decode_ms, held) in results.items():
             expected = formula["dense_key_cache_bytes"] if name == "stock sdpa" else formula["key_cache_bytes"]
             lines.append(f"| {prompt} | {name} | {prefill_ms:.3f} | {decode_ms:.2f} | {held} | {expected} |")
+            print(lines[-1], flush=True)
+    if args.compiled:
+        lines += ["", "## Compiled decode: `cache_implementation=\"static\"` + `torch.compile(model.forward)`, "
+                  "batch 1\n",
+                  "| prompt | stock sdpa ms/token | MLR ms/token | MLR / stock |", "|---|---|---|---|"]
+        for prompt in args.prompts:
+            times = compiled_decode({"stock sdpa": stock, "MLR": mlr}, prompt, args.steps)
+            lines.append(f"| {prompt} | {times['stock sdpa']:.2f} | {times['MLR']:.2f} | "
+                         f"{times['MLR'] / times['stock sdpa']:.2f}x |")
             print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
     if args.output:

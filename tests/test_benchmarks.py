@@ -11,6 +11,7 @@ import pytest
 import torch
 import transformers
 
+import hf_structattn
 from hf_structattn import StructAttnGPT2Config, StructAttnGPT2LMHeadModel, mlr_attention, mlr_attention_reference
 from hf_structattn.flops import allocated_cache_bytes, attention_cost_report
 from hf_structattn.modeling import structattn_mlr_fused
@@ -20,6 +21,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 import bench_cache_memory  # noqa: E402
+import bench_decoder_patching  # noqa: E402
 import bench_decode_ab  # noqa: E402
 import bench_generation  # noqa: E402
 import bench_memory  # noqa: E402
@@ -354,3 +356,17 @@ def test_bench_speculative_needs_the_main_jobs_models(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench_speculative.main(["--runs", str(tmp_path)])
     assert "run `bash scripts/run.sh` first" in capsys.readouterr().err
+
+
+def test_bench_decoder_patching_times_compiled_static_decode_of_stock_and_patched_models():
+    """The compiled-decode cell of bench_decoder_patching: both models decode from a static cache prefilled by
+    generate, through a compiled forward (the eager backend here: inductor takes minutes), one token per step."""
+    config = transformers.LlamaConfig(vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    stock = transformers.LlamaForCausalLM(config).eval()
+    mlr = hf_structattn.patch(stock, mlr_ranks=[4, 2, 2], mlr_block_sizes=[16, 8])
+    torch._dynamo.reset()
+    times = bench_decoder_patching.compiled_decode({"stock sdpa": stock, "MLR": mlr}, prompt=20, steps=3, warmup=2,
+                                                   backend="eager")
+    assert set(times) == {"stock sdpa", "MLR"} and all(value > 0 for value in times.values())

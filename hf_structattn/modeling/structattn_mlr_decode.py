@@ -120,8 +120,8 @@ def mlr_decode_step(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     values = values.reshape(batch * heads, slots, values.shape[-1])
     if compiling:
         # inductor lowers a CPU bmm with one query row to its own multiply-and-sum loop (it assumes such a product is
-        # memory bound), which walks the values 8 columns at a time, C slots per pass, ~1.5x slower than the BLAS
-        # product at C = 512-4096; a baddbmm onto zeros stays one library call
+        # memory bound), which walks the values 8 columns at a time, all C slots per pass: slower than the BLAS
+        # product at long contexts; a baddbmm onto zeros stays one library call
         output = torch.baddbmm(weights.new_zeros(batch * heads, rows, values.shape[-1]), weights, values)
     else:
         output = torch.bmm(weights, values)
