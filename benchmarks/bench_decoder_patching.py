@@ -31,7 +31,7 @@ from hf_structattn.decoder_patching import TINY_DECODERS, tiny_decoder
 from hf_structattn.flops import decoder_cache_report
 from hf_structattn.modeling.structattn_cache import key_cache_bytes
 
-from bench_generation import cpu_name, prefilled_cache  # benchmarks/ is on sys.path when a script here runs
+from bench_generation import Clock, cpu_name, decode_cell, decode_variants  # benchmarks/ is on sys.path
 
 
 @torch.no_grad()
@@ -96,31 +96,13 @@ def speed(models: dict, prompt: int, steps: int, repeats: int) -> dict:
             for name in models}
 
 
-@torch.no_grad()
-def compiled_decode(models: dict, prompt: int, steps: int, warmup: int = 3, backend: str = "inductor") -> dict:
-    """ms per decode step of each model with ``cache_implementation="static"`` and ``torch.compile(model.forward)``
-    (transformers' fast decoding path), interleaved step by step; the static cache prefilled by ``generate``."""
-    torch.manual_seed(0)
-    ids = torch.randint(0, 1000, (1, prompt))
-    token = torch.randint(0, 1000, (1, 1))
-    state = {}
-    for name, model in models.items():
-        cache = prefilled_cache(model, ids, static_len=prompt + warmup + steps + 1, new_tokens=warmup + steps + 1)
-        forward = torch.compile(model.forward, backend=backend)
-        position = prompt
-        for _ in range(warmup):  # the first compiles
-            forward(token, cache=cache, use_cache=True, position_ids=torch.full((1, 1), position))
-            position += 1
-        state[name] = [forward, cache, position, []]
-    for _ in range(steps):
-        for name, entry in state.items():
-            forward, cache, position, times = entry
-            start = time.thread_time()
-            forward(token, cache=cache, use_cache=True, position_ids=torch.full((1, 1), position))
-            times.append(time.thread_time() - start)
-            entry[2] += 1
-    return {name: 1e3 * statistics.median(entry[3]) for name, entry in state.items()}
-
+def compiled_decode(models: dict, prompt: int, steps: int, warmup: int = 3, backend="inductor") -> dict:
+    """Median ms per decode step of each model with ``cache_implementation="static"`` and
+    ``torch.compile(model.forward, backend=backend)`` (transformers' fast decoding path), batch 1, interleaved step by
+    step (thread clock): ``bench_generation.decode_cell``'s compiled mode, whose static caches ``generate`` prefills."""
+    variants = decode_variants(list(models), ["compiled"])
+    times = decode_cell(models, variants, 1, prompt, steps, warmup, Clock("thread"), {}, compile_backend=backend)
+    return {name: 1e3 * statistics.median(times[label][0]) for label, name, _ in variants}
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -360,13 +360,25 @@ def test_bench_speculative_needs_the_main_jobs_models(tmp_path, capsys):
 
 def test_bench_decoder_patching_times_compiled_static_decode_of_stock_and_patched_models():
     """The compiled-decode cell of bench_decoder_patching: both models decode from a static cache prefilled by
-    generate, through a compiled forward (the eager backend here: inductor takes minutes), one token per step."""
+    generate through a forward compiled by the given backend (a counting one here: inductor takes minutes), which
+    traces each model's decode step (and nothing per step after the first)."""
     config = transformers.LlamaConfig(vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     torch.manual_seed(0)
     stock = transformers.LlamaForCausalLM(config).eval()
     mlr = hf_structattn.patch(stock, mlr_ranks=[4, 2, 2], mlr_block_sizes=[16, 8])
+    traced = []
+
+    def counting_backend(graph, example_inputs):
+        traced.append(graph)
+        return graph.forward
+
     torch._dynamo.reset()
     times = bench_decoder_patching.compiled_decode({"stock sdpa": stock, "MLR": mlr}, prompt=20, steps=3, warmup=2,
-                                                   backend="eager")
+                                                   backend=counting_backend)
     assert set(times) == {"stock sdpa", "MLR"} and all(value > 0 for value in times.values())
+    assert 2 <= len(traced) <= 4  # one decode graph per model (a recompile on the second step at most)
+    codes = [graph.code for graph in traced]
+    # stock attention is one SDPA call; the patched step is MLR's compiled formulation (library baddbmm matmuls)
+    assert any("scaled_dot_product_attention" in code and "baddbmm" not in code for code in codes)
+    assert any("baddbmm" in code and "scaled_dot_product_attention" not in code for code in codes)

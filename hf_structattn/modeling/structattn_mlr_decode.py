@@ -84,9 +84,7 @@ def mlr_decode_step(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
         scores = _shared_start_scores(query, keys, fine, plan["shared groups"])
     else:
         scores = (query[..., :first_rank] @ keys.transpose(-1, -2)).to(work)  # (B, Hk, g, C)
-    if compiling:
-        pass
-    elif plan["shared starts"] is not None:
+    if not compiling and plan["shared starts"] is not None:
         if query.dtype != work:  # low precision: products in the query dtype, accumulated in the working dtype
             offset = 0
             for level_query, rank, width, start in zip(
@@ -97,7 +95,7 @@ def mlr_decode_step(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
                     ring = fine[..., offset:offset + width * rank].view(batch, heads, rank, width)[..., :used]
                     scores[..., start:start + used].add_((level_query @ ring).to(work))
                 offset += width * rank
-    elif plan["entries"]:
+    elif not compiling and plan["entries"]:
         fine_query = query[..., first_rank:]
         # (B, Hk, g, F); a 2-D index_select: along the last dim of a 4-D tensor it is ~20x slower on CPU
         gathered = fine_query.reshape(-1, fine_query.shape[-1]).index_select(1, plan["query dims"]).view(
