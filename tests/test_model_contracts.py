@@ -478,26 +478,6 @@ def test_gpt2_config_does_not_inherit_token_ids_outside_its_vocabulary(recwarn):
     assert StructAttnGPT2Config(n_layer=1).eos_token_id == 50256  # the full GPT-2 vocabulary keeps GPT-2's ids
 
 
-def test_4d_masks_other_than_causal_and_padding_are_refused_by_mlr_layers():
-    """MLR layers take padding from the mask and causality and blocks from positions: transformers' own causal +
-    padding 4-D mask (bool or additive) equals the 2-D mask; any other 4-D mask is refused, not silently ignored."""
-    model = tiny_lm("mlr").double()
-    ids = _ids(2, 12, vocab=61)
-    keep = torch.ones(2, 12, dtype=torch.bool)
-    keep[1, :4] = False  # left padding
-    causal = torch.ones(12, 12, dtype=torch.bool).tril()
-    four_d = (causal[None, None] & keep[:, None, None, :]) | ~keep[:, None, :, None]  # padding queries see everything
-    reference = model(ids, attention_mask=keep.long(), use_cache=False).logits
-    additive = torch.zeros(four_d.shape, dtype=torch.float64).masked_fill(~four_d, torch.finfo(torch.float64).min)
-    for mask in (four_d, additive):
-        logits = model(ids, attention_mask=mask, use_cache=False).logits
-        torch.testing.assert_close(logits[keep], reference[keep], **EXACT)
-    overlay = four_d.clone()
-    overlay[0, 0, 7, 2] = False  # one causal pair hidden: a custom overlay
-    with pytest.raises(ValueError, match="not a causal/padding mask"):
-        model(ids, attention_mask=overlay, use_cache=False)
-
-
 def test_right_padded_generate_warns_once_and_continues_the_rows(recwarn):
     from hf_structattn.modeling import structattn_cache
 

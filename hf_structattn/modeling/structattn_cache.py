@@ -53,12 +53,16 @@ class StructAttnStep:
 
     cache: the self-attention ``Cache`` of this call or None; positions: (B, c) absolute positions of the new
     tokens or None (continue each row after its newest real position); valid: (B, c) bool, True = real token, or
-    None (all real). ``plans`` memoises per-geometry index tensors shared by the layers of one call."""
+    None (all real). ``plans`` memoises per-geometry index tensors shared by the layers of one call.
+    ``standard_masks``: the model's masks were built by transformers from no mask or a 2-D keep-mask."""
 
     cache: Optional[Cache] = None
     positions: Optional[torch.Tensor] = None
     valid: Optional[torch.Tensor] = None
     plans: dict = field(default_factory=dict)
+    # the caller gave no mask or a 2-D keep-mask, so every 4-D mask the model built is transformers' causal (or
+    # bidirectional) + padding mask: layers over the MLR cache need not compare it with one
+    standard_masks: bool = False
 
     def layer(self, layer_idx: Optional[int]):
         """The cache layer of ``layer_idx``, or None."""
@@ -66,6 +70,22 @@ class StructAttnStep:
         if cache is None or layer_idx is None or layer_idx >= len(cache.layers):
             return None
         return cache.layers[layer_idx]
+
+
+def new_token_validity(mask: Optional[torch.Tensor], past, length: int) -> Optional[torch.Tensor]:
+    """(B, T) padding flags of the new tokens from a 2-D keep-mask or transformers' 4-D mask (a new token is real
+    iff its own key is allowed: the diagonal of its rows, at column ``past + i``), or None."""
+    if mask is None:
+        return None
+    if mask.dim() == 2:
+        return mask[:, -length:].bool()
+    if mask.dim() != 4 or mask.shape[-2] != length:
+        return None
+    rows = torch.arange(length, device=mask.device)
+    own = mask[:, 0][:, rows, rows + past]
+    if own.dtype == torch.bool:
+        return own
+    return own > torch.finfo(own.dtype).min / 2 if own.is_floating_point() else own != 0
 
 
 def self_attention_cache(cache: Optional[Cache]) -> Optional[Cache]:
@@ -1093,4 +1113,4 @@ def prepare_structattn_cache(cache: Optional[Cache], geometries: dict, *, reserv
 
 
 __all__ = ["MLRKeyCacheLayer", "MLRStaticKeyCacheLayer", "StructAttnStep", "STEP_KEY", "key_cache_bytes",
-           "prepare_structattn_cache", "self_attention_cache", "set_rollback_window"]
+           "new_token_validity", "prepare_structattn_cache", "self_attention_cache", "set_rollback_window"]

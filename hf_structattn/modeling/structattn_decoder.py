@@ -40,7 +40,7 @@ from .structattn_decoder_spec import (  # noqa: F401  (the decoder spec, re-expo
     rotary_pair_order,
     stock_layer_geometry,
 )
-from .structattn_geometry import announce_config
+from .structattn_geometry import announce_config, check_positions, keep_mask
 
 MODEL_TYPE_PREFIX = "mlr_"
 CLASS_PREFIX = "MLR"
@@ -84,18 +84,45 @@ def _num_cache_layers(self) -> int:
     return self.config.get_text_config(decoder=True).num_hidden_layers
 
 
-def _new_token_validity(mask: Optional[torch.Tensor], past, length: int) -> Optional[torch.Tensor]:
-    """(B, T) padding flags of the new tokens from a 2-D keep-mask or transformers' 4-D mask (a new token is real
-    iff its own key is allowed), or None."""
-    if mask is None:
-        return None
+def _check_inputs(kwargs: dict, tokens: torch.Tensor, past) -> None:
+    """One-line errors naming the argument for inputs the attention would misread or fail on with a raw error:
+    empty inputs (no token, or a batch of 0), token ids that are not integers, ``position_ids`` of the wrong shape
+    or dtype, attention masks of the wrong size, and additive 2-D masks (read as keep-masks they would be silently
+    inverted; transformers' 4-D masks may be additive). Shapes only, except for a floating 2-D mask, whose values
+    are read (a host read: an integer or bool mask, what tokenizers and ``generate`` pass, costs nothing)."""
+    name = "input_ids" if kwargs.get("input_ids") is not None else "inputs_embeds"
+    if name == "input_ids" and (tokens.dim() != 2 or tokens.dtype.is_floating_point or tokens.dtype == torch.bool):
+        raise ValueError(f"input_ids must be an integer tensor of shape (batch, length), got {tokens.dtype} "
+                         f"{tuple(tokens.shape)}")
+    if name == "inputs_embeds" and tokens.dim() != 3:
+        raise ValueError(f"inputs_embeds must have shape (batch, length, hidden), got {tuple(tokens.shape)}")
+    batch, length = tokens.shape[:2]
+    if batch == 0 or length == 0:
+        raise ValueError(f"{name} of shape {tuple(tokens.shape)} is empty (batch {batch}, length {length}): pass at "
+                         f"least one token in at least one row")
+    positions = kwargs.get("position_ids")
+    if positions is not None and (positions.dim() != 3 or positions.shape[-1] != length):
+        # (3, B, T) multimodal positions are refused by the attention with their own message
+        check_positions(positions, batch, length, name="position_ids")
+    mask = kwargs.get("attention_mask")
+    if mask is None or isinstance(mask, dict):
+        return
+    if not isinstance(mask, torch.Tensor):
+        raise ValueError(f"attention_mask must be a tensor, got {type(mask).__name__}")
+    covered = int(past) + length
     if mask.dim() == 2:
-        return mask[:, -length:].bool()
-    if mask.dim() != 4 or mask.shape[-2] != length:
-        return None
-    rows = torch.arange(length, device=mask.device)
-    own = mask[:, 0][:, rows, rows + past]
-    return own if own.dtype == torch.bool else own > torch.finfo(own.dtype).min / 2
+        if mask.is_floating_point():
+            keep_mask(mask, batch, covered, name="attention_mask")
+        elif mask.shape[0] not in (1, batch) or mask.shape[1] != covered:
+            raise ValueError(f"attention_mask must have shape ({batch}, {covered}) (batch, cached + new tokens; 1 = "
+                             f"attend), got {tuple(mask.shape)}")
+    elif mask.dim() == 4:
+        if mask.shape[0] not in (1, batch) or mask.shape[2] != length or mask.shape[3] < covered:
+            raise ValueError(f"a 4-D attention_mask must have shape ({batch}, 1, {length}, >= {covered}) (batch, 1, "
+                             f"new tokens, cached + new tokens), got {tuple(mask.shape)}")
+    else:
+        raise ValueError(f"attention_mask must be a (batch, cached + new tokens) keep-mask or transformers' 4-D "
+                         f"mask, got shape {tuple(mask.shape)}")
 
 
 def _forward_of(base):
@@ -103,7 +130,13 @@ def _forward_of(base):
     hierarchical form (a ``DynamicCache(config=...)`` built here when caching and none is given) and with the new
     tokens' positions and padding in a ``StructAttnStep`` under the kwargs every attention call receives. It keeps
     the base signature (``generate`` reads it to decide what to pass)."""
-    from .structattn_cache import STEP_KEY, StructAttnStep, prepare_structattn_cache, self_attention_cache
+    from .structattn_cache import (
+        STEP_KEY,
+        StructAttnStep,
+        new_token_validity,
+        prepare_structattn_cache,
+        self_attention_cache,
+    )
 
     signature = inspect.signature(base.forward)
     positional = [name for name, parameter in signature.parameters.items()
@@ -122,16 +155,21 @@ def _forward_of(base):
         if cache is not None and not torch.compiler.is_compiling():
             prepare_structattn_cache(cache, _cache_geometries(self), num_layers=config.num_hidden_layers)
         if tokens is not None:
-            batch, length = tokens.shape[:2]
             past = cache.get_seq_length() if cache is not None else 0
+            if not torch.compiler.is_compiling():
+                _check_inputs(kwargs, tokens, past)
+            batch, length = tokens.shape[:2]
             positions = kwargs.get("position_ids")
             if positions is None:
                 positions = torch.arange(length, device=tokens.device)[None] + past
             elif positions.dim() == 2:
                 positions = positions.expand(batch, length)
-            valid = _new_token_validity(kwargs.get("attention_mask"), past, length)
+            mask = kwargs.get("attention_mask")
+            standard = mask is None or (isinstance(mask, torch.Tensor) and mask.dim() == 2)
+            valid = new_token_validity(mask, past, length) if isinstance(mask, torch.Tensor) else None
             kwargs[STEP_KEY] = StructAttnStep(cache=self_attention_cache(cache), positions=positions
-                                              if positions.dim() == 2 else None, valid=valid)
+                                              if positions.dim() == 2 else None, valid=valid,
+                                              standard_masks=standard)
         return base.forward(self, **kwargs)
 
     forward.__signature__ = signature
