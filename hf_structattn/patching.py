@@ -124,7 +124,11 @@ def _structattn_config(config_class, t5_config, fields: dict, provenance: dict):
         values.pop(derived, None)
     values.update(fields)
     values["structattn_patch"] = provenance
-    return config_class(**values)
+    config = config_class(**values)
+    # the attention implementation the model was built or loaded with (to_dict drops it): "eager" stays "eager",
+    # so output_attentions keeps returning maps
+    config._attn_implementation = t5_config._attn_implementation
+    return config
 
 
 @torch.no_grad()
