@@ -187,3 +187,29 @@ def test_patched_decoder_bad_input_is_one_line_naming_the_argument():
     gpt2 = tiny_lm("mlr")
     with pytest.raises(ValueError, match="is empty \\(batch 0"):
         gpt2(torch.zeros(0, 4, dtype=torch.long))
+
+
+# ------------------------------------------------------------------------------------ positions with a cache
+
+
+@pytest.mark.parametrize("family", ["gpt2_mlr", "llama"])
+def test_positions_that_restart_after_cached_real_tokens_are_refused(family):
+    """With a cache, new positions that restart or go back after the row's newest cached real token (``[0, 1]``
+    after position 9, with or without an all-ones mask) are a packed sequence: a one-line ValueError, not the
+    right-padding continuation (which needs padding after a real token in the caller's mask: right-padded
+    ``generate`` still continues, tests/test_model_contracts.py)."""
+    model = tiny_lm("mlr").double() if family == "gpt2_mlr" else \
+        hf_structattn.patch(tiny_decoder("llama"), mlr_ranks=[8, 4, 4], mlr_block_sizes=[8, 4])
+    ids = torch.randint(3, 61, (2, 12), generator=torch.Generator().manual_seed(7))
+    for mask in (None, torch.ones(2, 12, dtype=torch.long)):
+        for restart in ([0, 1], [9, 10], [5]):
+            cache = DynamicCache(config=model.config)
+            model(ids[:, :10], attention_mask=None if mask is None else mask[:, :10], cache=cache)
+            count = len(restart)
+            with pytest.raises(ValueError, match="consecutive increasing positions continuing the row") as raised:
+                model(ids[:, 10:10 + count], position_ids=torch.tensor([restart] * 2), cache=cache,
+                      attention_mask=None if mask is None else mask[:, :10 + count])
+            assert "\n" not in str(raised.value)
+    cache = DynamicCache(config=model.config)  # the continuation itself is fine
+    model(ids[:, :10], cache=cache)
+    model(ids[:, 10:12], position_ids=torch.tensor([[10, 11]] * 2), cache=cache)

@@ -293,7 +293,7 @@ class StructAttnGPT2Model(StructAttnGPT2PreTrainedModel):
         if last_position is not None and last_position >= self.config.n_positions:
             raise ValueError(f"position {last_position} is beyond n_positions={self.config.n_positions}: "
                              f"this model has learned position embeddings for positions < {self.config.n_positions}")
-        valid = None
+        valid = key_mask = None
         standard_masks = attention_mask is None
         if attention_mask is not None and attention_mask.dim() == 2:
             # cached + new tokens (a compiled step cannot read the cached count: it takes the mask's own length)
@@ -301,6 +301,7 @@ class StructAttnGPT2Model(StructAttnGPT2PreTrainedModel):
             attention_mask = keep_mask(attention_mask, batch, covered, inputs_embeds.device, "attention_mask")
             valid = attention_mask[:, -length:]
             standard_masks = True
+            key_mask = attention_mask
         elif attention_mask is not None:
             if attention_mask.dim() != 4:
                 raise ValueError(f"attention_mask must be a (batch, cached + new tokens) keep-mask or transformers' "
@@ -321,7 +322,7 @@ class StructAttnGPT2Model(StructAttnGPT2PreTrainedModel):
         if SLIDING_ATTENTION in kinds:
             masks[SLIDING_ATTENTION] = create_sliding_window_causal_mask(**mask_kwargs)
         kwargs[STEP_KEY] = StructAttnStep(cache=cache, positions=position_ids.expand(batch, length), valid=valid,
-                                          standard_masks=standard_masks)
+                                          standard_masks=standard_masks, key_mask=key_mask)
         layer_cache = cache if not (self.gradient_checkpointing and self.training) else None
         for block, kind in zip(self.h, self.config.layer_types):
             hidden_states = block(hidden_states, layer_cache, masks[kind], position_ids=position_ids, **kwargs)

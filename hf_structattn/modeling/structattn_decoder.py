@@ -169,7 +169,7 @@ def _forward_of(base):
             valid = new_token_validity(mask, past, length) if isinstance(mask, torch.Tensor) else None
             kwargs[STEP_KEY] = StructAttnStep(cache=self_attention_cache(cache), positions=positions
                                               if positions.dim() == 2 else None, valid=valid,
-                                              standard_masks=standard)
+                                              standard_masks=standard, key_mask=mask if standard else None)
         return base.forward(self, **kwargs)
 
     forward.__signature__ = signature
