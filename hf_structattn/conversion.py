@@ -10,8 +10,9 @@ def convert_model(model: torch.nn.Module, target_class: type, config) -> torch.n
     """``target_class(config)`` built on the meta device (nothing allocated, its ``post_init`` installs the structured
     attention) and given clones of ``model``'s parameters and buffers under the same names; tied weights re-tied,
     the generation config, the train/eval mode and activation (gradient) checkpointing carried over. Every tensor is
-    marked initialised, as ``from_pretrained`` marks loaded ones, so ``post_init()`` / ``init_weights()`` keep the
-    converted weights. A model on the meta device (or built inside ``torch.device("meta")``) converts to one."""
+    that holds values is marked initialised, as ``from_pretrained`` marks loaded ones, so ``post_init()`` /
+    ``init_weights()`` keep the converted weights. A model on the meta device (or built inside
+    ``torch.device("meta")``) converts to one."""
     with torch.device("meta"):
         converted = target_class(config)
     state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
@@ -23,9 +24,12 @@ def convert_model(model: torch.nn.Module, target_class: type, config) -> torch.n
             setattr(converted.get_submodule(owner), attribute, originals[name].detach().clone())
     converted.tie_weights()
     for tensor in itertools.chain(converted.parameters(), converted.buffers()):
-        tensor._is_hf_initialized = True
+        if not tensor.is_meta:  # a meta model holds no values yet: init_weights after to_empty() fills it, as stock
+            tensor._is_hf_initialized = True
     for module in converted.modules():
-        module._is_hf_initialized = True
+        if not any(tensor.is_meta for tensor in itertools.chain(module.parameters(recurse=False),
+                                                                 module.buffers(recurse=False))):
+            module._is_hf_initialized = True
     _carry_checkpointing(model, converted)
     if getattr(model, "generation_config", None) is not None:
         converted.generation_config = copy.deepcopy(model.generation_config)

@@ -23,6 +23,15 @@ SKIPS = {
             "greedy search for the patched Gemma-3: tests/test_decoder_patching.py::"
             "test_assisted_decoding_equals_greedy_with_a_sliding_layer"),
     },
+    "qwen2_sliding": {  # Qwen2 with a sliding-window layer beside the converted MLR layer
+        "test_assisted_decoding_matches_greedy_search": (
+            "as for Gemma-3: the tester's prompts are right-padded, and with a sliding-window layer transformers "
+            "5.24's assisted decoding of a right-padded prompt gives other tokens than greedy search on stock Qwen2 "
+            "with the same window too (measured: 5 of 40 seeds fail on the stock control, 4-5 of 40 on the patched "
+            "model). Left-padded assisted decoding equals greedy search for a patched model with an MLR layer beside a "
+            "stock sliding layer: tests/test_decoder_patching.py::"
+            "test_assisted_decoding_equals_greedy_with_a_sliding_layer"),
+    },
 }
 
 
