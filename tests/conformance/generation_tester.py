@@ -239,8 +239,13 @@ class GenerationTesterMixin:
             self.assertIsNone(cache, "generate(use_cache=False) returned a cache")
 
     def _layer_types(self, config):
+        """The decoder layers' attention types; a config without ``layer_types`` whose ``sliding_window`` is set
+        (Mistral: one window for every layer) has only sliding layers."""
         types = getattr(config, "layer_types", None)
-        return list(types) if types is not None else [None] * self._num_decoder_layers(config)
+        if types is not None:
+            return list(types)
+        sliding = getattr(config, "sliding_window", None) and not getattr(config, "is_encoder_decoder", False)
+        return ["sliding_attention" if sliding else None] * self._num_decoder_layers(config)
 
     @staticmethod
     def _num_decoder_layers(config):

@@ -101,7 +101,7 @@ class StockQwen2SlidingControlTest(decoder_test("Qwen2Sliding", patched=False)):
 
 
 @pytest.mark.slow
-@apply_skips("patched")
+@apply_skips("patched", "mistral_sliding")
 class StockMistralSlidingControlTest(decoder_test("MistralReplace", patched=False)):
     pass
 
