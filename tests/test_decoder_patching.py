@@ -568,9 +568,10 @@ def test_reports_state_the_rollback_log_bytes_speculative_decoding_allocates():
     for model in (mlr, gpt2):
         out = model.generate(prompt, prompt_lookup_num_tokens=4, max_new_tokens=6, do_sample=False, pad_token_id=1,
                              return_dict_in_generate=True, cache_implementation="static")
-        layers = [layer for layer in out.cache.layers if getattr(layer, "_log_buffers", None) is not None]
+        layers = [layer for layer in out.cache.layers if getattr(layer, "rollback_log", None) is not None and
+                  layer.rollback_log.tensors()]
         assert layers and {layer.rollback_window for layer in layers} == {6}
-        logged = sum(t.numel() * t.element_size() for layer in layers for t in layer._log_buffers)
+        logged = sum(t.numel() * t.element_size() for layer in layers for t in layer.rollback_log.tensors())
         item = layers[0].keys.element_size()
         if model is mlr:
             report = decoder_cache_report(model.config, 46, dtype_bytes=item, rollback_window=6)

@@ -3,22 +3,19 @@ the naive reference, rollback for speculative decoding, what it allocates, stati
 torch.compile."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 import transformers
+from transformers.cache_utils import Cache
 
 import hf_structattn
 
-from hf_structattn.modeling.structattn_cache import (
-    STEP_KEY,
-    MLRKeyCacheLayer,
-    MLRStaticKeyCacheLayer,
-    StructAttnStep,
-    key_cache_bytes,
-)
+from hf_structattn.modeling.structattn_cache import MLRKeyCacheLayer, MLRStaticKeyCacheLayer, key_cache_bytes
 from hf_structattn.modeling.structattn_geometry import MLRGeometry
-from hf_structattn.modeling.structattn_mlr_decode import mlr_cached_chunk, mlr_decode_step
+from hf_structattn.modeling.structattn_mlr_decode import DecodeReadPlan, mlr_cached_attention
+from hf_structattn.modeling.structattn_plan import STEP_KEY, build_step
 from hf_structattn.modeling.structattn_reference import mlr_attention_reference
 
 from conftest import tiny_lm
@@ -36,7 +33,27 @@ def _layer(static, geometry, capacity=48):
 
 
 def _write(layer, keys, values, positions, valid):
-    return layer.update(keys, values, kwargs={STEP_KEY: StructAttnStep(positions=positions, valid=valid)})
+    """The model's flow for one chunk: the step plan (one host read), ``update`` (the chunk's keys in level order,
+    nothing stored), ``store`` (the write, returning the layer's view). Returns (view, step, level-order keys)."""
+    step = build_step(cache=Cache(layers=[layer]), positions=positions, valid=valid, batch=keys.shape[0],
+                      length=keys.shape[2], device=keys.device, geometries=(tuple(layer.geometry.block_sizes),))
+    level_keys, level_values = layer.update(keys, values, kwargs={STEP_KEY: step})
+    return layer.store(level_keys, level_values, step), step, level_keys
+
+
+def _attend(query, written, geometry, **kwargs):
+    """The one op over the view of a write (``_write``'s result): query (B, Hk, n, r), n = g * c group-major."""
+    view, step, keys = written
+    return mlr_cached_attention(query, keys, view, step, geometry, geometry.level_scales, **kwargs)
+
+
+def _traced(written):
+    """The view and step as a traced step sees them: the whole storage, no host facts (plans made in the trace);
+    the dynamic layer's token count (a Python int the op does not read) left out, so that it is no guard."""
+    view, step, keys = written
+    whole = [tensor._base if tensor._base is not None else tensor for tensor in (view.keys, view.values)]
+    return dataclasses.replace(view, keys=whole[0], values=whole[1], tokens=None), \
+        dataclasses.replace(step, facts=None, memo={}), keys
 
 
 def _rows(batch=3, length=40, pads=(0, 5, 13), offsets=(0, 0, 3), seed=0, heads=2, dtype=torch.float64):
@@ -79,11 +96,9 @@ def test_decode_step_equals_the_reference(static, average_levels):
         layer = _layer(static, geometry)
         _write(layer, k[:, :, :9], v[:, :, :9], positions[:, :9], valid[:, :9])
         for index in range(9, 40):
-            _write(layer, k[:, :, index:index + 1], v[:, :, index:index + 1], positions[:, index:index + 1],
-                   valid[:, index:index + 1])
-            got = mlr_decode_step(q[:, :, :, index], layer.keys, layer.values, layer.fine_storage,
-                                  layer.ring_widths, geometry, geometry.level_scales, layer.last_positions,
-                                  layer.first_positions, layer.base)
+            written = _write(layer, k[:, :, index:index + 1], v[:, :, index:index + 1], positions[:, index:index + 1],
+                             valid[:, index:index + 1])
+            got = _attend(q[:, :, :, index], written, geometry)
             expected = _reference_rows(q, k, v, positions, valid, geometry, index)
             real = valid[:, index][:, None, None, None]
             torch.testing.assert_close(got * real, expected * real, **EXACT, msg=f"step {index}, pads {pads}")
@@ -103,13 +118,13 @@ def test_decode_step_with_levels_covering_the_whole_cache_equals_the_reference(s
     _write(layer, k[:, :, :9], v[:, :, :9], positions[:, :9], valid[:, :9])
     tolerance = EXACT if dtype == torch.float64 else dict(atol=2e-6, rtol=2e-5)
     for index in range(9, 30):
-        _write(layer, k[:, :, index:index + 1], v[:, :, index:index + 1], positions[:, index:index + 1],
-               valid[:, index:index + 1])
+        written = _write(layer, k[:, :, index:index + 1], v[:, :, index:index + 1], positions[:, index:index + 1],
+                         valid[:, index:index + 1])
         widths = layer.ring_widths
         assert widths[0] == widths[1] == layer.keys_storage().shape[2] and widths[2] == 4
-        got = mlr_decode_step(q[:, :, :, index], layer.keys_storage(), layer.values_storage(), layer.fine_storage,
-                              widths, geometry, geometry.level_scales, layer.last_positions, layer.first_positions,
-                              layer.base)
+        got = _attend(q[:, :, :, index], written, geometry)
+        plan = next(value for value in written[1].memo.values() if isinstance(value, DecodeReadPlan))
+        assert len(plan.shared_groups) == 2  # levels 2 and 3 in one baddbmm_, level 4 on its own
         expected = _reference_rows(q.double(), k.double(), v.double(), positions, valid, geometry, index)
         torch.testing.assert_close(got.double(), expected, **tolerance, msg=f"step {index}")
 
@@ -118,9 +133,9 @@ def test_decode_step_with_levels_covering_the_whole_cache_equals_the_reference(s
 @pytest.mark.parametrize("average_levels", [False, True])
 def test_decode_step_over_the_slots_in_use_with_host_positions_equals_the_reference(static, average_levels):
     """What an eager model step runs: rows in step, keys and values narrowed to the slots up to the newest position,
-    and the newest / latest first position handed over as host integers (no additive mask is planned when every row
-    holds every slot). Every step across every block boundary, float64 exactly; without padding, and with padding
-    that keeps the rows in step but starts them later (then the mask is kept)."""
+    the step's plan made from host integers (no additive mask when every row holds every slot). Every step across
+    every block boundary, float64 exactly; without padding, and with padding that keeps the rows in step but starts
+    them later (then the mask is kept)."""
     geometry = _geometry(average_levels)
     for pads in ((0, 0, 0), (0, 2, 4)):
         q, k, v, positions, valid = _rows(pads=pads, offsets=(0, 0, 0))
@@ -128,18 +143,16 @@ def test_decode_step_over_the_slots_in_use_with_host_positions_equals_the_refere
         layer = _layer(static, geometry)
         _write(layer, k[:, :, :9], v[:, :, :9], positions[:, :9], valid[:, :9])
         for index in range(9, 40):
-            _write(layer, k[:, :, index:index + 1], v[:, :, index:index + 1], positions[:, index:index + 1],
-                   valid[:, index:index + 1])
-            slots = index - layer.base + 1
-            plan = {}
-            got = mlr_decode_step(q[:, :, :, index], layer.keys_storage().narrow(2, 0, slots),
-                                  layer.values_storage().narrow(2, 0, slots), layer.fine_storage, layer.ring_widths,
-                                  geometry, geometry.level_scales, layer.last_positions, layer.first_positions,
-                                  layer.base, plan=plan,
-                                  known_positions=(index, int(layer.first_positions.max())))
+            written = _write(layer, k[:, :, index:index + 1], v[:, :, index:index + 1],
+                             positions[:, index:index + 1], valid[:, index:index + 1])
+            assert written[0].keys.shape[2] == index - layer.base + 1  # the slots in use
+            assert written[1].facts.shared_newest == index
+            got = _attend(q[:, :, :, index], written, geometry)
             expected = _reference_rows(q, k, v, positions, valid, geometry, index)
             torch.testing.assert_close(got, expected, **EXACT, msg=f"step {index}, pads {pads}")
-            assert (plan["additive mask"] is None) == (pads == (0, 0, 0) and not average_levels)
+            plan = next(value for value in written[1].memo.values() if isinstance(value, DecodeReadPlan))
+            assert plan.shared_groups is not None
+            assert (plan.additive_mask is None) == (pads == (0, 0, 0) and not average_levels)
 
 
 @pytest.mark.parametrize("static", [False, True])
@@ -176,17 +189,13 @@ def test_chunks_equal_the_reference(static, average_levels):
     start = 0
     for size in (7, 6, 11, 9):
         end = start + size
-        rings_before = layer._fine.clone() if start else None
-        last_before = layer.last_positions.clone() if start else None
-        _write(layer, k[:, :, start:end], v[:, :, start:end], positions[:, start:end], valid[:, start:end])
+        written = _write(layer, k[:, :, start:end], v[:, :, start:end], positions[:, start:end], valid[:, start:end])
+        view = written[0]
+        assert view.held == bool(start)
         if start:
-            pending = layer.pending
-            assert pending.had_past and torch.equal(pending.rings_before, rings_before)
+            assert view.replaced is not None and view.replaced.shape[:3] == (3, 2, size)
             rows = q[:, :, :, start:end].reshape(3, 2, 2 * size, 8)
-            got = mlr_cached_chunk(rows, layer.keys, layer.values, layer._fine_views(rings_before, layer._capacity()),
-                                   pending.keys, geometry, geometry.level_scales, positions[:, start:end].repeat(1, 2),
-                                   pending.positions, pending.valid, last_before, layer.first_positions, layer.base)
-            got = got.reshape(3, 2, 2, size, 5)
+            got = _attend(rows, written, geometry).reshape(3, 2, 2, size, 5)
             for index in range(start, end):
                 expected = _reference_rows(q, k, v, positions, valid, geometry, index)
                 real = valid[:, index][:, None, None, None]
@@ -275,9 +284,10 @@ def test_rollback_window_bounds_the_log_and_crops_within_it_exactly(static):
     layer.activate_past_recording()
     _write(layer, k[:, :, :30], v[:, :, :30], positions[:, :30], valid[:, :30])
     _write(clean, k[:, :, :25], v[:, :, :25], positions[:, :25], valid[:, :25])
-    log_tokens = {tensor.shape[-2] if tensor.dim() == 4 else tensor.shape[-1] for tensor in layer._log_tensors()}
-    assert max(log_tokens) <= 5  # the static layer's fixed log buffers are 5 tokens long
-    assert layer._logged_tokens() == 5
+    log_tokens = {tensor.shape[-2] if tensor.dim() == 4 else tensor.shape[-1]
+                  for tensor in layer.rollback_log.tensors()}
+    assert max(log_tokens) <= 5  # the log's fixed buffers are 5 tokens long
+    assert layer.rollback_log.tokens == 5
     with pytest.raises(ValueError, match=r"only the 5 tokens"):
         layer.crop(-6)
     layer.crop(-5)
@@ -384,18 +394,17 @@ def test_half_precision_decode_is_finite_and_close_to_float32(dtype, compiled):
     eagerly and in the formulation torch.compile traces (level-1 scores accumulated in float32 there too)."""
     geometry = _geometry()
     q, k, v, positions, valid = _rows(length=18, dtype=torch.float32)
-    step = torch.compile(mlr_decode_step, backend="eager", fullgraph=True) if compiled else mlr_decode_step
+    torch._dynamo.reset()  # the traced ``_attend`` of other tests does not count against this one's recompile budget
+    attend = torch.compile(_attend, backend="eager", fullgraph=True) if compiled else _attend
     results = {}
     for run_dtype in (torch.float32, dtype):
         layer, outputs = MLRStaticKeyCacheLayer(24, geometry), []
         cast = (lambda t: t.to(run_dtype))
         _write(layer, cast(k[:, :, :6]), cast(v[:, :, :6]), positions[:, :6], valid[:, :6])
         for index in range(6, 18):
-            _write(layer, cast(k[:, :, index:index + 1]), cast(v[:, :, index:index + 1]),
-                   positions[:, index:index + 1], valid[:, index:index + 1])
-            outputs.append(step(cast(q[:, :, :, index]), layer.keys, layer.values, layer.fine_storage,
-                                layer.ring_widths, geometry, geometry.level_scales, layer.last_positions,
-                                layer.first_positions, layer.base))
+            written = _write(layer, cast(k[:, :, index:index + 1]), cast(v[:, :, index:index + 1]),
+                             positions[:, index:index + 1], valid[:, index:index + 1])
+            outputs.append(attend(cast(q[:, :, :, index]), _traced(written) if compiled else written, geometry))
         results[run_dtype] = torch.stack(outputs)
     assert results[dtype].dtype == dtype and torch.isfinite(results[dtype]).all()
     eps = torch.finfo(dtype).eps
@@ -509,15 +518,13 @@ def test_compiled_decode_step_formulation_equals_eager_on_rows_in_different_bloc
     q = q[:, :, :query_rows]
     layer = _layer(static, geometry)
     _write(layer, k[:, :, :9], v[:, :, :9], positions[:, :9], valid[:, :9])
-    step = torch.compile(mlr_decode_step, backend="eager", fullgraph=True)
+    torch._dynamo.reset()  # the traced ``_attend`` of other tests does not count against this one's recompile budget
+    attend = torch.compile(_attend, backend="eager", fullgraph=True)
     for index in range(9, 40):
-        _write(layer, k[:, :, index:index + 1], v[:, :, index:index + 1], positions[:, index:index + 1],
-               valid[:, index:index + 1])
-        args = (q[:, :, :, index], layer.keys_storage(), layer.values_storage(), layer.fine_storage,
-                layer.ring_widths, geometry, geometry.level_scales, layer.last_positions, layer.first_positions,
-                layer.base)
-        eager = mlr_decode_step(*args)
-        compiled, weights = step(*args, return_weights=True)
+        written = _write(layer, k[:, :, index:index + 1], v[:, :, index:index + 1], positions[:, index:index + 1],
+                         valid[:, index:index + 1])
+        eager = _attend(q[:, :, :, index], written, geometry)
+        compiled, weights = attend(q[:, :, :, index], _traced(written), geometry, return_weights=True)
         torch.testing.assert_close(compiled, eager, **EXACT)
         real = valid[:, index]  # a padding query's output is arbitrary
         reference = _reference_rows(q, k, v, positions, valid, geometry, index)

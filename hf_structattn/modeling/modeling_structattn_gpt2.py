@@ -27,17 +27,17 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_structattn_gpt2 import StructAttnGPT2Config
 from .structattn_attention import install_mlr_attention
-from .structattn_cache import STEP_KEY, StructAttnStep, new_token_validity, prepare_structattn_cache
 from .structattn_geometry import (
     BILINEAR_BTT_ATTENTION,
     BILINEAR_MLR_ATTENTION,
     MLR_ATTENTION,
     SLIDING_ATTENTION,
     check_positions,
-    keep_mask,
     mask_value,
     softmax_dtype,
 )
+from .structattn_plan import STEP_KEY
+from .structattn_prepare import prepare_step
 from .structattn_ops import fused_attention
 from .structattn_pretrained import StructAttnPreTrainedMixin
 from .structattn_qk import StructuredQueryKey, init_structured_query_key
@@ -277,36 +277,25 @@ class StructAttnGPT2Model(StructAttnGPT2PreTrainedModel):
             use_cache = False
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
-        if cache is not None and not torch.compiler.is_compiling():  # a compiled step gets generate's prepared cache
-            prepare_structattn_cache(cache, self.config.mlr_layer_geometries(), num_layers=self.config.n_layer)
-        past = cache.get_seq_length() if cache is not None else 0
-        if position_ids is None:
-            position_ids = (torch.arange(length, device=inputs_embeds.device) + past)[None]
-            last_position = None if torch.compiler.is_compiling() else int(past) + length - 1
-        else:
+        if position_ids is not None:
             position_ids = check_positions(position_ids, batch, length, inputs_embeds.device, "position_ids")
-            last_position = None
-            if not torch.compiler.is_compiling():  # host reads: graph breaks when compiled
-                last_position = int(position_ids.max())
-                if int(position_ids.min()) < 0:
-                    raise ValueError(f"position_ids must be non-negative, got {int(position_ids.min())}")
-        if last_position is not None and last_position >= self.config.n_positions:
-            raise ValueError(f"position {last_position} is beyond n_positions={self.config.n_positions}: "
-                             f"this model has learned position embeddings for positions < {self.config.n_positions}")
-        valid = key_mask = None
-        standard_masks = attention_mask is None
         if attention_mask is not None and attention_mask.dim() == 2:
-            # cached + new tokens (a compiled step cannot read the cached count: it takes the mask's own length)
-            covered = attention_mask.shape[-1] if torch.compiler.is_compiling() else int(past) + length
-            attention_mask = keep_mask(attention_mask, batch, covered, inputs_embeds.device, "attention_mask")
-            valid = attention_mask[:, -length:]
-            standard_masks = True
-            key_mask = attention_mask
-        elif attention_mask is not None:
-            if attention_mask.dim() != 4:
-                raise ValueError(f"attention_mask must be a (batch, cached + new tokens) keep-mask or transformers' "
-                                 f"4-D mask, got shape {tuple(attention_mask.shape)}")
-            valid = new_token_validity(attention_mask, past, length)  # a token is real iff it may see itself
+            if attention_mask.shape[0] not in (1, batch) or attention_mask.is_complex():
+                raise ValueError(f"attention_mask must have shape ({batch}, cached + new tokens) (batch, key "
+                                 f"positions; 1 = attend), got {attention_mask.dtype} {tuple(attention_mask.shape)}")
+            attention_mask = attention_mask.to(inputs_embeds.device)
+        elif attention_mask is not None and attention_mask.dim() != 4:
+            raise ValueError(f"attention_mask must be a (batch, cached + new tokens) keep-mask or transformers' "
+                             f"4-D mask, got shape {tuple(attention_mask.shape)}")
+        # the step plan: positions, padding and the host facts every layer shares, checked with one host read
+        step = prepare_step(self, cache=cache, batch=batch, length=length, device=inputs_embeds.device,
+                            position_ids=position_ids, attention_mask=attention_mask,
+                            max_positions=("n_positions", self.config.n_positions))
+        if position_ids is None:
+            past = cache.get_seq_length() if cache is not None else 0
+            position_ids = (torch.arange(length, device=inputs_embeds.device) + past)[None]
+        if attention_mask is not None and attention_mask.dim() == 2:
+            attention_mask = attention_mask.bool().expand(batch, -1)
         hidden_states = inputs_embeds + self.wpe(position_ids)
         if token_type_ids is not None:
             hidden_states = hidden_states + self.wte(token_type_ids.view(-1, length))
@@ -321,8 +310,7 @@ class StructAttnGPT2Model(StructAttnGPT2PreTrainedModel):
             masks.update({kind: full for kind in kinds if kind != SLIDING_ATTENTION})
         if SLIDING_ATTENTION in kinds:
             masks[SLIDING_ATTENTION] = create_sliding_window_causal_mask(**mask_kwargs)
-        kwargs[STEP_KEY] = StructAttnStep(cache=cache, positions=position_ids.expand(batch, length), valid=valid,
-                                          standard_masks=standard_masks, key_mask=key_mask)
+        kwargs[STEP_KEY] = step
         layer_cache = cache if not (self.gradient_checkpointing and self.training) else None
         for block, kind in zip(self.h, self.config.layer_types):
             hidden_states = block(hidden_states, layer_cache, masks[kind], position_ids=position_ids, **kwargs)

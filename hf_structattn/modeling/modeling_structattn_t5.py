@@ -14,12 +14,12 @@ so a T5 checkpoint loads unchanged into a dense or MLR model. The same installat
 applies to Chronos-T5 and Chronos-Bolt models.
 """
 
+import dataclasses
 from typing import Optional
 
 import torch
 from torch import nn
-from transformers.cache_utils import DynamicCache, EncoderDecoderCache
-from transformers.utils.deprecation import deprecate_kwarg
+from transformers.cache_utils import DynamicCache, EncoderDecoderCache, StaticLayer
 from transformers.models.t5.modeling_t5 import (
     T5Attention,
     T5EncoderModel,
@@ -30,7 +30,8 @@ from transformers.models.t5.modeling_t5 import (
 
 from .configuration_structattn_t5 import StructAttnT5Config
 from .structattn_attention import install_mlr_attention, mlr_geometry_of
-from .structattn_cache import STEP_KEY, StructAttnStep, prepare_structattn_cache, self_attention_cache
+from .structattn_plan import STEP_KEY
+from .structattn_prepare import forward_with_step, prepare_step
 from .structattn_geometry import keep_mask, mask_value, softmax_dtype
 from .structattn_ops import fused_attention
 from .structattn_pretrained import StructAttnPreTrainedMixin
@@ -184,67 +185,61 @@ def install_t5_structured_attention(model: nn.Module, config) -> int:
 
 
 def _check_inputs(kwargs: dict) -> None:
-    """One-line errors for inputs T5 would misread: empty sequences, masks of the wrong length, and additive masks
-    (read as keep-masks they would be silently inverted). Keep-masks may be bool, integer or 0/1 float."""
-    for tokens_name, embeds_name, mask_name in (("input_ids", "inputs_embeds", "attention_mask"),
-                                                ("decoder_input_ids", "decoder_inputs_embeds",
-                                                 "decoder_attention_mask")):
+    """One-line errors for inputs T5 would misread: empty sequences and encoder masks of the wrong length or holding
+    values other than 0 and 1 (additive masks read as keep-masks would be silently inverted). Keep-masks may be
+    bool, integer or 0/1 float. The decoder's mask is checked by the step plan."""
+    for tokens_name, embeds_name in (("input_ids", "inputs_embeds"), ("decoder_input_ids", "decoder_inputs_embeds")):
         tokens = kwargs.get(tokens_name)
         tokens = kwargs.get(embeds_name) if tokens is None else tokens
-        if tokens is None:
-            continue
-        if tokens.dim() < 2 or tokens.shape[1] == 0:
+        if tokens is not None and (tokens.dim() < 2 or tokens.shape[1] == 0):
             raise ValueError(f"{tokens_name}: the input has sequence length 0 or no batch axis (shape "
                              f"{tuple(tokens.shape)}): pass at least one token as (B, T)")
-        mask = kwargs.get(mask_name)
-        if mask is None or mask.dim() != 2 or torch.compiler.is_compiling():
-            continue
-        length = tokens.shape[1]
-        if mask_name == "decoder_attention_mask":
-            cache = self_attention_cache(kwargs.get("cache"))
-            length += int(cache.get_seq_length()) if cache is not None else 0
-        keep_mask(mask, tokens.shape[0], length, name=mask_name)
+    tokens = kwargs.get("input_ids")
+    tokens = kwargs.get("inputs_embeds") if tokens is None else tokens
+    mask = kwargs.get("attention_mask")
+    if tokens is not None and mask is not None and mask.dim() == 2 and not torch.compiler.is_compiling():
+        keep_mask(mask, tokens.shape[0], tokens.shape[1], name="attention_mask")
 
 
-def _forward_with_step(base):
-    """``forward`` of a T5 model with a decoder: the base forward, after the decoder cache (built here the way
-    T5Stack builds it when caching and none is given) gets its MLR self-attention layers in hierarchical form, and
-    with the decoder tokens' padding in a ``StructAttnStep`` under the kwargs every attention call receives."""
-    import inspect
-
-    signature = inspect.signature(base.forward)
-    positional = [name for name, parameter in signature.parameters.items()
-                  if parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD)][1:]
-
-    def forward(self, *args, **kwargs):
-        kwargs.update(zip(positional, args))
-        _check_inputs(kwargs)
-        if not hasattr(self, "decoder"):
-            return base.forward(self, **kwargs)
-        cache = kwargs.get("cache")
-        use_cache = kwargs.get("use_cache")
-        use_cache = self.config.use_cache if use_cache is None else use_cache
-        if cache is None and use_cache:
-            decoder_config = self.decoder.config
-            cache = kwargs["cache"] = EncoderDecoderCache(DynamicCache(config=decoder_config),
-                                                          DynamicCache(config=decoder_config))
-        if cache is not None and not torch.compiler.is_compiling():
-            prepare_structattn_cache(cache, self.structattn_cache_geometries(),
-                                     num_layers=self.structattn_num_cache_layers())
-        decoder_mask = kwargs.get("decoder_attention_mask")
-        valid = None
-        if decoder_mask is not None and decoder_mask.dim() == 2:
-            past = self_attention_cache(cache).get_seq_length() if cache is not None else 0
-            valid = decoder_mask[:, past:].bool()
-        kwargs[STEP_KEY] = StructAttnStep(cache=self_attention_cache(cache), valid=valid,
-                                          standard_masks=decoder_mask is None or decoder_mask.dim() == 2)
-        return base.forward(self, **kwargs)
-
-    forward.__signature__ = signature
-    forward.__doc__ = base.forward.__doc__
-    if "cache" in signature.parameters:  # transformers' own renaming and FutureWarning for ``past_key_values``
-        forward = deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")(forward)
-    return forward
+def _prepare(self, kwargs: dict) -> dict:
+    """The keyword arguments of a T5 forward: the decoder cache built the way T5Stack builds it when caching and none
+    is given, and the decoder's step plan (``structattn_prepare.prepare_step``: its tokens' padding, positions
+    counting each row's real tokens) under ``STEP_KEY``, with the relative bias of its MLR self-attention over every
+    token index (T5 sizes the bias by the key length ``cache.update`` returns, which an MLR layer keeps to the
+    chunk)."""
+    _check_inputs(kwargs)
+    if not hasattr(self, "decoder"):
+        return kwargs
+    cache = kwargs.get("cache")
+    use_cache = kwargs.get("use_cache")
+    use_cache = self.config.use_cache if use_cache is None else use_cache
+    if cache is None and use_cache:
+        decoder_config = self.decoder.config
+        cache = kwargs["cache"] = EncoderDecoderCache(DynamicCache(config=decoder_config),
+                                                      DynamicCache(config=decoder_config))
+    labels = kwargs.get("labels")
+    if labels is not None and kwargs.get("decoder_input_ids") is None and kwargs.get("decoder_inputs_embeds") is None:
+        kwargs["decoder_input_ids"] = self._shift_right(labels)  # what T5 does, here before the plan needs them
+    tokens = kwargs.get("decoder_input_ids")
+    tokens = kwargs.get("decoder_inputs_embeds") if tokens is None else tokens
+    if tokens is None:
+        return kwargs
+    batch, length = tokens.shape[:2]
+    mask = kwargs.get("decoder_attention_mask")
+    step = prepare_step(self, cache=cache, batch=batch, length=length, device=tokens.device, attention_mask=mask,
+                        count_positions=True)
+    target = step.cache
+    attention = self.decoder.block[0].layer[0].SelfAttention
+    if target is not None and step.positions is not None and self.structattn_cache_geometries() and \
+            attention.has_relative_attention_bias:
+        layer = target.layers[0]
+        static = isinstance(layer, StaticLayer)
+        past = step.facts.tokens_before if step.facts is not None else target.get_seq_length()
+        keys = layer.max_cache_len if static else past + length
+        step = dataclasses.replace(step, position_bias=attention.compute_bias(length, keys, device=tokens.device,
+                                                                               past_seen_tokens=past))
+    kwargs[STEP_KEY] = step
+    return kwargs
 
 
 class StructAttnT5PreTrainedModel(StructAttnPreTrainedMixin, T5PreTrainedModel):
@@ -284,7 +279,7 @@ class StructAttnT5PreTrainedModel(StructAttnPreTrainedMixin, T5PreTrainedModel):
 class StructAttnT5Model(StructAttnT5PreTrainedModel, T5Model):
     """``transformers.T5Model`` with structured attention (same ``__init__``, forward, outputs and parameter names)."""
 
-    forward = _forward_with_step(T5Model)
+    forward = forward_with_step(T5Model, _prepare)
 
 
 class StructAttnT5ForConditionalGeneration(StructAttnT5PreTrainedModel, T5ForConditionalGeneration):
@@ -292,13 +287,13 @@ class StructAttnT5ForConditionalGeneration(StructAttnT5PreTrainedModel, T5ForCon
     (``EncoderDecoderCache(DynamicCache(config=...), ...)``, what ``generate`` and the decoder build) holds the
     hierarchical key cache in its MLR decoder self-attention layers."""
 
-    forward = _forward_with_step(T5ForConditionalGeneration)
+    forward = forward_with_step(T5ForConditionalGeneration, _prepare)
 
 
 class StructAttnT5EncoderModel(StructAttnT5PreTrainedModel, T5EncoderModel):
     """``transformers.T5EncoderModel`` with structured encoder self-attention."""
 
-    forward = _forward_with_step(T5EncoderModel)
+    forward = forward_with_step(T5EncoderModel, _prepare)
 
     def structattn_cache_geometries(self) -> dict:
         return {}

@@ -16,8 +16,13 @@ attn_implementation=...)`` behave as for any transformers model.
 Inputs the functions read besides q, k, v: the attention mask transformers built for the model's implementation (a
 4-D causal or bidirectional keep/additive mask, a 2-D key mask, or None), ``position_ids`` (B, T) when the model
 passes them (T5 does not: positions then count the real tokens of each row, ``cumsum(mask) - 1``), T5's
-``position_bias`` (added in every level), and the ``StructAttnStep`` that the model forward puts in the kwargs
-(``structattn_cache.STEP_KEY``): the self-attention cache and the new tokens' positions and padding.
+``position_bias`` (added in every level), and the ``MLRStep`` that the model forward puts in the kwargs
+(``structattn_plan.STEP_KEY``): the self-attention cache, the new tokens' positions and padding and the host facts
+every layer shares, so that no layer reads anything back from the device.
+
+Over an MLR cache layer the flow is explicit: ``cache.update`` returned the chunk's keys in level order (it stores
+nothing); ``layer.store(keys, values, step)`` writes them and returns the layer's read-only ``MLRCacheView``; one op,
+``structattn_mlr_decode.mlr_cached_attention(query, keys, view, step, geometry, scales, bias)``, reads it.
 """
 
 import warnings
@@ -29,11 +34,12 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .structattn_cache import MLR_CACHE_LAYERS, STEP_KEY, MLRStaticKeyCacheLayer, PendingChunk
+from .structattn_cache import MLR_CACHE_LAYERS, MLRStaticKeyCacheLayer
 from .structattn_decoder_spec import stock_layer_geometry
 from .structattn_geometry import MLRGeometry, mask_value, softmax_dtype
-from .structattn_mlr import mlr_attention
-from .structattn_mlr_decode import mlr_attention_full_keys, mlr_cached_chunk, mlr_decode_step
+from .structattn_mlr import PositionLayout, mlr_attention
+from .structattn_mlr_decode import mlr_attention_full_keys, mlr_cached_attention
+from .structattn_plan import STEP_KEY, continue_runs
 from .structattn_reference import mlr_scores_reference
 
 MLR_ATTENTION = "mlr"
@@ -226,7 +232,7 @@ def _checked_positions(positions: torch.Tensor, valid: Optional[torch.Tensor]) -
     a reset means packed sequences, which MLR's causal-by-position attention would mix across sequence boundaries
     (refused). A run of real tokens after padding that does not continue the row (transformers' positions for the
     tokens generated after a right-padded prompt repeat the prompt's last ones) continues right after the row's
-    previous real token, as the MLR cache places it (``MLRKeyCacheLayer._continue_rows_behind``, which warns), so that
+    previous real token, as the MLR cache places it (``structattn_plan.build_step``, which warns), so that
     uncached and cached generation agree; the model's position embeddings still see the given positions."""
     if positions.shape[1] < 2 or torch.compiler.is_compiling():
         return positions
@@ -243,14 +249,7 @@ def _checked_positions(positions: torch.Tensor, valid: Optional[torch.Tensor]) -
     before[:, 0] = torch.iinfo(positions.dtype).min
     if not bool((valid & (positions <= before)).any()):
         return positions
-    fixed = positions.clone()
-    for row in range(positions.shape[0]):  # rare (right-padded generation): a host loop over the row's real runs
-        newest = None
-        for index in valid[row].nonzero().flatten().tolist():
-            if newest is not None and int(fixed[row, index]) <= newest:
-                fixed[row, index:] += newest + 1 - int(fixed[row, index])
-            newest = int(fixed[row, index])
-    return fixed
+    return continue_runs(positions, valid)  # rare (right-padded generation)
 
 
 def _key_positions(query_positions: torch.Tensor, valid_queries: Optional[torch.Tensor], slots: int) -> torch.Tensor:
@@ -312,10 +311,10 @@ def _reorder(query: torch.Tensor, key: Optional[torch.Tensor], geometry: MLRGeom
 
 
 def _uncached(module, query, key, value, geometry, scales, positions, valid, bias, causal, eager, dropout=0.0,
-              allowed=None):
+              allowed=None, layout=None):
     """Uncached MLR (training, prefill, encoders): (B, Hq, T, r) queries, (B, Hk, T, r) keys in level order.
     ``allowed``: (B | 1, 1, T, T) bool, a caller's 4-D mask applied as given (instead of causality by position and
-    the padding flags ``valid``)."""
+    the padding flags ``valid``); ``layout``: the positions' ``PositionLayout`` from the step plan (None: read)."""
     key, value = key.to(query.dtype), value.to(query.dtype)  # a cache's pending keys may predate autocast's cast
     if allowed is not None:
         additive = _additive(allowed, softmax_dtype(query.dtype))
@@ -339,7 +338,7 @@ def _uncached(module, query, key, value, geometry, scales, positions, valid, bia
     if not eager:
         out = mlr_attention(query, key, value, ranks=geometry.ranks, block_sizes=geometry.block_sizes, causal=causal,
                             scales=list(scales), positions=positions, attention_mask=valid, bias=bias,
-                            average_levels=geometry.average_levels)
+                            average_levels=geometry.average_levels, layout=layout)
         return out, None
     scores = mlr_scores_reference(query, key, ranks=geometry.ranks, block_sizes=geometry.block_sizes,
                                   scales=list(scales), positions=positions, average_levels=geometry.average_levels)
@@ -383,122 +382,150 @@ def _token_weights(weights: torch.Tensor, valid_keys: Optional[torch.Tensor], fi
     return gathered * valid_keys[:, None, None, :]
 
 
-def _token_shift(pending: PendingChunk, tokens, base: int) -> torch.Tensor:
+def _token_shift(positions: torch.Tensor, valid: torch.Tensor, tokens, base: int) -> torch.Tensor:
     """(B,) token index of slot 0 of each row (slot ``s`` holds token ``s + shift``): token index minus position of
-    the chunk's real tokens (the chunk is the last c tokens), plus ``base``. Exact for rows whose cached real tokens
-    are consecutive and end right before the chunk (left padding, or none)."""
-    chunk = pending.positions.shape[1]
-    offset = (tokens - chunk + torch.arange(chunk, device=pending.positions.device))[None, :] - pending.positions
-    shift = torch.where(pending.valid, offset, torch.full_like(offset, torch.iinfo(offset.dtype).min)).amax(-1)
-    return torch.where(pending.valid.any(-1), shift, torch.zeros_like(shift)) + base
+    the chunk's real tokens (the chunk is the last c of ``tokens``), plus ``base``. Exact for rows whose cached real
+    tokens are consecutive and end right before the chunk (left padding, or none)."""
+    chunk = positions.shape[1]
+    offset = (tokens - chunk + torch.arange(chunk, device=positions.device))[None, :] - positions
+    shift = torch.where(valid, offset, torch.full_like(offset, torch.iinfo(offset.dtype).min)).amax(-1)
+    return torch.where(valid.any(-1), shift, torch.zeros_like(shift)) + base
 
 
-def _slot_mask(attention_mask: torch.Tensor, layer, pending: PendingChunk, slots: int, plans: Optional[dict]
-               ) -> Optional[torch.Tensor]:
+def _slot_mask(attention_mask: torch.Tensor, view, step, slots: int) -> Optional[torch.Tensor]:
     """A caller's 4-D mask (B | 1, 1, c, K) over the tokens (token order) read at the cache's slots: None when it
     is the causal + padding mask of what the cache holds (nothing to apply), else (B, 1, c, S) bool in slot order.
     A mask that allows a key the cache does not hold (a padding token, which is never stored, a future key, an
     empty slot) for a real query is refused. Computed once per forward (the layers of one geometry hold the same
-    positions)."""
-    key = ("slot mask", id(attention_mask), layer.base, slots)
-    if plans is not None and key in plans:
-        return plans[key]
+    positions; the comparison reads back from the device: only for a caller's own 4-D mask)."""
+    key = ("slot mask", id(attention_mask), view.base, slots)
+    mask = step.memoised(key, lambda: _make_slot_mask(attention_mask, view, step, slots))
+    return mask if isinstance(mask, torch.Tensor) else None
+
+
+def _make_slot_mask(attention_mask, view, step, slots: int):
     allowed = _allowed(attention_mask)
-    batch, chunk = pending.positions.shape
+    positions, valid = step.positions, step.real()
+    batch, chunk = positions.shape
     if allowed.shape[-2] != chunk:
         raise ValueError(MASK_REFUSED.format(what=f"mask of shape {tuple(attention_mask.shape)} for {chunk} new "
                                                   f"tokens"))
     key_length = allowed.shape[-1]
     allowed = allowed[:, :1].expand(batch, 1, chunk, key_length)
-    shift = _token_shift(pending, int(layer.get_seq_length()), layer.base)
+    shift = _token_shift(positions, valid, view.tokens, view.base)
     column = torch.arange(slots, device=allowed.device) + shift[:, None]  # (B, S): the token held in slot s
     inside = (column >= 0) & (column < key_length)
     index = column.clamp(min=0, max=key_length - 1)[:, None, None, :].expand(batch, 1, chunk, slots)
     gathered = allowed.gather(-1, index) & inside[:, None, None, :]
-    slot_positions = torch.arange(slots, device=allowed.device) + layer.base
-    held = (slot_positions >= layer.first_positions[:, None, None]) & \
-        (slot_positions <= pending.positions[:, :, None])  # (B, c, S): written, real, not in the future
+    slot_positions = torch.arange(slots, device=allowed.device) + view.base
+    held = (slot_positions >= view.first_positions[:, None, None]) & \
+        (slot_positions <= positions[:, :, None])  # (B, c, S): written, real, not in the future
     held = held[:, None]
-    real = pending.valid[:, None, :, None]
+    real = valid[:, None, :, None]
     outside = (allowed.sum(-1, keepdim=True) != (gathered & held).sum(-1, keepdim=True)) & real
     if bool(outside.any()):
         row, _, query_index, _ = outside.nonzero()[0].tolist()
         raise ValueError(MASK_REFUSED.format(what=f"row {row}, new token {query_index}"))
-    result = None if bool(((gathered == held) | ~real).all()) else gathered & held
-    if plans is not None:
-        plans[key] = result
-    return result
+    return False if bool(((gathered == held) | ~real).all()) else gathered & held
 
 
-def _cached(module, query, layer, pending: PendingChunk, geometry, scales, bias, attention_mask, eager,
-            plans: Optional[dict] = None, standard_masks: bool = True):
-    """Queries of the tokens the layer's last update stored, against everything it holds. query (B, Hq, c, r) level
-    order. Returns (output (B, c, Hq, dv) contiguous, as attention functions return it; probabilities in token order
-    or None). Unless ``standard_masks``, a 4-D ``attention_mask`` is compared with the causal + padding mask of what
-    the cache holds and, where it differs, applied over the slots (``_slot_mask``)."""
+def _cached(query, chunk_keys, view, step, geometry, scales, bias, attention_mask, eager):
+    """Queries of the tokens ``view``'s layer just stored, against everything it holds. query (B, Hq, c, r) level
+    order; chunk_keys (B, Hk, c, r) level order. Returns (output (B, c, Hq, dv) contiguous, as attention functions
+    return it; probabilities in token order or None). Unless the step's masks are standard, a 4-D
+    ``attention_mask`` is compared with the causal + padding mask of what the cache holds and, where it differs,
+    applied over the slots (``_slot_mask``)."""
     batch, q_heads, chunk, width = query.shape
-    kv_heads = layer.keys.shape[1]
+    kv_heads = view.keys.shape[1]
     groups = q_heads // kv_heads
-    slots = layer.keys.shape[2]
-    base = layer.base
-    tokens = layer.get_seq_length()
+    slots = view.keys.shape[2]
     rows = query.reshape(batch, kv_heads, groups * chunk, width)  # group-major: row g*c + i
-    custom = not standard_masks and attention_mask is not None and attention_mask.dim() == 4 and \
+    custom = not step.standard_masks and attention_mask is not None and attention_mask.dim() == 4 and \
         not torch.compiler.is_compiling()
-    if chunk == 1 and not eager:
-        shift = (tokens - 1) - layer.last_positions + base if bias is not None else None
-        # one plan per forward, shared by its layers (they hold the same positions); keyed by plain tuples, which
-        # torch.compile can trace (so a compiled step computes it once too)
-        key = ("decode read", geometry.ranks, geometry.block_sizes, geometry.average_levels, base,
-               layer.keys_storage().shape[2], tuple(layer.ring_widths))
-        plan = None if plans is None else plans.setdefault(key + (pending.slots_in_use,), {})
-        # the whole storages (slots past the newest are masked; a compiled step keeps fixed shapes), or in an eager
-        # step the slots up to the newest position (a narrowed view along the slot axis: the step's 3-D matmuls read
-        # it in place)
-        keys, values = layer.keys_storage(), layer.values_storage()
-        if pending.slots_in_use is not None:
-            slots = pending.slots_in_use
-            keys, values = keys.narrow(2, 0, slots), values.narrow(2, 0, slots)
+    slot_bias = None
+    if bias is not None:
+        shift = _token_shift(step.positions, step.real(), view.tokens, view.base)
         slot_bias = _slot_bias(bias, shift, slots)
-        if slot_bias is not None and slot_bias.shape[-1] < keys.shape[2]:
-            slot_bias = F.pad(slot_bias, (0, keys.shape[2] - slot_bias.shape[-1]))
-        mask = _slot_mask(attention_mask, layer, pending, keys.shape[2], plans) if custom else None
-        if mask is not None:
-            additive = _additive(mask, softmax_dtype(rows.dtype))
-            slot_bias = additive if slot_bias is None else slot_bias + additive
-        known = None if pending.shared_newest is None else (pending.shared_newest, pending.latest_first)
-        out = mlr_decode_step(rows, keys, values, layer.fine_storage, layer.ring_widths, geometry, scales,
-                              layer.last_positions, layer.first_positions, base, bias=slot_bias, plan=plan,
-                              known_positions=known)
-        # (B, Hk, g, dv) holds the heads of the one new token in order: it is the (B, 1, Hq, dv) output already
-        return out.view(batch, 1, q_heads, -1), None
-    query_positions = pending.positions.repeat(1, groups)  # (B, g*c)
-    rings_before = layer._fine_views(pending.rings_before, layer._capacity()) if pending.rings_before is not None \
-        else layer.rings
-    # token index minus position of the chunk's real tokens, per row (the chunk is the last c)
-    shift = _token_shift(pending, tokens, base) if bias is not None else None
-    slot_bias = _slot_bias(bias, shift, slots) if bias is not None else None
-    mask = _slot_mask(attention_mask, layer, pending, slots, plans) if custom else None
+        if slot_bias.shape[-1] < slots:
+            slot_bias = F.pad(slot_bias, (0, slots - slot_bias.shape[-1]))
+    mask = _slot_mask(attention_mask, view, step, slots) if custom else None
     if mask is not None:
         additive = _additive(mask, softmax_dtype(rows.dtype)).repeat(1, 1, groups, 1)  # rows are group-major
         slot_bias = additive if slot_bias is None else slot_bias + additive
-    out = mlr_cached_chunk(rows, layer.keys, layer.values, rings_before, pending.keys, geometry, scales,
-                           query_positions, pending.positions, pending.valid, pending.last_before,
-                           layer.first_positions, base, bias=slot_bias, return_weights=eager)
+    out = mlr_cached_attention(rows, chunk_keys, view, step, geometry, scales, bias=slot_bias, return_weights=eager)
     out, weights = out if eager else (out, None)
-    out = out.reshape(batch, q_heads, chunk, -1).transpose(1, 2).contiguous()
+    if chunk == 1:  # (B, Hk, g, dv) holds the heads of the one new token in order: the (B, 1, Hq, dv) output
+        out = out.reshape(batch, 1, q_heads, -1)
+    else:
+        out = out.reshape(batch, q_heads, chunk, -1).transpose(1, 2).contiguous()
     if weights is not None:
+        tokens = view.tokens
         key_length = attention_mask.shape[-1] if attention_mask is not None else int(tokens)
         weights = weights.reshape(batch, q_heads, chunk, slots)
         if mask is not None:  # the caller's mask: token k of a row sits in slot k - shift
-            column = torch.arange(key_length, device=weights.device) - _token_shift(pending, tokens, base)[:, None]
+            shift = _token_shift(step.positions, step.real(), tokens, view.base)
+            column = torch.arange(key_length, device=weights.device) - shift[:, None]
             inside = (column >= 0) & (column < slots)
             index = column.clamp(min=0, max=slots - 1)[:, None, None, :].expand(batch, q_heads, chunk, key_length)
             weights = (weights.gather(-1, index) * inside[:, None, None, :]).to(query.dtype)
         else:
             valid_keys = key_validity(attention_mask, batch, key_length)
-            weights = _token_weights(weights, valid_keys, layer.first_positions, base, key_length).to(query.dtype)
+            weights = _token_weights(weights, valid_keys, view.first_positions, view.base, key_length).to(query.dtype)
     return out, weights
+
+
+def _standard(step, attention_mask, valid, causal: bool, length: int, offset: int) -> bool:
+    """``_is_standard_mask`` once per forward and mask (the comparison reads back from the device: only for a
+    caller's own 4-D mask), or without a step plan per call."""
+    if step is None:
+        return _is_standard_mask(attention_mask, valid, causal, length, query_offset=offset)
+    if step.standard_masks or attention_mask is None or attention_mask.dim() != 4:
+        return True
+    return step.memoised(("standard mask", id(attention_mask), causal, length, offset),
+                         lambda: _is_standard_mask(attention_mask, valid, causal, length, query_offset=offset))
+
+
+def _layout(step) -> Optional[PositionLayout]:
+    facts = None if step is None else step.facts
+    if facts is None:
+        return None
+    return PositionLayout(facts.contiguous, facts.uniform_offset, facts.lowest, facts.highest)
+
+
+def _over_mlr_cache(module, query, key, value, attention_mask, layer, step, geometry, scales, bias, causal, eager):
+    """An MLR cache layer: store the chunk (``key``, ``value``: what ``update`` returned, level-order keys), then
+    attend over the layer's view -- the cache when it held tokens before, else only the chunk (prefill)."""
+    length = query.shape[2]
+    view = layer.store(key, value, step)
+    query, _ = _reorder(query, None, geometry)
+    if step.position_bias is not None:  # T5: the bias over every token index, made once per forward by the model
+        bias = step.position_bias
+    if view.held:
+        return _cached(query, key, view, step, geometry, scales, bias, attention_mask, eager)
+    if bias is not None and bias.shape[-1] > length:  # T5's bias over a static cache's slots: the chunk's first
+        bias = bias[..., :length]
+    batch = query.shape[0]
+    valid = step.valid
+    allowed = None
+    if not step.standard_masks and attention_mask is not None and attention_mask.dim() == 4 and \
+            not _standard(step, attention_mask, key_validity(attention_mask, batch, attention_mask.shape[-1]),
+                          causal, length, 0):
+        # the caller's 4-D mask over the chunk's own keys (a static cache's empty slots after them)
+        allowed = _allowed(attention_mask)
+        if bool((allowed[..., length:].any(-1) & step.real()[:, None, :]).any()):
+            raise ValueError(MASK_REFUSED.format(what="an empty slot of the static cache"))
+        allowed = allowed[..., :length]
+    facts = step.facts
+    if facts is not None and facts.all_real:
+        valid = None
+    elif facts is None and valid is not None and not torch.compiler.is_compiling() and bool(valid.all()):
+        valid = None
+    out, weights = _uncached(module, query, key, value, geometry, scales, step.positions, valid, bias, causal, eager,
+                             allowed=allowed, layout=_layout(step))
+    if weights is not None and isinstance(layer, MLRStaticKeyCacheLayer) and layer.max_cache_len > length:
+        # as transformers' static layers: a prefill's maps span the cache's slots (the chunk's tokens first)
+        weights = F.pad(weights, (0, layer.max_cache_len - weights.shape[-1]))
+    return out.transpose(1, 2).contiguous(), weights
 
 
 def _forward(module, query, key, value, attention_mask, scaling, dropout, eager, kwargs):
@@ -516,57 +543,47 @@ def _forward(module, query, key, value, attention_mask, scaling, dropout, eager,
     bias = kwargs.get("position_bias")
     batch, _, length, _ = query.shape
     step = kwargs.get(STEP_KEY)
-    layer = step.layer(getattr(module, "layer_idx", None)) if step is not None and \
-        getattr(module, "is_decoder", True) and causal else None
-    if isinstance(layer, MLR_CACHE_LAYERS) and layer.is_bound and layer.pending is not None:
-        pending, layer.pending = layer.pending, None
-        query, _ = _reorder(query, None, geometry)
-        if pending.had_past:
-            return _cached(module, query, layer, pending, geometry, scales, bias, attention_mask, eager, step.plans,
-                           step.standard_masks)
-        if bias is not None and bias.shape[-1] > length:  # T5's bias over a static cache's slots: the chunk's first
-            bias = bias[..., :length]
-        allowed = None
-        if not step.standard_masks and attention_mask is not None and attention_mask.dim() == 4 and \
-                not _is_standard_mask(attention_mask, key_validity(attention_mask, batch, attention_mask.shape[-1]),
-                                      causal, length, query_offset=0):
-            # the caller's 4-D mask over the chunk's own keys (a static cache's empty slots after them)
-            allowed = _allowed(attention_mask)
-            if bool((allowed[..., length:].any(-1) & pending.valid[:, None, :]).any()):
-                raise ValueError(MASK_REFUSED.format(what="an empty slot of the static cache"))
-            allowed = allowed[..., :length]
-        out, weights = _uncached(module, query, pending.keys, pending.values, geometry, scales, pending.positions,
-                                 None if bool(pending.valid.all()) else pending.valid, bias, causal, eager,
-                                 allowed=allowed)
-        if weights is not None and isinstance(layer, MLRStaticKeyCacheLayer) and layer.max_cache_len > length:
-            # as transformers' static layers: a prefill's maps span the cache's slots (the chunk's tokens first)
-            weights = F.pad(weights, (0, layer.max_cache_len - weights.shape[-1]))
-        return out.transpose(1, 2).contiguous(), weights
+    if not (getattr(module, "is_decoder", True) and causal):
+        step = None  # the plan describes the decoder's self-attention tokens, not T5's encoder or cross-attention
+    layer = step.layer(getattr(module, "layer_idx", None)) if step is not None else None
+    if isinstance(layer, MLR_CACHE_LAYERS) and layer.is_bound:
+        return _over_mlr_cache(module, query, key, value, attention_mask, layer, step, geometry, scales, bias, causal,
+                               eager)
     # no cache, or an ordinary transformers cache layer: full-width keys in token order; a static layer's buffer holds
     # the written tokens first, then empty slots
     key_length = key.shape[2]
     written = key_length
+    facts = None if step is None else step.facts
     if layer is not None and key_length != length:
-        written = layer.get_seq_length()
-        written = written if torch.compiler.is_compiling() else int(written)
-    valid_keys = key_validity(attention_mask, batch, key_length)
+        if facts is not None:
+            written = facts.tokens_before + length
+        else:
+            written = layer.get_seq_length()
+            written = written if torch.compiler.is_compiling() else int(written)
+    if step is not None and step.positions is not None and key_length == length:
+        valid_keys = step.valid  # the plan's padding flags of the new tokens: here every key
+    else:
+        valid_keys = key_validity(attention_mask, batch, key_length)
     allowed = None
-    if not _is_standard_mask(attention_mask, valid_keys, causal, length, query_offset=written - length):
+    if not _standard(step, attention_mask, valid_keys, causal, length, written - length):
         # the caller's own 4-D mask (a window, a bidirectional or block overlay, a hidden pair): applied as given,
         # blocks from the positions; a token is real iff it may see itself
         allowed = _allowed(attention_mask)
         own = _own_key_allowed(allowed, written - length).expand(batch, length)
         valid_keys = own if key_length == length else None
     query, key = _reorder(query, key, geometry)
-    if step is not None and step.positions is not None and kwargs.get("position_ids") is None:
-        kwargs = dict(kwargs, position_ids=step.positions)
-    positions = _query_positions(kwargs, None if valid_keys is None else valid_keys[:, :written], batch, length,
-                                 written, query.device)
     valid_queries = None if valid_keys is None else valid_keys[:, written - length:written]
-    positions = _checked_positions(positions, valid_queries if allowed is None else own)
+    if step is not None and step.positions is not None:
+        positions = step.positions
+    else:
+        positions = _query_positions(kwargs, None if valid_keys is None else valid_keys[:, :written], batch, length,
+                                     written, query.device)
+        positions = _checked_positions(positions, valid_queries if allowed is None else own)
     if key_length == length:
+        if facts is not None and facts.all_real and allowed is None:
+            valid_queries = None
         out, weights = _uncached(module, query, key, value, geometry, scales, positions, valid_queries, bias, causal,
-                                 eager, dropout, allowed=allowed)
+                                 eager, dropout, allowed=allowed, layout=_layout(step) if allowed is None else None)
         return out.transpose(1, 2).contiguous(), weights
     if not causal:
         raise ValueError("MLR attention with cached keys is implemented for causal self-attention only")

@@ -15,20 +15,18 @@ attention is MLR in the layers their config names. Part of the checkpoint payloa
 
 ``MLR<Arch>ForCausalLM`` is the transformers class with MLR installed the way every family installs it
 (``structattn_attention.install_mlr_attention`` on the attention module of each MLR layer, in ``post_init``) and a
-``forward`` that hands the MLR cache layers and attention calls what they need (``StructAttnStep``). Both classes
+``forward`` that hands the MLR cache layers and attention calls what they need (the step plan, ``MLRStep``). Both classes
 are built on first use by the module ``__getattr__`` from the transformers class of the same name (this is how
 ``trust_remote_code`` finds the names in ``config.auto_map``), so one payload file serves every architecture and
 importing it builds nothing.
 """
 
-import inspect
 import os
 from typing import Optional
 
 import torch
 import transformers
 from transformers.cache_utils import DynamicCache
-from transformers.utils.deprecation import deprecate_kwarg
 
 from .structattn_decoder_spec import (  # noqa: F401  (the decoder spec, re-exported for the patcher and flops)
     attention_modules,
@@ -40,7 +38,7 @@ from .structattn_decoder_spec import (  # noqa: F401  (the decoder spec, re-expo
     rotary_pair_order,
     stock_layer_geometry,
 )
-from .structattn_geometry import announce_config, check_positions, keep_mask
+from .structattn_geometry import announce_config, check_positions
 
 MODEL_TYPE_PREFIX = "mlr_"
 CLASS_PREFIX = "MLR"
@@ -84,12 +82,11 @@ def _num_cache_layers(self) -> int:
     return self.config.get_text_config(decoder=True).num_hidden_layers
 
 
-def _check_inputs(kwargs: dict, tokens: torch.Tensor, past) -> None:
+def _check_inputs(kwargs: dict, tokens: torch.Tensor) -> None:
     """One-line errors naming the argument for inputs the attention would misread or fail on with a raw error:
     empty inputs (no token, or a batch of 0), token ids that are not integers, ``position_ids`` of the wrong shape
-    or dtype, attention masks of the wrong size, and additive 2-D masks (read as keep-masks they would be silently
-    inverted; transformers' 4-D masks may be additive). Shapes only, except for a floating 2-D mask, whose values
-    are read (a host read: an integer or bool mask, what tokenizers and ``generate`` pass, costs nothing)."""
+    or dtype and attention masks of the wrong shape. Shapes only: the values (a 2-D mask holding values other than 0
+    and 1, its length against the cache's) are checked by the step plan with its one host read."""
     name = "input_ids" if kwargs.get("input_ids") is not None else "inputs_embeds"
     if name == "input_ids" and (tokens.dim() != 2 or tokens.dtype.is_floating_point or tokens.dtype == torch.bool):
         raise ValueError(f"input_ids must be an integer tensor of shape (batch, length), got {tokens.dtype} "
@@ -109,75 +106,48 @@ def _check_inputs(kwargs: dict, tokens: torch.Tensor, past) -> None:
         return
     if not isinstance(mask, torch.Tensor):
         raise ValueError(f"attention_mask must be a tensor, got {type(mask).__name__}")
-    covered = int(past) + length
     if mask.dim() == 2:
-        if mask.is_floating_point():
-            keep_mask(mask, batch, covered, name="attention_mask")
-        elif mask.shape[0] not in (1, batch) or mask.shape[1] != covered:
-            raise ValueError(f"attention_mask must have shape ({batch}, {covered}) (batch, cached + new tokens; 1 = "
-                             f"attend), got {tuple(mask.shape)}")
+        if mask.shape[0] not in (1, batch) or mask.is_complex():
+            raise ValueError(f"attention_mask must have shape ({batch}, cached + new tokens) (batch, cached + new "
+                             f"tokens; 1 = attend), got {mask.dtype} {tuple(mask.shape)}")
     elif mask.dim() == 4:
-        if mask.shape[0] not in (1, batch) or mask.shape[2] != length or mask.shape[3] < covered:
-            raise ValueError(f"a 4-D attention_mask must have shape ({batch}, 1, {length}, >= {covered}) (batch, 1, "
-                             f"new tokens, cached + new tokens), got {tuple(mask.shape)}")
+        if mask.shape[0] not in (1, batch) or mask.shape[2] != length:
+            raise ValueError(f"a 4-D attention_mask must have shape ({batch}, 1, {length}, >= cached + new tokens) "
+                             f"(batch, 1, new tokens, cached + new tokens), got {tuple(mask.shape)}")
     else:
         raise ValueError(f"attention_mask must be a (batch, cached + new tokens) keep-mask or transformers' 4-D "
                          f"mask, got shape {tuple(mask.shape)}")
 
 
-def _forward_of(base):
-    """``forward`` of ``MLR<base>``: the base forward, after the cache it will write gets its MLR layers in
-    hierarchical form (a ``DynamicCache(config=...)`` built here when caching and none is given) and with the new
-    tokens' positions and padding in a ``StructAttnStep`` under the kwargs every attention call receives. It keeps
-    the base signature (``generate`` reads it to decide what to pass)."""
-    from .structattn_cache import (
-        STEP_KEY,
-        StructAttnStep,
-        new_token_validity,
-        prepare_structattn_cache,
-        self_attention_cache,
-    )
+def _prepare(self, kwargs: dict) -> dict:
+    """The keyword arguments of an ``MLR<Arch>`` forward: a ``DynamicCache(config=...)`` when caching and none is
+    given, and the step plan (``structattn_prepare.prepare_step``) under ``STEP_KEY``."""
+    from .structattn_prepare import STEP_KEY, prepare_step  # the modeling half is imported on first use only
 
-    signature = inspect.signature(base.forward)
-    positional = [name for name, parameter in signature.parameters.items()
-                  if parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD)][1:]
+    tokens = kwargs.get("input_ids")
+    tokens = kwargs.get("inputs_embeds") if tokens is None else tokens
+    config = self.config.get_text_config(decoder=True)
+    cache = kwargs.get("cache")
+    use_cache = kwargs.get("use_cache")
+    use_cache = config.use_cache if use_cache is None else use_cache
+    if cache is None and use_cache and tokens is not None:
+        cache = kwargs["cache"] = DynamicCache(config=config)
+    if tokens is None:
+        return kwargs
+    if not torch.compiler.is_compiling():
+        _check_inputs(kwargs, tokens)
+    batch, length = tokens.shape[:2]
+    mask = kwargs.get("attention_mask")
+    step = prepare_step(self, cache=cache, batch=batch, length=length, device=tokens.device,
+                        position_ids=kwargs.get("position_ids"), attention_mask=mask)
+    kwargs[STEP_KEY] = step
+    return kwargs
 
-    def forward(self, *args, **kwargs):
-        kwargs.update(zip(positional, args))
-        tokens = kwargs.get("input_ids")
-        tokens = kwargs.get("inputs_embeds") if tokens is None else tokens
-        config = self.config.get_text_config(decoder=True)
-        cache = kwargs.get("cache")
-        use_cache = kwargs.get("use_cache")
-        use_cache = config.use_cache if use_cache is None else use_cache
-        if cache is None and use_cache and tokens is not None:
-            cache = kwargs["cache"] = DynamicCache(config=config)
-        if cache is not None and not torch.compiler.is_compiling():
-            prepare_structattn_cache(cache, _cache_geometries(self), num_layers=config.num_hidden_layers)
-        if tokens is not None:
-            past = cache.get_seq_length() if cache is not None else 0
-            if not torch.compiler.is_compiling():
-                _check_inputs(kwargs, tokens, past)
-            batch, length = tokens.shape[:2]
-            positions = kwargs.get("position_ids")
-            if positions is None:
-                positions = torch.arange(length, device=tokens.device)[None] + past
-            elif positions.dim() == 2:
-                positions = positions.expand(batch, length)
-            mask = kwargs.get("attention_mask")
-            standard = mask is None or (isinstance(mask, torch.Tensor) and mask.dim() == 2)
-            valid = new_token_validity(mask, past, length) if isinstance(mask, torch.Tensor) else None
-            kwargs[STEP_KEY] = StructAttnStep(cache=self_attention_cache(cache), positions=positions
-                                              if positions.dim() == 2 else None, valid=valid,
-                                              standard_masks=standard, key_mask=mask if standard else None)
-        return base.forward(self, **kwargs)
 
-    forward.__signature__ = signature
-    forward.__doc__ = base.forward.__doc__
-    if "cache" in signature.parameters:  # transformers' own renaming and FutureWarning for ``past_key_values``
-        forward = deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")(forward)
-    forward.__name__ = "forward"
-    return forward
+def _forward_with_step(base):
+    from .structattn_prepare import forward_with_step
+
+    return forward_with_step(base, _prepare)
 
 
 def _save_pretrained(self, save_directory, *args, **kwargs):
@@ -252,7 +222,7 @@ def mlr_model_class(base, auto_class: str = "AutoModelForCausalLM"):
             "__module__": __name__,
             "config_class": mlr_config_class(base.config_class),
             "post_init": _post_init,
-            "forward": _forward_of(base),
+            "forward": _forward_with_step(base),
             "save_pretrained": _save_pretrained,
             "structattn_cache_geometries": _cache_geometries,
             "structattn_num_cache_layers": _num_cache_layers,

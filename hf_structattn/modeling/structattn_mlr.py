@@ -16,6 +16,7 @@ levels every token pair shares, lays the tokens out on a canonical range whose b
     positions that are not contiguous within a row (packed sequences).
 """
 
+from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 import torch
@@ -61,11 +62,28 @@ def _row_offsets(positions: torch.Tensor, valid: torch.Tensor):
     return torch.where(has_tokens, low, torch.zeros_like(low))
 
 
-def _without_leading_padding(q, k, v, skip: int, *, positions, attention_mask, bias, **kwargs) -> torch.Tensor:
+@dataclass(frozen=True)
+class PositionLayout:
+    """What ``mlr_attention`` needs to know about its positions on the host, when the caller knows it already (the
+    model's step plan reads it once per forward for every layer): contiguous: every row's real positions are its
+    indices plus a per-row offset; uniform_offset: that offset when every row shares it, else None; lowest /
+    highest: the lowest / highest real position. With a layout, ``mlr_attention`` reads nothing back from the
+    device (the caller has checked that real positions are non-negative)."""
+
+    contiguous: bool
+    uniform_offset: Optional[int]
+    lowest: int
+    highest: int
+
+
+def _without_leading_padding(q, k, v, skip: int, *, positions, attention_mask, bias, layout=None,
+                             **kwargs) -> torch.Tensor:
     """``mlr_attention`` of the tokens from index ``skip`` on, zeros for the ``skip`` leading ones, which must be
     padding (their positions are negative)."""
     length = q.shape[2]
-    if attention_mask is None or skip >= length or bool(attention_mask[:, :skip].any()):
+    if layout is not None:  # the caller checked that no real position is negative
+        layout = PositionLayout(True, 0, layout.lowest, layout.highest)
+    elif attention_mask is None or skip >= length or bool(attention_mask[:, :skip].any()):
         lowest = int(positions.min())
         raise ValueError(f"positions must be non-negative for MLR attention (blocks are aligned to position 0), "
                          f"got {lowest} for a real token")
@@ -74,7 +92,7 @@ def _without_leading_padding(q, k, v, skip: int, *, positions, attention_mask, b
         bias = bias[..., skip:, :] if bias.shape[-2] == length else bias
         bias = bias[..., skip:] if bias.shape[-1] == length else bias
     out = mlr_attention(q[:, :, skip:], k[:, :, skip:], v[:, :, skip:], positions=positions[:, skip:],
-                        attention_mask=attention_mask[:, skip:], bias=bias, **kwargs)
+                        attention_mask=attention_mask[:, skip:], bias=bias, layout=layout, **kwargs)
     return F.pad(out, (0, 0, skip, 0))
 
 
@@ -82,7 +100,8 @@ def mlr_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ranks: S
                   block_sizes: Sequence[int], causal: bool = True,
                   scales: Union[None, str, float, Sequence[float]] = None, positions: Optional[torch.Tensor] = None,
                   attention_mask: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
-                  average_levels: bool = False, implementation: str = "auto") -> torch.Tensor:
+                  average_levels: bool = False, implementation: str = "auto",
+                  layout: Optional[PositionLayout] = None) -> torch.Tensor:
     """Exact multi-level low-rank attention (paper §3.4); the fused and Triton paths never materialise the
     T x T scores.
 
@@ -103,6 +122,8 @@ def mlr_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ranks: S
             additive mask), added in every level group.
         average_levels: divide each score by the number of levels the pair shares.
         implementation: "auto", "fused" (CPU), "math", "triton" (CUDA) or "reference" (naive, for tests).
+        layout: a ``PositionLayout`` of ``positions`` and ``attention_mask`` the caller read already (a model's
+            layers share one per forward), so that nothing is read back from the device; None: read here.
 
     Returns:
         (B, H, T, dv) in the inputs' dtype (float16, bfloat16, float32 or float64; the softmax and the level merge
@@ -122,23 +143,30 @@ def mlr_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ranks: S
     if implementation == "reference":
         return mlr_attention_reference(q, k, v, **common)
 
-    offsets, uniform = None, True
-    if positions is not None:
+    base_offset, uniform, span = 0, True, None
+    if positions is not None and layout is not None:
+        if not layout.contiguous:
+            return mlr_attention_reference(q, k, v, **common)
+        uniform = layout.uniform_offset is not None
+        base_offset = layout.uniform_offset if uniform else 0
+        span = (layout.lowest, layout.highest)
+    elif positions is not None:
         offsets = _row_offsets(positions, valid if valid is not None else torch.ones_like(positions, dtype=torch.bool))
         if offsets is None:  # non-contiguous positions (e.g. packed sequences): only the naive path is exact
             return mlr_attention_reference(q, k, v, **common)
         uniform = bool((offsets == offsets[0]).all())
-        if uniform and int(offsets[0]) < 0:
+        base_offset = int(offsets[0])
+    if positions is not None:
+        if uniform and base_offset < 0:
             # every row's real tokens start at index -offset or later: the indices before are padding at negative
             # positions (uniform left padding); run on the rest and give the padding rows zeros
-            return _without_leading_padding(q, k, v, -int(offsets[0]), implementation=implementation, **common)
+            return _without_leading_padding(q, k, v, -base_offset, implementation=implementation, layout=layout,
+                                            **common)
         if not uniform and valid is None:
             # per-row offsets go through the canonical scatter, which marks real tokens with the mask
             valid = torch.ones(batch, length, dtype=torch.bool, device=q.device)
-
-    base_offset = 0 if offsets is None else int(offsets[0])
     first_depth, base, canonical_length = _canonical_span(positions, valid, base_offset if uniform else None,
-                                                          length, block_sizes, len(ranks))
+                                                          length, block_sizes, len(ranks), span)
     backend = _pick_backend(implementation, q, bias)
     if backend == "math" and uniform:
         # materialised scores need no canonical padding: partial blocks at the ends are handled directly
@@ -160,13 +188,16 @@ def mlr_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ranks: S
 
 
 def _canonical_span(positions: Optional[torch.Tensor], valid: Optional[torch.Tensor], uniform_offset: Optional[int],
-                    length: int, block_sizes: Sequence[int], num_levels: int) -> tuple[int, int, int]:
+                    length: int, block_sizes: Sequence[int], num_levels: int,
+                    span: Optional[tuple] = None) -> tuple[int, int, int]:
     """(first_depth, base, canonical_length): the deepest level every pair of real tokens shares (1 = only the global
     level), and the block-aligned range of positions [base, base + canonical_length) the backends run on.
     ``uniform_offset``: the shared offset of every row's positions, or None when rows differ (then read from
-    ``positions`` and ``valid``, (B, T))."""
+    ``positions`` and ``valid``, (B, T), unless ``span`` gives the lowest and highest real position)."""
     if uniform_offset is not None:
         low, high = uniform_offset, uniform_offset + length - 1
+    elif span is not None:
+        low, high = span
     else:
         token_positions = positions.masked_fill(~valid, -1) if valid is not None else positions
         high = int(token_positions.max())

@@ -1,5 +1,6 @@
-"""Cached MLR attention: new queries against the hierarchical key cache (decode steps and chunks), and against the
-full-width keys of an ordinary transformers cache. The op-package side of ``structattn_cache`` (which only stores).
+"""Cached MLR attention: the queries of one forward against the hierarchical key cache (decode steps and chunks), and
+against the full-width keys of an ordinary transformers cache. The op-package side of ``structattn_cache`` (which only
+stores).
 
 Slot layout (see ``structattn_cache``): position ``p`` of a row lives in slot ``p - base``; ``keys`` hold the
 level-1 dims of every slot, ring l holds the level-l dims of position ``p`` at entry ``(p - base) % b_l`` (stored
@@ -7,20 +8,28 @@ dim-major in the flat fine storage); a row's real positions are ``[first, last]`
 and a key at position ``p``: ``sum over levels l shared by (q, p) of alpha_l <q_l, k_l>`` (optionally divided by the
 number of shared levels), the executable spec being ``structattn_reference.mlr_attention_reference``.
 
-* ``mlr_decode_step``: one query position per row (the newest token). Level-1 scores over every slot in one matmul;
-  each finer level scores its ring and adds it onto the slots of the query's current level-l block, where slot
-  ``s`` holds entry ``s % b_l``. When every row's block starts at the same slot (no padding, or padding that keeps
-  rows in step) that is one contiguous ``add_`` per level; while ``torch.compile`` traces, the entry scores are
-  tiled over the slot axis and kept on the row's current block (pointwise work with affine indices, which inductor
-  fuses with the mask into one pass of vector loads; the matmuls stay library calls); otherwise (eager, rows in
-  different blocks) each ring's entry scores are one matmul and all levels are scattered onto their slots at once.
-* ``mlr_cached_chunk``: several new queries per row (chunked prefill, speculative verification): materialised scores
-  over every slot; fine-level scores of the rings as they were before the chunk and of the chunk's own keys are
-  scattered onto their slots with their same-block weights.
-* ``mlr_attention_full_keys``: an ordinary cache holding full-width keys in token order (no positions stored): the
-  cached real tokens are taken as consecutive positions ending just before each row's first new token.
+``mlr_cached_attention(query, chunk_keys, view, step, geometry, scales, bias)`` is the one op over the cache: it
+takes the layer's read-only ``MLRCacheView`` and the forward's ``MLRStep`` and plans (typed, memoised on the step,
+so the layers of one geometry share them):
+
+* one new token per row (``mlr_decode_step``, plan ``DecodeReadPlan``): level-1 scores over every slot in one
+  matmul; each finer level scores its ring and adds it onto the slots of the query's current level-l block, where
+  slot ``s`` holds entry ``s % b_l``. When every row's block starts at the same slot (known on the host from the
+  step's facts) that is one in-place ``baddbmm_`` per group of levels; while ``torch.compile`` traces, the entry
+  scores are tiled over the slot axis and kept on the row's current block (pointwise work with affine indices, which
+  inductor fuses with the mask into one pass of vector loads; the matmuls stay library calls); otherwise (eager,
+  rows in different blocks) each ring's entry scores are one matmul and all levels are scattered onto their slots at
+  once.
+* several new tokens per row (``mlr_cached_chunk``, plan ``ChunkReadPlan``: chunked prefill, speculative
+  verification), one pass per level: the scores of the ring entries of the block of each row's newest cached
+  position (as written before the chunk: entries the chunk overwrote come from the view's ``replaced``) and of the
+  chunk's own keys are added onto their slots with their same-block weights by one ``scatter_add_``.
+
+``mlr_attention_full_keys``: an ordinary cache holding full-width keys in token order (no positions stored): the
+cached real tokens are taken as consecutive positions ending just before each row's first new token.
 """
 
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -35,67 +44,116 @@ def _masked_softmax(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor
     return torch.softmax(scores.masked_fill(~allowed, torch.finfo(scores.dtype).min), dim=-1)
 
 
-def mlr_decode_step(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, fine: torch.Tensor,
-                    ring_widths: Sequence[int], geometry: MLRGeometry, scales: Sequence[float],
-                    new_positions: torch.Tensor, first_positions: torch.Tensor, base: int, *,
-                    bias: Optional[torch.Tensor] = None, return_weights: bool = False, plan: Optional[dict] = None,
-                    known_positions: Optional[tuple] = None):
+@dataclass(frozen=True)
+class DecodeReadPlan:
+    """What a decode step's scores need besides q, k and the storage, for every layer of one geometry in a forward.
+
+    work: the softmax dtype; entries: E = sum_l W_l; shared_groups: when every row's current block of every finer
+    level starts at the same slot (eager), the level groups ``_shared_start_scores`` adds, else None; entry_slots:
+    (B, E) the slot each ring entry's score lands on (eager, rows in different blocks); current_block:
+    (B, L-1, 1, 1, C) whether a slot is in the row's current level-l block (while tracing); inverse_depth:
+    (B, 1, 1, C) 1 / the number of levels a slot shares with the query (average_levels) or None; additive_mask:
+    (B, 1, 1, C) 0 on the row's slots first..newest and the dtype's lowest value elsewhere, or None when every row
+    holds every slot."""
+
+    work: torch.dtype
+    entries: int
+    shared_groups: Optional[tuple]
+    entry_slots: Optional[torch.Tensor]
+    current_block: Optional[torch.Tensor]
+    inverse_depth: Optional[torch.Tensor]
+    additive_mask: Optional[torch.Tensor]
+
+
+def plan_decode_read(geometry: MLRGeometry, view, slots: int, work: torch.dtype, facts=None) -> DecodeReadPlan:
+    """The ``DecodeReadPlan`` of a step over ``view`` (an ``MLRCacheView`` whose ``last_positions`` are the query
+    positions) read over ``slots`` slots. ``facts``: the step's ``StepFacts`` (eager: block starts and whether every
+    row holds every slot are decided from host integers, nothing is read back), or None while tracing."""
+    device = view.keys.device
+    ring_widths, base = view.ring_widths, view.base
+    new_positions, first_positions = view.last_positions, view.first_positions
+    constants = geometry.fine_layout(ring_widths, device)
+    entries = constants["entries"]
+    compiling = facts is None
+    shared_groups = entry_slots = current_block = inverse_depth = None
+    every_slot_allowed = False
+    if not compiling:
+        every_slot_allowed = facts.latest_first <= base and facts.earliest_newest - base >= slots - 1
+        if entries and facts.shares_blocks(tuple(geometry.block_sizes)):
+            starts = [max((facts.row0_newest // size) * size - base, 0) for size in geometry.block_sizes]
+            shared_groups = tuple(_shared_groups(geometry, ring_widths, starts, slots))
+        elif entries:
+            # (B, E): entry e of ring l lands on the first slot of the row's current level-l block + e
+            entry_slots = torch.cat([((new_positions[:, None] // size) * size - base).clamp(min=0) +
+                                     torch.arange(width, device=device)
+                                     for size, width in zip(geometry.block_sizes, ring_widths)], dim=1)
+    slot_index = torch.arange(slots, device=device) if compiling or geometry.average_levels or \
+        not every_slot_allowed else None
+    if entries and compiling:
+        # (B, L-1, 1, 1, C): the slot is in the row's current level-l block, as two comparisons with the block's
+        # first and past-the-end slots (B, L-1) (a per-slot integer division, which CPUs do not vectorise, cost more
+        # than the rest of the fine levels together); the block sizes as Python integers are constants in the graph
+        starts = torch.stack([(new_positions // size) * size - base for size in geometry.block_sizes], dim=1)
+        ends = starts + torch.tensor(geometry.block_sizes, device=device)
+        current_block = ((slot_index >= starts[..., None]) & (slot_index < ends[..., None]))[:, :, None, None, :]
+    if geometry.average_levels:
+        sizes = constants["sizes"]
+        starts = (new_positions[:, None] // sizes) * sizes - base  # (B, L-1)
+        in_block = (slot_index >= starts[..., None]) & (slot_index < (starts + sizes)[..., None])  # (B, L-1, C)
+        inverse_depth = (1 + in_block.sum(1)).to(work).reciprocal()[:, None, None, :]
+    additive = None
+    if not every_slot_allowed or inverse_depth is not None:
+        slot_positions = slot_index + base
+        allowed = (slot_positions >= first_positions[:, None]) & (slot_positions <= new_positions[:, None])
+        additive = torch.zeros(allowed.shape, dtype=work, device=device).masked_fill(~allowed, torch.finfo(work).min)
+        additive = additive[:, None, None, :]
+    return DecodeReadPlan(work, entries, shared_groups, entry_slots, current_block, inverse_depth, additive)
+
+
+def mlr_decode_step(query: torch.Tensor, view, plan: DecodeReadPlan, geometry: MLRGeometry,
+                    scales: Sequence[float], *, bias: Optional[torch.Tensor] = None, return_weights: bool = False):
     """MLR attention of the newest token of every row against the hierarchical cache.
 
     query: (B, Hk, g, r) in level order (g query rows per cached head: the query heads of a grouped-query group);
-    keys: (B, Hk, C, r_1) level-1 slots; values: (B, Hk, C, dv); fine: (B, Hk, F) the flat storage of the rings
-    (ring l, ``ring_widths[l]`` entries of ``r_l`` dims, after the rings before it: ``F = sum_l W_l r_l``);
-    new_positions: (B,) the query position (the newest real position) of each row; first_positions: (B,) the row's
-    first real position; base: position of slot 0; bias: additive, broadcastable to (B, Hk, g, C) in slot order.
-    Returns (B, Hk, g, dv) in the query dtype, and the probabilities (B, Hk, g, C) when ``return_weights``.
+    view: the layer's ``MLRCacheView`` (keys (B, Hk, C, r_1), values (B, Hk, C, dv), the flat fine storage
+    (B, Hk, F)); plan: the ``DecodeReadPlan`` of C slots; bias: additive, broadcastable to (B, Hk, g, C) in slot
+    order. Returns (B, Hk, g, dv) in the query dtype, and the probabilities (B, Hk, g, C) when ``return_weights``.
 
-    ``keys`` and ``values`` may be the whole preallocated storage (slots past each row's newest position are
-    masked; what a compiled step passes: fixed shapes) or a view narrowed along the slot axis to the slots in use
-    (what an eager model step passes: the 3-D matmuls read it in place, and with no padding no mask is needed).
+    ``keys`` and ``values`` are the whole preallocated storage while tracing (slots past each row's newest position
+    are masked; fixed shapes) or a view narrowed along the slot axis to the slots in use (an eager step: the 3-D
+    matmuls read it in place, and with no padding no mask is needed).
 
     Finer levels, three formulations of the same sum. When every row's current block starts at the same slot (no
-    padding, or padding that keeps rows in step; eager only, decided once per step by the plan) each group of levels
-    adds ``q_l @ ring_l^T`` onto that block's slots in place, one small matmul per group (``_shared_start_scores``).
-    While ``torch.compile`` traces, each level's entry scores ``q_l @ ring_l^T`` (B, Hk, g, W_l) are tiled over the
-    slot axis (slot ``s`` of a block holds entry ``s % b_l``) and kept where the slot is in the row's current block:
-    no gather or scatter, so inductor fuses every level and the mask into one pass over the slots with vector loads,
-    onto which one ``baddbmm`` adds the level-1 scores (``_compiled_scores``). Otherwise (eager, rows in different
-    blocks) each ring's entry scores are one matmul of the level's query dims with its dim-major rows (no index
-    table over the storage), and each entry's score is added onto its slot in the row's current block (one
-    ``scatter_add_`` of all levels onto the level-1 scores, padded by a coarsest block so that entries past the last
-    slot land outside). ``plan``: a dict shared by the layers of one model forward that hold
-    the same positions (an empty dict is filled): the index work that depends only on positions is done once.
-    ``known_positions``: (the newest position, shared by every row, the rows' latest first position) as host integers
-    when the caller read them already (the cache's decode write), so that planning reads nothing back from the
-    device."""
-    work = softmax_dtype(query.dtype)
+    padding, or padding that keeps rows in step; eager only) each group of levels adds ``q_l @ ring_l^T`` onto that
+    block's slots in place, one small matmul per group (``_shared_start_scores``). While ``torch.compile`` traces,
+    each level's entry scores (B, Hk, g, W_l) are tiled over the slot axis (slot ``s`` of a block holds entry
+    ``s % b_l``) and kept where the slot is in the row's current block: no gather or scatter, so inductor fuses every
+    level and the mask into one pass over the slots with vector loads, onto which one ``baddbmm`` adds the level-1
+    scores (``_compiled_scores``). Otherwise (eager, rows in different blocks) each ring's entry scores are one
+    matmul of the level's query dims with its dim-major rows, and each entry's score is added onto its slot in the
+    row's current block (one ``scatter_add_`` of all levels onto the level-1 scores, padded by a coarsest block so
+    that entries past the last slot land outside)."""
+    keys, values, fine, ring_widths = view.keys, view.values, view.fine, view.ring_widths
+    work = plan.work
     batch, heads, rows, _ = query.shape
     slots = keys.shape[2]
     query = query * geometry.scale_vector(scales, query.dtype, query.device)
     first_rank = geometry.ranks[0]
-    plan = {} if plan is None else plan
-    if plan.get("work") != work:
-        _plan_decode(plan, geometry, ring_widths, new_positions, first_positions, base, slots, work, query.device,
-                     known_positions)
     compiling = torch.compiler.is_compiling()
     if compiling:  # every level, and the mask unless average_levels
         scores = _compiled_scores(query, keys, fine, ring_widths, geometry, plan, work)
-    elif plan["shared starts"] is not None and query.dtype == work:
-        scores = _shared_start_scores(query, keys, fine, plan["shared groups"])
+    elif plan.shared_groups is not None and query.dtype == work:
+        scores = _shared_start_scores(query, keys, fine, plan.shared_groups)
     else:
         scores = (query[..., :first_rank] @ keys.transpose(-1, -2)).to(work)  # (B, Hk, g, C)
-    if not compiling and plan["shared starts"] is not None:
-        if query.dtype != work:  # low precision: products in the query dtype, accumulated in the working dtype
-            offset = 0
-            for level_query, rank, width, start in zip(
-                    query[..., first_rank:].split(list(geometry.ranks[1:]), dim=-1), geometry.ranks[1:],
-                    ring_widths, plan["shared starts"]):
-                used = min(width, slots - start)
-                if used > 0:
-                    ring = fine[..., offset:offset + width * rank].view(batch, heads, rank, width)[..., :used]
-                    scores[..., start:start + used].add_((level_query @ ring).to(work))
-                offset += width * rank
-    elif not compiling and plan["entries"]:
+    if not compiling and plan.shared_groups is not None and query.dtype != work:
+        # low precision: products in the query dtype, accumulated in the working dtype
+        pieces = query.split([first_rank] + [group[3] for group in plan.shared_groups], dim=-1)
+        for (start, used, _, dims, offset, width), level_query in zip(plan.shared_groups, pieces[1:]):
+            if used > 0:
+                ring = fine[..., offset:offset + width * dims].view(batch, heads, dims, width)[..., :used]
+                scores[..., start:start + used].add_((level_query @ ring).to(work))
+    elif not compiling and plan.entry_slots is not None:
         # each ring's entry scores (B, Hk, g, W_l) by one matmul with its dim-major rows, all levels side by side
         level_scores, offset = [], 0
         for level_query, rank, width in zip(query[..., first_rank:].split(list(geometry.ranks[1:]), dim=-1),
@@ -104,12 +162,12 @@ def mlr_decode_step(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
             offset += width * rank
         entry_scores = torch.cat(level_scores, dim=-1).to(work)  # (B, Hk, g, E)
         padded = F.pad(scores, (0, geometry.block_sizes[0]))
-        target = plan["entry slots"][:, None, None, :].expand(batch, heads, rows, plan["entries"])
+        target = plan.entry_slots[:, None, None, :].expand(batch, heads, rows, plan.entries)
         scores = padded.scatter_add_(-1, target, entry_scores)[..., :slots]
-    if plan["inverse depth"] is not None:
-        scores = torch.addcmul(plan["additive mask"], scores, plan["inverse depth"])
-    elif plan["additive mask"] is not None and not compiling:
-        scores = scores + plan["additive mask"]
+    if plan.inverse_depth is not None:
+        scores = torch.addcmul(plan.additive_mask, scores, plan.inverse_depth)
+    elif plan.additive_mask is not None and not compiling:
+        scores = scores + plan.additive_mask
     if bias is not None:
         scores = scores + bias.to(work)
     probabilities = torch.softmax(scores, dim=-1)
@@ -152,9 +210,9 @@ def _compiled_scores(query: torch.Tensor, keys: torch.Tensor, fine: torch.Tensor
             tiles = -(-slots // size)
             entry_scores = entry_scores[..., None, :].expand(batch, heads, rows, tiles, size).reshape(
                 batch, heads, rows, tiles * size)
-        kept = torch.where(plan["current block"][:, level], entry_scores[..., :slots], 0.0)
+        kept = torch.where(plan.current_block[:, level], entry_scores[..., :slots], 0.0)
         fine_scores = kept if fine_scores is None else fine_scores + kept
-    additive = plan["additive mask"] if plan["inverse depth"] is None else None
+    additive = plan.additive_mask if plan.inverse_depth is None else None
     if additive is not None:
         fine_scores = additive.expand(batch, heads, rows, slots) if fine_scores is None else fine_scores + additive
     first_query = query[..., :first_rank].reshape(batch * heads, rows, first_rank)
@@ -213,128 +271,118 @@ def _shared_groups(geometry: MLRGeometry, ring_widths: Sequence[int], starts: Se
             for start, width, dim, dims, offset in groups]
 
 
-def _plan_decode(plan: dict, geometry: MLRGeometry, ring_widths: Sequence[int], new_positions: torch.Tensor,
-                 first_positions: torch.Tensor, base: int, slots: int, work: torch.dtype, device,
-                 known_positions: Optional[tuple] = None) -> None:
-    """Fill ``plan`` with what a decode step's scores need besides q, k and the storage: the constants of
-    ``MLRGeometry.fine_layout`` and
+@dataclass(frozen=True)
+class ChunkReadPlan:
+    """What a chunk's scores need besides q, k and the storage (positions only), for every layer of one geometry in a
+    forward: per finer level, targets (B, W_l + 2c) the slots of its key sources -- the ring entries of the block of
+    each row's newest cached position, the values the chunk's writes replaced, the chunk's own keys -- and weights
+    (B, 1, n, W_l + 2c) 1 where a source is held and shares the query's block; depth: (B, 1, n, C) the number of
+    levels a pair shares (average_levels) or None; additive_mask: (B, 1, n, C) the causal mask over held slots."""
 
-    * "entry slots" (B, E): the slot an entry's score lands on, the slot of its position in the row's current
-      level-l block (base is block-aligned, so entry e of ring l sits at the block's first slot + e; a row with no
-      real token yet, newest position -1, has every slot masked);
-    * "current block" (B, L-1, 1, 1, C), while torch.compile traces: the slot is in the row's current level-l block;
-    * "inverse depth" (B, 1, 1, C) or None: 1 / the number of levels a slot shares with the query (average_levels);
-    * "shared starts", "shared groups": the block start of each finer level when every row's is the same (eager
-      only; None otherwise), and the level groups ``_shared_start_scores`` adds;
-    * "additive mask" (B, 1, 1, C): 0 on the row's slots first..newest, the dtype's lowest value elsewhere; None when
-      every row holds every slot (an eager step over the slots in use, no padding)."""
-    constants = geometry.fine_layout(ring_widths, device)
-    plan.update(constants)
-    compiling = torch.compiler.is_compiling()
-    shared, every_slot_allowed = None, False
-    if not compiling and known_positions is not None:  # every row's newest position known on the host: no reads
-        newest, latest_first = known_positions
-        shared = [max((newest // size) * size - base, 0) for size in geometry.block_sizes]
-        every_slot_allowed = latest_first <= base and newest - base >= slots - 1
-    elif not compiling and new_positions.numel():
-        batch = new_positions.shape[0]
-        sizes = constants["sizes"]
-        starts = ((new_positions[:, None] // sizes) * sizes - base).clamp(min=0)  # (B, L-1)
-        # one host read per step: the rows' block starts, and whether every row holds every slot 0..C-1
-        reads = torch.cat([starts.T.reshape(-1),
-                           torch.stack([first_positions.max(), new_positions.min()]) - base]).tolist()
-        columns = [reads[level * batch:(level + 1) * batch] for level in range(starts.shape[1])]
-        if constants["entries"] and all(min(column) == max(column) for column in columns):
-            shared = [column[0] for column in columns]
-        every_slot_allowed = reads[-2] <= 0 and reads[-1] >= slots - 1
-    plan["shared starts"] = shared
-    plan["shared groups"] = None if shared is None else _shared_groups(geometry, ring_widths, shared, slots)
-    if constants["entries"] and shared is None and not compiling:
-        # (B, E): entry e of ring l lands on the first slot of the row's current level-l block + e
-        plan["entry slots"] = torch.cat([((new_positions[:, None] // size) * size - base).clamp(min=0) +
-                                         torch.arange(width, device=device)
-                                         for size, width in zip(geometry.block_sizes, ring_widths)], dim=1)
-    slot_index = torch.arange(slots, device=device) if compiling or geometry.average_levels or \
-        not every_slot_allowed else None
-    if constants["entries"] and compiling:
-        # (B, L-1, 1, 1, C): the slot is in the row's current level-l block, as two comparisons with the block's
-        # first and past-the-end slots (B, L-1) (a per-slot integer division, which CPUs do not vectorise, cost more
-        # than the rest of the fine levels together); the block sizes as Python integers are constants in the graph
-        starts = torch.stack([(new_positions // size) * size - base for size in geometry.block_sizes], dim=1)
-        ends = starts + torch.tensor(geometry.block_sizes, device=device)
-        plan["current block"] = ((slot_index >= starts[..., None]) & (slot_index < ends[..., None]))[
-            :, :, None, None, :]
-    inverse_depth = None
-    if geometry.average_levels:
-        sizes = constants["sizes"]
-        starts = (new_positions[:, None] // sizes) * sizes - base  # (B, L-1)
-        in_block = (slot_index >= starts[..., None]) & (slot_index < (starts + sizes)[..., None])  # (B, L-1, C)
-        inverse_depth = (1 + in_block.sum(1)).to(work).reciprocal()[:, None, None, :]
-    additive = None
-    if not every_slot_allowed or inverse_depth is not None:
-        slot_positions = slot_index + base
-        allowed = (slot_positions >= first_positions[:, None]) & (slot_positions <= new_positions[:, None])
-        additive = torch.zeros(allowed.shape, dtype=work, device=device).masked_fill(~allowed, torch.finfo(work).min)
-        additive = additive[:, None, None, :]
-    plan.update({"inverse depth": inverse_depth, "additive mask": additive, "work": work})
+    work: torch.dtype
+    targets: tuple
+    weights: tuple
+    depth: Optional[torch.Tensor]
+    additive_mask: torch.Tensor
 
 
-def mlr_cached_chunk(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                     rings_before: Sequence[torch.Tensor], chunk_keys: torch.Tensor, geometry: MLRGeometry,
-                     scales: Sequence[float], query_positions: torch.Tensor, chunk_positions: torch.Tensor,
-                     chunk_valid: torch.Tensor, last_before: torch.Tensor, first_positions: torch.Tensor,
-                     base: int, *, bias: Optional[torch.Tensor] = None, return_weights: bool = False):
+def plan_chunk_read(geometry: MLRGeometry, view, positions: torch.Tensor, valid: torch.Tensor, groups: int,
+                    slots: int, work: torch.dtype) -> ChunkReadPlan:
+    """The ``ChunkReadPlan`` of a chunk of c tokens (positions, valid (B, c)) read by g = ``groups`` query rows per
+    token (n = g c, group-major) over ``slots`` slots of ``view``."""
+    device = positions.device
+    base, last_before, first = view.base, view.last_before, view.first_positions
+    batch, chunk = positions.shape
+    query_positions = positions.repeat(1, groups)  # (B, n)
+    newest_new = torch.where(valid, positions, -1).amax(-1)  # (B,)
+    targets, weights = [], []
+    depth = torch.ones(batch, 1, query_positions.shape[1], slots, dtype=work, device=device) \
+        if geometry.average_levels else None
+    for size, width in zip(geometry.block_sizes, view.ring_widths):
+        query_block = query_positions // size  # (B, n)
+        # (a) ring entries of the block of the newest cached position, as written before the chunk: an entry the
+        # chunk overwrote (a position one block on, up to the chunk's newest) is left to (b)
+        block_start = (last_before // size) * size  # (B,)
+        entry_positions = block_start[:, None] + torch.arange(width, device=device)  # (B, W)
+        held = (last_before[:, None] >= 0) & (entry_positions <= last_before[:, None]) & \
+            (entry_positions >= first[:, None]) & (entry_positions + size > newest_new[:, None])
+        # (b) what each new token's write replaced: the position one block earlier, when it was cached in that block
+        earlier = positions - size
+        replaced = valid & (earlier >= block_start[:, None]) & (earlier <= last_before[:, None]) & \
+            (earlier >= first[:, None])
+        key_positions = torch.cat([entry_positions, earlier, positions], dim=1)  # (B, W + 2c)
+        key_held = torch.cat([held, replaced, valid], dim=1)
+        targets.append((key_positions - base).clamp(min=0, max=slots - 1))
+        weight = (key_held[:, None, :] & (query_block[:, :, None] == key_positions[:, None, :] // size))[:, None]
+        weights.append(weight.to(work))
+        if depth is not None:
+            depth.scatter_add_(-1, targets[-1][:, None, None, :].expand(batch, 1, query_positions.shape[1], -1),
+                               weights[-1])
+    slot_positions = torch.arange(slots, device=device) + base
+    allowed = (slot_positions >= first[:, None, None]) & (slot_positions <= query_positions[:, :, None])
+    additive = torch.zeros(allowed.shape, dtype=work, device=device).masked_fill(~allowed, torch.finfo(work).min)
+    return ChunkReadPlan(work, tuple(targets), tuple(weights), depth, additive[:, None])
+
+
+def mlr_cached_chunk(query: torch.Tensor, chunk_keys: torch.Tensor, view, plan: ChunkReadPlan,
+                     geometry: MLRGeometry, scales: Sequence[float], *, bias: Optional[torch.Tensor] = None,
+                     return_weights: bool = False):
     """Causal MLR attention of n query rows per cached head against every slot, after a chunk of c tokens was
     written.
 
-    query: (B, Hk, n, r) level order (n = g * c for g query heads per cached head, group-major); query_positions:
-    (B, n); keys, values: (B, Hk, C, r_1 | dv) after the chunk was written; rings_before: per fine level
-    (B, Hk, W_l, r_l) as they were before the chunk; chunk_keys: (B, Hk, c, r) full-width level order;
-    chunk_positions, chunk_valid: (B, c); last_before: (B,) newest real position before the chunk (-1: none);
-    first_positions: (B,) after the chunk; bias: broadcastable to (B, Hk, n, C) in slot order.
-    Returns (B, Hk, n, dv) [, probabilities (B, Hk, n, C)]."""
-    work = softmax_dtype(query.dtype)
+    query: (B, Hk, n, r) level order (n = g * c for g query heads per cached head, group-major); chunk_keys:
+    (B, Hk, c, r) full-width level order; view: the layer's ``MLRCacheView`` after the chunk (``replaced``: the ring
+    entries the chunk's writes replaced); plan: its ``ChunkReadPlan``; bias: broadcastable to (B, Hk, n, C) in slot
+    order. Returns (B, Hk, n, dv) [, probabilities (B, Hk, n, C)]."""
+    work = plan.work
+    keys, values, fine = view.keys, view.values, view.fine
     batch, heads, rows, _ = query.shape
-    slots = keys.shape[2]
     query = query * geometry.scale_vector(scales, query.dtype, query.device)
     level_queries = query.split(list(geometry.ranks), dim=-1)
     scores = (level_queries[0] @ keys.transpose(-1, -2)).to(work)  # (B, Hk, n, C)
-    depth = torch.ones(batch, 1, rows, slots, dtype=work, device=query.device) if geometry.average_levels else None
-    chunk_slots = (chunk_positions - base).clamp(min=0, max=slots - 1)  # (B, c)
-    start = geometry.ranks[0]
-    for q_level, ring, size in zip(level_queries[1:], rings_before, geometry.block_sizes):
-        rank = q_level.shape[-1]
-        query_block = query_positions // size  # (B, n)
-        targets, weights, level_scores = [], [], []
-        if ring is not None:  # entries of the block of the newest cached position, up to that position
-            last_block_start = (last_before // size) * size  # (B,)
-            entry = torch.arange(ring.shape[-2], device=query.device)
-            entry_positions = last_block_start[:, None] + entry  # (B, W)
-            held = (last_before[:, None] >= 0) & (entry_positions <= last_before[:, None]) & \
-                (entry_positions >= first_positions[:, None])
-            targets.append((entry_positions - base).clamp(min=0, max=slots - 1))
-            weights.append(held[:, None, :] & (query_block[:, :, None] == (last_block_start // size)[:, None, None]))
-            level_scores.append(q_level @ ring.transpose(-1, -2))
-        chunk_level = chunk_keys[..., start:start + rank]
-        targets.append(chunk_slots)
-        weights.append(chunk_valid[:, None, :] & (query_block[:, :, None] == (chunk_positions // size)[:, None, :]))
-        level_scores.append(q_level @ chunk_level.transpose(-1, -2))
-        target = torch.cat(targets, dim=-1)[:, None, None, :].expand(batch, heads, rows, -1)
-        weight = torch.cat(weights, dim=-1)[:, None].to(work)  # (B, 1, n, entries)
-        scores.scatter_add_(-1, target, torch.cat(level_scores, dim=-1).to(work) * weight)
-        if depth is not None:
-            depth.scatter_add_(-1, target[:, :1], weight)
+    start, offset, fine_start = geometry.ranks[0], 0, 0
+    for q_level, rank, width, target, weight in zip(level_queries[1:], geometry.ranks[1:], view.ring_widths,
+                                                    plan.targets, plan.weights):
+        ring = fine[..., offset:offset + width * rank].view(batch, heads, rank, width)  # dim-major
+        replaced = view.replaced[..., fine_start:fine_start + rank]
+        level_keys = torch.cat([replaced, chunk_keys[..., start:start + rank]], dim=2)  # (B, Hk, 2c, r_l)
+        level_scores = torch.cat([q_level @ ring, q_level @ level_keys.transpose(-1, -2)], dim=-1).to(work)
+        scores.scatter_add_(-1, target[:, None, None, :].expand(batch, heads, rows, -1), level_scores * weight)
         start += rank
-    if depth is not None:
-        scores = scores / depth
+        offset += width * rank
+        fine_start += rank
+    if plan.depth is not None:
+        scores = scores / plan.depth
+    scores = scores + plan.additive_mask
     if bias is not None:
         scores = scores + bias.to(work)
-    slot_positions = torch.arange(slots, device=query.device) + base
-    allowed = (slot_positions >= first_positions[:, None, None]) & \
-        (slot_positions <= query_positions[:, :, None])  # (B, n, C): written and not in the future
-    probabilities = _masked_softmax(scores, allowed[:, None])
+    probabilities = torch.softmax(scores, dim=-1)
     output = probabilities.to(values.dtype) @ values
     return (output, probabilities) if return_weights else output
+
+
+def mlr_cached_attention(query: torch.Tensor, chunk_keys: torch.Tensor, view, step, geometry: MLRGeometry,
+                         scales: Sequence[float], *, bias: Optional[torch.Tensor] = None,
+                         return_weights: bool = False):
+    """The one op over the hierarchical cache: the queries of a chunk of c tokens (c = 1: a decode step) against
+    every slot of ``view`` (the layer's ``MLRCacheView`` after the chunk was written).
+
+    query: (B, Hk, n, r) level order, n = g * c rows per cached head (the g query heads of a grouped-query group,
+    group-major); chunk_keys: (B, Hk, c, r) level order; step: the forward's ``MLRStep``; bias: additive,
+    broadcastable to (B, Hk, n, C) in slot order. Plans are made once per forward and geometry (memoised on the
+    step). Returns (B, Hk, n, dv) [, probabilities (B, Hk, n, C) in slot order]."""
+    chunk = chunk_keys.shape[2]
+    slots = view.keys.shape[2]
+    work = softmax_dtype(query.dtype)
+    key = (geometry.ranks, geometry.block_sizes, geometry.average_levels, view.base, slots, view.ring_widths, work)
+    if chunk == 1:
+        plan = step.memoised(("decode read",) + key, lambda: plan_decode_read(geometry, view, slots, work,
+                                                                                step.facts))
+        return mlr_decode_step(query, view, plan, geometry, scales, bias=bias, return_weights=return_weights)
+    groups = query.shape[2] // chunk
+    plan = step.memoised(("chunk read", groups) + key, lambda: plan_chunk_read(
+        geometry, view, step.positions, step.real(), groups, slots, work))
+    return mlr_cached_chunk(query, chunk_keys, view, plan, geometry, scales, bias=bias, return_weights=return_weights)
 
 
 def mlr_attention_full_keys(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *,
@@ -371,4 +419,5 @@ def mlr_attention_full_keys(query: torch.Tensor, keys: torch.Tensor, values: tor
     return (output, probabilities) if return_weights else output
 
 
-__all__ = ["mlr_attention_full_keys", "mlr_cached_chunk", "mlr_decode_step"]
+__all__ = ["ChunkReadPlan", "DecodeReadPlan", "mlr_attention_full_keys", "mlr_cached_attention", "mlr_cached_chunk",
+           "mlr_decode_step", "plan_chunk_read", "plan_decode_read"]

@@ -12,7 +12,7 @@ output and LSE (that is exactly flash backward with ``P = exp(S_g - LSE)``). The
 so truncated q is zero-padded (scales folded into q, ``scale=1``).
 """
 
-from typing import Dict, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -153,11 +153,22 @@ def _split(size: int, parts: int) -> list:
     return [slice(start, stop) for start, stop in zip(bounds[:-1], bounds[1:])]
 
 
-def _uniform_scale(vector: torch.Tensor, width: int) -> Optional[float]:
-    """The common value of ``vector[:width]`` when all entries are equal and non-zero, else None."""
-    head = vector[:width]
-    low, high = float(head.min()), float(head.max())
-    return low if low == high and low != 0.0 else None
+class _Scales:
+    """Per-depth scale vectors (depth -> (r,) tensor) and ``own``: the one scale of the own-block group when every dim
+    it uses has the same non-zero multiplier (then the kernel takes it as its ``scale`` and runs on q itself), else
+    None -- decided from the Python level scales, so that nothing is read back from the device."""
+
+    def __init__(self, vectors: dict, own: Optional[float]):
+        self.vectors, self.own = vectors, own
+
+
+def _own_scale(level_scales: Sequence[float], depth: int, num_levels: int, average_levels: bool) -> Optional[float]:
+    """The multiplier of every head dim in a group of ``depth`` shared levels, when it is one non-zero number."""
+    if depth < num_levels:  # the dims of the unshared levels are zeroed
+        return None
+    values = {scale / depth if average_levels else scale for scale in level_scales}
+    value = values.pop() if len(values) == 1 else 0.0
+    return float(value) if value != 0.0 else None
 
 
 def _heads_in_batch(q: torch.Tensor) -> bool:
@@ -202,8 +213,8 @@ class _GroupInputs:
         padded = (F.pad(t, (0, width - t.shape[-1])) if t.shape[-1] < width else t for t in (q, k, v))
         self.q, self.k, self.v = (_fold_layout(t, fold) for t in padded)
         self.plan = plan
-        self.vectors = {depth: F.pad(vec, (0, width - vec.shape[0])) for depth, vec in scale_vectors.items()}
-        self.own_scale = _uniform_scale(self.vectors[plan.groups[0].depth], self.head_dim)
+        self.vectors = {depth: F.pad(vec, (0, width - vec.shape[0])) for depth, vec in scale_vectors.vectors.items()}
+        self.own_scale = scale_vectors.own
         self.q_scratch = self.grad_scratch = None
         self.max_piece = max(q.shape[0] * q.shape[1] * q.shape[2] * width // PIECE_FRACTION, MIN_PIECE_ELEMENTS)
 
@@ -391,7 +402,7 @@ def mlr_attention_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_v
     trace, and the fused kernel is already the whole cost.
     """
     plan = _Plan(ranks, block_sizes, first_depth, q.shape[2], causal)
-    scale_vectors: Dict[int, torch.Tensor] = {
-        depth: depth_scale_vector(ranks, level_scales, depth, average_levels, q.dtype, q.device)
-        for depth in {group.depth for group in plan.groups}}
+    scale_vectors = _Scales({depth: depth_scale_vector(ranks, level_scales, depth, average_levels, q.dtype, q.device)
+                             for depth in {group.depth for group in plan.groups}},
+                            _own_scale(level_scales, plan.groups[0].depth, len(ranks), average_levels))
     return _FusedMLRFunction.apply(q, k, v, key_valid, bias, plan, scale_vectors, causal)

@@ -10,7 +10,7 @@ from typing import Optional
 
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache, StaticCache
 
-from .structattn_cache import prepare_structattn_cache, set_rollback_window
+from .structattn_prepare import prepare_structattn_cache, set_rollback_window
 
 
 def _rollback_window(generation_config, model_kwargs: dict, generation_mode) -> Optional[int]:

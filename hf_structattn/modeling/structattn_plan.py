@@ -1,0 +1,331 @@
+"""The step plan: what one model forward tells its MLR layers, built once before the layers run.
+
+``build_step`` (called by every family's forward through ``structattn_prepare.prepare_step``) turns the forward's
+inputs into an ``MLRStep``: the MLR positions (B, c) and padding flags of the new tokens, the self-attention cache,
+and ``StepFacts``, the host integers the layers need (chunk length, the lowest / newest real position, whether every
+row is real and continues its cached tokens, the newest position shared by every row, ...). Every check of the input
+values (negative positions, positions that restart inside a row or do not continue a row's cached tokens, 2-D masks
+holding values other than 0 and 1, positions past a learned position table) runs here, on values read back from the
+device in **one** batched host read per forward; the layers read nothing back. While torch.compile or torch.export
+traces, nothing is read (``facts`` is None) and the layers take their fixed-shape paths.
+
+Per-geometry plans (where a chunk writes, how a decode step reads, the canonical layout of the uncached op) are
+typed objects made from the step by the cache and op modules and memoised on it (``MLRStep.memoised``), so the
+layers of one geometry share them.
+"""
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+STEP_KEY = "structattn_step"
+NO_POSITION = torch.iinfo(torch.int64).max // 4  # the first position of a row that holds no real token yet
+_WARNED_BEHIND: list = []
+
+
+@dataclass(frozen=True)
+class StepFacts:
+    """Host integers of one forward, read back once (``build_step``).
+
+    tokens_before: tokens the cache held before (transformers' sequence length, padding included); held: the MLR
+    layers held a token before (the chunk attends to the cache, else only to itself); all_real: no padding among the
+    new tokens; lowest / highest: the lowest / highest real new position (``NO_POSITION`` / -1 when none); newest:
+    the newest real position of any row after the forward (-1: none); earliest_newest: the lowest over the rows of
+    their newest real position after the forward; shared_newest: that position when it is every
+    row's and every row's tokens are real and continue the row (else None); latest_first: the largest first real
+    position over the rows after the forward; continuing: every new token is real and every row continues its
+    newest cached position; uniform_offset: the offset ``position - index`` shared by every row's real tokens, or
+    None (the uncached op's layout); block_starts_shared: per geometry (by ``block_sizes``), whether every row's
+    newest position after the forward lies in the same block of every finer level."""
+
+    tokens_before: int
+    held: bool
+    all_real: bool
+    lowest: int
+    highest: int
+    newest: int
+    earliest_newest: int
+    shared_newest: Optional[int]
+    latest_first: int
+    continuing: bool
+    uniform_offset: Optional[int]
+    contiguous: bool
+    row0_newest: int
+    block_starts_shared: tuple = ()
+
+    def shares_blocks(self, block_sizes: tuple) -> bool:
+        return block_sizes in self.block_starts_shared
+
+
+@dataclass(frozen=True)
+class MLRStep:
+    """What a model forward tells its MLR layers (in the kwargs of every attention call under ``STEP_KEY``).
+
+    cache: the self-attention ``Cache`` or None; positions: (B, c) MLR positions of the new tokens (a right-padded
+    row's run continued after its real tokens), or None (T5 beside a cache that holds full keys: the attention
+    counts real tokens); valid: (B, c) bool (True = real) or None (all real); facts: ``StepFacts`` or None while
+    tracing; standard_masks: every 4-D mask the model built is transformers' causal + padding mask (no caller 4-D
+    mask); key_mask: the caller's 2-D keep-mask over cached and new tokens, or None; position_bias: T5's relative
+    bias of the decoder self-attention over token indices (1, H, c, K) when its MLR layers read a cache (T5 sizes
+    the bias by the key length ``cache.update`` returns, which for an MLR layer is the chunk's); uncached_layers: the
+    indices of the layers that get no cache in this forward (transformers' activation checkpointing drops it)."""
+
+    cache: Optional[object]
+    positions: Optional[torch.Tensor]
+    valid: Optional[torch.Tensor]
+    facts: Optional[StepFacts]
+    standard_masks: bool = True
+    key_mask: Optional[torch.Tensor] = None
+    position_bias: Optional[torch.Tensor] = None
+    uncached_layers: frozenset = frozenset()
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def layer(self, layer_idx: Optional[int]):
+        """The cache layer of ``layer_idx``, or None (no cache, or a layer whose cache activation checkpointing
+        drops: ``uncached_layers``)."""
+        cache = self.cache
+        if cache is None or layer_idx is None or layer_idx >= len(cache.layers) or layer_idx in self.uncached_layers:
+            return None
+        return cache.layers[layer_idx]
+
+    def real(self) -> torch.Tensor:
+        """(B, c) bool padding flags (all True without padding)."""
+        if self.valid is not None:
+            return self.valid
+        return torch.ones(self.positions.shape, dtype=torch.bool, device=self.positions.device)
+
+    def memoised(self, key, make):
+        """The per-forward plan under ``key`` (a tuple naming a kind and the geometry), made once by ``make()`` and
+        shared by the layers of this forward."""
+        value = self.memo.get(key)
+        if value is None:
+            value = self.memo[key] = make()
+        return value
+
+
+def mlr_position_layer(cache) -> Optional[object]:
+    """An MLR cache layer of ``cache`` that was written (every MLR layer holds the same rows at the same positions),
+    or None."""
+    if cache is None:
+        return None
+    for layer in cache.layers:
+        if getattr(layer, "holds_mlr_positions", False) and layer.is_bound and layer.is_initialized:
+            return layer
+    return None
+
+
+def _right_padded(key_mask: Optional[torch.Tensor], chunk: int, batch: int, device) -> torch.Tensor:
+    """(B,) bool: the row's tokens before the last ``chunk`` hold a padding token after a real one (the caller's 2-D
+    keep-mask over the cached and new tokens)."""
+    if key_mask is None or key_mask.dim() != 2 or key_mask.shape[-1] <= chunk:
+        return torch.zeros(batch, dtype=torch.bool, device=device)
+    past = key_mask[:, :-chunk] != 0
+    return (past.long().cummax(-1).values.bool() & ~past).any(-1).to(device).expand(batch)
+
+
+def build_step(*, cache, positions: Optional[torch.Tensor], valid: Optional[torch.Tensor], batch: int, length: int,
+               device, key_mask: Optional[torch.Tensor] = None, standard_masks: bool = True,
+               checked_mask: Optional[torch.Tensor] = None, embedding_positions: Optional[torch.Tensor] = None,
+               max_positions: Optional[tuple] = None, geometries: tuple = (),
+               position_bias: Optional[torch.Tensor] = None) -> MLRStep:
+    """The ``MLRStep`` of one forward, its input values checked with one host read (none while tracing).
+
+    positions: (B, c) | (1, c) absolute positions of the new tokens, or None (count each row's real tokens: T5);
+    valid: (B, c) bool or None (all real); key_mask: the caller's 2-D keep-mask over cached + new tokens;
+    checked_mask: a 2-D mask whose values must be 0 or 1 (a non-bool mask the caller gave); embedding_positions:
+    the given position ids, checked against ``max_positions`` = (field name, limit) (learned position tables);
+    geometries: the block sizes of the model's MLR geometries (the decode read's shared-block test per geometry).
+    Errors are one-line ``ValueError``s naming the argument."""
+    tracing = torch.compiler.is_compiling()
+    tokens_before = cache.get_seq_length() if cache is not None else 0
+    last = first = None
+    if cache is not None and any(getattr(layer, "holds_mlr_positions", False) and layer.is_bound
+                                 for layer in cache.layers):
+        layer = mlr_position_layer(cache)
+        if layer is not None:
+            last, first = layer.last_positions, layer.first_positions
+            if last.shape[0] != batch:
+                raise ValueError(f"the cache holds {last.shape[0]} rows, the input has batch size {batch}")
+            if tracing and isinstance(tokens_before, torch.Tensor):
+                # a traced program fed from position 0 again (an exported decoder run for a new sequence): its cache
+                # layers hold the last run's positions, which a restart at cumulative length 0 forgets
+                fresh = tokens_before == 0
+                last = torch.where(fresh, torch.full_like(last, -1), last)
+                first = torch.where(fresh, torch.full_like(first, NO_POSITION), first)
+        else:  # the MLR layers' first write: the rules of a cache, over rows that hold nothing yet
+            last = torch.full((batch,), -1, dtype=torch.long, device=device)
+            first = torch.full((batch,), NO_POSITION, dtype=torch.long, device=device)
+    if positions is None:
+        if last is None and cache is not None and (isinstance(tokens_before, torch.Tensor) or tokens_before):
+            # T5 beside a cache that holds full keys: the attention counts the real tokens over its keys
+            return MLRStep(cache, None, valid, None, standard_masks, key_mask, position_bias)
+        start = last if last is not None else torch.full((batch,), -1, dtype=torch.long, device=device)
+        counted = valid.long() if valid is not None else torch.ones(batch, length, dtype=torch.long, device=device)
+        positions = start[:, None] + counted.cumsum(-1)
+    positions = positions.to(device=device, dtype=torch.long).expand(batch, length)
+    shift = None
+    if last is not None:
+        # right padding in generate: transformers continues a right-padded row's positions from its padded tail, so
+        # its new tokens start at or before its newest cached position; they continue right after its real tokens
+        real_positions = positions if valid is None else torch.where(valid, positions, NO_POSITION)
+        first_new = real_positions.amin(-1)
+        behind = (last >= 0) & (first_new <= last)
+        if not tracing:
+            behind = behind & _right_padded(key_mask, length, batch, device)
+        shift = torch.where(behind, last + 1 - first_new, torch.zeros_like(first_new))
+        positions = positions + shift[:, None]
+    if tracing:
+        return MLRStep(cache, positions, valid, None, standard_masks, key_mask, position_bias)
+    facts = _read_facts(positions, valid, last, first, shift, tokens_before, checked_mask, embedding_positions,
+                        max_positions, geometries)
+    if isinstance(facts, torch.Tensor):  # uncached runs after padding that go behind the row: continued (rare)
+        positions = facts
+        facts = _read_facts(positions, valid, None, None, None, tokens_before, None, None, None, geometries)
+    return MLRStep(cache, positions, valid, facts, standard_masks, key_mask, position_bias)
+
+
+def _read_facts(positions, valid, last, first, shift, tokens_before, checked_mask, embedding_positions,
+                max_positions, geometries):
+    """Check the step's values and read its ``StepFacts`` back in one host read. Returns the facts, or (rare) the
+    corrected positions of an uncached chunk whose real runs after padding go behind the row (to be read again).
+    ``last`` / ``first`` (B,): the rows' newest / first cached real positions when the MLR cache is written (the
+    cache's rules: consecutive positions continuing each row), else None (uncached: positions increase)."""
+    batch, length = positions.shape
+    device = positions.device
+    big = NO_POSITION
+    index = torch.arange(length, device=device)
+    zero = torch.zeros((), dtype=torch.bool, device=device)
+    if valid is not None:
+        low_new = torch.where(valid, positions, big).amin(-1)
+        high_new = torch.where(valid, positions, -1).amax(-1)
+        offsets = positions - index
+        low_off = torch.where(valid, offsets, big).amin(-1)
+        high_off = torch.where(valid, offsets, -big).amax(-1)
+        has = valid.any(-1)
+        low_off, high_off = torch.where(has, low_off, 0), torch.where(has, high_off, 0)
+    else:
+        low_new, high_new = positions[:, 0], positions[:, -1]
+        low_off = high_off = positions[:, 0]
+        if length > 1:
+            high_new = positions.amax(-1)
+            low_new = positions.amin(-1)
+            offsets = positions - index
+            low_off, high_off = offsets.amin(-1), offsets.amax(-1)
+    parts = [low_new, high_new, low_off, high_off]  # per row, B values each
+    if last is not None:
+        # the real tokens of a row must be consecutive and continue the row (slots are addressed by position)
+        rank = valid.long().cumsum(-1) - 1 if valid is not None else index
+        start = torch.where(last >= 0, last + 1, low_new)
+        broken = positions != start[:, None] + rank
+        broken = (broken & valid).any(-1) if valid is not None else broken.any(-1)
+        parts += [last, first, shift, broken]
+        flags = [zero, zero]
+    else:
+        steps = positions[:, 1:] - positions[:, :-1]
+        if valid is not None:
+            steps = torch.where(valid[:, 1:] & valid[:, :-1], steps, 1)
+        restart = (steps <= 0).any() if length > 1 else zero
+        behind_run = zero
+        if valid is not None and length > 1:
+            held = torch.where(valid, positions, -big).cummax(-1).values
+            before = torch.cat([torch.full_like(held[:, :1], -big), held[:, :-1]], -1)
+            behind_run = (valid & (positions <= before)).any()
+        flags = [restart, behind_run]
+    flags.append(valid.all() if valid is not None else ~zero)
+    flags.append(((checked_mask != 0) & (checked_mask != 1)).any() if checked_mask is not None else zero)
+    scalars = [torch.stack(flags).long()]
+    if embedding_positions is not None:
+        scalars.append(torch.stack([embedding_positions.min(), embedding_positions.max()]).long())
+    if isinstance(tokens_before, torch.Tensor):
+        scalars.append(tokens_before.reshape(1).long().to(device))
+    # the one host read of the forward
+    values = torch.cat([part.long() for part in parts] + scalars).tolist()
+    rows = [values[i * batch:(i + 1) * batch] for i in range(len(parts))]
+    rest = values[len(parts) * batch:]
+    restart, behind_run, all_real, bad_mask = (bool(value) for value in rest[:4])
+    rest = rest[4:]
+    if embedding_positions is not None:
+        (low_embedding, high_embedding), rest = rest[:2], rest[2:]
+    if isinstance(tokens_before, torch.Tensor):
+        tokens_before = rest[0]
+    if bad_mask:
+        raise ValueError("attention_mask must be a keep-mask holding only 0 and 1 (1 = attend): additive masks (0 = "
+                         "attend, -inf = masked) are not accepted; pass (mask == 0) instead")
+    if embedding_positions is not None:
+        if low_embedding < 0:
+            raise ValueError(f"position_ids must be non-negative, got {low_embedding}")
+        if max_positions is not None and high_embedding >= max_positions[1]:
+            name, limit = max_positions
+            raise ValueError(f"position {high_embedding} is beyond {name}={limit}: this model has learned position "
+                             f"embeddings for positions < {limit}")
+    low_rows, high_rows, low_offsets, high_offsets = rows[:4]
+    lowest, highest = min(low_rows), max(high_rows)
+    if highest >= 0 and lowest < 0:
+        raise ValueError(f"positions must be non-negative for MLR attention, got {lowest}")
+    contiguous = [low == high for low, high in zip(low_offsets, high_offsets)]
+    uniform = low_offsets[0] if all(contiguous) and all(value == low_offsets[0] for value in low_offsets) else None
+    if last is None:
+        if restart:
+            raise ValueError("position_ids restart or decrease inside a row: packed sequences are not supported by "
+                             "MLR attention (pass one sequence per row, with padding)")
+        if behind_run:
+            return continue_runs(positions, valid)
+        firsts = [low if low != big else -1 for low in low_rows]
+        return StepFacts(tokens_before, bool(tokens_before), all_real, lowest, highest, max(high_rows),
+                         min(high_rows), None,
+                         max(firsts), False, uniform, all(contiguous), high_rows[0],
+                         _shared_blocks(geometries, high_rows) if all_real else ())
+    last_rows, first_rows, shifts, broken_rows = rows[4:]
+    for row in range(batch):
+        if broken_rows[row]:
+            _refuse_gap(row, last_rows[row], positions, valid)
+    shifted = [row for row in range(batch) if shifts[row]]
+    if shifted and not _WARNED_BEHIND:
+        _WARNED_BEHIND.append(True)
+        row = shifted[0]
+        warnings.warn(f"row {row}: new positions start {shifts[row]} behind the row's newest cached position "
+                      f"{last_rows[row]} + 1 (right padding?): MLR attention places them right after the row's real "
+                      f"tokens, behind its padding; pad on the left (tokenizer padding_side='left') to generate what "
+                      f"each row generates alone", stacklevel=5)
+    newest = [max(old, new) for old, new in zip(last_rows, high_rows)]
+    firsts = [min(old, new) for old, new in zip(first_rows, low_rows)]
+    continuing = all_real and all(old >= 0 and low == old + 1 for old, low in zip(last_rows, low_rows))
+    shared = newest[0] if continuing and all(value == newest[0] for value in newest) else None
+    return StepFacts(tokens_before, bool(tokens_before), all_real, lowest, highest, max(newest), min(newest), shared,
+                     max(firsts),
+                     continuing, uniform, all(contiguous), newest[0], _shared_blocks(geometries, newest))
+
+
+def _shared_blocks(geometries: tuple, newest: list) -> tuple:
+    """The block sizes (per geometry) for which every row's newest position is in the same block of every level."""
+    shared = []
+    for block_sizes in geometries:
+        if all(all(value // size == newest[0] // size for value in newest) for size in block_sizes):
+            shared.append(tuple(block_sizes))
+    return tuple(shared)
+
+
+def _refuse_gap(row: int, last: int, positions, valid) -> None:
+    real = positions[row] if valid is None else positions[row][valid[row]]
+    raise ValueError(f"the MLR cache addresses slots by position: the real tokens of a row must have consecutive "
+                     f"increasing positions continuing the row (row {row}: newest cached position {last}, new real "
+                     f"positions {real.tolist()}); packed sequences and gaps are not supported with a cache")
+
+
+def continue_runs(positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """(B, T) positions where each run of real tokens after padding that does not continue the row (transformers'
+    positions for the tokens generated after a right-padded prompt repeat the prompt's last ones) continues right
+    after the row's previous real token, as the MLR cache places it. Rare: a host loop over the rows' real runs."""
+    fixed = positions.clone()
+    for row in range(positions.shape[0]):
+        newest = None
+        for index in valid[row].nonzero().flatten().tolist():
+            if newest is not None and int(fixed[row, index]) <= newest:
+                fixed[row, index:] += newest + 1 - int(fixed[row, index])
+            newest = int(fixed[row, index])
+    return fixed
+
+
+__all__ = ["MLRStep", "NO_POSITION", "STEP_KEY", "StepFacts", "build_step", "continue_runs", "mlr_position_layer"]

@@ -1,0 +1,198 @@
+"""How a forward gets what its MLR layers need: a cache whose MLR layers hold the hierarchical form
+(``prepare_structattn_cache``, also what ``generate`` and ``new_cache`` use) and the step plan of the forward
+(``prepare_step``), shared by the GPT-2 family's forward, T5 and patched decoders (``forward_with_step`` wraps a
+transformers forward with a family's preparation)."""
+
+import dataclasses
+import inspect
+from typing import Callable, Optional
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer, EncoderDecoderCache, StaticLayer
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.utils.deprecation import deprecate_kwarg
+
+from .structattn_cache import MLR_CACHE_LAYERS, MLRKeyCacheLayer, MLRStaticKeyCacheLayer, self_attention_cache
+from .structattn_plan import STEP_KEY, MLRStep, build_step
+
+
+def _extend_layers(cache: Cache, num_layers: int) -> None:
+    """Give ``cache`` one layer per model layer: a lazily replicated cache gets its layers now, and a cache built from
+    a config that counts fewer layers than the stack it serves (transformers 5.24 sizes a T5 cache by ``num_layers``,
+    the encoder's, also when ``num_decoder_layers`` is larger) gets empty layers of its own kind appended."""
+    while len(cache.layers) < num_layers:
+        if cache.layer_class_to_replicate is not None:
+            cache.layers.append(cache.layer_class_to_replicate())
+        elif cache.layers and isinstance(cache.layers[-1], StaticLayer):
+            cache.layers.append(StaticLayer(max_cache_len=cache.layers[-1].max_cache_len))
+        else:
+            cache.layers.append(DynamicLayer())
+
+
+def prepare_structattn_cache(cache: Optional[Cache], geometries: dict, *, reserve: Optional[int] = None,
+                             num_layers: Optional[int] = None) -> Optional[Cache]:
+    """Give the MLR layers of ``cache`` (its self-attention part) their hierarchical form before they are written.
+
+    geometries: {layer_idx: MLRGeometry} of the model's MLR layers. An empty layer of a transformers cache built
+    from the config (``DynamicLayer``/``StaticLayer``, or an unbound MLR layer) becomes an MLR layer of the same
+    kind; a layer that already holds full-width keys stays as it is (exact, no saving). Lazily replicated caches
+    (``DynamicCache()`` without config) get their layers created here. ``reserve``: final length (generate) to
+    allocate exactly. Returns ``cache``."""
+    target = self_attention_cache(cache)
+    if target is None:
+        return cache
+    if num_layers is not None:
+        for part in (target, cache.cross_attention_cache) if isinstance(cache, EncoderDecoderCache) else (target,):
+            _extend_layers(part, num_layers)
+    for layer_idx, geometry in geometries.items():
+        if layer_idx >= len(target.layers):
+            continue
+        layer = target.layers[layer_idx]
+        if isinstance(layer, MLR_CACHE_LAYERS):
+            if not layer.is_bound and layer.get_seq_length() == 0:
+                layer.bind(geometry)
+        else:
+            recording = bool(getattr(layer, "record_past", False))
+            if type(layer) is DynamicLayer and layer.get_seq_length() == 0:
+                layer = target.layers[layer_idx] = MLRKeyCacheLayer(geometry)
+            elif type(layer) is StaticLayer and not layer.is_initialized:
+                layer = target.layers[layer_idx] = MLRStaticKeyCacheLayer(layer.max_cache_len, geometry)
+            else:
+                continue
+            if recording:  # generate activated rollback on the cache it built (an assistant's, a speculative run's)
+                layer.activate_past_recording()
+        if reserve is not None and isinstance(layer, MLRKeyCacheLayer) and layer.get_seq_length() == 0:
+            layer.reserve(reserve)
+    return cache
+
+
+def set_rollback_window(cache: Cache, tokens: Optional[int]) -> None:
+    """Let ``crop`` remove at most ``tokens`` tokens from every MLR layer of ``cache`` (None: everything written since
+    the last crop). The rollback log then costs ``tokens * sum_{l>=2} r_l`` entries per row and head (plus a bool and
+    a position per token), however long the context."""
+    if tokens is not None and (not isinstance(tokens, int) or tokens < 1):
+        raise ValueError(f"rollback window must be a positive number of tokens or None, got {tokens!r}")
+    for layer in self_attention_cache(cache).layers:
+        if isinstance(layer, MLR_CACHE_LAYERS):
+            layer.rollback_window = tokens
+
+
+def new_token_validity(mask: Optional[torch.Tensor], past, length: int) -> Optional[torch.Tensor]:
+    """(B, T) padding flags of the new tokens from a 2-D keep-mask or transformers' 4-D mask (a new token is real
+    iff its own key is allowed: the diagonal of its rows, at column ``past + i``), or None."""
+    if mask is None:
+        return None
+    if mask.dim() == 2:
+        return mask[:, -length:].bool()
+    if mask.dim() != 4 or mask.shape[-2] != length:
+        return None
+    rows = torch.arange(length, device=mask.device)
+    own = mask[:, 0][:, rows, (rows + past).clamp(max=mask.shape[-1] - 1)]  # (a short mask is refused after the read)
+    if own.dtype == torch.bool:
+        return own
+    return own > torch.finfo(own.dtype).min / 2 if own.is_floating_point() else own != 0
+
+
+def _check_mask_length(mask: torch.Tensor, batch: int, length: int, past: Optional[int]) -> None:
+    """One-line errors for a 2-D keep-mask that does not cover the cached and new tokens, or a 4-D mask that does not
+    reach them (``past``: the cached tokens, None when not yet known on the host: then only the new tokens)."""
+    covered = length if past is None else past + length
+    if mask.dim() == 2 and (mask.shape[-1] != covered if past is not None else mask.shape[-1] < covered):
+        shape = f"({batch}, {covered})" if past is not None else f"({batch}, cached + new tokens)"
+        raise ValueError(f"attention_mask must have shape {shape} (batch, cached + new tokens; 1 = attend), got "
+                         f"{tuple(mask.shape)}")
+    if mask.dim() == 4 and mask.shape[-1] < covered:
+        raise ValueError(f"a 4-D attention_mask must have shape ({batch}, 1, {length}, >= {covered}) (batch, 1, new "
+                         f"tokens, cached + new tokens), got {tuple(mask.shape)}")
+
+
+def _checkpointed_layers(model) -> frozenset:
+    """Indices of the attention layers whose cache transformers' activation checkpointing drops in this forward
+    (``GradientCheckpointingLayer`` passes such a layer ``cache=None`` in training with gradients)."""
+    if not (model.training and torch.is_grad_enabled()):
+        return frozenset()
+    indices = set()
+    for module in model.modules():
+        if isinstance(module, GradientCheckpointingLayer) and module.gradient_checkpointing and \
+                not module._can_checkpoint_with_cache:
+            indices.update(sub.layer_idx for sub in module.modules() if isinstance(getattr(sub, "layer_idx", None), int))
+    return frozenset(indices)
+
+
+def prepare_step(model, *, cache: Optional[Cache], batch: int, length: int, device,
+                 position_ids: Optional[torch.Tensor] = None, attention_mask: Optional[torch.Tensor] = None,
+                 count_positions: bool = False, max_positions: Optional[tuple] = None) -> MLRStep:
+    """The step plan of one forward of ``model`` (any family: ``model.structattn_cache_geometries()`` names its MLR
+    layers). ``cache``: the forward's cache (its self-attention part is used; its MLR layers get their hierarchical
+    form here unless tracing); ``position_ids``: the given (B, T) | (1, T) positions, or None (continue the cache, or
+    with ``count_positions`` count each row's real tokens: T5); ``attention_mask``: the caller's 2-D keep-mask over
+    cached + new tokens or 4-D mask, or None; ``max_positions``: (field, limit) of a learned position table.
+
+    Checks the mask's length against the cache once the plan has read the cache's length back (the one host read
+    of the forward)."""
+    tracing = torch.compiler.is_compiling()
+    target = self_attention_cache(cache)
+    if cache is not None and not tracing:  # a compiled step gets generate's prepared cache
+        prepare_structattn_cache(cache, model.structattn_cache_geometries(),
+                                 num_layers=model.structattn_num_cache_layers())
+    past = target.get_seq_length() if target is not None else 0
+    if position_ids is not None:
+        if position_ids.dim() == 1:
+            position_ids = position_ids[None]
+        positions = position_ids if position_ids.dim() == 2 else None  # (3, B, T) multimodal: refused later
+    elif count_positions:
+        positions = None
+    else:
+        positions = (torch.arange(length, device=device) + past)[None]
+    valid = key_mask = checked = None
+    standard = not isinstance(attention_mask, dict)  # per-layer-type masks the caller built
+    if not isinstance(attention_mask, torch.Tensor):
+        attention_mask = None
+    if attention_mask is not None:
+        _check_mask_length(attention_mask, batch, length, None if isinstance(past, torch.Tensor) else past)
+    if attention_mask is not None and attention_mask.dim() == 2:
+        valid = attention_mask[:, -length:].bool().to(device).expand(batch, length)
+        key_mask = attention_mask
+        if attention_mask.dtype != torch.bool:
+            checked = attention_mask
+    elif attention_mask is not None and attention_mask.dim() == 4:
+        valid = new_token_validity(attention_mask, past, length)
+        valid = None if valid is None else valid.expand(batch, length)
+        standard = False
+    geometries = tuple(sorted({tuple(geometry.block_sizes) for geometry in model.structattn_cache_geometries()
+                               .values()}))
+    step = build_step(cache=target, positions=positions, valid=valid, batch=batch, length=length, device=device,
+                      key_mask=key_mask, standard_masks=standard, checked_mask=checked,
+                      embedding_positions=positions if max_positions is not None else None,
+                      max_positions=max_positions, geometries=geometries)
+    dropped = _checkpointed_layers(model)
+    if dropped:
+        step = dataclasses.replace(step, uncached_layers=dropped)
+    if step.facts is not None and attention_mask is not None and isinstance(past, torch.Tensor):
+        _check_mask_length(attention_mask, batch, length, step.facts.tokens_before)
+    return step
+
+
+def forward_with_step(base, prepare: Callable):
+    """``forward`` of a model class built on the transformers class ``base``: ``prepare(self, kwargs)`` fills the
+    keyword arguments (the cache, the step plan under ``STEP_KEY``) and returns them, or None to call ``base.forward``
+    unchanged; then the base forward runs. It keeps the base signature (``generate`` reads it to decide what to
+    pass) and transformers' renaming of ``past_key_values``."""
+    signature = inspect.signature(base.forward)
+    positional = [name for name, parameter in signature.parameters.items()
+                  if parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD)][1:]
+
+    def forward(self, *args, **kwargs):
+        kwargs.update(zip(positional, args))
+        return base.forward(self, **prepare(self, kwargs))
+
+    forward.__signature__ = signature
+    forward.__doc__ = base.forward.__doc__
+    if "cache" in signature.parameters:  # transformers' own renaming and FutureWarning for ``past_key_values``
+        forward = deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")(forward)
+    forward.__name__ = "forward"
+    return forward
+
+
+__all__ = ["STEP_KEY", "forward_with_step", "new_token_validity", "prepare_step", "prepare_structattn_cache",
+           "set_rollback_window"]

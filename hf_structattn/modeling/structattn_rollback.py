@@ -1,0 +1,178 @@
+"""Rollback of the hierarchical MLR key cache for speculative decoding (``crop``).
+
+transformers calls ``cache.activate_past_recording()`` before it may ``crop`` (assisted and prompt-lookup decoding).
+While recording, each write logs what it overwrites: per new token the finer levels' ring entries its write replaces
+(as they were just before that token), its position and whether it is real. ``crop(-n)`` restores the state of the
+n-token-shorter prefix exactly, across block boundaries at every level; ``crop(0)`` drops the log. Level-1 keys and
+values need no log: slots are addressed by position, so the cropped slots are simply past the rows' newest position.
+
+The log is one set of fixed buffers per layer (``RollbackLog``): ``window`` tokens of ``H * sum_{l>=2} r_l`` entries,
+a position and a flag per row, grown outside compiled code when a longer window is asked for. With a rollback window
+(``generate`` sets it from the draft length) only the last ``window`` writes are kept: O(draft), whatever the
+context length.
+"""
+
+from typing import Optional
+
+import torch
+
+from .structattn_plan import NO_POSITION
+
+
+class RollbackLog:
+    """Fixed buffers holding what the last writes replaced: valid (B, n) bool, positions (B, n) int64 and the old
+    fine entries (B, H, n, sum_{l>=2} r_l), ``count`` tokens of them in use (oldest first)."""
+
+    def __init__(self):
+        self.buffers = None
+        self.count = 0
+
+    def tensors(self) -> tuple:
+        return self.buffers or ()
+
+    def start(self, batch: int, heads: int, fine_width: int, tokens: int, like: torch.Tensor) -> None:
+        """Begin a log of up to ``tokens`` tokens (buffers kept when they are large enough)."""
+        if self.buffers is None or self.buffers[0].shape[1] < tokens or self.buffers[2].shape[:2] != (batch, heads):
+            self.buffers = (torch.zeros(batch, tokens, dtype=torch.bool, device=like.device),
+                            torch.zeros(batch, tokens, dtype=torch.long, device=like.device),
+                            like.new_zeros(batch, heads, tokens, fine_width))
+        self.count = 0
+
+    def append(self, old_fine: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
+               window: Optional[int]) -> None:
+        """Log one write of c tokens (old_fine (B, H, c, F), positions / valid (B, c)); with a ``window`` only the
+        last ``window`` logged tokens are kept."""
+        chunk = positions.shape[1]
+        if window is not None and self.count + chunk > window and not torch.compiler.is_compiling():
+            if chunk >= window:  # only the chunk's last ``window`` tokens can be rolled back
+                old_fine, positions, valid = old_fine[:, :, -window:], positions[:, -window:], valid[:, -window:]
+                self.count, chunk = 0, window
+            else:  # forget the oldest logged writes
+                keep = window - chunk
+                start = self.count - keep
+                for tensor in self.buffers:
+                    axis = tensor.dim() - 2 if tensor.dim() == 4 else 1
+                    tensor.narrow(axis, 0, keep).copy_(tensor.narrow(axis, start, keep).clone())
+                self.count = keep
+        capacity = self.buffers[0].shape[1]
+        if self.count + chunk > capacity:
+            if torch.compiler.is_compiling():
+                raise ValueError(f"the MLR cache records at most {capacity} tokens between crops; set a larger "
+                                 f"rollback window (structattn_prepare.set_rollback_window)")
+            kept = [tensor.narrow(2 if tensor.dim() == 4 else 1, 0, self.count) for tensor in self.buffers]
+            count, batch, heads, width = self.count, *self.buffers[2].shape[:2], self.buffers[2].shape[-1]
+            self.buffers = None
+            self.start(batch, heads, width, max(2 * capacity, count + chunk), kept[2])
+            for old, new in zip(kept, self.buffers):
+                new.narrow(2 if new.dim() == 4 else 1, 0, count).copy_(old)
+            self.count = count
+        valid_log, position_log, fine_log = self.buffers
+        valid_log.narrow(1, self.count, chunk).copy_(valid)
+        position_log.narrow(1, self.count, chunk).copy_(positions)
+        fine_log.narrow(2, self.count, chunk).copy_(old_fine)
+        self.count += chunk
+
+    def last(self, tokens: int) -> tuple:
+        """(valid, positions, old fine entries) of the last ``tokens`` logged tokens, oldest first."""
+        valid_log, position_log, fine_log = self.buffers
+        start = self.count - tokens
+        return valid_log.narrow(1, start, tokens), position_log.narrow(1, start, tokens), \
+            fine_log.narrow(2, start, tokens)
+
+    @property
+    def tokens(self) -> int:
+        return self.count if self.buffers is not None else 0
+
+    def clear(self) -> None:
+        self.count = 0
+
+    def apply(self, fn) -> None:
+        """Apply a per-row function (beam reordering, batch selection) to the logged rows."""
+        if self.buffers is not None:
+            self.buffers = tuple(fn(tensor) for tensor in self.buffers)
+
+
+class RollbackMixin:
+    """``activate_past_recording`` / ``crop`` of an MLR cache layer (``MLRCacheLayerMixin``), whose storage provides
+    ``rings`` (per fine level (B, H, W_l, r_l)), ``first_positions`` / ``last_positions``, ``base``, ``geometry`` and
+    ``_rewind(tokens)``."""
+
+    # the most tokens a crop can remove (the log keeps what the last ``rollback_window`` writes replaced); None:
+    # everything written since the last crop. ``generate`` sets it from the draft length of speculative decoding
+    rollback_window: Optional[int] = None
+    rollback_tokens = 64  # the log's initial size when no window is set
+
+    @property
+    def record_past(self) -> bool:
+        return self._record_past
+
+    @record_past.setter
+    def record_past(self, value: bool) -> None:
+        # transformers turns recording off by assignment when it hands a cache back (generate's deferred stop check)
+        self._record_past = bool(value)
+        if not value and self.is_initialized and self.is_bound:
+            self.rollback_log.clear()
+
+    def activate_past_recording(self) -> None:
+        """Log what each write overwrites until the next ``crop`` (transformers calls this before speculative
+        decoding), so that ``crop(-n)`` can restore the state of the shorter prefix exactly."""
+        self.record_past = True
+        if self.is_initialized and self.is_bound:
+            self._start_log()
+
+    def _start_log(self) -> None:
+        fine = self.fine_storage
+        self.rollback_log.start(fine.shape[0], fine.shape[1], sum(self.geometry.ranks[1:]),
+                                self.rollback_window or self.rollback_tokens, fine)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` tokens (a negative int, transformers' convention; 0 only drops the
+        rollback log). Removing tokens needs ``activate_past_recording()`` before they were written."""
+        if not self.is_bound:
+            return super().crop(tokens_to_remove)
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}")
+        count = -tokens_to_remove
+        if count and not self.record_past:
+            raise ValueError("the MLR key cache can roll back only tokens written while recording: call "
+                             "cache.activate_past_recording() before the tokens that crop removes are written "
+                             "(transformers does this for assisted and prompt-lookup decoding)")
+        logged = self.rollback_log.tokens
+        if count > logged:
+            raise ValueError(f"crop(-{count}): only the {logged} tokens written since the last crop can be rolled "
+                             f"back (finer levels keep only the current block's keys)")
+        if count:
+            self._restore(*self.rollback_log.last(count))
+        self.rollback_log.clear()
+
+    def _restore(self, valid: torch.Tensor, positions: torch.Tensor, old_fine: torch.Tensor) -> None:
+        """Undo the writes of n tokens: valid, positions (B, n) oldest first; old_fine (B, H, n, sum r_l), what each
+        token's write replaced. An entry written by several of them gets back what the oldest one replaced."""
+        geometry = self.geometry
+        batch, heads, count = old_fine.shape[:3]
+        real = valid
+        index = torch.arange(count, device=positions.device)
+        offset = 0
+        for rank, size, ring in zip(geometry.ranks[1:], geometry.block_sizes, self.rings):
+            # every token writes back what the oldest removed real token of its row with the same entry replaced (the
+            # entry's value before the removed tokens), so tokens that share an entry write the same value; an entry
+            # no real token wrote keeps its value
+            entries = ((positions - self.base) % size).clamp(min=0, max=ring.shape[-2] - 1)
+            same = (entries[:, :, None] == entries[:, None, :]) & real[:, None, :]  # (B, n, n)
+            oldest = torch.where(same, index, count).amin(-1)  # (B, n)
+            target = entries[:, None, :, None].expand(batch, heads, count, rank)
+            source = old_fine[..., offset:offset + rank].gather(
+                2, oldest.clamp(max=count - 1)[:, None, :, None].expand(batch, heads, count, rank))
+            restored = torch.where((oldest < count)[:, None, :, None], source.to(ring.dtype), ring.gather(2, target))
+            ring.scatter_(2, target, restored)
+            offset += rank
+        held = torch.where(real, positions, NO_POSITION).amin(-1)  # the oldest removed real position per row
+        removed = held != NO_POSITION
+        emptied = removed & (held <= self.first_positions)
+        last = torch.where(removed, held - 1, self.last_positions)
+        self.last_positions.copy_(torch.where(emptied, torch.full_like(last, -1), last))
+        self.first_positions.copy_(torch.where(emptied, torch.full_like(last, NO_POSITION), self.first_positions))
+        self._rewind(count)
+
+
+__all__ = ["RollbackLog", "RollbackMixin"]
