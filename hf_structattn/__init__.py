@@ -45,6 +45,7 @@ _LAZY = {
     "resolve_level_scales": "modeling.structattn_geometry",
     "validate_mlr_geometry": "modeling.structattn_geometry",
     "mlr_attention": "modeling.structattn_mlr",
+    "mlr_exportable_decoder": "modeling.structattn_prepare",
     "mlr_attention_reference": "modeling.structattn_reference",
     "patch": "patching",
     "patch_report": "patching",

@@ -252,17 +252,19 @@ def _checked_positions(positions: torch.Tensor, valid: Optional[torch.Tensor]) -
     return continue_runs(positions, valid)  # rare (right-padded generation)
 
 
-def _key_positions(query_positions: torch.Tensor, valid_queries: Optional[torch.Tensor], slots: int) -> torch.Tensor:
-    """(B, S) positions of the keys of an ordinary cache (full keys in token order, the chunk being the last T):
-    consecutive and ending at the chunk, derived per row from its last real query."""
+def _key_positions(query_positions: torch.Tensor, valid_queries: Optional[torch.Tensor], written,
+                   key_length: int) -> torch.Tensor:
+    """(B, K) positions of the keys of an ordinary cache (full keys in token order, the chunk being the last T of the
+    ``written`` tokens, an int or, while tracing a static cache, a tensor): consecutive and ending at the chunk,
+    derived per row from its last real query (slots past ``written`` get positions too; they are not valid keys)."""
     length = query_positions.shape[1]
     index = torch.arange(length, device=query_positions.device).expand_as(query_positions)
     if valid_queries is not None:
         last = torch.where(valid_queries, index, torch.zeros_like(index)).amax(dim=1, keepdim=True)
     else:
         last = torch.full_like(query_positions[:, :1], length - 1)
-    offset = query_positions.gather(1, last) - (slots - length) - last
-    return offset + torch.arange(slots, device=query_positions.device)
+    offset = query_positions.gather(1, last) - (written - length) - last
+    return offset + torch.arange(key_length, device=query_positions.device)
 
 
 # ------------------------------------------------------------------------------------------- the functions
@@ -572,7 +574,12 @@ def _forward(module, query, key, value, attention_mask, scaling, dropout, eager,
         own = _own_key_allowed(allowed, written - length).expand(batch, length)
         valid_keys = own if key_length == length else None
     query, key = _reorder(query, key, geometry)
-    valid_queries = None if valid_keys is None else valid_keys[:, written - length:written]
+    valid_queries = None
+    if valid_keys is not None and isinstance(written, torch.Tensor):  # a traced static cache: no data-dependent slice
+        columns = written - length + torch.arange(length, device=valid_keys.device)
+        valid_queries = valid_keys.gather(1, columns.expand(valid_keys.shape[0], length))
+    elif valid_keys is not None:
+        valid_queries = valid_keys[:, written - length:written]
     if step is not None and step.positions is not None:
         positions = step.positions
     else:
@@ -593,9 +600,7 @@ def _forward(module, query, key, value, attention_mask, scaling, dropout, eager,
     slot = torch.arange(key_length, device=query.device)
     key_valid = slot < written if valid_keys is None else valid_keys & (slot < written)
     key_valid = key_valid.expand(batch, key_length)
-    key_positions = _key_positions(positions, valid_queries, written)
-    if written != key_length:
-        key_positions = torch.cat([key_positions, key_positions.new_zeros(batch, key_length - written)], dim=-1)
+    key_positions = _key_positions(positions, valid_queries, written, key_length)
     if allowed is not None:  # keys in token order: the mask applies as given (rows are group-major)
         additive = _additive(allowed, softmax_dtype(rows.dtype)).repeat(1, 1, groups, 1)
         bias = additive if bias is None else bias + additive

@@ -396,9 +396,13 @@ class MLRCacheLayerMixin(RollbackMixin):
         else:
             newest = torch.where(count > 0, last_new, -1)
             oldest = torch.where(count > 0, start, NO_POSITION)
-        last_before = self.last_positions.clone()
-        last_after = torch.maximum(self.last_positions, newest)
-        first_after = torch.minimum(self.first_positions, oldest)
+        # the rows' spans before the chunk as the step sees them (a traced program fed from position 0 again starts
+        # them afresh)
+        # (a copy: the layers' own positions are overwritten by the writes, and the chunk's reads need the old ones)
+        last_before = (self.last_positions if step.last_before is None else step.last_before).clone()
+        first_before = self.first_positions if step.first_before is None else step.first_before
+        last_after = torch.maximum(last_before, newest)
+        first_after = torch.minimum(first_before, oldest)
         return ChunkWritePlan(rows, slot, column, fine_element, fine_column, own_element, keep, last_after,
                               first_after, last_before, log_source)
 

@@ -70,7 +70,10 @@ class MLRStep:
     mask); key_mask: the caller's 2-D keep-mask over cached and new tokens, or None; position_bias: T5's relative
     bias of the decoder self-attention over token indices (1, H, c, K) when its MLR layers read a cache (T5 sizes
     the bias by the key length ``cache.update`` returns, which for an MLR layer is the chunk's); uncached_layers: the
-    indices of the layers that get no cache in this forward (transformers' activation checkpointing drops it)."""
+    indices of the layers that get no cache in this forward (transformers' activation checkpointing drops it);
+    last_before, first_before: (B,) the rows' newest / first real position the MLR layers hold before the forward
+    (-1 / ``NO_POSITION`` for a row without one, and for every row of a traced program fed from position 0 again), or
+    None without an MLR layer."""
 
     cache: Optional[object]
     positions: Optional[torch.Tensor]
@@ -80,6 +83,8 @@ class MLRStep:
     key_mask: Optional[torch.Tensor] = None
     position_bias: Optional[torch.Tensor] = None
     uncached_layers: frozenset = frozenset()
+    last_before: Optional[torch.Tensor] = None
+    first_before: Optional[torch.Tensor] = None
     memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     def layer(self, layer_idx: Optional[int]):
@@ -177,13 +182,15 @@ def build_step(*, cache, positions: Optional[torch.Tensor], valid: Optional[torc
         shift = torch.where(behind, last + 1 - first_new, torch.zeros_like(first_new))
         positions = positions + shift[:, None]
     if tracing:
-        return MLRStep(cache, positions, valid, None, standard_masks, key_mask, position_bias)
+        return MLRStep(cache, positions, valid, None, standard_masks, key_mask, position_bias, last_before=last,
+                       first_before=first)
     facts = _read_facts(positions, valid, last, first, shift, tokens_before, checked_mask, embedding_positions,
                         max_positions, geometries)
     if isinstance(facts, torch.Tensor):  # uncached runs after padding that go behind the row: continued (rare)
         positions = facts
         facts = _read_facts(positions, valid, None, None, None, tokens_before, None, None, None, geometries)
-    return MLRStep(cache, positions, valid, facts, standard_masks, key_mask, position_bias)
+    return MLRStep(cache, positions, valid, facts, standard_masks, key_mask, position_bias, last_before=last,
+                   first_before=first)
 
 
 def _read_facts(positions, valid, last, first, shift, tokens_before, checked_mask, embedding_positions,

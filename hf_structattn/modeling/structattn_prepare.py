@@ -194,5 +194,39 @@ def forward_with_step(base, prepare: Callable):
     return forward
 
 
-__all__ = ["STEP_KEY", "forward_with_step", "new_token_validity", "prepare_step", "prepare_structattn_cache",
+def mlr_exportable_decoder(model, batch_size: int = 1, max_cache_len: Optional[int] = None, device=None):
+    """transformers' ExecuTorch recipe (``TorchExportableModuleForDecoderOnlyLM``: forward(input_ids, cache_position)
+    -> logits over a static cache, ``.export(...)``) for a model of this package, with the MLR layers of its static
+    cache in hierarchical form: each becomes an ``MLRStaticKeyCacheLayer``, allocated now (base 0), and all its
+    tensors are module buffers as the recipe registers keys, values and cumulative lengths (``key_cache_{i}``,
+    ``value_cache_{i}``, ``cumulative_length_{i}``, and ``fine_cache_{i}``, ``first_positions_{i}``,
+    ``last_positions_{i}`` for the MLR layers), so that ``torch.export`` carries them as mutable state. The recipe
+    asks for ``generation_config.cache_implementation == "static"``; the model's own generation config is left as
+    it was."""
+    from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
+
+    generation_config = model.generation_config
+    previous = generation_config.cache_implementation
+    generation_config.cache_implementation = "static"
+    try:
+        wrapper = TorchExportableModuleForDecoderOnlyLM(model, batch_size=batch_size, max_cache_len=max_cache_len,
+                                                        device=device)
+    finally:
+        generation_config.cache_implementation = previous
+    inner = wrapper.model
+    cache = getattr(inner, "static_cache", None) or inner.cache
+    for index, geometry in model.structattn_cache_geometries().items():
+        old = cache.layers[index]
+        layer = MLRStaticKeyCacheLayer(old.max_cache_len, geometry)
+        layer.lazy_initialization(old.keys, old.values)  # shapes, dtype and device of the recipe's allocation
+        cache.layers[index] = layer
+        buffers = {"key_cache": layer.keys, "value_cache": layer.values, "cumulative_length": layer.cumulative_length,
+                   "fine_cache": layer.fine_storage, "first_positions": layer.first_positions,
+                   "last_positions": layer.last_positions}
+        for name, tensor in buffers.items():
+            inner.register_buffer(f"{name}_{index}", tensor, persistent=False)
+    return wrapper
+
+
+__all__ = ["STEP_KEY", "forward_with_step", "mlr_exportable_decoder", "new_token_validity", "prepare_step", "prepare_structattn_cache",
            "set_rollback_window"]
