@@ -180,7 +180,9 @@ def _compare(args) -> dict:
     layers = {name: [type(layer).__module__ for layer in state[name]["cache"].layers
                      if getattr(layer, "pending", None) is not None or hasattr(layer, "geometry")]
               for name in ("old", "new")}
-    consumed = all(layer.pending is None for name in ("old", "new") for layer in state[name]["cache"].layers)
+    # (payloads before the explicit state flow stashed the written chunk on the layer until the attention took it)
+    consumed = all(getattr(layer, "pending", None) is None for name in ("old", "new")
+                   for layer in state[name]["cache"].layers)
     result = {"medians": medians, "ratios": ratios, "logit difference": difference, "layer modules": layers,
               "pending consumed": consumed}
     if args.json:

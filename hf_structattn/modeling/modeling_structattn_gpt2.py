@@ -204,9 +204,6 @@ class StructAttnGPT2PreTrainedModel(StructAttnPreTrainedMixin, PreTrainedModel):
     structattn_auto_map = GPT2_AUTO_MAP
     structattn_max_positions_field = "n_positions"
 
-    def structattn_cache_geometries(self) -> dict:
-        return self.config.mlr_layer_geometries()
-
     def structattn_num_cache_layers(self) -> int:
         return self.config.n_layer
 
@@ -291,9 +288,8 @@ class StructAttnGPT2Model(StructAttnGPT2PreTrainedModel):
         step = prepare_step(self, cache=cache, batch=batch, length=length, device=inputs_embeds.device,
                             position_ids=position_ids, attention_mask=attention_mask,
                             max_positions=("n_positions", self.config.n_positions))
-        if position_ids is None:
-            past = cache.get_seq_length() if cache is not None else 0
-            position_ids = (torch.arange(length, device=inputs_embeds.device) + past)[None]
+        if position_ids is None:  # continuing the cache: the plan's positions (no row is continued behind them)
+            position_ids = step.positions[:1]
         if attention_mask is not None and attention_mask.dim() == 2:
             attention_mask = attention_mask.bool().expand(batch, -1)
         hidden_states = inputs_embeds + self.wpe(position_ids)

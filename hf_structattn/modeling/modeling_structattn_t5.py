@@ -256,9 +256,6 @@ class StructAttnT5PreTrainedModel(StructAttnPreTrainedMixin, T5PreTrainedModel):
         install_t5_structured_attention(self, self.config)
         super().post_init()
 
-    def structattn_cache_geometries(self) -> dict:
-        return self.config.mlr_layer_geometries()
-
     def structattn_num_cache_layers(self) -> Optional[int]:
         return self.config.num_decoder_layers
 
@@ -294,9 +291,6 @@ class StructAttnT5EncoderModel(StructAttnT5PreTrainedModel, T5EncoderModel):
     """``transformers.T5EncoderModel`` with structured encoder self-attention."""
 
     forward = forward_with_step(T5EncoderModel, _prepare)
-
-    def structattn_cache_geometries(self) -> dict:
-        return {}
 
 
 StructAttnT5Config.register_for_auto_class()

@@ -92,6 +92,14 @@ class MLRLayerConfig:
         return f"MLRLayerConfig({type(self.base_config).__name__}, {self.mlr_geometry})"
 
 
+_INSTALLATIONS = [0]
+
+
+def installations() -> int:
+    """How many times MLR attention was installed in this process (models memoise what they find installed)."""
+    return _INSTALLATIONS[0]
+
+
 def install_mlr_attention(module: torch.nn.Module, geometry: MLRGeometry) -> None:
     """Make ``module`` (any attention module that dispatches through ``ALL_ATTENTION_FUNCTIONS`` with
     ``self.config._attn_implementation``) run MLR attention of ``geometry``. Its parameters are untouched."""
@@ -99,6 +107,7 @@ def install_mlr_attention(module: torch.nn.Module, geometry: MLRGeometry) -> Non
     if isinstance(config, MLRLayerConfig):
         config = config.base_config
     module.config = MLRLayerConfig(config, geometry)
+    _INSTALLATIONS[0] += 1
 
 
 def mlr_geometry_of(module: torch.nn.Module) -> Optional[MLRGeometry]:

@@ -150,17 +150,17 @@ class MLRCacheLayerMixin(RollbackMixin):
         return self._fine
 
     @property
-    def ring_widths(self) -> list:
+    def ring_widths(self) -> tuple:
         """Entries W_l = min(b_l, capacity) of each ring."""
-        return self._ring_widths(self.capacity) if self._fine is not None else []
+        return self._ring_widths(self.capacity) if self._fine is not None else ()
 
-    def _ring_widths(self, capacity: int) -> list:
+    def _ring_widths(self, capacity: int) -> tuple:
         if torch.compiler.is_compiling():  # no attribute writes in a traced step
-            return [min(size, capacity) for size in self.geometry.block_sizes]
+            return tuple(min(size, capacity) for size in self.geometry.block_sizes)
         cached = self._widths_at  # per-step Python of an eager decode step adds up: computed once per capacity
         if cached is None or cached[0] != capacity or cached[1] is not self.geometry:
-            cached = self._widths_at = (capacity, self.geometry, [min(size, capacity) for size in
-                                                                  self.geometry.block_sizes])
+            cached = self._widths_at = (capacity, self.geometry, tuple(min(size, capacity) for size in
+                                                                       self.geometry.block_sizes))
         return cached[2]
 
     def _fine_views(self, fine: torch.Tensor, capacity: int) -> list:
@@ -254,7 +254,8 @@ class MLRCacheLayerMixin(RollbackMixin):
             self._lazy_init(keys, values, step)
         held = facts.held if facts is not None else True
         with torch.no_grad():
-            keys_in, values_in = keys.detach(), values.detach()
+            keys_in = keys.detach() if keys.requires_grad else keys
+            values_in = values.detach() if values.requires_grad else values
             if facts is not None:
                 self._ensure_capacity(max(facts.newest - self.base + 1, 1), keys_in, values_in)
             if chunk == 1 and facts is not None and facts.continuing and not self.record_past:
@@ -272,7 +273,7 @@ class MLRCacheLayerMixin(RollbackMixin):
         if facts is not None:  # eager: the slots up to the newest position (a narrowed view the matmuls read)
             slots = max(facts.newest - self.base + 1, 1)
             keys, values = keys.narrow(2, 0, slots), values.narrow(2, 0, slots)
-        return MLRCacheView(keys, values, self._fine, tuple(self.ring_widths), self.base, self.first_positions,
+        return MLRCacheView(keys, values, self._fine, self.ring_widths, self.base, self.first_positions,
                             self.last_positions, last_before, replaced, held, self.cumulative_length)
 
     # ------------------------------------------------------------------ writes
@@ -295,26 +296,29 @@ class MLRCacheLayerMixin(RollbackMixin):
         """One real token per row continuing the row (an eager decode step): every row's token into one slot by
         narrowed copies and one ``index_copy_`` of the fine dims, or (rows at different positions) indexed
         assignments."""
-        rank = self.geometry.ranks[0]
-        widths = tuple(self.ring_widths)
+        geometry = self.geometry
+        rank = geometry.ranks[0]
         if facts.shared_newest is not None:
             slot = facts.shared_newest - self.base
             self.keys_storage().narrow(2, slot, 1).copy_(keys[..., :rank])
             self.values_storage().narrow(2, slot, 1).copy_(values)
-            if self.geometry.block_sizes:
-                index = step.memoised(("decode element", self.geometry.ranks, self.geometry.block_sizes, widths,
-                                       slot), lambda: self._fine_index_of_slot(slot, keys.device))
+            if geometry.block_sizes:
+                key = ("decode element", id(geometry), self.ring_widths, slot)
+                index = step.memo.get(key)
+                if index is None:
+                    index = step.memo[key] = self._fine_index_of_slot(slot, keys.device)
                 self._fine.index_copy_(2, index, keys[:, :, 0, rank:])
+            self.last_positions.fill_(facts.shared_newest)
         else:
             position = step.positions[:, 0]
-            rows, index = step.memoised(("decode rows", self.geometry.ranks, self.geometry.block_sizes, widths,
-                                         self.base), lambda: self._row_decode_index(position))
+            rows, index = step.memoised(("decode rows", id(geometry), self.ring_widths, self.base),
+                                        lambda: self._row_decode_index(position))
             slot = position - self.base
             self.keys_storage()[rows, :, slot] = keys[:, :, 0, :rank]
             self.values_storage()[rows, :, slot] = values[:, :, 0]
-            if self.geometry.block_sizes:  # (B, sum r_l, H): advanced indices before the sliced head axis come first
+            if geometry.block_sizes:  # (B, sum r_l, H): advanced indices before the sliced head axis come first
                 self._fine[rows[:, None], :, index] = keys[:, :, 0, rank:].transpose(1, 2)
-        self.last_positions.copy_(step.positions[:, 0])
+            self.last_positions.copy_(position)
         self._advance(1, facts.newest - self.base + 1)
 
     def _fine_index_of_slot(self, slot: int, device) -> torch.Tensor:
@@ -334,7 +338,7 @@ class MLRCacheLayerMixin(RollbackMixin):
 
     def _write_plan(self, step: MLRStep) -> ChunkWritePlan:
         geometry = self.geometry
-        key = ("chunk write", geometry.ranks, geometry.block_sizes, self.base, self.capacity)
+        key = ("chunk write", id(geometry), self.base, self.capacity)
         return step.memoised(key, lambda: self._make_write_plan(step))
 
     def _make_write_plan(self, step: MLRStep) -> ChunkWritePlan:
@@ -535,7 +539,6 @@ class MLRKeyCacheLayer(MLRCacheLayerMixin, DynamicLayer):
         self._fine = self._new_fine(like_keys, capacity)
         self.rings = self._fine_views(self._fine, capacity)
         self._used = 0
-        self._refresh_views()
 
     @property
     def capacity(self) -> int:
@@ -555,7 +558,6 @@ class MLRKeyCacheLayer(MLRCacheLayerMixin, DynamicLayer):
             else:  # a ring that grew (capacity was below b_l): entries keep their index (position - base)
                 new.narrow(2, 0, old.shape[-2]).copy_(old)
         self._used = used
-        self._refresh_views()
 
     def keys_storage(self) -> torch.Tensor:
         return self._storage[0]
@@ -572,26 +574,37 @@ class MLRKeyCacheLayer(MLRCacheLayerMixin, DynamicLayer):
         self.cumulative_length += chunk
         if newest_slot is not None:  # the step's facts: the rows' newest position after the write, over all rows
             self._used = newest_slot
-        self._refresh_views()
 
     def _rewind(self, tokens: int) -> None:
         # the slots in use after a crop are known at the next write (its step reads the rows' newest positions);
         # reading them here would cost a host read per layer and crop
         self.cumulative_length -= tokens
         self._used = None
-        self._refresh_views()
 
-    def _refresh_views(self) -> None:
-        # ``keys`` / ``values``: the slots in use, or the tokens seen when more (padding included), as transformers'
-        # layers expose what they hold
-        if self._storage is None:
-            return
+    # ``keys`` / ``values`` as transformers' layers expose what they hold: the slots in use, or the tokens seen when
+    # more (padding included); views made when read (the forwards read the storage through ``store``'s view)
+    @property
+    def keys(self):
+        return self._exposed(0) if self._storage is not None else self._plain[0]
+
+    @keys.setter
+    def keys(self, value) -> None:
+        self._plain = (value, getattr(self, "_plain", (None, None))[1])
+
+    @property
+    def values(self):
+        return self._exposed(1) if self._storage is not None else self._plain[1]
+
+    @values.setter
+    def values(self, value) -> None:
+        self._plain = (getattr(self, "_plain", (None, None))[0], value)
+
+    def _exposed(self, index: int) -> torch.Tensor:
         used = self._used if self._used is not None else self.capacity
-        length = min(max(used, self.cumulative_length), self.capacity)
-        self.keys = self._storage[0].narrow(2, 0, length)
-        self.values = self._storage[1].narrow(2, 0, length)
+        return self._storage[index].narrow(2, 0, min(max(used, self.cumulative_length), self.capacity))
 
     def _drop_storage(self) -> None:
+        self._storage = None
         self.keys = self.values = None
         self.is_initialized = False
 
@@ -607,7 +620,6 @@ class MLRKeyCacheLayer(MLRCacheLayerMixin, DynamicLayer):
         self._storage = tuple(fn(tensor) for tensor in self._storage)
         self._fine = fn(self._fine)
         self.rings = self._fine_views(self._fine, self.capacity)
-        self._refresh_views()
 
     def reset(self) -> None:
         if not self.is_bound:

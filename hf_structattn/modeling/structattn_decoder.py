@@ -74,10 +74,6 @@ def _post_init(self):
     return StructAttnPreTrainedMixin.post_init(self)
 
 
-def _cache_geometries(self) -> dict:
-    return decoder_geometries(self.config.get_text_config(decoder=True))
-
-
 def _num_cache_layers(self) -> int:
     return self.config.get_text_config(decoder=True).num_hidden_layers
 
@@ -224,7 +220,6 @@ def mlr_model_class(base, auto_class: str = "AutoModelForCausalLM"):
             "post_init": _post_init,
             "forward": _forward_with_step(base),
             "save_pretrained": _save_pretrained,
-            "structattn_cache_geometries": _cache_geometries,
             "structattn_num_cache_layers": _num_cache_layers,
             "_mlr_base": base.__name__,
         }

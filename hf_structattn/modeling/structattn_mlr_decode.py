@@ -374,7 +374,8 @@ def mlr_cached_attention(query: torch.Tensor, chunk_keys: torch.Tensor, view, st
     chunk = chunk_keys.shape[2]
     slots = view.keys.shape[2]
     work = softmax_dtype(query.dtype)
-    key = (geometry.ranks, geometry.block_sizes, geometry.average_levels, view.base, slots, view.ring_widths, work)
+    # the geometry object (one per config, alive for the forward) stands for its fields: a cheaper hash
+    key = (id(geometry), view.base, slots, view.ring_widths, work)
     if chunk == 1:
         plan = step.memoised(("decode read",) + key, lambda: plan_decode_read(geometry, view, slots, work,
                                                                                 step.facts))

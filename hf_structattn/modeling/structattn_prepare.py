@@ -132,9 +132,9 @@ def prepare_step(model, *, cache: Optional[Cache], batch: int, length: int, devi
     of the forward)."""
     tracing = torch.compiler.is_compiling()
     target = self_attention_cache(cache)
+    layer_geometries = model.structattn_cache_geometries()
     if cache is not None and not tracing:  # a compiled step gets generate's prepared cache
-        prepare_structattn_cache(cache, model.structattn_cache_geometries(),
-                                 num_layers=model.structattn_num_cache_layers())
+        prepare_structattn_cache(cache, layer_geometries, num_layers=model.structattn_num_cache_layers())
     past = target.get_seq_length() if target is not None else 0
     if position_ids is not None:
         if position_ids.dim() == 1:
@@ -159,8 +159,7 @@ def prepare_step(model, *, cache: Optional[Cache], batch: int, length: int, devi
         valid = new_token_validity(attention_mask, past, length)
         valid = None if valid is None else valid.expand(batch, length)
         standard = False
-    geometries = tuple(sorted({tuple(geometry.block_sizes) for geometry in model.structattn_cache_geometries()
-                               .values()}))
+    geometries = tuple(sorted({tuple(geometry.block_sizes) for geometry in layer_geometries.values()}))
     step = build_step(cache=target, positions=positions, valid=valid, batch=batch, length=length, device=device,
                       key_mask=key_mask, standard_masks=standard, checked_mask=checked,
                       embedding_positions=positions if max_positions is not None else None,

@@ -2,14 +2,16 @@
 the ``auto_map`` written before saving, weight init on transformers' own path, the hierarchical key cache for
 ``generate`` and direct forwards, and the one place where a private transformers hook is overridden.
 
-Subclasses define ``structattn_cache_geometries()`` ({layer index: MLRGeometry} of the MLR self-attention layers
-whose cache layers hold the hierarchical form) and ``structattn_num_cache_layers()``.
+``structattn_cache_geometries()`` ({layer index: MLRGeometry} of the MLR self-attention layers whose cache layers
+hold the hierarchical form) is read from the attention modules MLR is installed on; subclasses define
+``structattn_num_cache_layers()``.
 """
 
 from typing import Optional
 
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache, StaticCache
 
+from .structattn_attention import installations, mlr_geometry_of
 from .structattn_prepare import prepare_structattn_cache, set_rollback_window
 
 
@@ -57,7 +59,19 @@ class StructAttnPreTrainedMixin:
         return False
 
     def structattn_cache_geometries(self) -> dict:
-        return {}
+        """{layer index: MLRGeometry} of the decoder self-attention modules MLR attention is installed on (what the
+        cache layers of those indices hold), found once and kept until MLR is installed anywhere again (the model
+        forward asks on every step; reading the geometries from the config costs far more)."""
+        memo = self.__dict__.get("_structattn_geometries")
+        if memo is not None and memo[0] == installations():
+            return memo[1]
+        geometries = {}
+        for module in self.modules():
+            geometry = mlr_geometry_of(module)
+            if geometry is not None and getattr(module, "is_decoder", True) and getattr(module, "is_causal", True):
+                geometries[module.layer_idx] = geometry
+        self.__dict__["_structattn_geometries"] = (installations(), geometries)
+        return geometries
 
     def structattn_num_cache_layers(self) -> Optional[int]:
         return None
