@@ -29,7 +29,7 @@ from transformers import DynamicCache
 import hf_structattn
 from hf_structattn.decoder_patching import TINY_DECODERS, tiny_decoder
 from hf_structattn.flops import decoder_cache_report
-from hf_structattn.modeling.structattn_cache import key_cache_bytes
+from hf_structattn.modeling.structattn_prepare import key_cache_bytes
 
 from bench_generation import Clock, cpu_name, decode_cell, decode_variants  # benchmarks/ is on sys.path
 
@@ -63,7 +63,7 @@ def exactness_row(arch: str) -> dict:
 
 
 def key_bytes(cache) -> int:
-    """Key bytes the cache holds: MLR layers count level 1 and their rings (``structattn_cache.key_cache_bytes``)."""
+    """Key bytes the cache holds: MLR layers count level 1 and their rings (``structattn_prepare.key_cache_bytes``)."""
     return key_cache_bytes(cache)
 
 

@@ -42,7 +42,7 @@ def _gpt2(layer_types):
 def _check(cache, rows: int, heads: int, layers_mlr: list, head_dim: int = 16, value_dim: int = 16,
            cross_attention: bool = True):
     """allocated <= 1.05 formula + one block per level (per MLR layer, row and head); returns (allocated, formula)."""
-    held = int(hf_structattn.modeling.structattn_cache.self_attention_cache(cache).get_seq_length())
+    held = int(hf_structattn.modeling.structattn_prepare.self_attention_cache(cache).get_seq_length())
     formula = slack = 0
     for is_mlr in layers_mlr:
         keys = _mlr_elements(held) if is_mlr else held * head_dim

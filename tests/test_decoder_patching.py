@@ -15,7 +15,7 @@ from hf_structattn.decoder_patching import TINY_DECODERS, find_rotary, tiny_deco
 from hf_structattn.flops import attention_cost_report, decoder_cache_report, key_cache_elements
 from hf_structattn.modeling import structattn_attention
 from hf_structattn.modeling.structattn_attention import mlr_attention_forward
-from hf_structattn.modeling.structattn_cache import key_cache_bytes
+from hf_structattn.modeling.structattn_prepare import key_cache_bytes
 from hf_structattn.modeling.structattn_decoder import attention_modules, rotary_pair_order
 from conftest import tiny_lm
 

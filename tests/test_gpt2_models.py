@@ -12,7 +12,7 @@ from hf_structattn import (
     StructAttnGPT2Model,
 )
 from hf_structattn.flops import key_cache_elements
-from hf_structattn.modeling.structattn_cache import key_cache_bytes
+from hf_structattn.modeling.structattn_prepare import key_cache_bytes
 
 from conftest import VARIANT_FIELDS, tiny_gpt2_config, tiny_lm
 

@@ -301,6 +301,12 @@ class StructAttnGPT2Model(StructAttnGPT2PreTrainedModel):
         mask_kwargs = dict(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
                            cache=cache, position_ids=position_ids)
         masks = {kind: None for kind in kinds}
+        if kinds == {MLR_ATTENTION} and step.standard_masks and self.config._attn_implementation != "eager" and \
+                (cache is None or all(getattr(layer, "holds_mlr_positions", False) and layer.is_bound
+                                      for layer in cache.layers)):
+            # every layer is MLR over the hierarchical cache (or none) and reads causality and padding from the
+            # step plan: transformers' 4-D mask would be built for nobody
+            kinds = set()
         if kinds - {SLIDING_ATTENTION}:
             full = create_causal_mask(**mask_kwargs)
             masks.update({kind: full for kind in kinds if kind != SLIDING_ATTENTION})
@@ -309,7 +315,7 @@ class StructAttnGPT2Model(StructAttnGPT2PreTrainedModel):
         kwargs[STEP_KEY] = step
         layer_cache = cache if not (self.gradient_checkpointing and self.training) else None
         for block, kind in zip(self.h, self.config.layer_types):
-            hidden_states = block(hidden_states, layer_cache, masks[kind], position_ids=position_ids, **kwargs)
+            hidden_states = block(hidden_states, layer_cache, masks.get(kind), position_ids=position_ids, **kwargs)
         hidden_states = self.ln_f(hidden_states)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache if use_cache else None)
 

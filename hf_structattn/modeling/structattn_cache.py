@@ -32,10 +32,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer, EncoderDecoderCache, StaticLayer
+from transformers.cache_utils import DynamicLayer, StaticLayer
 
 from .structattn_geometry import MLRGeometry
-from .structattn_plan import NO_POSITION, STEP_KEY, MLRStep
+from .structattn_plan import NO_POSITION, STEP_KEY, ChunkWritePlan, MLRStep, plan_chunk_write
 from .structattn_rollback import RollbackLog, RollbackMixin
 
 _WARNED_WITHOUT_KWARGS = set()
@@ -66,33 +66,6 @@ class MLRCacheView:
     replaced: Optional[torch.Tensor]
     held: bool
     tokens: object
-
-
-@dataclass(frozen=True)
-class ChunkWritePlan:
-    """Where a chunk's tokens go, for every MLR layer of one geometry in one forward (positions only).
-
-    Every token writes: a real token its own key, a padding token the row's newest real token of the chunk again
-    (so writes to one slot or entry always agree, whatever order the backend applies them in); a row without a real
-    token writes back what the slot holds (``keep``). rows: (B, 1); slot, column: (B, c) the slot each token writes
-    and the chunk column whose key / value it writes; fine_element, fine_column: (B, c, F) the same per fine dim (an
-    element of the flat ring storage; a ring entry gets the newest real position of the chunk that maps to it);
-    own_element: (B, c, F) each token's own ring entries (what it replaces); keep: (B,) rows without a real token
-    (None: every row has one); last_after, first_after: (B,) the rows' spans after the chunk; last_before: (B,);
-    log_source: (B, c, F) for the rollback log, the chunk column whose earlier write an entry holds just before a
-    token's write, or -1 (the entry's value before the chunk)."""
-
-    rows: torch.Tensor
-    slot: torch.Tensor
-    column: Optional[torch.Tensor]
-    fine_element: Optional[torch.Tensor]
-    fine_column: Optional[torch.Tensor]
-    own_element: Optional[torch.Tensor]
-    keep: Optional[torch.Tensor]
-    last_after: torch.Tensor
-    first_after: torch.Tensor
-    last_before: torch.Tensor
-    log_source: Optional[torch.Tensor]
 
 
 class MLRCacheLayerMixin(RollbackMixin):
@@ -339,76 +312,9 @@ class MLRCacheLayerMixin(RollbackMixin):
     def _write_plan(self, step: MLRStep) -> ChunkWritePlan:
         geometry = self.geometry
         key = ("chunk write", id(geometry), self.base, self.capacity)
-        return step.memoised(key, lambda: self._make_write_plan(step))
-
-    def _make_write_plan(self, step: MLRStep) -> ChunkWritePlan:
-        positions, valid = step.positions, step.valid
-        batch, chunk = positions.shape
-        device = positions.device
-        geometry, base, capacity = self.geometry, self.base, self.capacity
-        index = torch.arange(chunk, device=device)
-        rows = torch.arange(batch, device=device)[:, None]
-        if valid is None:
-            start, count = positions[:, 0], None
-            last_new = positions[:, -1]
-            rank = index.expand(batch, chunk)
-            writer = positions
-            order = None
-        else:
-            rank = valid.long().cumsum(-1) - 1
-            count = valid.long().sum(-1)
-            # the chunk column of a row's k-th real token (real positions of a row are consecutive)
-            order = torch.argsort(torch.where(valid, index, index + chunk), dim=-1, stable=True)
-            start = torch.where(valid, positions - rank, NO_POSITION).amin(-1)
-            last_new = start + count - 1
-            writer = torch.where(valid, positions, last_new[:, None])
-
-        def column_of(target):
-            if order is None:
-                return (target - start[:, None]).clamp(min=0, max=chunk - 1)
-            return order.gather(-1, (target - start[:, None]).clamp(min=0, max=chunk - 1))
-
-        slot = (writer - base).clamp(min=0, max=capacity - 1)
-        column = None if valid is None else column_of(writer)
-        fine_element = fine_column = own_element = log_source = None
-        if geometry.block_sizes:
-            layout = geometry.fine_layout(self.ring_widths, device)
-            dims_block = layout["element block"]  # (F,) b_l of each fine dim
-            if chunk == 1 or (valid is None and chunk <= min(geometry.block_sizes)):
-                fine_writer = writer[:, :, None]  # no two real tokens of the chunk share an entry
-                fine_column = None if column is None else column[:, :, None].expand(batch, chunk, dims_block.shape[0])
-            else:
-                # a ring entry gets the newest real position of the chunk that maps to it
-                fine_writer = writer[:, :, None] + ((last_new[:, None, None] - writer[:, :, None]) // dims_block) * \
-                    dims_block
-                fine_column = column_of(fine_writer.reshape(batch, -1)).view(batch, chunk, -1)
-            entry = ((fine_writer - base) % dims_block)
-            fine_element = layout["element offset"] + entry.clamp(max=capacity - 1)
-            own_entry = ((positions[:, :, None] - base).clamp(min=0) % dims_block).clamp(max=capacity - 1)
-            own_element = layout["element offset"] + own_entry
-            if self.record_past:
-                # the rollback log keeps, per token, what its entry holds just before its write: the chunk's own real
-                # token one block earlier when there is one, else the value before the chunk (-1)
-                source_rank = rank[:, :, None] - dims_block
-                from_chunk = (source_rank >= 0) if valid is None else (source_rank >= 0) & valid[:, :, None]
-                source = column_of((start[:, None, None] + source_rank.clamp(min=0)).reshape(batch, -1)).view(
-                    batch, chunk, -1)
-                log_source = torch.where(from_chunk, source, -1)
-        keep = None if valid is None else count == 0
-        if valid is None:
-            newest, oldest = last_new, start
-        else:
-            newest = torch.where(count > 0, last_new, -1)
-            oldest = torch.where(count > 0, start, NO_POSITION)
-        # the rows' spans before the chunk as the step sees them (a traced program fed from position 0 again starts
-        # them afresh)
-        # (a copy: the layers' own positions are overwritten by the writes, and the chunk's reads need the old ones)
-        last_before = (self.last_positions if step.last_before is None else step.last_before).clone()
-        first_before = self.first_positions if step.first_before is None else step.first_before
-        last_after = torch.maximum(last_before, newest)
-        first_after = torch.minimum(first_before, oldest)
-        return ChunkWritePlan(rows, slot, column, fine_element, fine_column, own_element, keep, last_after,
-                              first_after, last_before, log_source)
+        return step.memoised(key, lambda: plan_chunk_write(step, geometry, self.base, self.capacity, self.ring_widths,
+                                                           self.last_positions, self.first_positions,
+                                                           self.record_past))
 
     def _write_chunk(self, keys, values, step: MLRStep, plan: ChunkWritePlan, keep_replaced: bool):
         """Write every real token of a chunk into its slot and ring entries (padding is not stored: see
@@ -726,40 +632,4 @@ class MLRStaticKeyCacheLayer(MLRCacheLayerMixin, StaticLayer):
 MLR_CACHE_LAYERS = (MLRKeyCacheLayer, MLRStaticKeyCacheLayer)
 
 
-def self_attention_cache(cache: Optional[Cache]) -> Optional[Cache]:
-    return cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
-
-
-def key_cache_bytes(cache: Cache) -> int:
-    """Bytes of keys a cache holds by the formula (MLR layers: ``S r_1 + sum_l min(b_l, S) r_l`` per row and head;
-    other layers: their key tensors), batch and heads included; an ``EncoderDecoderCache`` counts its
-    self-attention part."""
-    total = 0
-    for layer in self_attention_cache(cache).layers:
-        if isinstance(layer, MLR_CACHE_LAYERS) and layer.is_bound:
-            total += layer.key_cache_bytes()
-        elif getattr(layer, "is_initialized", False) and layer.keys is not None:
-            total += layer.keys.numel() * layer.keys.element_size()
-    return total
-
-
-# Bilinear layers cache their (structured, wider) keys like any full-attention layer: transformers' plain layers,
-# registered under this package's layer types so that ``DynamicCache(config=...)`` and ``StaticCache`` build them.
-class BilinearMLRKeyCacheLayer(DynamicLayer):
-    _layer_type = "bilinear_mlr_attention"
-
-
-class BilinearMLRStaticKeyCacheLayer(StaticLayer):
-    _layer_type = "bilinear_mlr_attention"
-
-
-class BilinearBTTKeyCacheLayer(DynamicLayer):
-    _layer_type = "bilinear_btt_attention"
-
-
-class BilinearBTTStaticKeyCacheLayer(StaticLayer):
-    _layer_type = "bilinear_btt_attention"
-
-
-__all__ = ["MLRCacheView", "MLRKeyCacheLayer", "MLRStaticKeyCacheLayer", "MLR_CACHE_LAYERS", "key_cache_bytes",
-           "self_attention_cache"]
+__all__ = ["MLRCacheView", "MLRKeyCacheLayer", "MLRStaticKeyCacheLayer", "MLR_CACHE_LAYERS"]

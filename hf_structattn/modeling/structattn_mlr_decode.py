@@ -102,7 +102,7 @@ def plan_decode_read(geometry: MLRGeometry, view, slots: int, work: torch.dtype,
         in_block = (slot_index >= starts[..., None]) & (slot_index < (starts + sizes)[..., None])  # (B, L-1, C)
         inverse_depth = (1 + in_block.sum(1)).to(work).reciprocal()[:, None, None, :]
     additive = None
-    if not every_slot_allowed or inverse_depth is not None:
+    if not every_slot_allowed:
         slot_positions = slot_index + base
         allowed = (slot_positions >= first_positions[:, None]) & (slot_positions <= new_positions[:, None])
         additive = torch.zeros(allowed.shape, dtype=work, device=device).masked_fill(~allowed, torch.finfo(work).min)
@@ -164,8 +164,10 @@ def mlr_decode_step(query: torch.Tensor, view, plan: DecodeReadPlan, geometry: M
         padded = F.pad(scores, (0, geometry.block_sizes[0]))
         target = plan.entry_slots[:, None, None, :].expand(batch, heads, rows, plan.entries)
         scores = padded.scatter_add_(-1, target, entry_scores)[..., :slots]
-    if plan.inverse_depth is not None:
+    if plan.inverse_depth is not None and plan.additive_mask is not None:
         scores = torch.addcmul(plan.additive_mask, scores, plan.inverse_depth)
+    elif plan.inverse_depth is not None:
+        scores = scores * plan.inverse_depth
     elif plan.additive_mask is not None and not compiling:
         scores = scores + plan.additive_mask
     if bias is not None:

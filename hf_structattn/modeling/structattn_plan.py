@@ -399,4 +399,105 @@ def continue_runs(positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return fixed
 
 
-__all__ = ["MLRStep", "NO_POSITION", "STEP_KEY", "StepFacts", "build_step", "continue_runs", "mlr_position_layer"]
+@dataclass(frozen=True)
+class ChunkWritePlan:
+    """Where a chunk's tokens go, for every MLR layer of one geometry in one forward (positions only).
+
+    Every token writes: a real token its own key, a padding token the row's newest real token of the chunk again
+    (so writes to one slot or entry always agree, whatever order the backend applies them in); a row without a real
+    token writes back what the slot holds (``keep``). rows: (B, 1); slot, column: (B, c) the slot each token writes
+    and the chunk column whose key / value it writes; fine_element, fine_column: (B, c, F) the same per fine dim (an
+    element of the flat ring storage; a ring entry gets the newest real position of the chunk that maps to it);
+    own_element: (B, c, F) each token's own ring entries (what it replaces); keep: (B,) rows without a real token
+    (None: every row has one); last_after, first_after: (B,) the rows' spans after the chunk; last_before: (B,);
+    log_source: (B, c, F) for the rollback log, the chunk column whose earlier write an entry holds just before a
+    token's write, or -1 (the entry's value before the chunk)."""
+
+    rows: torch.Tensor
+    slot: torch.Tensor
+    column: Optional[torch.Tensor]
+    fine_element: Optional[torch.Tensor]
+    fine_column: Optional[torch.Tensor]
+    own_element: Optional[torch.Tensor]
+    keep: Optional[torch.Tensor]
+    last_after: torch.Tensor
+    first_after: torch.Tensor
+    last_before: torch.Tensor
+    log_source: Optional[torch.Tensor]
+
+
+
+def plan_chunk_write(step: MLRStep, geometry, base: int, capacity: int, ring_widths: tuple, last_positions,
+                     first_positions, record: bool) -> ChunkWritePlan:
+    """The ``ChunkWritePlan`` of the step's chunk for the MLR cache layers of ``geometry`` (slot ``p - base`` for
+    position ``p``, rings of ``ring_widths`` entries, ``capacity`` slots) holding the rows' spans ``last_positions``
+    / ``first_positions`` (B,) before the chunk; ``record``: the layers log what they overwrite (rollback)."""
+    positions, valid = step.positions, step.valid
+    batch, chunk = positions.shape
+    device = positions.device
+    index = torch.arange(chunk, device=device)
+    rows = torch.arange(batch, device=device)[:, None]
+    if valid is None:
+        start, count = positions[:, 0], None
+        last_new = positions[:, -1]
+        rank = index.expand(batch, chunk)
+        writer = positions
+        order = None
+    else:
+        rank = valid.long().cumsum(-1) - 1
+        count = valid.long().sum(-1)
+        # the chunk column of a row's k-th real token (real positions of a row are consecutive)
+        order = torch.argsort(torch.where(valid, index, index + chunk), dim=-1, stable=True)
+        start = torch.where(valid, positions - rank, NO_POSITION).amin(-1)
+        last_new = start + count - 1
+        writer = torch.where(valid, positions, last_new[:, None])
+
+    def column_of(target):
+        if order is None:
+            return (target - start[:, None]).clamp(min=0, max=chunk - 1)
+        return order.gather(-1, (target - start[:, None]).clamp(min=0, max=chunk - 1))
+
+    slot = (writer - base).clamp(min=0, max=capacity - 1)
+    column = None if valid is None else column_of(writer)
+    fine_element = fine_column = own_element = log_source = None
+    if geometry.block_sizes:
+        layout = geometry.fine_layout(ring_widths, device)
+        dims_block = layout["element block"]  # (F,) b_l of each fine dim
+        if chunk == 1 or (valid is None and chunk <= min(geometry.block_sizes)):
+            fine_writer = writer[:, :, None]  # no two real tokens of the chunk share an entry
+            fine_column = None if column is None else column[:, :, None].expand(batch, chunk, dims_block.shape[0])
+        else:
+            # a ring entry gets the newest real position of the chunk that maps to it
+            fine_writer = writer[:, :, None] + ((last_new[:, None, None] - writer[:, :, None]) // dims_block) * \
+                dims_block
+            fine_column = column_of(fine_writer.reshape(batch, -1)).view(batch, chunk, -1)
+        entry = ((fine_writer - base) % dims_block)
+        fine_element = layout["element offset"] + entry.clamp(max=capacity - 1)
+        own_entry = ((positions[:, :, None] - base).clamp(min=0) % dims_block).clamp(max=capacity - 1)
+        own_element = layout["element offset"] + own_entry
+        if record:
+            # the rollback log keeps, per token, what its entry holds just before its write: the chunk's own real
+            # token one block earlier when there is one, else the value before the chunk (-1)
+            source_rank = rank[:, :, None] - dims_block
+            from_chunk = (source_rank >= 0) if valid is None else (source_rank >= 0) & valid[:, :, None]
+            source = column_of((start[:, None, None] + source_rank.clamp(min=0)).reshape(batch, -1)).view(
+                batch, chunk, -1)
+            log_source = torch.where(from_chunk, source, -1)
+    keep = None if valid is None else count == 0
+    if valid is None:
+        newest, oldest = last_new, start
+    else:
+        newest = torch.where(count > 0, last_new, -1)
+        oldest = torch.where(count > 0, start, NO_POSITION)
+    # the rows' spans before the chunk as the step sees them (a traced program fed from position 0 again starts
+    # them afresh)
+    # (a copy: the layers' own positions are overwritten by the writes, and the chunk's reads need the old ones)
+    last_before = (last_positions if step.last_before is None else step.last_before).clone()
+    first_before = first_positions if step.first_before is None else step.first_before
+    last_after = torch.maximum(last_before, newest)
+    first_after = torch.minimum(first_before, oldest)
+    return ChunkWritePlan(rows, slot, column, fine_element, fine_column, own_element, keep, last_after,
+                          first_after, last_before, log_source)
+
+
+__all__ = ["ChunkWritePlan", "MLRStep", "NO_POSITION", "STEP_KEY", "StepFacts", "build_step", "continue_runs", "mlr_position_layer", "plan_chunk_write"]

@@ -12,8 +12,43 @@ from transformers.cache_utils import Cache, DynamicLayer, EncoderDecoderCache, S
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils.deprecation import deprecate_kwarg
 
-from .structattn_cache import MLR_CACHE_LAYERS, MLRKeyCacheLayer, MLRStaticKeyCacheLayer, self_attention_cache
+from .structattn_cache import MLR_CACHE_LAYERS, MLRKeyCacheLayer, MLRStaticKeyCacheLayer
 from .structattn_plan import STEP_KEY, MLRStep, build_step
+
+
+def self_attention_cache(cache: Optional[Cache]) -> Optional[Cache]:
+    return cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
+
+
+def key_cache_bytes(cache: Cache) -> int:
+    """Bytes of keys a cache holds by the formula (MLR layers: ``S r_1 + sum_l min(b_l, S) r_l`` per row and head;
+    other layers: their key tensors), batch and heads included; an ``EncoderDecoderCache`` counts its
+    self-attention part."""
+    total = 0
+    for layer in self_attention_cache(cache).layers:
+        if isinstance(layer, MLR_CACHE_LAYERS) and layer.is_bound:
+            total += layer.key_cache_bytes()
+        elif getattr(layer, "is_initialized", False) and layer.keys is not None:
+            total += layer.keys.numel() * layer.keys.element_size()
+    return total
+
+
+# Bilinear layers cache their (structured, wider) keys like any full-attention layer: transformers' plain layers,
+# registered under this package's layer types so that ``DynamicCache(config=...)`` and ``StaticCache`` build them.
+class BilinearMLRKeyCacheLayer(DynamicLayer):
+    _layer_type = "bilinear_mlr_attention"
+
+
+class BilinearMLRStaticKeyCacheLayer(StaticLayer):
+    _layer_type = "bilinear_mlr_attention"
+
+
+class BilinearBTTKeyCacheLayer(DynamicLayer):
+    _layer_type = "bilinear_btt_attention"
+
+
+class BilinearBTTStaticKeyCacheLayer(StaticLayer):
+    _layer_type = "bilinear_btt_attention"
 
 
 def _extend_layers(cache: Cache, num_layers: int) -> None:
@@ -227,5 +262,5 @@ def mlr_exportable_decoder(model, batch_size: int = 1, max_cache_len: Optional[i
     return wrapper
 
 
-__all__ = ["STEP_KEY", "forward_with_step", "mlr_exportable_decoder", "new_token_validity", "prepare_step", "prepare_structattn_cache",
+__all__ = ["STEP_KEY", "forward_with_step", "key_cache_bytes", "mlr_exportable_decoder", "self_attention_cache", "new_token_validity", "prepare_step", "prepare_structattn_cache",
            "set_rollback_window"]

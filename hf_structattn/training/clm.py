@@ -144,7 +144,7 @@ def window_nll(model, windows: torch.Tensor, batch_size: int) -> tuple[torch.Ten
 def generate_with_key_cache(model, tokenizer, prompt: str, max_new_tokens: int, seed: int = 0) -> dict:
     """Top-k sample (k=20, temperature 0.8, seeded) through the model's hierarchical key cache; returns text and measured cache bytes, next to
     the bytes a dense cache (every key at full head dim) would hold for the same tokens."""
-    from ..modeling.structattn_cache import key_cache_bytes
+    from ..modeling.structattn_prepare import key_cache_bytes
 
     model.eval()
     ids = tokenizer(prompt, return_tensors="pt").input_ids
