@@ -226,10 +226,12 @@ def test_non_contiguous_positions_in_a_cache_are_refused():
 
 
 @pytest.mark.parametrize("static", [False, True])
-@pytest.mark.parametrize("chunks", [[1] * 7, [7], [3, 1, 5]])
+@pytest.mark.parametrize("chunks", [[1] * 7, [7], [3, 1, 5], [4]])
 def test_crop_restores_the_state_of_the_shorter_prefix(static, chunks):
     """Recording, then a draft written as decode steps or one verification chunk (longer than the finest block),
-    crossing block boundaries at every level, then crop: the layer equals one that never saw the draft."""
+    crossing block boundaries at every level, then crop: the layer equals one that never saw the draft. A crop of
+    at most the finest block's length after writes without padding ([4]: 2 tokens) restores every ring with one
+    indexed assignment."""
     geometry = _geometry()
     _, k, v, positions, valid = _rows(length=40, pads=(0, 5, 13), offsets=(0, 0, 3))
     for prefix in (14, 29):  # the draft crosses the 16-block of rows 0 and 1; 29 + 7 crosses the 32 boundary

@@ -336,7 +336,8 @@ class MLRCacheLayerMixin(RollbackMixin):
                 logged = torch.where((plan.log_source >= 0)[:, None], earlier, replaced)
             else:
                 logged = keys.new_zeros(batch, heads, chunk, 0)
-            self.rollback_log.append(logged, step.positions, step.real(), self.rollback_window)
+            self.rollback_log.append(logged, step.positions, step.real(), self.rollback_window,
+                                     step.facts is not None and step.facts.all_real)
         new_keys = keys[..., :rank].transpose(1, 2) if plan.column is None else keys[rows, :, plan.column, :rank]
         new_values = values.transpose(1, 2) if plan.column is None else values[rows, :, plan.column]
         if plan.keep is not None:  # rows without a real token write back what their slots hold

@@ -276,14 +276,16 @@ def _shared_groups(geometry: MLRGeometry, ring_widths: Sequence[int], starts: Se
 @dataclass(frozen=True)
 class ChunkReadPlan:
     """What a chunk's scores need besides q, k and the storage (positions only), for every layer of one geometry in a
-    forward: per finer level, targets (B, W_l + 2c) the slots of its key sources -- the ring entries of the block of
-    each row's newest cached position, the values the chunk's writes replaced, the chunk's own keys -- and weights
-    (B, 1, n, W_l + 2c) 1 where a source is held and shares the query's block; depth: (B, 1, n, C) the number of
-    levels a pair shares (average_levels) or None; additive_mask: (B, 1, n, C) the causal mask over held slots."""
+    forward. The finer levels' key sources, in the order ``mlr_cached_chunk`` concatenates their scores: every
+    level's ring entries (the block of each row's newest cached position, as written before the chunk: entries the
+    chunk overwrote are left to the next source), then per level the values the chunk's writes replaced and the
+    chunk's own keys. target: (B, E) the slot of each source; weight: (B, 1, n, E) 1 where a source is held and
+    shares the query's block at its level; depth: (B, 1, n, C) the number of levels a pair shares (average_levels)
+    or None; additive_mask: (B, 1, n, C) the causal mask over held slots."""
 
     work: torch.dtype
-    targets: tuple
-    weights: tuple
+    target: Optional[torch.Tensor]
+    weight: Optional[torch.Tensor]
     depth: Optional[torch.Tensor]
     additive_mask: torch.Tensor
 
@@ -294,36 +296,37 @@ def plan_chunk_read(geometry: MLRGeometry, view, positions: torch.Tensor, valid:
     token (n = g c, group-major) over ``slots`` slots of ``view``."""
     device = positions.device
     base, last_before, first = view.base, view.last_before, view.first_positions
-    batch, chunk = positions.shape
     query_positions = positions.repeat(1, groups)  # (B, n)
     newest_new = torch.where(valid, positions, -1).amax(-1)  # (B,)
-    targets, weights = [], []
-    depth = torch.ones(batch, 1, query_positions.shape[1], slots, dtype=work, device=device) \
-        if geometry.average_levels else None
+    rings, chunks = [], []
     for size, width in zip(geometry.block_sizes, view.ring_widths):
-        query_block = query_positions // size  # (B, n)
-        # (a) ring entries of the block of the newest cached position, as written before the chunk: an entry the
-        # chunk overwrote (a position one block on, up to the chunk's newest) is left to (b)
+        # ring entries of the block of the newest cached position, as written before the chunk: an entry the chunk
+        # overwrote (a position one block on, up to the chunk's newest) is left to what the chunk's write replaced
         block_start = (last_before // size) * size  # (B,)
         entry_positions = block_start[:, None] + torch.arange(width, device=device)  # (B, W)
         held = (last_before[:, None] >= 0) & (entry_positions <= last_before[:, None]) & \
             (entry_positions >= first[:, None]) & (entry_positions + size > newest_new[:, None])
-        # (b) what each new token's write replaced: the position one block earlier, when it was cached in that block
+        rings.append((size, entry_positions, held))
+        # what each new token's write replaced: the position one block earlier, when it was cached in that block
         earlier = positions - size
         replaced = valid & (earlier >= block_start[:, None]) & (earlier <= last_before[:, None]) & \
             (earlier >= first[:, None])
-        key_positions = torch.cat([entry_positions, earlier, positions], dim=1)  # (B, W + 2c)
-        key_held = torch.cat([held, replaced, valid], dim=1)
+        chunks.append((size, torch.cat([earlier, positions], dim=1), torch.cat([replaced, valid], dim=1)))
+    targets, weights = [], []
+    for size, key_positions, key_held in rings + chunks:
         targets.append((key_positions - base).clamp(min=0, max=slots - 1))
-        weight = (key_held[:, None, :] & (query_block[:, :, None] == key_positions[:, None, :] // size))[:, None]
-        weights.append(weight.to(work))
-        if depth is not None:
-            depth.scatter_add_(-1, targets[-1][:, None, None, :].expand(batch, 1, query_positions.shape[1], -1),
-                               weights[-1])
+        weights.append(key_held[:, None, :] & (query_positions[:, :, None] // size == key_positions[:, None, :] // size))
+    target = weight = depth = None
+    if targets:
+        target = torch.cat(targets, dim=1)
+        weight = torch.cat(weights, dim=2)[:, None].to(work)
+        if geometry.average_levels:
+            depth = torch.ones(positions.shape[0], 1, query_positions.shape[1], slots, dtype=work, device=device)
+            depth.scatter_add_(-1, target[:, None, None, :].expand(*weight.shape), weight)
     slot_positions = torch.arange(slots, device=device) + base
     allowed = (slot_positions >= first[:, None, None]) & (slot_positions <= query_positions[:, :, None])
     additive = torch.zeros(allowed.shape, dtype=work, device=device).masked_fill(~allowed, torch.finfo(work).min)
-    return ChunkReadPlan(work, tuple(targets), tuple(weights), depth, additive[:, None])
+    return ChunkReadPlan(work, target, weight, depth, additive[:, None])
 
 
 def mlr_cached_chunk(query: torch.Tensor, chunk_keys: torch.Tensor, view, plan: ChunkReadPlan,
@@ -335,24 +338,27 @@ def mlr_cached_chunk(query: torch.Tensor, chunk_keys: torch.Tensor, view, plan: 
     query: (B, Hk, n, r) level order (n = g * c for g query heads per cached head, group-major); chunk_keys:
     (B, Hk, c, r) full-width level order; view: the layer's ``MLRCacheView`` after the chunk (``replaced``: the ring
     entries the chunk's writes replaced); plan: its ``ChunkReadPlan``; bias: broadcastable to (B, Hk, n, C) in slot
-    order. Returns (B, Hk, n, dv) [, probabilities (B, Hk, n, C)]."""
+    order. Returns (B, Hk, n, dv) [, probabilities (B, Hk, n, C)].
+
+    One pass for all finer levels: each level's ring entries and its replaced and new keys scored by one matmul each,
+    the scores side by side, weighted by the plan and added onto their slots by one ``scatter_add_``."""
     work = plan.work
     keys, values, fine = view.keys, view.values, view.fine
     batch, heads, rows, _ = query.shape
     query = query * geometry.scale_vector(scales, query.dtype, query.device)
     level_queries = query.split(list(geometry.ranks), dim=-1)
     scores = (level_queries[0] @ keys.transpose(-1, -2)).to(work)  # (B, Hk, n, C)
-    start, offset, fine_start = geometry.ranks[0], 0, 0
-    for q_level, rank, width, target, weight in zip(level_queries[1:], geometry.ranks[1:], view.ring_widths,
-                                                    plan.targets, plan.weights):
-        ring = fine[..., offset:offset + width * rank].view(batch, heads, rank, width)  # dim-major
-        replaced = view.replaced[..., fine_start:fine_start + rank]
-        level_keys = torch.cat([replaced, chunk_keys[..., start:start + rank]], dim=2)  # (B, Hk, 2c, r_l)
-        level_scores = torch.cat([q_level @ ring, q_level @ level_keys.transpose(-1, -2)], dim=-1).to(work)
-        scores.scatter_add_(-1, target[:, None, None, :].expand(batch, heads, rows, -1), level_scores * weight)
-        start += rank
-        offset += width * rank
-        fine_start += rank
+    if plan.target is not None:
+        first_rank = geometry.ranks[0]
+        pair_keys = torch.cat([view.replaced, chunk_keys[..., first_rank:]], dim=2)  # (B, Hk, 2c, F)
+        ring_scores, pair_scores, offset = [], [], 0
+        for q_level, keys_level, rank, width in zip(level_queries[1:], pair_keys.split(list(geometry.ranks[1:]), -1),
+                                                    geometry.ranks[1:], view.ring_widths):
+            ring_scores.append(q_level @ fine[..., offset:offset + width * rank].view(batch, heads, rank, width))
+            pair_scores.append(q_level @ keys_level.transpose(-1, -2))
+            offset += width * rank
+        level_scores = torch.cat(ring_scores + pair_scores, dim=-1).to(work) * plan.weight
+        scores.scatter_add_(-1, plan.target[:, None, None, :].expand(batch, heads, rows, -1), level_scores)
     if plan.depth is not None:
         scores = scores / plan.depth
     scores = scores + plan.additive_mask

@@ -99,7 +99,8 @@ class MLRStep:
         """(B, c) bool padding flags (all True without padding)."""
         if self.valid is not None:
             return self.valid
-        return torch.ones(self.positions.shape, dtype=torch.bool, device=self.positions.device)
+        return self.memoised(("all real",), lambda: torch.ones(self.positions.shape, dtype=torch.bool,
+                                                               device=self.positions.device))
 
     def memoised(self, key, make):
         """The per-forward plan under ``key`` (a tuple naming a kind and the geometry), made once by ``make()`` and

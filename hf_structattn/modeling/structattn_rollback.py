@@ -26,6 +26,7 @@ class RollbackLog:
     def __init__(self):
         self.buffers = None
         self.count = 0
+        self.real = []  # per logged token, whether the write that logged it had no padding (host facts), oldest first
 
     def tensors(self) -> tuple:
         return self.buffers or ()
@@ -37,12 +38,14 @@ class RollbackLog:
                             torch.zeros(batch, tokens, dtype=torch.long, device=like.device),
                             like.new_zeros(batch, heads, tokens, fine_width))
         self.count = 0
+        self.real = []
 
     def append(self, old_fine: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
-               window: Optional[int]) -> None:
-        """Log one write of c tokens (old_fine (B, H, c, F), positions / valid (B, c)); with a ``window`` only the
-        last ``window`` logged tokens are kept."""
+               window: Optional[int], all_real: bool = False) -> None:
+        """Log one write of c tokens (old_fine (B, H, c, F), positions / valid (B, c); ``all_real``: the write had no
+        padding, known on the host); with a ``window`` only the last ``window`` logged tokens are kept."""
         chunk = positions.shape[1]
+        self.real = (self.real[:self.count] + [all_real] * chunk)[-(window or chunk + self.count):]
         if window is not None and self.count + chunk > window and not torch.compiler.is_compiling():
             if chunk >= window:  # only the chunk's last ``window`` tokens can be rolled back
                 old_fine, positions, valid = old_fine[:, :, -window:], positions[:, -window:], valid[:, -window:]
@@ -83,8 +86,13 @@ class RollbackLog:
     def tokens(self) -> int:
         return self.count if self.buffers is not None else 0
 
+    def all_real(self, tokens: int) -> bool:
+        """Whether the last ``tokens`` logged tokens come from writes without padding."""
+        return len(self.real) >= tokens and all(self.real[len(self.real) - tokens:])
+
     def clear(self) -> None:
         self.count = 0
+        self.real = []
 
     def apply(self, fn) -> None:
         """Apply a per-row function (beam reordering, batch selection) to the logged rows."""
@@ -142,14 +150,30 @@ class RollbackMixin:
             raise ValueError(f"crop(-{count}): only the {logged} tokens written since the last crop can be rolled "
                              f"back (finer levels keep only the current block's keys)")
         if count:
-            self._restore(*self.rollback_log.last(count))
+            self._restore(*self.rollback_log.last(count), all_real=self.rollback_log.all_real(count))
         self.rollback_log.clear()
 
-    def _restore(self, valid: torch.Tensor, positions: torch.Tensor, old_fine: torch.Tensor) -> None:
+    def _restore(self, valid: torch.Tensor, positions: torch.Tensor, old_fine: torch.Tensor,
+                 all_real: bool = False) -> None:
         """Undo the writes of n tokens: valid, positions (B, n) oldest first; old_fine (B, H, n, sum r_l), what each
-        token's write replaced. An entry written by several of them gets back what the oldest one replaced."""
+        token's write replaced. An entry written by several of them gets back what the oldest one replaced.
+        ``all_real``: no padding among them (host knowledge of the writes)."""
         geometry = self.geometry
         batch, heads, count = old_fine.shape[:3]
+        if all_real and geometry.block_sizes and count <= min(geometry.block_sizes):
+            # a draft no longer than the finest block, without padding (speculative decoding): consecutive positions
+            # hit distinct entries of every ring, so one indexed assignment of all fine dims restores them
+            layout = geometry.fine_layout(self.ring_widths, positions.device)
+            entries = (positions - self.base).clamp(min=0, max=self.capacity - 1)[:, :, None] % layout["element block"]
+            rows = torch.arange(batch, device=positions.device)[:, None, None]
+            self.fine_storage[rows, :, layout["element offset"] + entries] = old_fine.permute(0, 2, 3, 1).to(
+                self.fine_storage.dtype)
+            oldest = positions[:, 0]
+            emptied = oldest <= self.first_positions
+            self.last_positions.copy_(torch.where(emptied, -1, oldest - 1))
+            self.first_positions.copy_(torch.where(emptied, NO_POSITION, self.first_positions))
+            self._rewind(count)
+            return
         real = valid
         index = torch.arange(count, device=positions.device)
         offset = 0
