@@ -32,10 +32,17 @@ def mask_value(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).min / 2
 
 
+_SOFTMAX_DTYPES: dict = {}
+
+
 def softmax_dtype(dtype: torch.dtype) -> torch.dtype:
     """Working dtype of a softmax over scores of ``dtype``: at least float32 (fp16/bf16 scores are upcast), and
-    float64 stays float64 so float64 paths are exact to ~1e-12."""
-    return torch.promote_types(dtype, torch.float32)
+    float64 stays float64 so float64 paths are exact to ~1e-12. (Memoised: ``torch.promote_types`` is a dispatched
+    op, which an eager decode step would pay for in every layer.)"""
+    work = _SOFTMAX_DTYPES.get(dtype)
+    if work is None:
+        work = _SOFTMAX_DTYPES[dtype] = torch.promote_types(dtype, torch.float32)
+    return work
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, same_length: bool = True) -> None:

@@ -54,7 +54,8 @@ class DecodeReadPlan:
     (B, L-1, 1, 1, C) whether a slot is in the row's current level-l block (while tracing); inverse_depth:
     (B, 1, 1, C) 1 / the number of levels a slot shares with the query (average_levels) or None; additive_mask:
     (B, 1, 1, C) 0 on the row's slots first..newest and the dtype's lowest value elsewhere, or None when every row
-    holds every slot."""
+    holds every slot; scaled: the level scales (all equal) are folded into ``inverse_depth``, so the queries are not
+    scaled (one op less per layer)."""
 
     work: torch.dtype
     entries: int
@@ -63,32 +64,36 @@ class DecodeReadPlan:
     current_block: Optional[torch.Tensor]
     inverse_depth: Optional[torch.Tensor]
     additive_mask: Optional[torch.Tensor]
+    scaled: bool = False
 
 
-def plan_decode_read(geometry: MLRGeometry, view, slots: int, work: torch.dtype, facts=None) -> DecodeReadPlan:
+def plan_decode_read(geometry: MLRGeometry, view, slots: int, work: torch.dtype, facts=None,
+                     scales: Sequence[float] = ()) -> DecodeReadPlan:
     """The ``DecodeReadPlan`` of a step over ``view`` (an ``MLRCacheView`` whose ``last_positions`` are the query
     positions) read over ``slots`` slots. ``facts``: the step's ``StepFacts`` (eager: block starts and whether every
-    row holds every slot are decided from host integers, nothing is read back), or None while tracing."""
+    row holds every slot are decided from host integers, nothing is read back), or None while tracing; ``scales``:
+    the level scales of the layers that read it."""
     device = view.keys.device
     ring_widths, base = view.ring_widths, view.base
     new_positions, first_positions = view.last_positions, view.first_positions
     constants = geometry.fine_layout(ring_widths, device)
     entries = constants["entries"]
     compiling = facts is None
-    shared_groups = entry_slots = current_block = inverse_depth = None
+    shared_groups = entry_slots = current_block = inverse_depth = shared_starts = None
     every_slot_allowed = False
+    scaled = geometry.average_levels and len(set(scales)) == 1
     if not compiling:
         every_slot_allowed = facts.latest_first <= base and facts.earliest_newest - base >= slots - 1
         if entries and facts.shares_blocks(tuple(geometry.block_sizes)):
-            starts = [max((facts.row0_newest // size) * size - base, 0) for size in geometry.block_sizes]
-            shared_groups = tuple(_shared_groups(geometry, ring_widths, starts, slots))
+            shared_starts = [max((facts.row0_newest // size) * size - base, 0) for size in geometry.block_sizes]
+            shared_groups = tuple(_shared_groups(geometry, ring_widths, shared_starts, slots))
         elif entries:
             # (B, E): entry e of ring l lands on the first slot of the row's current level-l block + e
             entry_slots = torch.cat([((new_positions[:, None] // size) * size - base).clamp(min=0) +
                                      torch.arange(width, device=device)
                                      for size, width in zip(geometry.block_sizes, ring_widths)], dim=1)
-    slot_index = torch.arange(slots, device=device) if compiling or geometry.average_levels or \
-        not every_slot_allowed else None
+    slot_index = torch.arange(slots, device=device) if compiling or not every_slot_allowed or \
+        (geometry.average_levels and shared_starts is None) else None
     if entries and compiling:
         # (B, L-1, 1, 1, C): the slot is in the row's current level-l block, as two comparisons with the block's
         # first and past-the-end slots (B, L-1) (a per-slot integer division, which CPUs do not vectorise, cost more
@@ -96,18 +101,32 @@ def plan_decode_read(geometry: MLRGeometry, view, slots: int, work: torch.dtype,
         starts = torch.stack([(new_positions // size) * size - base for size in geometry.block_sizes], dim=1)
         ends = starts + torch.tensor(geometry.block_sizes, device=device)
         current_block = ((slot_index >= starts[..., None]) & (slot_index < ends[..., None]))[:, :, None, None, :]
-    if geometry.average_levels:
+    if geometry.average_levels and shared_starts is not None:
+        # every row's blocks start at the same slots (host integers): a few in-place adds per forward
+        inverse_depth = _inverse_depth(shared_starts, slots, work, device, scales[0] if scaled else 1.0)
+    elif geometry.average_levels:
         sizes = constants["sizes"]
         starts = (new_positions[:, None] // sizes) * sizes - base  # (B, L-1)
         in_block = (slot_index >= starts[..., None]) & (slot_index < (starts + sizes)[..., None])  # (B, L-1, C)
         inverse_depth = (1 + in_block.sum(1)).to(work).reciprocal()[:, None, None, :]
+        if scaled:  # one multiplier per slot: the shared level scale over the number of shared levels
+            inverse_depth = inverse_depth * scales[0]
     additive = None
     if not every_slot_allowed:
         slot_positions = slot_index + base
         allowed = (slot_positions >= first_positions[:, None]) & (slot_positions <= new_positions[:, None])
         additive = torch.zeros(allowed.shape, dtype=work, device=device).masked_fill(~allowed, torch.finfo(work).min)
         additive = additive[:, None, None, :]
-    return DecodeReadPlan(work, entries, shared_groups, entry_slots, current_block, inverse_depth, additive)
+    return DecodeReadPlan(work, entries, shared_groups, entry_slots, current_block, inverse_depth, additive, scaled)
+
+
+def _inverse_depth(starts: Sequence[int], span: int, work: torch.dtype, device, scale: float) -> torch.Tensor:
+    """(1, 1, 1, span): ``scale`` / the number of levels slot s shares with a query whose finer blocks start at the
+    slots ``starts`` (each level's block holds the query, so from its start on)."""
+    depth = torch.ones(span, dtype=work, device=device)
+    for start in starts:
+        depth[start:].add_(1)
+    return (scale / depth)[None, None, None, :]
 
 
 def mlr_decode_step(query: torch.Tensor, view, plan: DecodeReadPlan, geometry: MLRGeometry,
@@ -137,7 +156,8 @@ def mlr_decode_step(query: torch.Tensor, view, plan: DecodeReadPlan, geometry: M
     work = plan.work
     batch, heads, rows, _ = query.shape
     slots = keys.shape[2]
-    query = query * geometry.scale_vector(scales, query.dtype, query.device)
+    if not plan.scaled:
+        query = query * geometry.scale_vector(scales, query.dtype, query.device)
     first_rank = geometry.ranks[0]
     compiling = torch.compiler.is_compiling()
     if compiling:  # every level, and the mask unless average_levels
@@ -385,8 +405,10 @@ def mlr_cached_attention(query: torch.Tensor, chunk_keys: torch.Tensor, view, st
     # the geometry object (one per config, alive for the forward) stands for its fields: a cheaper hash
     key = (id(geometry), view.base, slots, view.ring_widths, work)
     if chunk == 1:
-        plan = step.memoised(("decode read",) + key, lambda: plan_decode_read(geometry, view, slots, work,
-                                                                                step.facts))
+        plan = step.memo.get(("decode read",) + key + (scales,))
+        if plan is None:
+            plan = step.memo[("decode read",) + key + (scales,)] = plan_decode_read(geometry, view, slots, work,
+                                                                                   step.facts, tuple(scales))
         return mlr_decode_step(query, view, plan, geometry, scales, bias=bias, return_weights=return_weights)
     groups = query.shape[2] // chunk
     plan = step.memoised(("chunk read", groups) + key, lambda: plan_chunk_read(
