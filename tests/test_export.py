@@ -10,6 +10,7 @@ from transformers.integrations.executorch import TorchExportableModuleForDecoder
 
 import hf_structattn
 from hf_structattn.decoder_patching import tiny_decoder
+from hf_structattn.flops import attention_cost_report, decoder_cache_report
 
 from conftest import tiny_lm
 
@@ -57,6 +58,13 @@ def test_static_decode_exported_through_the_executorch_recipe_gives_the_greedy_t
                                                     zip(geometry.block_sizes, geometry.ranks[1:]))
     assert _feed(program, prompt) == expected
     assert _feed(program, prompt) == expected
+    # the program's cache is the formula's bytes at 32 slots (what docs/models.md's export table counts)
+    held = sum(tensor.numel() * tensor.element_size() for name, tensor in buffers.items()
+               if name.split("_")[0] in ("key", "value", "fine"))
+    if family == "gpt2_mlr":
+        assert held == attention_cost_report(model.config, context_len=32, dtype_bytes=8).kv_cache_bytes
+    elif family in ("llama", "qwen2"):
+        assert held == decoder_cache_report(model.config, 32, dtype_bytes=8)["kv_cache_bytes"]
 
 
 def test_the_recipe_as_is_exports_an_mlr_model_with_full_keys():
