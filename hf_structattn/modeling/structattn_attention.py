@@ -40,7 +40,6 @@ from .structattn_geometry import MLRGeometry, mask_value, softmax_dtype
 from .structattn_mlr import PositionLayout, mlr_attention
 from .structattn_mlr_decode import mlr_attention_full_keys, mlr_cached_attention
 from .structattn_plan import STEP_KEY, continue_runs
-from .structattn_reference import mlr_scores_reference
 
 MLR_ATTENTION = "mlr"
 MLR_EAGER_ATTENTION = "mlr_eager"
@@ -351,21 +350,13 @@ def _uncached(module, query, key, value, geometry, scales, positions, valid, bia
                             scales=list(scales), positions=positions, attention_mask=valid, bias=bias,
                             average_levels=geometry.average_levels, layout=layout)
         return out, None
-    scores = mlr_scores_reference(query, key, ranks=geometry.ranks, block_sizes=geometry.block_sizes,
-                                  scales=list(scales), positions=positions, average_levels=geometry.average_levels)
-    work = softmax_dtype(scores.dtype)
-    scores = scores.to(work)
-    if bias is not None:
-        scores = scores + bias.to(work)
-    allowed = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=query.device)
-    if causal:
-        allowed = positions[:, None, None, :] <= positions[:, None, :, None]
-    if valid is not None:
-        allowed = allowed & valid[:, None, None, :]
-    weights = torch.softmax(scores.masked_fill(~allowed, torch.finfo(work).min), dim=-1)
-    if dropout and module.training:
-        weights = torch.nn.functional.dropout(weights, p=float(dropout), training=True)
-    return weights.to(value.dtype) @ value, weights.to(query.dtype)
+    # the materialised maps: the op layer's one materialised MLR (the full-keys path), keys in token order
+    key_valid = valid if valid is not None else torch.ones(positions.shape, dtype=torch.bool, device=query.device)
+    out, weights = mlr_attention_full_keys(query, key, value, geometry=geometry, scales=scales,
+                                           query_positions=positions, key_positions=positions, key_valid=key_valid,
+                                           causal=causal, bias=bias, return_weights=True,
+                                           dropout=float(dropout) if module.training else 0.0)
+    return out, weights.to(query.dtype)
 
 
 def _slot_bias(bias: Optional[torch.Tensor], shift: torch.Tensor, slots: int) -> Optional[torch.Tensor]:

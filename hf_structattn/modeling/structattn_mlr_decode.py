@@ -419,12 +419,13 @@ def mlr_cached_attention(query: torch.Tensor, chunk_keys: torch.Tensor, view, st
 def mlr_attention_full_keys(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *,
                             geometry: MLRGeometry, scales: Sequence[float], query_positions: torch.Tensor,
                             key_positions: torch.Tensor, key_valid: torch.Tensor, causal: bool = True,
-                            bias: Optional[torch.Tensor] = None, return_weights: bool = False):
-    """Materialised MLR attention over full-width keys (what an ordinary transformers cache holds).
+                            bias: Optional[torch.Tensor] = None, return_weights: bool = False, dropout: float = 0.0):
+    """Materialised MLR attention over full-width keys: what an ordinary transformers cache holds, the attention maps
+    of ``"mlr_eager"`` and a traced prefill (the op layer's one materialised MLR).
 
     query: (B, Hk, n, r) level order; keys: (B, Hk, K, r) level order; values: (B, Hk, K, dv); query_positions
-    (B, n); key_positions, key_valid (B, K); bias broadcastable to (B, Hk, n, K). Returns (B, Hk, n, dv)
-    [, probabilities]."""
+    (B, n); key_positions, key_valid (B, K); bias broadcastable to (B, Hk, n, K); dropout: probability of dropping a
+    weight (training). Returns (B, Hk, n, dv) [, probabilities (after dropout)]."""
     work = softmax_dtype(query.dtype)
     query = query * geometry.scale_vector(scales, query.dtype, query.device)
     scores, depth, start = None, None, 0
@@ -446,6 +447,8 @@ def mlr_attention_full_keys(query: torch.Tensor, keys: torch.Tensor, values: tor
     if causal:
         allowed = allowed & (key_positions[:, None, None, :] <= query_positions[:, None, :, None])
     probabilities = _masked_softmax(scores, allowed)
+    if dropout:
+        probabilities = F.dropout(probabilities, p=dropout, training=True)
     output = probabilities.to(values.dtype) @ values
     return (output, probabilities) if return_weights else output
 

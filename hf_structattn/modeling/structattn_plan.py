@@ -200,6 +200,47 @@ def build_step(*, cache, positions: Optional[torch.Tensor], valid: Optional[torc
                    first_before=first)
 
 
+def plain_step(*, cache, positions: Optional[torch.Tensor], valid: Optional[torch.Tensor], batch: int, length: int,
+               device, key_mask: Optional[torch.Tensor] = None, standard_masks: bool = True,
+               checked_mask: Optional[torch.Tensor] = None, past=0,
+               max_positions: Optional[tuple] = None) -> MLRStep:
+    """The step of a forward whose cache no MLR layer reads (a dense model of the family, a T5 without MLR decoder
+    self-attention): no facts, only the input checks of ``build_step`` that concern every model (non-negative
+    positions below a learned position table, a 0/1 mask; the cached length of a static cache is left in
+    ``memo["tokens"]`` for the mask's length check), with at most one host read."""
+    if positions is not None:
+        positions = positions.to(device=device, dtype=torch.long).expand(batch, length)
+    step = MLRStep(cache, positions, valid, None, standard_masks, key_mask)
+    if torch.compiler.is_compiling():
+        return step
+    parts = []
+    if positions is not None:
+        parts.append(torch.stack([positions.min(), positions.max()]))
+    if checked_mask is not None:
+        parts.append(_mask_check(checked_mask))
+    if isinstance(past, torch.Tensor):
+        parts.append(past.reshape(1).long().to(device))
+    if not parts:
+        return step
+    values = torch.cat([part.long() for part in parts]).tolist()  # the one host read of the forward
+    if positions is not None:
+        (low, high), values = values[:2], values[2:]
+        if low < 0:
+            raise ValueError(f"position_ids must be non-negative, got {low}")
+        if max_positions is not None and high >= max_positions[1]:
+            name, limit = max_positions
+            raise ValueError(f"position {high} is beyond {name}={limit}: this model has learned position embeddings "
+                             f"for positions < {limit}")
+    if checked_mask is not None:
+        if values[0]:
+            raise ValueError("attention_mask must be a keep-mask holding only 0 and 1 (1 = attend): additive masks (0 "
+                             "= attend, -inf = masked) are not accepted; pass (mask == 0) instead")
+        values = values[1:]
+    if isinstance(past, torch.Tensor):
+        step.memo["tokens"] = values[0]
+    return step
+
+
 def _read_facts(positions, valid, last, first, shift, tokens_before, checked_mask, embedding_positions,
                 max_positions, geometries):
     """Check the step's values and read its ``StepFacts`` back in one host read. Returns the facts, or (rare) the
@@ -501,4 +542,5 @@ def plan_chunk_write(step: MLRStep, geometry, base: int, capacity: int, ring_wid
                           first_after, last_before, log_source)
 
 
-__all__ = ["ChunkWritePlan", "MLRStep", "NO_POSITION", "STEP_KEY", "StepFacts", "build_step", "continue_runs", "mlr_position_layer", "plan_chunk_write"]
+__all__ = ["ChunkWritePlan", "MLRStep", "NO_POSITION", "STEP_KEY", "StepFacts", "build_step", "continue_runs", "mlr_position_layer", "plain_step",
+           "plan_chunk_write"]

@@ -13,7 +13,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils.deprecation import deprecate_kwarg
 
 from .structattn_cache import MLR_CACHE_LAYERS, MLRKeyCacheLayer, MLRStaticKeyCacheLayer
-from .structattn_plan import STEP_KEY, MLRStep, build_step
+from .structattn_plan import STEP_KEY, MLRStep, build_step, plain_step
 
 
 def self_attention_cache(cache: Optional[Cache]) -> Optional[Cache]:
@@ -194,6 +194,13 @@ def prepare_step(model, *, cache: Optional[Cache], batch: int, length: int, devi
         valid = new_token_validity(attention_mask, past, length)
         valid = None if valid is None else valid.expand(batch, length)
         standard = False
+    if not layer_geometries:  # no MLR layer reads a cache: the input checks only (one read at most)
+        step = plain_step(cache=target, positions=positions, valid=valid, batch=batch, length=length, device=device,
+                          key_mask=key_mask, standard_masks=standard, checked_mask=checked, past=past,
+                          max_positions=max_positions)
+        if attention_mask is not None and isinstance(past, torch.Tensor) and step.memo.get("tokens") is not None:
+            _check_mask_length(attention_mask, batch, length, step.memo["tokens"])
+        return step
     geometries = tuple(sorted({tuple(geometry.block_sizes) for geometry in layer_geometries.values()}))
     step = build_step(cache=target, positions=positions, valid=valid, batch=batch, length=length, device=device,
                       key_mask=key_mask, standard_masks=standard, checked_mask=checked,
