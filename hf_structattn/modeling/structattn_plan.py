@@ -200,6 +200,21 @@ def build_step(*, cache, positions: Optional[torch.Tensor], valid: Optional[torc
                    first_before=first)
 
 
+def _refuse_bad_inputs(bad_mask: bool, low: Optional[int] = None, high: Optional[int] = None,
+                       max_positions: Optional[tuple] = None) -> None:
+    """One-line errors for the values a step read back: a 2-D mask holding values other than 0 and 1, and position
+    ids ``low``..``high`` that are negative or beyond a learned position table (``max_positions``: (field, limit))."""
+    if bad_mask:
+        raise ValueError("attention_mask must be a keep-mask holding only 0 and 1 (1 = attend): additive masks (0 = "
+                         "attend, -inf = masked) are not accepted; pass (mask == 0) instead")
+    if low is not None and low < 0:
+        raise ValueError(f"position_ids must be non-negative, got {low}")
+    if high is not None and max_positions is not None and high >= max_positions[1]:
+        name, limit = max_positions
+        raise ValueError(f"position {high} is beyond {name}={limit}: this model has learned position embeddings for "
+                         f"positions < {limit}")
+
+
 def plain_step(*, cache, positions: Optional[torch.Tensor], valid: Optional[torch.Tensor], batch: int, length: int,
                device, key_mask: Optional[torch.Tensor] = None, standard_masks: bool = True,
                checked_mask: Optional[torch.Tensor] = None, past=0,
@@ -223,19 +238,12 @@ def plain_step(*, cache, positions: Optional[torch.Tensor], valid: Optional[torc
     if not parts:
         return step
     values = torch.cat([part.long() for part in parts]).tolist()  # the one host read of the forward
+    low = high = None
     if positions is not None:
         (low, high), values = values[:2], values[2:]
-        if low < 0:
-            raise ValueError(f"position_ids must be non-negative, got {low}")
-        if max_positions is not None and high >= max_positions[1]:
-            name, limit = max_positions
-            raise ValueError(f"position {high} is beyond {name}={limit}: this model has learned position embeddings "
-                             f"for positions < {limit}")
     if checked_mask is not None:
-        if values[0]:
-            raise ValueError("attention_mask must be a keep-mask holding only 0 and 1 (1 = attend): additive masks (0 "
-                             "= attend, -inf = masked) are not accepted; pass (mask == 0) instead")
-        values = values[1:]
+        bad_mask, values = bool(values[0]), values[1:]
+    _refuse_bad_inputs(checked_mask is not None and bad_mask, low, high, max_positions)
     if isinstance(past, torch.Tensor):
         step.memo["tokens"] = values[0]
     return step
@@ -305,16 +313,10 @@ def _read_facts(positions, valid, last, first, shift, tokens_before, checked_mas
         (low_embedding, high_embedding), rest = rest[:2], rest[2:]
     if isinstance(tokens_before, torch.Tensor):
         tokens_before = rest[0]
-    if bad_mask:
-        raise ValueError("attention_mask must be a keep-mask holding only 0 and 1 (1 = attend): additive masks (0 = "
-                         "attend, -inf = masked) are not accepted; pass (mask == 0) instead")
     if embedding_positions is not None:
-        if low_embedding < 0:
-            raise ValueError(f"position_ids must be non-negative, got {low_embedding}")
-        if max_positions is not None and high_embedding >= max_positions[1]:
-            name, limit = max_positions
-            raise ValueError(f"position {high_embedding} is beyond {name}={limit}: this model has learned position "
-                             f"embeddings for positions < {limit}")
+        _refuse_bad_inputs(bad_mask, low_embedding, high_embedding, max_positions)
+    else:
+        _refuse_bad_inputs(bad_mask)
     low_rows, high_rows, low_offsets, high_offsets = rows[:4]
     lowest, highest = min(low_rows), max(high_rows)
     if highest >= 0 and lowest < 0:
@@ -380,22 +382,14 @@ def _decode_facts(positions, valid, last, first, tokens_before, checked_mask, ma
     real = [True] * batch
     if valid is not None:
         real, rest = [bool(value) for value in rest[:batch]], rest[batch:]
+    bad_mask = False
     if checked_mask is not None:
-        if rest[0]:
-            raise ValueError("attention_mask must be a keep-mask holding only 0 and 1 (1 = attend): additive masks (0 "
-                             "= attend, -inf = masked) are not accepted; pass (mask == 0) instead")
-        rest = rest[1:]
+        bad_mask, rest = bool(rest[0]), rest[1:]
     if isinstance(tokens_before, torch.Tensor):
         tokens_before = rest[0]
     if any(is_real and cached >= 0 and position <= cached for position, cached, is_real in zip(new, old, real)):
         return None
-    lowest = min(new)
-    if lowest < 0:
-        raise ValueError(f"position_ids must be non-negative, got {lowest}")
-    if max_positions is not None and max(new) >= max_positions[1]:
-        name, limit = max_positions
-        raise ValueError(f"position {max(new)} is beyond {name}={limit}: this model has learned position embeddings "
-                         f"for positions < {limit}")
+    _refuse_bad_inputs(bad_mask, min(new), max(new), max_positions)
     for row in range(batch):
         if real[row] and old[row] >= 0 and new[row] != old[row] + 1:
             _refuse_gap(row, old[row], positions, valid)
