@@ -26,38 +26,21 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_structattn_gpt2 import StructAttnGPT2Config
-from .structattn_attention import install_mlr_attention
+from .structattn_attention import install_bilinear_attention, install_mlr_attention
 from .structattn_geometry import (
     BILINEAR_BTT_ATTENTION,
     BILINEAR_MLR_ATTENTION,
     MLR_ATTENTION,
     SLIDING_ATTENTION,
     check_positions,
-    mask_value,
-    softmax_dtype,
 )
 from .structattn_plan import STEP_KEY
 from .structattn_prepare import prepare_step
-from .structattn_ops import fused_attention
+from .structattn_ops import eager_attention_forward
 from .structattn_pretrained import StructAttnPreTrainedMixin
 from .structattn_qk import StructuredQueryKey, init_structured_query_key
 
 BILINEAR_KINDS = (BILINEAR_MLR_ATTENTION, BILINEAR_BTT_ATTENTION)
-
-
-def eager_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Materialised attention (GPT-2's eager path). Returns (B, T, H, dv) and the weights. Masking and softmax run
-    in ``promote_types(dtype, float32)``: a half-precision score plus transformers' ``finfo.min`` mask would
-    overflow to -inf (NaN rows)."""
-    weights = (torch.matmul(query, key.transpose(-1, -2)) * scaling).to(softmax_dtype(query.dtype))
-    if attention_mask is not None:
-        if attention_mask.dtype == torch.bool:
-            weights = weights.masked_fill(~attention_mask, mask_value(weights.dtype))
-        else:
-            weights = weights + attention_mask.to(weights.dtype)
-    weights = nn.functional.softmax(weights, dim=-1).type(value.dtype)
-    weights = nn.functional.dropout(weights, p=dropout, training=module.training)
-    return torch.matmul(weights, value).transpose(1, 2), weights
 
 
 def dense_logit_scale(head_dim: int, scaling) -> float:
@@ -80,7 +63,8 @@ class StructAttnGPT2Attention(StructuredQueryKey):
     """One attention layer, GPT-2's attention module for every kind in ``config.layer_types``: dense, MLR and SWA
     take q, k and v from GPT-2's fused ``c_attn`` and dispatch through transformers' ``ALL_ATTENTION_FUNCTIONS``
     (an MLR layer's config is an ``MLRLayerConfig``, which names the MLR function; see ``structattn_attention``);
-    the bilinear kinds build their structured q/k (``StructuredQueryKey``) and keep a value projection ``c_v``."""
+    the bilinear kinds build their structured q/k (``StructuredQueryKey``), keep a value projection ``c_v`` and
+    dispatch the same way to the bilinear functions (their config is a ``BilinearLayerConfig``)."""
 
     def __init__(self, config, layer_idx: int):
         super().__init__()
@@ -106,6 +90,8 @@ class StructAttnGPT2Attention(StructuredQueryKey):
                              norm_eps=config.layer_norm_epsilon)
         if self.kind == MLR_ATTENTION:
             install_mlr_attention(self, config.mlr_geometry())
+        elif self.kind in BILINEAR_KINDS:
+            install_bilinear_attention(self)
         self.c_proj = Conv1D(self.embed_dim, self.embed_dim)
         self.attn_dropout = nn.Dropout(config.attn_pdrop)
         self.resid_dropout = nn.Dropout(config.resid_pdrop)
@@ -134,24 +120,13 @@ class StructAttnGPT2Attention(StructuredQueryKey):
         query, key, value = self._query_key_value(hidden_states)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
-        implementation = self.config._attn_implementation
-        if self.kind in BILINEAR_KINDS:
-            # query/key width differs from the value width: eager materialises, otherwise the fused kernel runs on
-            # zero-padded q/k (logit scales are folded into the queries)
-            if implementation == "eager":
-                output, weights = eager_attention_forward(self, query, key, value, attention_mask, scaling=1.0,
-                                                          dropout=dropout)
-            else:
-                allowed = attention_mask if attention_mask is not None and attention_mask.dtype == torch.bool else None
-                bias = attention_mask if attention_mask is not None and attention_mask.dtype != torch.bool else None
-                output = fused_attention(query, key, value, scale=1.0, causal=attention_mask is None,
-                                         allowed=allowed, bias=bias, dropout=dropout).transpose(1, 2)
-                weights = None
-        else:
-            interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
-            extra = {"sliding_window": self.config.sliding_window} if self.kind == SLIDING_ATTENTION else {}
-            output, weights = interface(self, query, key, value, attention_mask, dropout=dropout,
-                                        scaling=self.scaling, **extra, **kwargs)
+        # every kind through transformers' attention interface: an MLR or bilinear layer's config names this
+        # package's function of the model's implementation kind (``structattn_attention``); the bilinear kinds fold
+        # their logit scales into the queries
+        interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        extra = {"sliding_window": self.config.sliding_window} if self.kind == SLIDING_ATTENTION else {}
+        output, weights = interface(self, query, key, value, attention_mask, dropout=dropout,
+                                    scaling=1.0 if self.kind in BILINEAR_KINDS else self.scaling, **extra, **kwargs)
         output = output.reshape(batch, length, self.embed_dim)
         return self.resid_dropout(self.c_proj(output)), weights
 

@@ -1,5 +1,5 @@
-"""MLR attention inside transformers: the attention functions registered in ``AttentionInterface`` and how a layer
-gets them. Every family (GPT-2, T5, patched decoders) installs MLR the same way: ``install_mlr_attention(module,
+"""MLR attention inside transformers: the attention functions registered in ``AttentionInterface``. Every family
+(GPT-2, T5, patched decoders) installs MLR the same way (``structattn_install``): ``install_mlr_attention(module,
 geometry)`` gives the layer's attention module an ``MLRLayerConfig``, the model's own config except that
 ``_attn_implementation`` names the MLR function of the same kind. The module's own forward then dispatches through
 ``ALL_ATTENTION_FUNCTIONS`` exactly as it would for SDPA:
@@ -8,6 +8,10 @@ geometry)`` gives the layer's attention module an ``MLRLayerConfig``, the model'
   ``output_attentions`` needs, as stock eager attention does);
 * anything else (``"sdpa"``, flash, flex, ...) -> ``"mlr"``: the fused exact op (CPU flash kernel per level group,
   Triton on CUDA), the decode step and the chunk path over the hierarchical cache; no probabilities.
+
+The bilinear MLR / BTT layers of the GPT-2 family dispatch the same way (``install_bilinear_attention``) to
+``"bilinear"`` (the fused kernel on zero-padded q/k: their query/key width differs from the value width) and
+``"bilinear_eager"`` (materialised).
 
 The model's config keeps the name the user chose (``config._attn_implementation == "eager"`` stays true, and every
 other layer runs stock eager attention), so ``set_attn_implementation`` and ``from_pretrained(...,
@@ -37,81 +41,27 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from .structattn_cache import MLR_CACHE_LAYERS, MLRStaticKeyCacheLayer
 from .structattn_decoder_spec import stock_layer_geometry
 from .structattn_geometry import MLRGeometry, mask_value, softmax_dtype
+from .structattn_install import (  # noqa: F401  (the installation API, re-exported: where every family finds it)
+    BILINEAR_ATTENTION,
+    BILINEAR_EAGER_ATTENTION,
+    MLR_ATTENTION,
+    MLR_EAGER_ATTENTION,
+    BilinearLayerConfig,
+    MLRLayerConfig,
+    install_bilinear_attention,
+    install_mlr_attention,
+    installations,
+    mlr_geometry_of,
+    mlr_implementation,
+)
 from .structattn_mlr import PositionLayout, mlr_attention
 from .structattn_mlr_decode import mlr_attention_full_keys, mlr_cached_attention
+from .structattn_ops import eager_attention_forward, fused_attention
 from .structattn_plan import STEP_KEY, continue_runs
 
-MLR_ATTENTION = "mlr"
-MLR_EAGER_ATTENTION = "mlr_eager"
 UNSUPPORTED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 _warned = set()
-
-
-def mlr_implementation(implementation: Optional[str]) -> str:
-    """The MLR attention function standing in for a transformers attention implementation name."""
-    return MLR_EAGER_ATTENTION if implementation in ("eager", MLR_EAGER_ATTENTION) else MLR_ATTENTION
-
-
-class MLRLayerConfig:
-    """The config an MLR layer's attention module reads: every attribute is the model's (stack's) config's, read
-    live, except ``_attn_implementation``, which names the MLR function of the same kind (``mlr_implementation``),
-    and ``mlr_geometry``, the layer's ``MLRGeometry``. Writes go to the model's config."""
-
-    def __init__(self, config, geometry: MLRGeometry):
-        self.__dict__["_structattn_base"] = config  # past __setattr__, which writes through to the base
-        self.__dict__["mlr_geometry"] = geometry
-
-    @property
-    def base_config(self):
-        return self._structattn_base
-
-    @property
-    def _attn_implementation(self) -> str:
-        return mlr_implementation(self._structattn_base._attn_implementation)
-
-    def __getattr__(self, name: str):
-        # only called for names not found on the view itself
-        if name.startswith("__") or name == "_structattn_base":  # copy/pickle protocol: never the base's
-            raise AttributeError(name)
-        return getattr(self._structattn_base, name)
-
-    def __setattr__(self, name: str, value) -> None:
-        setattr(self.base_config, name, value)
-
-    def __deepcopy__(self, memo):
-        import copy
-
-        return MLRLayerConfig(copy.deepcopy(self.base_config, memo), self.mlr_geometry)
-
-    def __reduce__(self):
-        return MLRLayerConfig, (self.base_config, self.mlr_geometry)
-
-    def __repr__(self) -> str:
-        return f"MLRLayerConfig({type(self.base_config).__name__}, {self.mlr_geometry})"
-
-
-_INSTALLATIONS = [0]
-
-
-def installations() -> int:
-    """How many times MLR attention was installed in this process (models memoise what they find installed)."""
-    return _INSTALLATIONS[0]
-
-
-def install_mlr_attention(module: torch.nn.Module, geometry: MLRGeometry) -> None:
-    """Make ``module`` (any attention module that dispatches through ``ALL_ATTENTION_FUNCTIONS`` with
-    ``self.config._attn_implementation``) run MLR attention of ``geometry``. Its parameters are untouched."""
-    config = module.config
-    if isinstance(config, MLRLayerConfig):
-        config = config.base_config
-    module.config = MLRLayerConfig(config, geometry)
-    _INSTALLATIONS[0] += 1
-
-
-def mlr_geometry_of(module: torch.nn.Module) -> Optional[MLRGeometry]:
-    config = getattr(module, "config", None)
-    return config.mlr_geometry if isinstance(config, MLRLayerConfig) else None
 
 
 def _layer_geometry(module: torch.nn.Module) -> Optional[MLRGeometry]:
@@ -633,10 +583,32 @@ def mlr_eager_attention_forward(module, query: torch.Tensor, key: torch.Tensor, 
     return _forward(module, query, key, value, attention_mask, scaling, dropout, True, kwargs)
 
 
+def bilinear_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                               attention_mask: Optional[torch.Tensor], scaling: Optional[float] = None,
+                               dropout: float = 0.0, **kwargs):
+    """``"bilinear"`` in ``AttentionInterface``: attention whose query/key width E differs from the value width (the
+    bilinear MLR / BTT layers) with the fused kernel on zero-padded q/k. query (B, H, T, E); key (B, H, S, E); value
+    (B, H, S, dv); attention_mask: transformers' bool keep-mask or additive mask, or None (causal). Returns
+    ((B, T, H, dv), None)."""
+    allowed = attention_mask if attention_mask is not None and attention_mask.dtype == torch.bool else None
+    bias = attention_mask if attention_mask is not None and attention_mask.dtype != torch.bool else None
+    out = fused_attention(query, key, value, scale=1.0 if scaling is None else scaling,
+                          causal=attention_mask is None and getattr(module, "is_causal", True), allowed=allowed,
+                          bias=bias, dropout=dropout)
+    return out.transpose(1, 2), None
+
+
 ALL_ATTENTION_FUNCTIONS.register(MLR_ATTENTION, mlr_attention_forward)
 ALL_ATTENTION_FUNCTIONS.register(MLR_EAGER_ATTENTION, mlr_eager_attention_forward)
 ALL_MASK_ATTENTION_FUNCTIONS.register(MLR_ATTENTION, _mlr_mask)
 ALL_MASK_ATTENTION_FUNCTIONS.register(MLR_EAGER_ATTENTION, _mlr_eager_mask)
+ALL_ATTENTION_FUNCTIONS.register(BILINEAR_ATTENTION, bilinear_attention_forward)
+# materialised: the scores of any q/k width (masking and softmax in promote_types(dtype, float32))
+ALL_ATTENTION_FUNCTIONS.register(BILINEAR_EAGER_ATTENTION, eager_attention_forward)
+ALL_MASK_ATTENTION_FUNCTIONS.register(BILINEAR_ATTENTION, _mlr_mask)
+ALL_MASK_ATTENTION_FUNCTIONS.register(BILINEAR_EAGER_ATTENTION, _mlr_eager_mask)
 
-__all__ = ["MLRLayerConfig", "MLR_ATTENTION", "MLR_EAGER_ATTENTION", "install_mlr_attention", "key_validity",
+__all__ = ["BILINEAR_ATTENTION", "BILINEAR_EAGER_ATTENTION", "BilinearLayerConfig", "MLRLayerConfig", "MLR_ATTENTION",
+           "MLR_EAGER_ATTENTION", "bilinear_attention_forward",
+           "install_bilinear_attention", "install_mlr_attention", "key_validity",
            "mlr_attention_forward", "mlr_eager_attention_forward", "mlr_geometry_of", "mlr_implementation"]

@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .structattn_geometry import mask_value
+from .structattn_geometry import mask_value, softmax_dtype
 
 
 def sliding_window_allowed(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int,
@@ -52,3 +52,18 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
         mask = mask.masked_fill(future, mask_value(q.dtype))
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal, scale=scale)
     return out[..., :value_width] if value_width < width else out
+
+
+def eager_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Materialised attention (GPT-2's eager path). Returns (B, T, H, dv) and the weights. Masking and softmax run
+    in ``promote_types(dtype, float32)``: a half-precision score plus transformers' ``finfo.min`` mask would
+    overflow to -inf (NaN rows)."""
+    weights = (torch.matmul(query, key.transpose(-1, -2)) * scaling).to(softmax_dtype(query.dtype))
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            weights = weights.masked_fill(~attention_mask, mask_value(weights.dtype))
+        else:
+            weights = weights + attention_mask.to(weights.dtype)
+    weights = F.softmax(weights, dim=-1).type(value.dtype)
+    weights = F.dropout(weights, p=dropout, training=module.training)
+    return torch.matmul(weights, value).transpose(1, 2), weights
