@@ -171,9 +171,10 @@ def build_step(*, cache, positions: Optional[torch.Tensor], valid: Optional[torc
         counted = valid.long() if valid is not None else torch.ones(batch, length, dtype=torch.long, device=device)
         positions = start[:, None] + counted.cumsum(-1)
     positions = positions.to(device=device, dtype=torch.long).expand(batch, length)
-    if length == 1 and last is not None and not tracing:
-        # a decode step: the rows' positions read back as they are, checked in Python (a few ops less per step)
-        facts = _decode_facts(positions, valid, last, first, tokens_before, checked_mask, max_positions, geometries)
+    if batch * length <= HOST_FACTS_ELEMENTS and last is not None and not tracing:
+        # a decode step or a short chunk: the positions read back as they are, checked in Python (ops less per step)
+        facts = _host_facts(positions, valid, last, first, tokens_before, checked_mask, max_positions, geometries,
+                            embedding_positions is not None)
         if facts is not None:
             return MLRStep(cache, positions, valid, facts, standard_masks, key_mask, position_bias, last_before=last,
                            first_before=first)
@@ -364,45 +365,65 @@ def _mask_check(checked_mask: torch.Tensor) -> torch.Tensor:
     return ((low < 0) | (high > 1)).long().reshape(1)
 
 
-def _decode_facts(positions, valid, last, first, tokens_before, checked_mask, max_positions, geometries):
-    """``StepFacts`` of a decode step (one token per row) over MLR layers that were written, from the rows' new, newest
-    and first positions read back in one host read; None when a row starts behind its newest cached position (right
-    padding in generate: ``build_step``'s general path continues it)."""
-    batch = positions.shape[0]
-    parts = [positions[:, 0], last, first]
+HOST_FACTS_ELEMENTS = 256  # steps of at most this many new tokens read their positions back as they are
+
+
+def _host_facts(positions, valid, last, first, tokens_before, checked_mask, max_positions, geometries,
+                embedding: bool):
+    """``StepFacts`` of a short step (decode steps, speculative verification chunks: at most ``HOST_FACTS_ELEMENTS``
+    new tokens) over MLR layers that are written, from the new tokens' positions and padding and the rows' newest and
+    first cached positions read back as they are in one host read and checked in Python (fewer ops than reducing
+    them on the device); None when a row starts behind its newest cached position (right padding in generate:
+    ``build_step``'s general path continues it). ``embedding``: the positions are the given position ids, checked
+    against ``max_positions`` (else only the real tokens' positions must be non-negative)."""
+    batch, length = positions.shape
+    parts = [positions.reshape(-1), last, first]
     if valid is not None:
-        parts.append(valid[:, 0].long())
+        parts.append(valid.reshape(-1).long())
     if checked_mask is not None:
         parts.append(_mask_check(checked_mask))
     if isinstance(tokens_before, torch.Tensor):
         parts.append(tokens_before.reshape(1).long().to(positions.device))
     values = torch.cat(parts).tolist()  # the one host read of the forward
-    new, old, firsts = values[:batch], values[batch:2 * batch], values[2 * batch:3 * batch]
-    rest = values[3 * batch:]
-    real = [True] * batch
+    count = batch * length
+    rows = [values[row * length:(row + 1) * length] for row in range(batch)]
+    old, firsts, rest = values[count:count + batch], values[count + batch:count + 2 * batch], values[count + 2 * batch:]
+    flags = [[True] * length] * batch
     if valid is not None:
-        real, rest = [bool(value) for value in rest[:batch]], rest[batch:]
+        flags = [[bool(value) for value in rest[row * length:(row + 1) * length]] for row in range(batch)]
+        rest = rest[count:]
     bad_mask = False
     if checked_mask is not None:
         bad_mask, rest = bool(rest[0]), rest[1:]
     if isinstance(tokens_before, torch.Tensor):
         tokens_before = rest[0]
-    if any(is_real and cached >= 0 and position <= cached for position, cached, is_real in zip(new, old, real)):
+    reals = [[position for position, real in zip(row, flag) if real] for row, flag in zip(rows, flags)]
+    if any(real and cached >= 0 and real[0] <= cached for real, cached in zip(reals, old)):
         return None
-    _refuse_bad_inputs(bad_mask, min(new), max(new), max_positions)
-    for row in range(batch):
-        if real[row] and old[row] >= 0 and new[row] != old[row] + 1:
-            _refuse_gap(row, old[row], positions, valid)
-    real_new = [position for position, is_real in zip(new, real) if is_real]
-    newest = [max(cached, position) if is_real else cached for position, cached, is_real in zip(new, old, real)]
-    firsts = [min(held, position) if is_real else held for position, held, is_real in zip(new, firsts, real)]
-    all_real = all(real)
+    every = [position for real in reals for position in real]
+    if embedding:
+        _refuse_bad_inputs(bad_mask, min(values[:count]), max(values[:count]), max_positions)
+    else:
+        _refuse_bad_inputs(bad_mask)
+    if every and min(every) < 0:
+        raise ValueError(f"positions must be non-negative for MLR attention, got {min(every)}")
+    for row, (real, cached) in enumerate(zip(reals, old)):
+        start = cached + 1 if cached >= 0 else (real[0] if real else 0)
+        if real != list(range(start, start + len(real))):
+            _refuse_gap(row, cached, positions, valid)
+    offsets = [[position - index for index, (position, real) in enumerate(zip(row, flag)) if real]
+               for row, flag in zip(rows, flags)]
+    contiguous = all(len(set(offset)) <= 1 for offset in offsets)
+    row_offsets = [offset[0] if offset else 0 for offset in offsets]
+    uniform = row_offsets[0] if contiguous and len(set(row_offsets)) == 1 else None
+    newest = [max(cached, real[-1]) if real else cached for real, cached in zip(reals, old)]
+    firsts = [min(held, real[0]) if real else held for real, held in zip(reals, firsts)]
+    all_real = all(all(flag) for flag in flags)
     continuing = all_real and all(cached >= 0 for cached in old)
-    shared = newest[0] if continuing and all(value == newest[0] for value in newest) else None
-    uniform = new[0] if all(position == new[0] for position in new) else None
-    return StepFacts(tokens_before, bool(tokens_before), all_real, min(real_new, default=NO_POSITION),
-                     max(real_new, default=-1), max(newest), min(newest), shared, max(firsts), continuing, uniform,
-                     True, newest[0], _shared_blocks(geometries, newest))
+    shared = newest[0] if continuing and len(set(newest)) == 1 else None
+    return StepFacts(tokens_before, bool(tokens_before), all_real, min(every, default=NO_POSITION),
+                     max(every, default=-1), max(newest), min(newest), shared, max(firsts), continuing, uniform,
+                     contiguous, newest[0], _shared_blocks(geometries, newest))
 
 
 def _shared_blocks(geometries: tuple, newest: list) -> tuple:
