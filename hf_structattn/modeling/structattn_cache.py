@@ -334,6 +334,8 @@ class MLRCacheLayerMixin(RollbackMixin):
                 source = plan.log_source.clamp(min=0)[:, None].expand(batch, heads, chunk, fine.shape[-1])
                 earlier = fine.gather(2, source)
                 logged = torch.where((plan.log_source >= 0)[:, None], earlier, replaced)
+            elif replaced is not None:  # a chunk shorter than every block: no token overwrites another's entry
+                logged = replaced
             else:
                 logged = keys.new_zeros(batch, heads, chunk, 0)
             self.rollback_log.append(logged, step.positions, step.real(), self.rollback_window,

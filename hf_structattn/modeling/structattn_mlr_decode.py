@@ -364,28 +364,38 @@ def mlr_cached_chunk(query: torch.Tensor, chunk_keys: torch.Tensor, view, plan: 
     the scores side by side, weighted by the plan and added onto their slots by one ``scatter_add_``."""
     work = plan.work
     keys, values, fine = view.keys, view.values, view.fine
-    batch, heads, rows, _ = query.shape
-    query = query * geometry.scale_vector(scales, query.dtype, query.device)
+    batch, heads, rows, width = query.shape
+    slots = keys.shape[2]
+    flat = batch * heads
+    # 3-D products throughout: a 4-D matmul costs a handful of expand / view calls each, which the ~2L matmuls of a
+    # layer would pay for
+    query = (query * geometry.scale_vector(scales, query.dtype, query.device)).reshape(flat, rows, width)
     level_queries = query.split(list(geometry.ranks), dim=-1)
-    scores = (level_queries[0] @ keys.transpose(-1, -2)).to(work)  # (B, Hk, n, C)
+    first_rank = geometry.ranks[0]
+    scores = torch.bmm(level_queries[0], keys.reshape(flat, slots, first_rank).transpose(1, 2)).to(work)
     if plan.target is not None:
-        first_rank = geometry.ranks[0]
         pair_keys = torch.cat([view.replaced, chunk_keys[..., first_rank:]], dim=2)  # (B, Hk, 2c, F)
+        pair_keys = pair_keys.reshape(flat, pair_keys.shape[2], -1).transpose(1, 2)  # (B Hk, F, 2c)
+        fine = fine.reshape(flat, -1)
         ring_scores, pair_scores, offset = [], [], 0
-        for q_level, keys_level, rank, width in zip(level_queries[1:], pair_keys.split(list(geometry.ranks[1:]), -1),
-                                                    geometry.ranks[1:], view.ring_widths):
-            ring_scores.append(q_level @ fine[..., offset:offset + width * rank].view(batch, heads, rank, width))
-            pair_scores.append(q_level @ keys_level.transpose(-1, -2))
-            offset += width * rank
-        level_scores = torch.cat(ring_scores + pair_scores, dim=-1).to(work) * plan.weight
-        scores.scatter_add_(-1, plan.target[:, None, None, :].expand(batch, heads, rows, -1), level_scores)
+        for q_level, keys_level, rank, ring_width in zip(level_queries[1:], pair_keys.split(list(geometry.ranks[1:]), 1),
+                                                         geometry.ranks[1:], view.ring_widths):
+            ring_scores.append(torch.bmm(q_level, fine[:, offset:offset + ring_width * rank].view(flat, rank,
+                                                                                                  ring_width)))
+            pair_scores.append(torch.bmm(q_level, keys_level))
+            offset += ring_width * rank
+        level_scores = torch.cat(ring_scores + pair_scores, dim=-1).to(work).view(batch, heads, rows, -1) * plan.weight
+        scores.view(batch, heads, rows, slots).scatter_add_(
+            -1, plan.target[:, None, None, :].expand(batch, heads, rows, -1), level_scores)
+    scores = scores.view(batch, heads, rows, slots)
     if plan.depth is not None:
         scores = scores / plan.depth
     scores = scores + plan.additive_mask
     if bias is not None:
         scores = scores + bias.to(work)
     probabilities = torch.softmax(scores, dim=-1)
-    output = probabilities.to(values.dtype) @ values
+    output = torch.bmm(probabilities.to(values.dtype).reshape(flat, rows, slots),
+                       values.reshape(flat, slots, values.shape[-1])).view(batch, heads, rows, -1)
     return (output, probabilities) if return_weights else output
 
 

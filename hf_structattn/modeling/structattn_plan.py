@@ -532,7 +532,7 @@ def plan_chunk_write(step: MLRStep, geometry, base: int, capacity: int, ring_wid
         fine_element = layout["element offset"] + entry.clamp(max=capacity - 1)
         own_entry = ((positions[:, :, None] - base).clamp(min=0) % dims_block).clamp(max=capacity - 1)
         own_element = layout["element offset"] + own_entry
-        if record:
+        if record and chunk > min(geometry.block_sizes):  # (shorter chunks never overwrite their own entries)
             # the rollback log keeps, per token, what its entry holds just before its write: the chunk's own real
             # token one block earlier when there is one, else the value before the chunk (-1)
             source_rank = rank[:, :, None] - dims_block
