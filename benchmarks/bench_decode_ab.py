@@ -62,7 +62,11 @@ def old_mlr_model(package: str, new_model):
     attention = importlib.import_module(f"{package}.structattn_attention")
     modeling = importlib.import_module(f"{package}.modeling_structattn_gpt2")
     configuration = importlib.import_module(f"{package}.configuration_structattn_gpt2")
-    attention.MLR_ATTENTION = package  # read by the old payload's mlr_implementation at call time
+    # read by the old payload's mlr_implementation at call time (in structattn_install since it has one)
+    try:
+        importlib.import_module(f"{package}.structattn_install").MLR_ATTENTION = package
+    except ImportError:
+        attention.MLR_ATTENTION = package
     ALL_ATTENTION_FUNCTIONS.register(package, attention.mlr_attention_forward)
     shape = dict(GPT2_SHAPE, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=1,
                  pad_token_id=1)

@@ -229,8 +229,11 @@ class MLRCacheLayerMixin(RollbackMixin):
         with torch.no_grad():
             keys_in = keys.detach() if keys.requires_grad else keys
             values_in = values.detach() if values.requires_grad else values
-            if facts is not None:
-                self._ensure_capacity(max(facts.newest - self.base + 1, 1), keys_in, values_in)
+            if facts is not None:  # the slots in use, and (dynamic) at least the tokens seen: ``keys`` exposes them
+                needed = max(facts.newest - self.base + 1, 1)
+                if not isinstance(self, StaticLayer):
+                    needed = max(needed, facts.tokens_before + chunk)
+                self._ensure_capacity(needed, keys_in, values_in)
             if chunk == 1 and facts is not None and facts.continuing and not self.record_past:
                 last_before = None
                 self._write_decode(keys_in, values_in, step, facts)
@@ -491,7 +494,9 @@ class MLRKeyCacheLayer(MLRCacheLayerMixin, DynamicLayer):
         self._used = None
 
     # ``keys`` / ``values`` as transformers' layers expose what they hold: the slots in use, or the tokens seen when
-    # more (padding included); views made when read (the forwards read the storage through ``store``'s view)
+    # more (padding included; a dynamic layer's capacity covers both), so that two caches holding the same tokens
+    # expose the same tensors whatever they reserved; views made when read (the forwards read the storage through
+    # ``store``'s view)
     @property
     def keys(self):
         return self._exposed(0) if self._storage is not None else self._plain[0]
@@ -509,8 +514,7 @@ class MLRKeyCacheLayer(MLRCacheLayerMixin, DynamicLayer):
         self._plain = (getattr(self, "_plain", (None, None))[0], value)
 
     def _exposed(self, index: int) -> torch.Tensor:
-        used = self._used if self._used is not None else self.capacity
-        return self._storage[index].narrow(2, 0, min(max(used, self.cumulative_length), self.capacity))
+        return self._storage[index].narrow(2, 0, min(max(self._held_slots(), self.cumulative_length), self.capacity))
 
     def _drop_storage(self) -> None:
         self._storage = None
