@@ -40,7 +40,7 @@ from .structattn_decoder_spec import (  # noqa: F401  (the decoder spec, re-expo
     rotary_pair_order,
     stock_layer_geometry,
 )
-from .structattn_geometry import announce_config, check_positions, keep_mask
+from .structattn_geometry import announce_config, check_positions, keep_mask, one_line_field_errors
 
 MODEL_TYPE_PREFIX = "mlr_"
 CLASS_PREFIX = "MLR"
@@ -235,8 +235,8 @@ def mlr_config_class(base):
             base.__post_init__(self, **kwargs)
             announce_config(self)
 
-        cls = type(name, (base,), {"model_type": MODEL_TYPE_PREFIX + base.model_type, "__module__": __name__,
-                                   "__post_init__": __post_init__})
+        cls = one_line_field_errors(type(name, (base,), {"model_type": MODEL_TYPE_PREFIX + base.model_type,
+                                                         "__module__": __name__, "__post_init__": __post_init__}))
         cls.register_for_auto_class()
         _CLASSES[name] = cls
     return _CLASSES[name]

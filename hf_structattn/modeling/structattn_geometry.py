@@ -451,6 +451,32 @@ def announce_config(config) -> None:
         hook(config_class)
 
 
+def _type_name(annotation) -> str:
+    text = getattr(annotation, "__name__", None) if isinstance(annotation, type) else None
+    return text or str(annotation).replace("typing.", "").replace("NoneType", "None")
+
+
+def one_line_field_errors(cls):
+    """Class decorator, applied after ``@strict``: a field set to a value of the wrong type (at construction, by
+    ``from_pretrained`` or by assignment) raises a one-line ``ValueError`` naming the field, the value and the
+    accepted types, instead of huggingface_hub's multi-line ``StrictDataclassFieldValidationError``."""
+    strict_setattr = cls.__setattr__
+
+    def __setattr__(self, name, value):
+        try:
+            strict_setattr(self, name, value)
+        except Exception as error:  # huggingface_hub's error class: matched by name (the payload imports no hub)
+            if not type(error).__name__.startswith("StrictDataclass"):
+                raise
+            fields = getattr(type(self), "__dataclass_fields__", {})
+            expected = _type_name(fields[name].type) if name in fields else "its declared type"
+            raise ValueError(f"{name}={value!r} ({type(value).__name__}) is not a valid value of the config field "
+                             f"{name}: expected {expected}") from None
+
+    cls.__setattr__ = __setattr__
+    return cls
+
+
 class StructAttnConfigMixin:
     """Placed before the transformers config class; subclasses define ``_validate_structured_attention``."""
 
