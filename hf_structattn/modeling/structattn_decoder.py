@@ -101,7 +101,10 @@ def _check_inputs(kwargs: dict, tokens: torch.Tensor, past) -> None:
         raise ValueError(f"{name} of shape {tuple(tokens.shape)} is empty (batch {batch}, length {length}): pass at "
                          f"least one token in at least one row")
     positions = kwargs.get("position_ids")
-    if positions is not None and (positions.dim() != 3 or positions.shape[-1] != length):
+    well_formed = isinstance(positions, torch.Tensor) and positions.shape[-1:] == (length,) and (
+        positions.dim() == 3 or (positions.dim() == 2 and positions.shape[0] in (1, batch)) or positions.dim() == 1) \
+        and not (positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool)
+    if positions is not None and not well_formed:
         # (3, B, T) multimodal positions are refused by the attention with their own message
         check_positions(positions, batch, length, name="position_ids")
     mask = kwargs.get("attention_mask")
