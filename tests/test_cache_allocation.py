@@ -206,3 +206,31 @@ def test_torch_export_of_the_same_mlr_model_twice(family):
             for value in geometry.tensors.entries.values():
                 for tensor in (value.values() if isinstance(value, dict) else [value]):
                     assert not isinstance(tensor, torch.Tensor) or type(tensor) is torch.Tensor
+
+
+def test_repeated_static_generate_holds_at_most_twice_the_formula_of_the_call():
+    """transformers sizes a static cache to the longest earlier static generation of the model (to spare a compiled
+    step its recompilation). A call that needs less than half of that gets a cache of its own size; one that needs
+    more than half reuses the longer length (at most 2x its formula); ``max_cache_len`` asks for the worst case."""
+    model = _gpt2(["mlr_attention", "mlr_attention"])
+    kwargs = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, return_dict_in_generate=True,
+                  cache_implementation="static")
+
+    def run(prompt, batch=2, **extra):
+        ids = torch.randint(2, 61, (batch, prompt), generator=torch.Generator().manual_seed(prompt))
+        cache = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs, **extra).cache
+        slots = cache.layers[0].max_cache_len
+        formula = 2 * batch * 2 * (_mlr_elements(slots) + slots * 16) * BYTES  # 2 layers x 2 heads at `slots`
+        memo = _memo_bytes(cache.layers[0].geometry)
+        return slots, allocated_cache_bytes(cache) - memo, formula
+
+    assert run(100)[0] == 100 + NEW_TOKENS - 1
+    slots, allocated, _ = run(40)  # less than half: its own size
+    assert slots == 40 + NEW_TOKENS - 1
+    _, _, own = run(40)
+    assert allocated <= 1.05 * own + 2 * 2 * 2 * _one_block_per_level() * BYTES
+    run(100)
+    slots, _, _ = run(60, batch=3)  # more than half: the longer length, reused
+    assert slots == 100 + NEW_TOKENS - 1 and slots <= 2 * (60 + NEW_TOKENS - 1)
+    model.generation_config.max_cache_len = 120  # the worst case, asked for
+    assert run(20)[0] == 120

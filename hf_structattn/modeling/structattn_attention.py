@@ -275,7 +275,7 @@ def _uncached(module, query, key, value, geometry, scales, positions, valid, bia
     """Uncached MLR (training, prefill, encoders): (B, Hq, T, r) queries, (B, Hk, T, r) keys in level order.
     ``allowed``: (B | 1, 1, T, T) bool, a caller's 4-D mask applied as given (instead of causality by position and
     the padding flags ``valid``); ``layout``: the positions' ``PositionLayout`` from the step plan (None: read)."""
-    key, value = key.to(query.dtype), value.to(query.dtype)  # a cache's pending keys may predate autocast's cast
+    key, value = key.to(query.dtype), value.to(query.dtype)  # the chunk's keys may predate autocast's cast
     if allowed is not None:
         additive = _additive(allowed, softmax_dtype(query.dtype))
         bias = additive if bias is None else bias + additive

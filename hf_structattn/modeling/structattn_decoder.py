@@ -38,7 +38,7 @@ from .structattn_decoder_spec import (  # noqa: F401  (the decoder spec, re-expo
     rotary_pair_order,
     stock_layer_geometry,
 )
-from .structattn_geometry import announce_config, check_positions
+from .structattn_geometry import announce_config, check_positions, one_line_field_errors
 
 MODEL_TYPE_PREFIX = "mlr_"
 CLASS_PREFIX = "MLR"
@@ -94,7 +94,10 @@ def _check_inputs(kwargs: dict, tokens: torch.Tensor) -> None:
         raise ValueError(f"{name} of shape {tuple(tokens.shape)} is empty (batch {batch}, length {length}): pass at "
                          f"least one token in at least one row")
     positions = kwargs.get("position_ids")
-    if positions is not None and (positions.dim() != 3 or positions.shape[-1] != length):
+    well_formed = isinstance(positions, torch.Tensor) and positions.shape[-1:] == (length,) and (
+        positions.dim() == 3 or (positions.dim() == 2 and positions.shape[0] in (1, batch)) or positions.dim() == 1) \
+        and not (positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool)
+    if positions is not None and not well_formed:
         # (3, B, T) multimodal positions are refused by the attention with their own message
         check_positions(positions, batch, length, name="position_ids")
     mask = kwargs.get("attention_mask")
@@ -201,15 +204,48 @@ def mlr_config_class(base):
             base.__post_init__(self, **kwargs)
             announce_config(self)
 
-        cls = type(name, (base,), {"model_type": MODEL_TYPE_PREFIX + base.model_type, "__module__": __name__,
-                                   "__post_init__": __post_init__})
+        cls = one_line_field_errors(type(name, (base,), {"model_type": MODEL_TYPE_PREFIX + base.model_type,
+                                                         "__module__": __name__, "__post_init__": __post_init__}))
         cls.register_for_auto_class()
         _CLASSES[name] = cls
     return _CLASSES[name]
 
 
-def mlr_model_class(base, auto_class: str = "AutoModelForCausalLM"):
-    """``MLR<Base>`` model class: the transformers class with MLR attention installed (see the module docstring)."""
+def _is_causal_lm(base) -> bool:
+    return base.__name__.endswith("ForCausalLM") or base.__name__.endswith("LMHeadModel")
+
+
+def base_model_name(base) -> Optional[str]:
+    """The name of the transformers base model (``LlamaModel``, ``GPT2Model``, ``Gemma3TextModel``) of a causal-LM
+    class, from transformers' ``AutoModel`` name table; None when it has none."""
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    name = MODEL_MAPPING_NAMES.get(base.config_class.model_type)
+    name = name[0] if isinstance(name, (tuple, list)) else name
+    return name if isinstance(name, str) and isinstance(getattr(transformers, name, None), type) else None
+
+
+def auto_map_of(base) -> dict:
+    """The ``auto_map`` a saved ``MLR<Arch>`` checkpoint carries: its config, its causal-LM class and its base model
+    (``AutoModel``), whichever of the two was saved."""
+    causal = base if _is_causal_lm(base) else None
+    if causal is None:  # a base model: its causal-LM class is the one whose base model it is
+        causal = next((cls for name, cls in vars(transformers).items() if isinstance(cls, type) and
+                       issubclass(cls, transformers.PreTrainedModel) and _is_causal_lm(cls) and
+                       cls.config_class is base.config_class and base_model_name(cls) == base.__name__), None)
+    module = __name__.rpartition(".")[2]
+    auto_map = {"AutoConfig": f"{module}.{CLASS_PREFIX}{base.config_class.__name__}"}
+    base_name = base.__name__ if causal is not base else base_model_name(base)
+    if base_name is not None:
+        auto_map["AutoModel"] = f"{module}.{CLASS_PREFIX}{base_name}"
+    if causal is not None:
+        auto_map["AutoModelForCausalLM"] = f"{module}.{CLASS_PREFIX}{causal.__name__}"
+    return auto_map
+
+
+def mlr_model_class(base, auto_class: Optional[str] = None):
+    """``MLR<Base>`` model class: the transformers class with MLR attention installed (see the module docstring).
+    ``base`` is a causal-LM class (registered for ``AutoModelForCausalLM``) or a base model (``AutoModel``)."""
     name = CLASS_PREFIX + base.__name__
     if name not in _CLASSES:
         from .structattn_pretrained import StructAttnPreTrainedMixin  # the modeling half, on first use
@@ -221,10 +257,11 @@ def mlr_model_class(base, auto_class: str = "AutoModelForCausalLM"):
             "forward": _forward_with_step(base),
             "save_pretrained": _save_pretrained,
             "structattn_num_cache_layers": _num_cache_layers,
+            "structattn_auto_map": auto_map_of(base),
             "_mlr_base": base.__name__,
         }
         cls = type(name, (StructAttnPreTrainedMixin, base), namespace)
-        cls.register_for_auto_class(auto_class)
+        cls.register_for_auto_class(auto_class or ("AutoModelForCausalLM" if _is_causal_lm(base) else "AutoModel"))
         _CLASSES[name] = cls
     return _CLASSES[name]
 
@@ -240,6 +277,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["CLASS_PREFIX", "MODEL_TYPE_PREFIX", "attention_modules", "check_pair_complete_levels", "decoder_geometry",
+__all__ = ["CLASS_PREFIX", "MODEL_TYPE_PREFIX", "attention_modules", "auto_map_of", "base_model_name",
+           "check_pair_complete_levels", "decoder_geometry",
            "decoder_geometries", "mlr_config_class", "mlr_layer_indices", "mlr_model_class", "model_rotary",
            "rotary_pair_order", "stock_layer_geometry"]

@@ -14,7 +14,6 @@ Conventions (paper §3.4):
 
 import math
 import numbers
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import ClassVar, Optional, Sequence, Union
 
@@ -298,26 +297,30 @@ def _is_traced(value) -> bool:
 
 
 class TensorMemo:
-    """The few small device tensors an ``MLRGeometry`` derives (index constants, scale vectors), least recently
-    used out beyond ``capacity`` entries. Nothing made while tracing is kept (a fake tensor of one ``torch.export``
-    would end up in the next one's constants). The tables are per level or per head dim, never per cache slot, so the
-    memo stays a few hundred bytes whatever the caches hold (``flops.allocated_cache_bytes`` counts it)."""
+    """The few small device tensors an ``MLRGeometry`` derives (index constants, scale vectors), at most
+    ``capacity`` entries (the oldest made goes first: a hit is one dict lookup, which every layer of a decode step
+    pays). Nothing made while tracing is kept (a fake tensor of one ``torch.export`` would end up in the next one's
+    constants). The tables are per level or per head dim, never per cache slot, so the memo stays a few hundred bytes
+    whatever the caches hold (``flops.allocated_cache_bytes`` counts it)."""
 
     def __init__(self, capacity: int = 8):
         self.capacity = capacity
-        self.entries = OrderedDict()
+        self.entries = {}
+
+    def lookup(self, key):
+        """The value memoised under ``key``, or None."""
+        return self.entries.get(key)
 
     def get(self, key, make):
         """The value memoised under ``key``, else ``make()`` (kept unless traced)."""
         value = self.entries.get(key)
         if value is not None:
-            self.entries.move_to_end(key)
             return value
         value = make()
         if not _is_traced(value):
             self.entries[key] = value
             while len(self.entries) > self.capacity:
-                self.entries.popitem(last=False)
+                del self.entries[next(iter(self.entries))]
         return value
 
     def __len__(self) -> int:
@@ -426,19 +429,24 @@ class MLRGeometry:
             return {"entries": sum(widths), "element block": tensor(element_block),
                     "element offset": tensor(element_offset), "sizes": tensor(list(self.block_sizes))}
 
-        return self.tensors.get(("fine layout", widths, str(device)), make)
+        return self.tensors.get(("fine layout", widths, device), make)
 
     def dim_order_index(self, device) -> Optional[torch.Tensor]:
         """``dim_order`` as a long tensor on ``device`` (memoised), or None."""
         if self.dim_order is None:
             return None
-        return self.tensors.get(("dim_order", str(device)),
+        return self.tensors.get(("dim_order", device),
                                 lambda: torch.tensor(self.dim_order, dtype=torch.long, device=device))
 
     def scale_vector(self, scales: Sequence[float], dtype: torch.dtype, device) -> torch.Tensor:
-        """(r,) per-dim multiplier: ``scales[l]`` on the dims of level l (folded into queries; memoised)."""
-        return self.tensors.get(("scales", tuple(scales), dtype, str(device)), lambda: torch.tensor(
-            [s for s, r in zip(scales, self.ranks) for _ in range(r)], dtype=dtype, device=device))
+        """(r,) per-dim multiplier: ``scales[l]`` on the dims of level l (folded into queries; memoised). Called by
+        every layer of every decode step: a hit is one dict lookup."""
+        key = ("scales", tuple(scales), dtype, device)
+        value = self.tensors.lookup(key)
+        if value is None:
+            value = self.tensors.get(key, lambda: torch.tensor(
+                [s for s, r in zip(scales, self.ranks) for _ in range(r)], dtype=dtype, device=device))
+        return value
 
 
 # Callbacks run once per config class, when the first config of that class is built: the installed package registers
@@ -456,6 +464,32 @@ def announce_config(config) -> None:
     _announced.add(config_class)
     for hook in list(FIRST_CONFIG_HOOKS):
         hook(config_class)
+
+
+def _type_name(annotation) -> str:
+    text = getattr(annotation, "__name__", None) if isinstance(annotation, type) else None
+    return text or str(annotation).replace("typing.", "").replace("NoneType", "None")
+
+
+def one_line_field_errors(cls):
+    """Class decorator, applied after ``@strict``: a field set to a value of the wrong type (at construction, by
+    ``from_pretrained`` or by assignment) raises a one-line ``ValueError`` naming the field, the value and the
+    accepted types, instead of huggingface_hub's multi-line ``StrictDataclassFieldValidationError``."""
+    strict_setattr = cls.__setattr__
+
+    def __setattr__(self, name, value):
+        try:
+            strict_setattr(self, name, value)
+        except Exception as error:  # huggingface_hub's error class: matched by name (the payload imports no hub)
+            if not type(error).__name__.startswith("StrictDataclass"):
+                raise
+            fields = getattr(type(self), "__dataclass_fields__", {})
+            expected = _type_name(fields[name].type) if name in fields else "its declared type"
+            raise ValueError(f"{name}={value!r} ({type(value).__name__}) is not a valid value of the config field "
+                             f"{name}: expected {expected}") from None
+
+    cls.__setattr__ = __setattr__
+    return cls
 
 
 class StructAttnConfigMixin:

@@ -19,8 +19,9 @@ SKIPS = {
         "test_assisted_decoding_matches_greedy_search": (
             "the tester's prompts are right-padded, and with a sliding-window layer transformers 5.24's assisted "
             "decoding of a right-padded prompt gives other tokens than greedy search on stock Gemma-3 too (which "
-            "passes or fails by seed); transformers' Gemma-3 tests skip it. Left-padded assisted decoding equals "
-            "greedy search for the patched Gemma-3: tests/test_decoder_patching.py::"
+            "passes or fails by seed); transformers' Gemma-3 tests skip it. The stock control only: the patched "
+            "Gemma-3 of the suite converts both layer types and runs it; left-padded assisted decoding of a patched "
+            "Gemma-3 that keeps its sliding layers equals greedy search: tests/test_decoder_patching.py::"
             "test_assisted_decoding_equals_greedy_with_a_sliding_layer"),
     },
     "qwen2_sliding": {  # Qwen2 with a sliding-window layer beside the converted MLR layer

@@ -71,7 +71,7 @@ class PatchedMistralReplaceTest(decoder_test("MistralReplace", patched=True)):
     pass
 
 
-@apply_skips("patched", "gemma3")
+@apply_skips("patched")  # no sliding layer is left: right-padded assisted decoding runs (stock Gemma-3 skips it)
 class PatchedGemma3BothTest(decoder_test("Gemma3Both", patched=True)):
     pass
 
