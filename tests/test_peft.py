@@ -82,3 +82,29 @@ def test_lora_merges_exactly_and_generates_with_the_hierarchical_cache(family, t
                                                                dtype=torch.float64)
     with torch.no_grad():
         torch.testing.assert_close(remote(ids).logits, adapted, atol=1e-10, rtol=1e-10)
+
+
+def test_lora_on_the_t5_family_merges_exactly_and_reloads_remotely(tmp_path):
+    from test_t5_models import MLR, tiny_t5
+
+    base = tiny_t5(**MLR).double()
+    assert base.config.encoder_attention == base.config.decoder_attention == "mlr"
+    ids = torch.randint(2, 50, (2, 21), generator=torch.Generator().manual_seed(2))
+    decoder_ids = torch.randint(2, 50, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        base_logits = base(input_ids=ids, decoder_input_ids=decoder_ids).logits.clone()
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
+                             target_modules=["q", "k", "v", "o", "wi", "wo"])
+    model = peft.get_peft_model(base, config).eval()
+    with torch.no_grad():
+        adapted = model(input_ids=ids, decoder_input_ids=decoder_ids).logits
+        assert (adapted - base_logits).abs().max() > 1e-3
+        merged = model.merge_and_unload()
+        torch.testing.assert_close(merged(input_ids=ids, decoder_input_ids=decoder_ids).logits, adapted,
+                                   atol=1e-10, rtol=1e-10)
+    merged.save_pretrained(tmp_path / "merged")
+    remote = transformers.AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "merged", trust_remote_code=True,
+                                                                dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(remote(input_ids=ids, decoder_input_ids=decoder_ids).logits, adapted,
+                                   atol=1e-10, rtol=1e-10)
