@@ -19,6 +19,7 @@ row-centred logits have RMS ~1 at init in every arm (``describe`` measures it wi
 ``hf_structattn.mup.attention_logit_rms``). The decision rules are in scripts/icl_rank_report.py and docs/results.md.
 
     python scripts/icl_rank_experiment.py describe --d 4          # arms: score rank, init logit RMS, parameters
+    python scripts/icl_rank_experiment.py plan --d 4              # the sweep's runs and training FLOPs
     python scripts/icl_rank_experiment.py time --d 4              # CPU ms/step per arm: batched vs separate runs
     python scripts/icl_rank_experiment.py pilot --device cuda --budget-s 170 --out outputs/icl_pilot
     python scripts/icl_rank_experiment.py run --d 4 --device cuda --out outputs/icl_rank_v3   # the d = 4 sweep
@@ -294,7 +295,10 @@ class ArmRunner:
         prompts = [[train_batch(self.d, seed, step, self.steps) for seed in self.seeds] for step in steps]
         xs = torch.stack([torch.stack([x for x, _ in per_seed]) for per_seed in prompts])  # (K, seeds, B, N, d)
         ys = torch.stack([torch.stack([y for _, y in per_seed]) for per_seed in prompts])  # (K, seeds, B, N)
-        xs, ys = xs.to(self.device, self.stack.dtype), ys.to(self.device, self.stack.dtype)
+        if self.device.type == "cuda":  # pinned + non_blocking: no stream sync, the host prepares the next chunk
+            xs, ys = xs.pin_memory(), ys.pin_memory()
+        xs = xs.to(self.device, self.stack.dtype, non_blocking=True)
+        ys = ys.to(self.device, self.stack.dtype, non_blocking=True)
         for index, step in enumerate(steps):
             factor = schedule(step, self.steps, self.d, 1.0)[0]  # warm-up factor; peak LRs live in the stack
             self.stack.train_step(loss_of, (xs[index].index_select(0, self.run_seed),
@@ -334,6 +338,10 @@ class ArmRunner:
 def train_arm(args, arm: str) -> list[dict]:
     """``arm``: every (lr, seed) run of one arm as one stacked model, resumable, until done or ``--budget-s``."""
     root = Path(args.out) / f"d{args.d}"
+    if all((root / run_name(arm, lr, seed) / "result.json").exists() for lr in args.lrs for seed in args.seeds):
+        print(f"{arm}: every run has its result.json already; nothing to train", flush=True)
+        return [json.loads((root / run_name(arm, lr, seed) / "result.json").read_text())
+                for seed in args.seeds for lr in args.lrs]
     runner = ArmRunner(args.d, arm, args.lrs, args.seeds, args.steps, args.eval_every, root, args.device,
                        layers=args.layers)
     while not runner.finished:
@@ -512,8 +520,36 @@ def step_timing(d: int, arm_names, lrs, seeds, repeats: int = 6) -> dict[str, di
         results[arm] = {"runs": len(runs), **{k: v / (repeats - 1) for k, v in totals.items()},
                         "ops_separate_run": ops_per_step(lambda: separate_step(separate[0], optimizers[0], xs[0],
                                                                                ys[0])),
-                        "ops_batched": ops_per_step(lambda: stack.train_step(loss_of, (xs, ys), 1.0))}
+                        "ops_batched": ops_per_step(lambda: stack.train_step(loss_of, (xs, ys), 1.0)),
+                        "kernels_batched": ops_per_step(lambda: stack.train_step(loss_of, (xs, ys), 1.0), True)}
+        results[arm].update(host_cost_per_operator(d, arm))
     return results
+
+
+def host_cost_per_operator(d: int, arm: str, repeats: int = 10) -> dict:
+    """Thread time per dispatched operator of one step with ONE prompt and one run, where the arithmetic is
+    negligible: what PyTorch's dispatch costs the host per operator, separate (plain autograd) and batched (vmap +
+    grad transforms). On a GPU the host pays about this per operator while the kernels are this small."""
+    torch.manual_seed(0)
+    model = build(d, arm)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    stack = StackedRuns(build(d, arm), [model.state_dict()], [1e-3])
+    xs, ys = (t[:1] for t in train_batch(d, 0, 10_000, 40_000))
+
+    def separate():
+        separate_step(model, optimizer, xs, ys)
+
+    def batched():
+        stack.train_step(loss_of, (xs[None], ys[None]), 1.0)
+
+    out = {}
+    for name, step in (("separate", separate), ("batched", batched)):
+        step()
+        begin = time.thread_time()
+        for _ in range(repeats):
+            step()
+        out[f"host_us_per_op_{name}"] = (time.thread_time() - begin) / repeats / ops_per_step(step) * 1e6
+    return out
 
 
 def separate_step(model, optimizer, xs, ys) -> None:
@@ -524,32 +560,61 @@ def separate_step(model, optimizer, xs, ys) -> None:
     optimizer.step()
 
 
-def ops_per_step(step) -> int:
+# operators that only re-describe memory (views, shape queries): no kernel runs for them on a GPU
+VIEW_OPERATORS = {"aten::view", "aten::_unsafe_view", "aten::alias", "aten::detach", "aten::expand", "aten::t",
+                  "aten::transpose", "aten::permute", "aten::slice", "aten::select", "aten::unsqueeze",
+                  "aten::squeeze", "aten::reshape", "aten::as_strided", "aten::split", "aten::unbind",
+                  "aten::split_with_sizes", "aten::_reshape_alias", "aten::unflatten", "aten::flatten",
+                  "aten::movedim", "aten::narrow", "aten::chunk", "aten::view_as", "aten::expand_as",
+                  "aten::result_type", "aten::empty", "aten::empty_like", "aten::to", "aten::lift_fresh",
+                  "aten::promote_types", "aten::is_same_size", "aten::size", "aten::stride", "aten::dim"}
+
+
+def ops_per_step(step, computing: bool = False) -> int:
     """PyTorch operators one call of ``step`` dispatches, counted by ``torch.profiler`` as the ``aten::`` calls not
-    made inside another one (views included): at these sizes a GPU step costs about one launch per operator that
-    computes, so this count bounds its launch-bound time."""
+    made inside another one (``computing``: only those that are not views, i.e. about one kernel each on a GPU).
+    At these sizes a GPU step costs about one host dispatch per operator and one short kernel per computing one."""
     from torch.profiler import ProfilerActivity, profile
 
     step()
     with profile(activities=[ProfilerActivity.CPU]) as profiler:
         step()
     return sum(1 for event in profiler.events() if event.name.startswith("aten::")
-               and (event.cpu_parent is None or not event.cpu_parent.name.startswith("aten::")))
+               and (event.cpu_parent is None or not event.cpu_parent.name.startswith("aten::"))
+               and not (computing and event.name in VIEW_OPERATORS))
 
 
 def time_arms(args) -> None:
     """Batched vs separate CPU step time of each arm, and the sweep's cost on this CPU from them."""
     results = step_timing(args.d, args.arms, args.lrs, args.seeds)
     print("| arm | runs | separate runs, ms/step (sum over runs) | batched, ms/step | speed-up | operators/step, one "
-          "separate run | operators/step, batched |")
-    print("|---|---|---|---|---|---|---|")
+          "separate run | operators/step, batched (computing) | host us/operator, separate / batched (1 prompt) |")
+    print("|---|---|---|---|---|---|---|---|")
     for arm, row in results.items():
         print(f"| {LABELS[arm]} | {row['runs']} | {row['separate'] * 1000:.1f} | {row['batched'] * 1000:.1f} | "
-              f"{row['separate'] / row['batched']:.2f}x | {row['ops_separate_run']:,} | {row['ops_batched']:,} |")
+              f"{row['separate'] / row['batched']:.2f}x | {row['ops_separate_run']:,} | {row['ops_batched']:,} "
+              f"({row['kernels_batched']:,}) | "
+              f"{row['host_us_per_op_separate']:.1f} / {row['host_us_per_op_batched']:.1f} |")
     for mode in ("separate", "batched"):
         hours = sum(row[mode] for row in results.values()) * args.steps / args.jobs / 3600
         print(f"sweep {mode}: {len(results)} arms x {len(args.lrs)} LRs x {len(args.seeds)} seeds x {args.steps:,} "
               f"steps: {hours:.1f} h of wall with {args.jobs} cores at these thread times")
+
+
+def plan(args) -> None:
+    """The sweep's size: per arm its parameters and a run's training FLOPs at ``--steps``; the total."""
+    print(f"| arm | params | FLOPs per run ({args.steps:,} steps) | runs |")
+    print("|---|---|---|---|")
+    total = 0.0
+    for arm in args.arms:
+        flops = training_flops(args.d, arm, args.steps)[-1]
+        runs = len(args.lrs) * len(args.seeds)
+        total += flops * runs
+        print(f"| {LABELS[arm]} | {sum(p.numel() for p in build(args.d, arm).parameters()):,} | {flops:.3g} | "
+              f"{runs} |")
+    print(f"\nd = {args.d}: {len(args.arms)} arms x {len(args.lrs)} LRs x {len(args.seeds)} seeds = "
+          f"{len(args.arms) * len(args.lrs) * len(args.seeds)} runs of {args.steps:,} steps, {total:.3g} training "
+          "FLOPs (launch-bound on a GPU: the time follows the operators per step, see the time command)")
 
 
 def describe(args) -> None:
@@ -600,7 +665,8 @@ def ranks_of_earlier_runs() -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", choices=["run", "arm", "pilot", "time", "describe", "report", "earlier-ranks"])
+    parser.add_argument("command", choices=["run", "arm", "pilot", "plan", "time", "describe", "report",
+                                            "earlier-ranks"])
     parser.add_argument("--d", type=int, default=4, help="input dim, a multiple of 4")
     parser.add_argument("--out", help="output folder (default: outputs/icl_rank_v3; pilot: outputs/icl_pilot)")
     parser.add_argument("--steps", type=int, help=f"training steps (default: the deciding budget, {DECIDING_STEPS})")
@@ -654,6 +720,8 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)
     if args.command == "time":
         time_arms(args)
+    elif args.command == "plan":
+        plan(args)
     elif args.command == "earlier-ranks":
         ranks_of_earlier_runs()
     elif args.command == "describe":

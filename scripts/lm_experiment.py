@@ -310,6 +310,7 @@ def pilot(args) -> dict:
     measured FLOP rate, and the full design's projected time on this device; writes pilot.md / pilot.json."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()  # the budget covers loading the corpus too
     if args.tiny:
         size = dict(seq_len=TINY["seq_len"], layers=TINY["layers"], head_dim=TINY["head_dim"])
         corpus, windows = load_data(TINY["max_train_bytes"], TINY["max_validation_bytes"], TINY["seq_len"],
@@ -319,7 +320,6 @@ def pilot(args) -> dict:
         size = dict(seq_len=SEQ_LEN, layers=LAYERS, head_dim=HEAD_DIM)
         corpus, windows = load_data(eval_windows=PILOT["eval_windows"])
         width, steps, batch, variants = PILOT["width"], PILOT["steps"], BATCH, PILOT["variants"]
-    started = time.perf_counter()
     summary = {"command": "pilot", "device": device_name(args.device), "tiny": args.tiny, "width": width,
                "steps_planned": steps, "lrs": list(LRS), "seed": 0, "budget_s": args.budget_s, "arms": {}}
     for index, variant in enumerate(variants):

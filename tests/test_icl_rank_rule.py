@@ -195,6 +195,10 @@ def test_the_sweep_command_runs_and_reports(tmp_path, capsys):
                 assert result["final_step"] == 3 and result["final"]["step"] == 3 and result["batched_with"] == 2
                 assert result["rank_init"]["span_min"] == score_rank(4, arm)
                 assert len(result["rank_init"]["logit_rms"]) == 2 and result["layers"] == 2
+        before = (tmp_path / "out" / "d4" / "v_dense3_rank_lr0.001_s0" / "progress.jsonl").read_text()
+        main(["arm", *small, "--arm", "v_dense3_rank", "--eval_every", "2"])  # a finished arm is not retrained
+        assert "nothing to train" in capsys.readouterr().out
+        assert (tmp_path / "out" / "d4" / "v_dense3_rank_lr0.001_s0" / "progress.jsonl").read_text() == before
         main(["report", *small, "--figures", str(tmp_path / "figures")])
         out = capsys.readouterr().out
         assert "VERDICT (rank, Fig. 2/3a): UNDECIDED" in out and "training FLOPs per step" in out
