@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 from hf_structattn.flops import encoder_decoder_flops
-from hf_structattn.training.sweep import ArmSpec, StackedArm, load_results
+from hf_structattn.training.sweep import ArmSpec, StackedArm, load_results, probe_arm
 
 ARMS = ("dense", "mlr", "mlr_flat")
 WIDTHS, HEADS, D_KV, LAYERS = (128, 256, 512), 8, 64, 4
@@ -64,9 +64,11 @@ LRS, SEEDS = (3e-4, 1e-3, 3e-3), (0, 1, 2)
 SYNTHETIC_SERIES, HELD_OUT_SERIES, REAL_EVAL_WINDOWS = 1024, 64, 4
 MARGIN = 0.01  # nats per target token
 ASSUMED_H100_FLOPS_PER_S = 4e13  # as for the LM design: eager attention, TF32 matmuls (an estimate)
-PILOT = dict(width=128, arms=("dense", "mlr"), steps=200)
+# the pilot trains dense and MLR at D = 128 within 75 % of its budget, then takes 2 steps of every arm at the widest
+# width (3 LRs stacked) to measure its memory and step time before the design runs
+PILOT = dict(width=128, arms=("dense", "mlr"), steps=200, train_share=0.75)
 TINY = dict(width=32, heads=2, d_kv=16, layers=1, context=64, horizon=16, n_tokens=256, ranks=(8, 4, 4), steps=4,
-            batch=4, synthetic_series=16, held_out_series=4, real_datasets=())
+            batch=4, synthetic_series=16, held_out_series=4, real_datasets=(), probe_width=48)
 
 
 def flat_scales(ranks) -> list[float]:
@@ -339,10 +341,11 @@ def pilot(args) -> dict:
     summary = {"command": "pilot", "device": device_name(args.device), "tiny": args.tiny, "width": width,
                "steps_planned": steps, "lrs": list(LRS), "seed": 0, "budget_s": args.budget_s, "arms": {}}
     arm_names = PILOT["arms"]
+    batch = TINY["batch"] if args.tiny else BATCH
     for index, arm_name in enumerate(arm_names):
-        spec = arm_spec(arm_name, width, 0, tiny=args.tiny, batch=TINY["batch"] if args.tiny else BATCH)
+        spec = arm_spec(arm_name, width, 0, tiny=args.tiny, batch=batch)
         arm = StackedArm(spec, LRS, [0], steps, max(1, steps // 2), out, args.device, chunk=10)
-        left = (args.budget_s - (time.perf_counter() - started)) / (len(arm_names) - index)
+        left = (PILOT["train_share"] * args.budget_s - (time.perf_counter() - started)) / (len(arm_names) - index)
         begin = time.perf_counter()
         done = arm.run_until(max(1.0, left))
         seconds = time.perf_counter() - begin
@@ -355,6 +358,14 @@ def pilot(args) -> dict:
                                      "flops_per_s": spec.flops_per_step * len(LRS) * arm.step / seconds,
                                      "loss_start": [values[0] for values in losses],
                                      "loss_end": [values[-1] for values in losses]}
+    probe_width = TINY["probe_width"] if args.tiny else max(WIDTHS)
+    summary["probe"] = {"width": probe_width, "arms": {}}
+    for arm_name in ARMS:  # the widest arms: do they fit, and how fast is their step?
+        if time.perf_counter() - started > args.budget_s:
+            summary["probe"]["arms"][arm_name] = {"ms_per_step": None, "peak_gib": None, "error": "not run: budget"}
+            continue
+        spec = arm_spec(arm_name, probe_width, 0, tiny=args.tiny, batch=batch)
+        summary["probe"]["arms"][arm_name] = probe_arm(spec, LRS, args.device)
     rate = sum(a["flops_per_s"] for a in summary["arms"].values()) / len(summary["arms"])
     total = sum(row["run_flops"] * row["runs"] for row in design_rows())
     summary.update(wall_s=round(time.perf_counter() - started, 2), design_flops=total,
@@ -382,6 +393,12 @@ def pilot_markdown(summary: dict) -> str:
         change = ", ".join(f"{a:.2f} -> {b:.2f}" for a, b in zip(arm["loss_start"], arm["loss_end"]))
         lines.append(f"| {name} | {arm['steps_done']} | {arm['ms_per_step']:.1f} | {arm['flops_per_s']:.3g} | "
                      f"{change} |")
+    lines += ["", f"Widest arms (D = {summary['probe']['width']}, 3 LRs stacked, 2 steps):", "",
+              "| arm | ms/step | peak memory (GiB) | error |", "|---|---|---|---|"]
+    for name, probe in summary["probe"]["arms"].items():
+        ms = "-" if probe["ms_per_step"] is None else f"{probe['ms_per_step']:.1f}"
+        peak = "-" if probe["peak_gib"] is None else f"{probe['peak_gib']:.1f}"
+        lines.append(f"| {name} | {ms} | {peak} | {probe['error'] or '-'} |")
     lines += ["", f"Projected full design on this device ({summary['design_flops']:.3g} FLOPs at the mean measured "
                   f"FLOP rate): {summary['projected_design_h']:.1f} h.", ""]
     return "\n".join(lines)

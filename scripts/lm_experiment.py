@@ -50,7 +50,7 @@ import torch
 from hf_structattn import StructAttnGPT2Config, StructAttnGPT2LMHeadModel
 from hf_structattn.flops import flops_per_token
 from hf_structattn.mup import mup_config_overrides, mup_init_, mup_param_groups
-from hf_structattn.training.sweep import ArmSpec, StackedArm, load_results
+from hf_structattn.training.sweep import ArmSpec, StackedArm, load_results, probe_arm
 
 WIDTHS, LAYERS, SEQ_LEN, HEAD_DIM, BATCH = (128, 256, 384), 6, 1024, 64, 16
 DENSE_STEPS, EVALS_PER_RUN, EVAL_WINDOWS = 4000, 8, 128
@@ -61,9 +61,11 @@ MARGIN = 0.01  # bits per byte
 # the assumed effective training throughput of one H100 for these eager fp32/TF32 models with materialised T x T
 # attention (see docs/results.md: an estimate until the pilot measures it)
 ASSUMED_H100_FLOPS_PER_S = 4e13
-PILOT = dict(width=128, variants=("dense", "mlr"), steps=300, eval_windows=16)
+# the pilot trains dense and MLR at D = 128 within 75 % of its budget, then takes 2 steps of every variant at the
+# widest width (3 LRs stacked) to measure its memory and step time before the design runs
+PILOT = dict(width=128, variants=("dense", "mlr"), steps=300, eval_windows=16, train_share=0.75)
 TINY = dict(width=32, head_dim=16, seq_len=64, layers=2, batch=4, steps=6, eval_windows=4, variants=("dense", "mlr"),
-            max_train_bytes=300_000, max_validation_bytes=50_000)
+            max_train_bytes=300_000, max_validation_bytes=50_000, probe_width=48)
 
 
 def variant_fields(variant: str, seq_len: int = SEQ_LEN, layers: int = LAYERS, head_dim: int = HEAD_DIM) -> dict:
@@ -322,10 +324,11 @@ def pilot(args) -> dict:
         width, steps, batch, variants = PILOT["width"], PILOT["steps"], BATCH, PILOT["variants"]
     summary = {"command": "pilot", "device": device_name(args.device), "tiny": args.tiny, "width": width,
                "steps_planned": steps, "lrs": list(LRS), "seed": 0, "budget_s": args.budget_s, "arms": {}}
+    training_budget = PILOT["train_share"] * args.budget_s
     for index, variant in enumerate(variants):
         spec = arm_spec(variant, width, corpus, windows, batch=batch, **size)
         arm = StackedArm(spec, LRS, [0], steps, max(1, steps // 2), out, args.device, chunk=10)
-        left = (args.budget_s - (time.perf_counter() - started)) / (len(variants) - index)
+        left = (training_budget - (time.perf_counter() - started)) / (len(variants) - index)
         begin, step_before = time.perf_counter(), arm.step
         done = arm.run_until(max(1.0, left))
         seconds = time.perf_counter() - begin
@@ -341,6 +344,14 @@ def pilot(args) -> dict:
             "steps_done": arm.step, "finished": done, "ms_per_step": round(1000 * seconds / max(1, ran), 2),
             "flops_per_s": arm.spec.flops_per_step * len(LRS) * ran / seconds,
             "bits_per_byte_start": firsts, "bits_per_byte_end": lasts, "evaluations": evaluations}
+    probe_width = TINY["probe_width"] if args.tiny else max(WIDTHS)
+    summary["probe"] = {"width": probe_width, "arms": {}}
+    for variant in VARIANTS:  # the widest arms: do they fit, and how fast is their step?
+        if time.perf_counter() - started > args.budget_s:
+            summary["probe"]["arms"][variant] = {"ms_per_step": None, "peak_gib": None, "error": "not run: budget"}
+            continue
+        spec = arm_spec(variant, probe_width, corpus, windows[:1], batch=batch, **size)
+        summary["probe"]["arms"][variant] = probe_arm(spec, LRS, args.device)
     rate = sum(a["flops_per_s"] for a in summary["arms"].values()) / len(summary["arms"])
     total = sum(row["run_flops"] * row["runs"] for row in design_rows())
     summary.update(wall_s=round(time.perf_counter() - started, 2), design_flops=total,
@@ -369,6 +380,12 @@ def pilot_markdown(summary: dict) -> str:
                                                                   arm["bits_per_byte_end"]))
         lines.append(f"| {variant} | {arm['steps_done']} | {arm['ms_per_step']:.1f} | {arm['flops_per_s']:.3g} | "
                      f"{change} |")
+    lines += ["", f"Widest arms (D = {summary['probe']['width']}, 3 LRs stacked, 2 steps):", "",
+              "| variant | ms/step | peak memory (GiB) | error |", "|---|---|---|---|"]
+    for variant, probe in summary["probe"]["arms"].items():
+        ms = "-" if probe["ms_per_step"] is None else f"{probe['ms_per_step']:.1f}"
+        peak = "-" if probe["peak_gib"] is None else f"{probe['peak_gib']:.1f}"
+        lines.append(f"| {variant} | {ms} | {peak} | {probe['error'] or '-'} |")
     lines += ["", f"Projected full design on this device ({summary['design_flops']:.3g} FLOPs at the mean measured "
                   f"FLOP rate): {summary['projected_design_h']:.1f} h.", ""]
     return "\n".join(lines)

@@ -117,6 +117,8 @@ def test_the_pilot_runs_at_tiny_size_and_writes_its_summary(tmp_path, capsys):
         assert arm["steps_done"] == 4 and arm["finished"] and arm["flops_per_s"] > 0
         assert arm["loss_end"][-1] < arm["loss_start"][-1]  # 4 steps at the largest LR lower the held-out loss
     assert len(list((tmp_path / "pilot").glob("*/result.json"))) == 6
+    assert set(summary["probe"]["arms"]) == set(ce.ARMS)
+    assert all(probe["error"] is None and probe["ms_per_step"] > 0 for probe in summary["probe"]["arms"].values())
     assert (tmp_path / "pilot" / "pilot.md").read_text().startswith("### Chronos pilot")
     with pytest.raises(SystemExit):
         ce.main(["pilot", "--tiny", "--budget-s", "-1", "--out", str(tmp_path / "other")])

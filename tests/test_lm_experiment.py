@@ -88,6 +88,9 @@ def test_the_pilot_runs_at_tiny_size_and_writes_its_summary(tmp_path, capsys):
         # largest LR already learn byte frequencies
         assert arm["bits_per_byte_start"] == pytest.approx([8.006] * 3, abs=2e-3)
         assert arm["bits_per_byte_end"][-1] < arm["bits_per_byte_start"][-1] - 1.0
+    assert summary["probe"]["width"] == 48 and set(summary["probe"]["arms"]) == set(lm.VARIANTS)
+    for probe in summary["probe"]["arms"].values():  # two steps of every variant at the widest (tiny) width
+        assert probe["error"] is None and probe["ms_per_step"] > 0 and probe["peak_gib"] is None  # CPU: no peak
     results = sorted(p.parent.name for p in (tmp_path / "pilot").glob("*/result.json"))
     assert len(results) == 6 and results[0] == "dense_D32_lr0.001_s0"
     markdown = (tmp_path / "pilot" / "pilot.md").read_text()

@@ -206,3 +206,33 @@ def load_results(root: Path) -> list[dict]:
         runs.append({"name": folder.name, "arm": arm, "lr": float(lr), "seed": int(seed), "evals": evals,
                      "final": evals[-1], "finished": result is not None, "result": result})
     return runs
+
+
+def probe_arm(spec: ArmSpec, lrs: Sequence[float], device: str = "cpu", steps: int = 2) -> dict:
+    """Train ``spec``'s runs (seed 0, ``lrs`` stacked) for ``steps`` steps without writing anything: the wall time of
+    the last step and, on CUDA, the peak memory. An out-of-memory error is reported, not raised (a pilot checks
+    that the design's largest arms fit before the design runs). Returns {"ms_per_step", "peak_gib", "error"}."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        torch.manual_seed(0)
+        model = spec.build(0)
+        multipliers = spec.lr_multipliers(model) if spec.lr_multipliers else None
+        stack = StackedRuns(model, [model.state_dict()] * len(lrs), list(lrs), lr_multipliers=multipliers,
+                            device=device)
+        seconds = 0.0
+        for step in range(steps):
+            batch = tuple(field[None].expand(len(lrs), *field.shape).to(device) for field in spec.batch(0, step))
+            begin = time.perf_counter()
+            losses = stack.train_step(spec.loss, batch, 1.0)
+            losses.sum().item()  # wait for the device
+            seconds = time.perf_counter() - begin
+        peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None
+        return {"ms_per_step": round(1000 * seconds, 2), "peak_gib": peak, "error": None}
+    except torch.cuda.OutOfMemoryError as error:
+        return {"ms_per_step": None, "peak_gib": None, "error": f"out of memory: {str(error).splitlines()[0]}"}
+    finally:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
