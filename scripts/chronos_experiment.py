@@ -283,10 +283,11 @@ def ablation_verdict(best: dict, claim: str, widths=WIDTHS, seeds=SEEDS) -> str:
 
 
 def report(args) -> None:
-    runs = load_results(Path(args.out))
-    best, edge = scores(runs)
     rows = design_rows()
-    expected = sum(row["runs"] for row in rows)
+    design = {(f"{row['arm']}_D{row['width']}", lr, seed) for row in rows for lr in LRS for seed in SEEDS}
+    runs = [run for run in load_results(Path(args.out)) if (run["arm"], run["lr"], run["seed"]) in design]
+    best, edge = scores(runs)
+    expected = len(design)
     complete = sum(run["finished"] for run in runs) == expected
     print("| arm | D | seed | " + " | ".join(f"lr {lr:g}" for lr in LRS) + " | best | FLOPs per run (x dense) |")
     print("|---|---|---|" + "---|" * len(LRS) + "---|---|")

@@ -203,7 +203,8 @@ def report(args) -> None:
 
     root = Path(args.out) / f"d{args.d}"
     arm_names = list(args.arms)
-    runs = [run for run in load_runs(root) if run["arm"] in arm_names]
+    runs = [run for run in load_runs(root) if run["arm"] in arm_names and run["lr"] in args.lrs
+            and run["seed"] in args.seeds]  # only the design's runs count
     expected = len(arm_names) * len(args.lrs) * len(args.seeds)
     complete = sum(run["finished"] for run in runs) == expected
     table = scores(runs, arm_names, args.seeds)

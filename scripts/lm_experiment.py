@@ -259,9 +259,10 @@ def observations(best: dict, widths=WIDTHS, seeds=SEEDS) -> list[str]:
 
 
 def report(args) -> None:
-    runs = load_results(Path(args.out))
+    design = {(f"{row['variant']}_D{row['width']}", lr, seed) for row in design_rows() for lr in LRS for seed in SEEDS}
+    runs = [run for run in load_results(Path(args.out)) if (run["arm"], run["lr"], run["seed"]) in design]
     best, edge = scores(runs)
-    expected = sum(len(LRS) * len(SEEDS) for _ in design_rows())
+    expected = len(design)
     complete = sum(run["finished"] for run in runs) == expected
     print("| variant | D | seed | " + " | ".join(f"lr {lr:g}" for lr in LRS) + " | best | FLOPs per run |")
     print("|---|---|---|" + "---|" * len(LRS) + "---|---|")

@@ -119,6 +119,9 @@ def test_the_pilot_runs_at_tiny_size_and_writes_its_summary(tmp_path, capsys):
     assert len(list((tmp_path / "pilot").glob("*/result.json"))) == 6
     assert set(summary["probe"]["arms"]) == set(ce.ARMS)
     assert all(probe["error"] is None and probe["ms_per_step"] > 0 for probe in summary["probe"]["arms"].values())
+    ce.main(["report", "--out", str(tmp_path / "pilot")])  # the pilot's tiny runs are not the design's
+    out = capsys.readouterr().out
+    assert "runs finished: 0/81" in out and "(MLR vs dense, Fig. 5): PARTIAL" in out
     assert (tmp_path / "pilot" / "pilot.md").read_text().startswith("### Chronos pilot")
     with pytest.raises(SystemExit):
         ce.main(["pilot", "--tiny", "--budget-s", "-1", "--out", str(tmp_path / "other")])

@@ -98,3 +98,6 @@ def test_the_pilot_runs_at_tiny_size_and_writes_its_summary(tmp_path, capsys):
     with pytest.raises(SystemExit):
         lm.main(["pilot", "--tiny", "--out", str(tmp_path / "pilot")])
     assert "is not empty" in capsys.readouterr().err
+    lm.main(["report", "--out", str(tmp_path / "pilot")])  # the pilot's tiny runs are not the design's
+    out = capsys.readouterr().out
+    assert "runs finished: 0/108" in out and "at equal FLOPs): PARTIAL" in out
