@@ -37,6 +37,7 @@ import json
 import math
 import os
 import shlex
+import shutil
 import signal
 import statistics
 import subprocess
@@ -392,6 +393,7 @@ def run_icl_part(args, budget: float, env) -> dict:
     if not icl_pilot_available():
         return {"status": "skipped (this checkout has no ICL pilot command)", "body": "", "log": ""}
     out_dir = os.path.join(args.workdir, "icl_pilot")
+    shutil.rmtree(out_dir, ignore_errors=True)  # the pilot refuses a non-empty folder (an earlier check's)
     command = [sys.executable, ICL_SCRIPT, "pilot", "--device", args.device, "--out", out_dir,
                "--budget-s", f"{max(budget - 20.0, 5.0):.0f}"] + (["--tiny"] if args.tiny else [])
     code, output = _run_with_timeout(command, budget, env)

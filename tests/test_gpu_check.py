@@ -241,3 +241,14 @@ def test_rehearsal_passes_every_part():
     result = _run(["bash", "scripts/gpu_check.sh", "--rehearse"], timeout=3000)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert re.fullmatch(r"rehearsal: (\d+)/\1 parts passed", result.stdout.strip().splitlines()[-1])
+
+
+def test_icl_part_runs_the_pilot_and_puts_its_summary_in_the_report(tmp_path):
+    out = tmp_path / "report.md"
+    result = _run([sys.executable, SCRIPT, "--device", "cpu", "--tiny", "--parts", "icl", "--out", str(out)],
+                  OMP_NUM_THREADS="1")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "gpu_check: 1/1 parts passed"
+    text = out.read_text()
+    assert f"| {gpu_check.TITLES['icl']} | done |" in text
+    assert "### ICL rank pilot" in text and "| (ii) dense, 1 head" in text
