@@ -1166,3 +1166,19 @@ def test_a_run_prints_no_warning_a_user_cannot_act_on(tmp_path):
     assert (tmp_path / "out" / "checkpoints").is_dir()
     for notice in ("Removed shared tensor", "loss_type=None"):
         assert notice not in output, output[-3000:]
+
+
+def test_without_the_progress_bar_a_run_prints_progress_lines_with_a_rate_and_an_eta(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "train_clm.py"), "--config", TINY_CLM,
+                           "--output_dir", str(tmp_path / "out"), "--sample_new_tokens", "0", "--disable_tqdm",
+                           "--progress_every_s", "0.001"], cwd=tmp_path, env=_script_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if re.fullmatch(
+        r"step \d+/\d+: loss \d+\.\d{4}, [\d,]+ tokens/s, ETA (\d+m\d\ds|\d+s)", line)]
+    steps = [int(line.split()[1].split("/")[0]) for line in lines]
+    assert len(steps) >= 3 and steps == sorted(steps), proc.stdout[-2000:]
+    bad = subprocess.run([sys.executable, str(ROOT / "recipes" / "train_clm.py"), "--config", TINY_CLM,
+                          "--output_dir", str(tmp_path / "bad"), "--progress_every_s", "-1"], cwd=tmp_path,
+                         env=_script_env(), capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "--progress_every_s must be >= 0, got -1.0" in bad.stderr
