@@ -91,7 +91,7 @@ fi
 setup="$setup; $(( $(date +%s) - started )) s"
 echo "gpu_check: $setup"
 if [ "$rehearse" = 1 ]; then
-  exec "$PY" benchmarks/gpu_check.py --rehearse --out "$report" --budget-scale 4 --total-budget 2400 \
+  exec "$PY" benchmarks/gpu_check.py --rehearse --out "$report" --budget-scale 8 --total-budget 4800 \
     --started "$started" --setup "$setup" --command "bash scripts/gpu_check.sh --rehearse ${args[*]}" "${args[@]}"
 fi
 exec "$PY" benchmarks/gpu_check.py --out "$report" --started "$started" --setup "$setup" \
