@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets everything up on a fresh machine and runs the default test suite.
-#   bash scripts/test.sh                 # the default suite (-m "not slow"); extra arguments go to pytest
+#   bash scripts/test.sh                 # the default suite (-m "not slow", two workers); extra arguments go to pytest
 #   bash scripts/test.sh --quick         # for development: the op, model, cache and patching tests that catch most
 #                                        # regressions, without reloads, compiles and Chronos (~2-3 min on 2 cores)
 #   bash scripts/test.sh --portability   # the model, op and cache tests once per CPU kernel set torch can
@@ -20,6 +20,12 @@ if [ "${1:-}" = "--quick" ]; then
 and not svd and not reload" "${quick[@]}" "$@"
 fi
 if [ "${1:-}" != "--portability" ]; then
+  # two xdist workers where two cores are free to us (each test runs one torch thread): the suite in about half the
+  # wall time; HF_STRUCTATTN_TEST_WORKERS=1 runs it in one process
+  workers=${HF_STRUCTATTN_TEST_WORKERS:-$(python -c 'import os; print(min(2, len(os.sched_getaffinity(0))))')}
+  if [ "$workers" -gt 1 ]; then
+    exec python -m pytest -q -n "$workers" -m "not slow" "$@"
+  fi
   exec python -m pytest -q -m "not slow" "$@"
 fi
 shift
