@@ -17,12 +17,13 @@ from typing import Optional, Sequence
 
 import torch
 import transformers
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PreTrainedModel
 
 from .conversion import convert_model
 from .modeling.structattn_decoder import (
     MODEL_TYPE_PREFIX,
     attention_modules,
+    base_model_name,
     check_pair_complete_levels,
     decoder_geometry,
     mlr_config_class,
@@ -218,10 +219,14 @@ def _replace_sliding_layers(config, windowed: list) -> None:
 
 
 def register_local(model_class) -> None:
-    """Make ``Auto*.from_pretrained`` find an MLR class in this process without trust_remote_code."""
+    """Make ``Auto*.from_pretrained`` find an MLR class (and its base model, for ``AutoModel``) in this process
+    without trust_remote_code."""
     config_class = model_class.config_class
     AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
     AutoModelForCausalLM.register(config_class, model_class, exist_ok=True)
+    base_name = base_model_name(getattr(transformers, model_class._mlr_base))
+    if base_name is not None:
+        AutoModel.register(config_class, mlr_model_class(getattr(transformers, base_name)), exist_ok=True)
 
 
 @torch.no_grad()

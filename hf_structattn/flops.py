@@ -711,8 +711,8 @@ def _tensors_in(value: Any, seen: set, depth: int):
         children = list(value)
     elif isinstance(value, (str, bytes, int, float, bool, type(None), type)) or callable(value):
         return
-    elif getattr(value, "holds_cache_state", True) is False:  # e.g. MLRGeometry: a layer's configuration and its
-        return  # index constants, shared by every cache of that geometry
+    elif getattr(value, "holds_cache_state", True) is False:  # an object that declares it holds no cache state
+        return
     elif hasattr(value, "__dict__") and not hasattr(value, "named_parameters"):  # an nn.Module is no cache state
         children = list(vars(value).values())
     else:
@@ -728,7 +728,8 @@ def allocated_cache_bytes(cache: Any, *, cross_attention: bool = True) -> int:
     ``cache``: a transformers ``Cache`` (``DynamicCache``, ``StaticCache``, ...),
     e.g. ``model.generate(..., return_dict_in_generate=True).cache``, or an ``EncoderDecoderCache`` (its
     self-attention cache and, with ``cross_attention``, its cross-attention cache). Every tensor attribute of
-    the cache and of each of its ``layers`` counts, also inside lists, dicts and helper objects they hold; a
+    the cache and of each of its ``layers`` counts, also inside lists, dicts and helper objects they hold (an MLR
+    layer's ``MLRGeometry`` with its memo of index constants, shared by the caches of that geometry, included); a
     storage shared by several tensors (views, a ring inside a larger buffer) counts once, at its full size
     (``untyped_storage().nbytes()``), not only the part that is viewed. Compare with the formulas
     (:func:`key_cache_bytes`, :func:`attention_cost_report`, :func:`decoder_cache_report`), which count the

@@ -124,7 +124,11 @@ def _structattn_config(config_class, t5_config, fields: dict, provenance: dict):
         values.pop(derived, None)
     values.update(fields)
     values["structattn_patch"] = provenance
-    return config_class(**values)
+    config = config_class(**values)
+    # the attention implementation the model was built or loaded with (to_dict drops it): "eager" stays "eager",
+    # so output_attentions keeps returning maps
+    config._attn_implementation = t5_config._attn_implementation
+    return config
 
 
 @torch.no_grad()
@@ -333,8 +337,8 @@ def patch_report(original, patched, inputs) -> dict:
     """How far ``patched`` moved from ``original`` before any fine-tuning.
 
     inputs: for T5 models a dict of model inputs (``input_ids`` (B, T), optional ``attention_mask``,
-    ``decoder_input_ids`` (B, T')); for Chronos pipelines a context tensor (B, T) or list of 1-D tensors
-    (optionally ``{"context": ..., "prediction_length": n}``).
+    ``decoder_input_ids`` (B, T')); for Chronos pipelines what their ``predict`` takes: one 1-D series, a context
+    tensor (B, T) or a list of 1-D tensors (optionally ``{"context": ..., "prediction_length": n}``).
 
     Returns for T5: ``logit_max_abs``, ``logit_rel`` (||dz|| / ||z||), ``top1_agreement``; for Chronos-T5 the
     same for the first decoding step plus ``forecast_rel`` (relative L1 error of the sampled median forecast,
@@ -345,10 +349,9 @@ def patch_report(original, patched, inputs) -> dict:
         return _logit_report(original, patched, inputs)
     context = inputs["context"] if isinstance(inputs, dict) else inputs
     prediction_length = inputs.get("prediction_length") if isinstance(inputs, dict) else None
+    batch = _context_batch(context)  # checked for both kinds (Chronos itself stops with a bare assert)
     if kind == "chronos_t5":
-        token_ids, mask, _ = original.tokenizer.context_input_transform(
-            context if torch.is_tensor(context) else torch.nn.utils.rnn.pad_sequence(
-                [c.flip(0) for c in context], batch_first=True, padding_value=float("nan")).flip(1))
+        token_ids, mask, _ = original.tokenizer.context_input_transform(batch)
         start = original.model.model.config.decoder_start_token_id
         decoder_ids = torch.full((token_ids.shape[0], 1), start, dtype=torch.long)
         report = _logit_report(original.model.model, patched.model.model,
@@ -365,6 +368,21 @@ def patch_report(original, patched, inputs) -> dict:
     moved = patched_pipe.predict(context, prediction_length=prediction_length)
     return {"forecast_rel": float((moved - reference).abs().mean() / reference.abs().mean().clamp_min(1e-30)),
             "forecast_max_abs": float((moved - reference).abs().max())}
+
+
+def _context_batch(context) -> torch.Tensor:
+    """(B, T) float context from what Chronos' ``predict`` accepts: one series (a 1-D tensor), a (B, T) tensor, or a
+    list of 1-D series of any lengths (left-padded with NaN, as Chronos pads them)."""
+    if torch.is_tensor(context):
+        if context.dim() not in (1, 2):
+            raise ValueError(f"context must be a 1-D series, a (batch, time) tensor or a list of 1-D series, got a "
+                             f"tensor of shape {tuple(context.shape)}")
+        return context[None] if context.dim() == 1 else context
+    series = list(context)
+    if not series or any(not torch.is_tensor(item) or item.dim() != 1 for item in series):
+        raise ValueError("context must be a 1-D series, a (batch, time) tensor or a list of 1-D series (tensors)")
+    return torch.nn.utils.rnn.pad_sequence([item.flip(0) for item in series], batch_first=True,
+                                           padding_value=float("nan")).flip(1)
 
 
 def _logit_report(original, patched, inputs: dict) -> dict:

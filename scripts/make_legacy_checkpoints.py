@@ -1,9 +1,9 @@
 """Write the tiny checkpoints of tests/data/legacy_759f20a/ with the code of main at 759f20a (run from a checkout of
 that commit: `cd <checkout of 759f20a> && python <this repo>/scripts/make_legacy_checkpoints.py OUT`): a GPT-2 family
 model with per-layer variants in the old `attention_layers` field, a T5 family model with MLR encoder and decoder
-self-attention, a Llama patched to MLR, and the Chronos-Bolt patch config, each with its payload code, plus
+self-attention and a Llama patched to MLR, each with the payload code that release saves next to the weights, plus
 `expected.safetensors`: inputs and the logits that code computed (float64). tests/test_legacy_checkpoints.py loads them
-with today's code and compares."""
+with today's code, and with the saved code in an interpreter where hf_structattn is not importable, and compares."""
 
 import os
 import sys

@@ -2,6 +2,7 @@
 exactness in float64 against the stock models and the uncached forward, RoPE-pair levels, GQA, refusals."""
 
 import copy
+import json
 import re
 
 import pytest
@@ -364,8 +365,12 @@ def test_save_and_load_with_remote_code_without_the_plugin(tmp_path):
         mlr.save_pretrained(save_dir)
         ids = torch.randint(3, VOCAB, (2, 23))
         torch.save({"ids": ids, "logits": mlr(ids).logits.detach(),
+                    "hidden": mlr(ids, output_hidden_states=True).hidden_states[-1].detach(),
                     "generated": mlr.generate(ids[:, :9], max_new_tokens=10, min_new_tokens=10, do_sample=False)},
                    save_dir / "expected.pt")
+        # the base model is mapped too: AutoModel loads the MLR base model of the architecture
+        assert set(json.loads((save_dir / "config.json").read_text())["auto_map"]) == {
+            "AutoConfig", "AutoModel", "AutoModelForCausalLM"}
         files = {path.name for path in save_dir.iterdir()}
         assert {"structattn_decoder.py", "structattn_mlr.py", "structattn_mlr_fused.py", "structattn_mlr_math.py",
                  "structattn_geometry.py", "README.md"} <= files
@@ -396,6 +401,10 @@ def test_save_and_load_with_remote_code_without_the_plugin(tmp_path):
             print(name, "cache_layer", type(out.cache.layers[0]).__name__)
             stock = getattr(transformers, stock_name).from_pretrained(path, dtype=torch.float64)
             print(name, "stock_dense_diff", float((stock(expected["ids"]).logits - expected["logits"]).abs().max()))
+            base = transformers.AutoModel.from_pretrained(path, trust_remote_code=True, dtype=torch.float64)
+            assert type(base).__module__.startswith("transformers_modules"), type(base).__module__
+            hidden = base(expected["ids"]).last_hidden_state
+            print(name, "base_model", type(base).__name__, float((hidden - expected["hidden"]).abs().max()))
     """, tmp_path)
     for _, name, _ in checks:
         result = dict(re.findall(rf"{name} (\w+) (\S+)", out))  # the trust prompt shares a line with one of them
@@ -405,6 +414,9 @@ def test_save_and_load_with_remote_code_without_the_plugin(tmp_path):
         assert result["cache_layer"] == "MLRKeyCacheLayer"  # the hierarchical key cache, from remote code
         # the documented outcome of a stock-class load (stated in README.md and config.mlr_notice): a dense model
         assert float(result["stock_dense_diff"]) > 1e-6
+        base_name, base_diff = re.search(rf"{name} base_model (\w+) (\S+)", out).groups()
+        assert base_name == "MLR" + {"MLRLlamaForCausalLM": "LlamaModel", "MLRGPT2LMHeadModel": "GPT2Model"}[name]
+        assert float(base_diff) <= 1e-12
 
 
 # logits are ~1.5 here; the stock Llama's own error against float64 is 6e-7 (float32) and 0.011 (bfloat16, eps 2^-8)

@@ -382,6 +382,8 @@ def test_encoder_decoder_flops_match_torch_flop_counter(encoder_len, decoder_len
     assert encoder_decoder_flops(dense.config, encoder_len, decoder_len) == 3 * expected
 
     mlr = patch(dense, attention="mlr", mlr_ranks=geometry["ranks"], mlr_block_sizes=geometry["block_sizes"])
+    assert mlr.config._attn_implementation == "eager"  # patch keeps the implementation; the count is of the
+    mlr.set_attn_implementation("sdpa")  # fused op's materialised-score (math) path, not of the eager reference
     mlr_expected = encoder_decoder_flops(mlr.config, encoder_len, decoder_len, training=False)
     counted = _counted_forward_flops(mlr, encoder_len, decoder_len, bias_grad=True)
     assert counted == mlr_expected + masked_future("mlr", **geometry)

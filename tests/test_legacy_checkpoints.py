@@ -3,8 +3,10 @@ classes and give the logits that release computed: a GPT-2 family model with per
 ``attention_layers`` field, a T5 family model with MLR encoder and decoder, a Llama patched to MLR.
 
 The checkpoints and their expected logits (float64, computed by that release's code, not by the code under test) were
-written by ``scripts/make_legacy_checkpoints.py`` run in a checkout of 759f20a; the payload code saved next to them is
-left out (loading with ``trust_remote_code=True`` runs that old code, untouched by this package)."""
+written by ``scripts/make_legacy_checkpoints.py`` run in a checkout of 759f20a, with the payload code that release
+saved next to them (byte for byte the files of 759f20a): loaded after ``import hf_structattn`` they run today's classes;
+loaded with ``trust_remote_code=True`` where the package is not importable they run that old code, and must still give
+its logits."""
 
 import os
 
@@ -53,3 +55,30 @@ def test_previous_release_checkpoints_generate_with_the_hierarchical_cache(name)
     cached = model.generate(ids, return_dict_in_generate=True, **kwargs)
     assert any(type(layer).__name__ == "MLRKeyCacheLayer" for layer in cached.cache.layers)
     assert torch.equal(cached.sequences, model.generate(ids, use_cache=False, **kwargs))
+
+
+def test_previous_release_checkpoints_reload_bare_with_the_code_saved_beside_them(tmp_path):
+    """Where hf_structattn is not importable, ``trust_remote_code=True`` loads each checkpoint with the payload code
+    it carries (the release's own), as a user without the package does, and gives the release's logits."""
+    from test_remote_code import run_isolated
+
+    out = run_isolated(f"""
+        import torch, transformers
+        from safetensors.torch import load_file
+        data = {DATA!r}
+        expected = load_file(data + "/expected.safetensors")
+        for name, auto in (("gpt2_mixed", "AutoModelForCausalLM"), ("llama_mlr", "AutoModelForCausalLM"),
+                           ("t5_mlr", "AutoModelForSeq2SeqLM")):
+            model = getattr(transformers, auto).from_pretrained(data + "/" + name, trust_remote_code=True,
+                                                                dtype=torch.float64).eval()
+            assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+            with torch.no_grad():
+                if name == "t5_mlr":
+                    logits = model(input_ids=expected[name + ".input_ids"],
+                                   decoder_input_ids=expected[name + ".decoder_input_ids"]).logits
+                else:
+                    logits = model(expected[name + ".input_ids"]).logits
+            print(name, "max_diff", float((logits - expected[name + ".logits"]).abs().max()))
+    """, tmp_path)
+    for name in ("gpt2_mixed", "llama_mlr", "t5_mlr"):
+        assert float(out.split(f"{name} max_diff")[1].split()[0]) <= 1e-10, out

@@ -391,6 +391,64 @@ def test_t5_config_rejects_degenerate_numbers(fields, match):
         StructAttnT5Config(**{**BASE, **MLR, **fields})
 
 
+def test_integer_numbers_are_numbers_in_every_config(tmp_path):
+    """An int where a number is allowed (mlr_scaling 2 or [1, 1, ...], epsilons, dense_scaling, the bilinear
+    constant) is accepted by the GPT-2 and the T5 config alike, means what the float means, and a hand-written
+    config.json holding ``"mlr_scaling": 1`` loads."""
+    import json
+
+    from conftest import tiny_gpt2_config
+
+    for fields in (dict(mlr_scaling=2), dict(mlr_scaling=[1, 1, 2, 1]), dict(layer_norm_epsilon=1),
+                   dict(initializer_range=1), dict(dense_scaling=2), dict(bilinear_scale_constant=2)):
+        as_int = tiny_gpt2_config("mlr", **fields)
+        as_float = tiny_gpt2_config("mlr", **{name: [float(v) for v in value] if isinstance(value, list)
+                                              else float(value) for name, value in fields.items()})
+        assert as_int.mlr_geometry() == as_float.mlr_geometry()
+    for fields in (dict(mlr_scaling=2), dict(mlr_scaling=[1, 1, 1]), dict(layer_norm_epsilon=1)):
+        StructAttnT5Config(**{**BASE, **MLR, **fields})
+    model = tiny_lm("mlr", mlr_scaling=1).double()
+    model.save_pretrained(tmp_path / "gpt2")
+    path = tmp_path / "gpt2" / "config.json"
+    written = json.loads(path.read_text())
+    written["mlr_scaling"] = 1  # as a person writes it
+    path.write_text(json.dumps(written))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "gpt2", dtype=torch.float64)
+    ids = _ids(2, 12)
+    torch.testing.assert_close(loaded(ids).logits, model(ids).logits, **EXACT)
+    t5 = StructAttnT5Config(**BASE, **MLR)
+    t5.save_pretrained(tmp_path / "t5")
+    path = tmp_path / "t5" / "config.json"
+    written = json.loads(path.read_text())
+    written["mlr_scaling"], written["layer_norm_epsilon"] = [1, 1, 1], 1
+    path.write_text(json.dumps(written))
+    assert StructAttnT5Config.from_pretrained(tmp_path / "t5").mlr_scaling == [1, 1, 1]
+
+
+@pytest.mark.parametrize("family", ["gpt2", "t5", "patched"])
+def test_a_wrongly_typed_config_field_is_one_line_naming_field_and_value(family):
+    from conftest import tiny_gpt2_config
+    from hf_structattn.modeling.structattn_decoder import mlr_config_class
+
+    build = {"gpt2": lambda **fields: tiny_gpt2_config("mlr", **fields),
+             "t5": lambda **fields: StructAttnT5Config(**{**BASE, **MLR, **fields}),
+             "patched": lambda **fields: mlr_config_class(transformers.LlamaConfig)(**fields)}[family]
+    cases = {"gpt2": [("n_embd", 32.0), ("mlr_ranks", "abc"), ("mlr_ranks", [8.0, 4, 2, 2]), ("qk_layernorm", "yes"),
+                      ("mlr_average_levels", 1), ("sliding_window", "8"), ("attention", 3), ("mlr_scaling", None)],
+             "t5": [("d_model", 32.0), ("mlr_max_length", 8.0), ("mlr_average_levels", "no"),
+                    ("mlr_scaling", {"a": 1})],
+             "patched": [("hidden_size", 32.5), ("num_attention_heads", "4")]}[family]
+    for name, value in cases:
+        with pytest.raises(ValueError) as raised:
+            build(**{name: value})
+        message = str(raised.value)
+        assert "\n" not in message and message.startswith(f"{name}={value!r}"), message
+    config = build()
+    name, value = cases[0]
+    with pytest.raises(ValueError, match=f"^{name}="):  # assignment too
+        setattr(config, name, value)
+
+
 def test_configs_changed_after_construction_cannot_be_saved_invalid(tmp_path):
     from conftest import tiny_gpt2_config
 
@@ -476,26 +534,6 @@ def test_gpt2_config_does_not_inherit_token_ids_outside_its_vocabulary(recwarn):
     assert config.bos_token_id is None and config.eos_token_id is None
     assert not [w for w in recwarn if "token_id" in str(w.message)]
     assert StructAttnGPT2Config(n_layer=1).eos_token_id == 50256  # the full GPT-2 vocabulary keeps GPT-2's ids
-
-
-def test_4d_masks_other_than_causal_and_padding_are_refused_by_mlr_layers():
-    """MLR layers take padding from the mask and causality and blocks from positions: transformers' own causal +
-    padding 4-D mask (bool or additive) equals the 2-D mask; any other 4-D mask is refused, not silently ignored."""
-    model = tiny_lm("mlr").double()
-    ids = _ids(2, 12, vocab=61)
-    keep = torch.ones(2, 12, dtype=torch.bool)
-    keep[1, :4] = False  # left padding
-    causal = torch.ones(12, 12, dtype=torch.bool).tril()
-    four_d = (causal[None, None] & keep[:, None, None, :]) | ~keep[:, None, :, None]  # padding queries see everything
-    reference = model(ids, attention_mask=keep.long(), use_cache=False).logits
-    additive = torch.zeros(four_d.shape, dtype=torch.float64).masked_fill(~four_d, torch.finfo(torch.float64).min)
-    for mask in (four_d, additive):
-        logits = model(ids, attention_mask=mask, use_cache=False).logits
-        torch.testing.assert_close(logits[keep], reference[keep], **EXACT)
-    overlay = four_d.clone()
-    overlay[0, 0, 7, 2] = False  # one causal pair hidden: a custom overlay
-    with pytest.raises(ValueError, match="not a causal/padding mask"):
-        model(ids, attention_mask=overlay, use_cache=False)
 
 
 def test_right_padded_generate_warns_once_and_continues_the_rows(recwarn):

@@ -383,3 +383,19 @@ def test_patched_chronos_forecasts_series_with_leading_nans(tmp_path):
         trimmed = pipe.predict([series[9:]], prediction_length=8)
         assert torch.isfinite(with_nans).all()
         torch.testing.assert_close(with_nans, trimmed, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["chronos_t5", "chronos_bolt"])
+def test_patch_report_takes_a_single_series_as_chronos_does(tmp_path, kind):
+    """A 1-D context (one series, which Chronos' predict accepts) gives the report of the same series as a batch of
+    one; a context Chronos would not take either is one line naming it."""
+    pipe = tiny_chronos_t5(tmp_path / "t5") if kind == "chronos_t5" else tiny_bolt(tmp_path / "bolt")
+    patched = hf_structattn.patch(pipe, attention="mlr", **MLR)
+    series = contexts()[0]
+    one = hf_structattn.patch_report(pipe, patched, {"context": series, "prediction_length": 8})
+    batch = hf_structattn.patch_report(pipe, patched, {"context": series[None], "prediction_length": 8})
+    assert one.keys() == batch.keys() and all(value == pytest.approx(batch[name], rel=1e-9, abs=1e-12)
+                                              for name, value in one.items())
+    assert one.get("logit_rel", one["forecast_rel"]) > 0  # the patch changed something
+    with pytest.raises(ValueError, match=r"context must be .*shape \(1, 2, 60\)"):
+        hf_structattn.patch_report(pipe, patched, series[None, None].expand(1, 2, 60))

@@ -19,6 +19,7 @@ from .structattn_geometry import (
     check_int,
     default_block_sizes,
     is_positive_scale,
+    one_line_field_errors,
     validate_config_numbers,
 )
 
@@ -33,6 +34,7 @@ def check_attention_variant(value, field: str) -> None:
         raise ValueError(f"{field}={value!r} is not one of {ATTENTION_VARIANTS}")
 
 
+@one_line_field_errors
 @strict
 class StructAttnGPT2Config(StructAttnConfigMixin, PreTrainedConfig):
     r"""GPT-2 architecture (same field names) whose attention is dense, MLR, bilinear MLR, bilinear BTT or SWA.
@@ -49,7 +51,7 @@ class StructAttnGPT2Config(StructAttnConfigMixin, PreTrainedConfig):
         mlr_ranks: per-level ranks r_1..r_L summing to the head dim (default for head dim 64: 32|8|6|4|4|4|4|2).
         mlr_block_sizes: block sizes of levels 2..L (default dyadic from ``n_positions``: n/2, n/4, ...).
         mlr_scaling: "standard" (1/sqrt(r) on every level), "mup" (1/r_l, the authors' choice), or explicit
-            per-level floats.
+            per-level numbers (ints are numbers too).
         mlr_average_levels: divide each logit by the number of levels the pair shares (the authors' LM runs).
         qk_layernorm: normalise queries and keys (the kind is ``qk_norm``).
         qk_norm: "layernorm" (default, and what every config saved before this field existed used: LayerNorm
@@ -93,8 +95,8 @@ class StructAttnGPT2Config(StructAttnConfigMixin, PreTrainedConfig):
     resid_pdrop: Union[float, int] = 0.1
     embd_pdrop: Union[float, int] = 0.1
     attn_pdrop: Union[float, int] = 0.0
-    layer_norm_epsilon: float = 1e-5
-    initializer_range: float = 0.02
+    layer_norm_epsilon: Union[float, int] = 1e-5
+    initializer_range: Union[float, int] = 0.02
     scale_attn_weights: bool = True
     use_cache: bool = True
     bos_token_id: Optional[int] = 50256
@@ -106,14 +108,14 @@ class StructAttnGPT2Config(StructAttnConfigMixin, PreTrainedConfig):
     layer_types: Optional[list[str]] = None
     mlr_ranks: Optional[list[int]] = None
     mlr_block_sizes: Optional[list[int]] = None
-    mlr_scaling: Union[str, float, list[float]] = "standard"
+    mlr_scaling: Union[str, float, int, list[Union[float, int]]] = "standard"
     mlr_average_levels: bool = False
     qk_layernorm: bool = False
     qk_norm: str = "layernorm"
-    dense_scaling: Union[str, float] = "standard"
+    dense_scaling: Union[str, float, int] = "standard"
     bilinear_mlr_ranks: Optional[list[int]] = None
     bilinear_scaling: str = "standard"
-    bilinear_scale_constant: float = 1.0
+    bilinear_scale_constant: Union[float, int] = 1.0
     bilinear_weight_rms_clamp: bool = False
     btt_rank: int = 1
     btt_factors: Optional[list[int]] = None

@@ -13,6 +13,7 @@ from .structattn_geometry import (
     announce_config,
     check_ranks,
     default_block_sizes,
+    one_line_field_errors,
     validate_config_numbers,
 )
 
@@ -25,6 +26,7 @@ T5_STRUCTATTN_FIELDS = ("encoder_attention", "decoder_attention", "cross_attenti
                         "bilinear_scaling", "btt_rank", "btt_factors")
 
 
+@one_line_field_errors
 @strict
 class StructAttnT5Config(StructAttnConfigMixin, T5Config):
     r"""T5 architecture (same fields as ``transformers.T5Config``) whose attention is chosen per role.
@@ -50,13 +52,16 @@ class StructAttnT5Config(StructAttnConfigMixin, T5Config):
 
     model_type = "structattn_t5"
 
+    # T5Config's float fields, taking ints too (a hand-written config.json says 1 for 1.0)
+    layer_norm_epsilon: Union[float, int] = 1e-6
+    initializer_factor: Union[float, int] = 1.0
     encoder_attention: str = "dense"
     decoder_attention: str = "dense"
     cross_attention: str = "dense"
     mlr_ranks: Optional[list[int]] = None
     mlr_block_sizes: Optional[list[int]] = None
     mlr_max_length: int = 512
-    mlr_scaling: Union[str, float, int, list[float]] = 1.0
+    mlr_scaling: Union[str, float, int, list[Union[float, int]]] = 1.0
     mlr_average_levels: bool = False
     bilinear_mlr_ranks: Optional[list[int]] = None
     bilinear_scaling: str = "standard"

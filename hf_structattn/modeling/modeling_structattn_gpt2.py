@@ -27,7 +27,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_structattn_gpt2 import StructAttnGPT2Config
 from .structattn_attention import install_mlr_attention
-from .structattn_cache import STEP_KEY, StructAttnStep, prepare_structattn_cache
+from .structattn_cache import STEP_KEY, StructAttnStep, new_token_validity, prepare_structattn_cache
 from .structattn_geometry import (
     BILINEAR_BTT_ATTENTION,
     BILINEAR_MLR_ATTENTION,
@@ -268,9 +268,9 @@ class StructAttnGPT2Model(StructAttnGPT2PreTrainedModel):
         if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != self.embed_dim:
             raise ValueError(f"inputs_embeds must have shape (B, T, {self.embed_dim}), got {tuple(inputs_embeds.shape)}")
         batch, length = inputs_embeds.shape[:2]
-        if length == 0:
-            raise ValueError(f"the input has sequence length 0 (shape {tuple(inputs_embeds.shape[:2])}): pass at "
-                             f"least one token")
+        if length == 0 or batch == 0:
+            raise ValueError(f"the input of shape {tuple(inputs_embeds.shape[:2])} is empty (batch {batch}, sequence "
+                             f"length {length}): pass at least one token in at least one row")
         if use_cache and cache is None and self.training and torch.is_grad_enabled():
             # a training step never reads a cache back, and filling the MLR key cache costs real time (~40 ms per
             # step at T = 1024, 6 layers); pass a cache explicitly to get one anyway
@@ -293,12 +293,20 @@ class StructAttnGPT2Model(StructAttnGPT2PreTrainedModel):
         if last_position is not None and last_position >= self.config.n_positions:
             raise ValueError(f"position {last_position} is beyond n_positions={self.config.n_positions}: "
                              f"this model has learned position embeddings for positions < {self.config.n_positions}")
-        valid = None
+        valid = key_mask = None
+        standard_masks = attention_mask is None
         if attention_mask is not None and attention_mask.dim() == 2:
             # cached + new tokens (a compiled step cannot read the cached count: it takes the mask's own length)
             covered = attention_mask.shape[-1] if torch.compiler.is_compiling() else int(past) + length
             attention_mask = keep_mask(attention_mask, batch, covered, inputs_embeds.device, "attention_mask")
             valid = attention_mask[:, -length:]
+            standard_masks = True
+            key_mask = attention_mask
+        elif attention_mask is not None:
+            if attention_mask.dim() != 4:
+                raise ValueError(f"attention_mask must be a (batch, cached + new tokens) keep-mask or transformers' "
+                                 f"4-D mask, got shape {tuple(attention_mask.shape)}")
+            valid = new_token_validity(attention_mask, past, length)  # a token is real iff it may see itself
         hidden_states = inputs_embeds + self.wpe(position_ids)
         if token_type_ids is not None:
             hidden_states = hidden_states + self.wte(token_type_ids.view(-1, length))
@@ -313,7 +321,8 @@ class StructAttnGPT2Model(StructAttnGPT2PreTrainedModel):
             masks.update({kind: full for kind in kinds if kind != SLIDING_ATTENTION})
         if SLIDING_ATTENTION in kinds:
             masks[SLIDING_ATTENTION] = create_sliding_window_causal_mask(**mask_kwargs)
-        kwargs[STEP_KEY] = StructAttnStep(cache=cache, positions=position_ids.expand(batch, length), valid=valid)
+        kwargs[STEP_KEY] = StructAttnStep(cache=cache, positions=position_ids.expand(batch, length), valid=valid,
+                                          standard_masks=standard_masks, key_mask=key_mask)
         layer_cache = cache if not (self.gradient_checkpointing and self.training) else None
         for block, kind in zip(self.h, self.config.layer_types):
             hidden_states = block(hidden_states, layer_cache, masks[kind], position_ids=position_ids, **kwargs)

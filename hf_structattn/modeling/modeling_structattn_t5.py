@@ -236,7 +236,8 @@ def _forward_with_step(base):
         if decoder_mask is not None and decoder_mask.dim() == 2:
             past = self_attention_cache(cache).get_seq_length() if cache is not None else 0
             valid = decoder_mask[:, past:].bool()
-        kwargs[STEP_KEY] = StructAttnStep(cache=self_attention_cache(cache), valid=valid)
+        kwargs[STEP_KEY] = StructAttnStep(cache=self_attention_cache(cache), valid=valid,
+                                          standard_masks=decoder_mask is None or decoder_mask.dim() == 2)
         return base.forward(self, **kwargs)
 
     forward.__signature__ = signature

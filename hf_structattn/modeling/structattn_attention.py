@@ -142,16 +142,33 @@ def key_validity(attention_mask: Optional[torch.Tensor], batch: int, key_length:
     return row[:, -key_length:].expand(batch, key_length)
 
 
-def _check_standard_mask(attention_mask: Optional[torch.Tensor], valid: Optional[torch.Tensor], causal: bool,
-                         query_length: int, query_offset: Optional[int] = None) -> None:
-    """MLR reads only padding from the mask (causality and blocks come from positions): refuse a 4-D mask that is
-    not causal-and-padding (packed sequences, multimodal blocks), which would otherwise be silently ignored."""
+MASK_REFUSED = ("MLR attention got a 4-D attention mask that allows keys the MLR key cache does not hold ({what}); "
+                "with a cache a 4-D mask is applied over the cached real tokens of each row at or before each query "
+                "(rows padded on the left), so it may not allow padding, future keys or empty slots: pass "
+                "use_cache=False to apply it over every key")
+
+
+def _allowed(attention_mask: torch.Tensor) -> torch.Tensor:
+    """The bool (True = attend) form of a 4-D mask: bool as is, additive float masks allow entries above half the
+    dtype's lowest value, integer masks their non-zero entries."""
+    if attention_mask.dtype == torch.bool:
+        return attention_mask
+    if attention_mask.is_floating_point():
+        return attention_mask > torch.finfo(attention_mask.dtype).min / 2
+    return attention_mask != 0
+
+
+def _is_standard_mask(attention_mask: Optional[torch.Tensor], valid: Optional[torch.Tensor], causal: bool,
+                      query_length: int, query_offset: Optional[int] = None) -> bool:
+    """Whether a mask is transformers' causal (or bidirectional) + padding mask, which MLR reads only for padding
+    (causality and blocks come from positions); any other 4-D mask (a sliding window, a bidirectional or
+    block-diagonal overlay, a hidden pair) is applied as given by the caller. No mask, a 2-D mask and a compiled
+    region count as standard."""
     if attention_mask is None or attention_mask.dim() != 4 or torch.compiler.is_compiling() or \
             attention_mask.shape[-2] != query_length:
-        return
+        return True
     key_length = attention_mask.shape[-1]
-    allowed = attention_mask if attention_mask.dtype == torch.bool else \
-        attention_mask > torch.finfo(attention_mask.dtype).min / 2
+    allowed = _allowed(attention_mask)
     expected = valid[:, None, None, :] if valid is not None else torch.ones(
         1, 1, 1, key_length, dtype=torch.bool, device=attention_mask.device)
     if causal:
@@ -164,10 +181,18 @@ def _check_standard_mask(attention_mask: Optional[torch.Tensor], valid: Optional
     # padding to the last row that ``key_validity`` reads
     rows = expected.any(-1, keepdim=True)
     padding_row_ok = ~allowed.any(-1, keepdim=True) | allowed.all(-1, keepdim=True)
-    if not bool(torch.where(rows, allowed == expected, padding_row_ok).all()):
-        raise ValueError("MLR attention got a 4-D attention mask that is not a causal/padding mask (packed sequences, "
-                         "a custom or multimodal mask); MLR layers take padding from the mask and causality and "
-                         "blocks from positions, so such masks are not supported")
+    return bool(torch.where(rows, allowed == expected, padding_row_ok).all())
+
+
+def _own_key_allowed(allowed: torch.Tensor, offset: int) -> torch.Tensor:
+    """(B, T) whether each query may see its own key (column ``offset + i``): a custom mask's real tokens."""
+    length = allowed.shape[-2]
+    rows = torch.arange(length, device=allowed.device)
+    return allowed[:, 0][:, rows, rows + offset]
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, mask_value(dtype))
 
 
 def _mlr_mask(*args, **kwargs):
@@ -286,9 +311,16 @@ def _reorder(query: torch.Tensor, key: Optional[torch.Tensor], geometry: MLRGeom
     return query.index_select(-1, order), (None if key is None else key.index_select(-1, order))
 
 
-def _uncached(module, query, key, value, geometry, scales, positions, valid, bias, causal, eager, dropout=0.0):
-    """Uncached MLR (training, prefill, encoders): (B, Hq, T, r) queries, (B, Hk, T, r) keys in level order."""
+def _uncached(module, query, key, value, geometry, scales, positions, valid, bias, causal, eager, dropout=0.0,
+              allowed=None):
+    """Uncached MLR (training, prefill, encoders): (B, Hq, T, r) queries, (B, Hk, T, r) keys in level order.
+    ``allowed``: (B | 1, 1, T, T) bool, a caller's 4-D mask applied as given (instead of causality by position and
+    the padding flags ``valid``)."""
     key, value = key.to(query.dtype), value.to(query.dtype)  # a cache's pending keys may predate autocast's cast
+    if allowed is not None:
+        additive = _additive(allowed, softmax_dtype(query.dtype))
+        bias = additive if bias is None else bias + additive
+        causal, valid = False, None
     if torch.compiler.is_compiling() and not eager:
         # a compiled prefill: the materialised path traces without host reads or graph breaks (the fused kernel
         # runs eagerly and reads its inputs' positions on the host)
@@ -296,6 +328,8 @@ def _uncached(module, query, key, value, geometry, scales, positions, valid, bia
         groups = q_heads // key.shape[1]
         rows = query.reshape(batch, key.shape[1], groups * length, width)
         key_valid = valid if valid is not None else torch.ones(batch, length, dtype=torch.bool, device=query.device)
+        if bias is not None and bias.dim() == 4 and groups > 1 and bias.shape[-2] == length:
+            bias = bias.repeat(1, 1, groups, 1)  # rows are group-major: row g * T + i
         out = mlr_attention_full_keys(rows, key, value, geometry=geometry, scales=scales,
                                       query_positions=positions.repeat(1, groups), key_positions=positions,
                                       key_valid=key_valid, causal=causal, bias=bias)
@@ -349,11 +383,59 @@ def _token_weights(weights: torch.Tensor, valid_keys: Optional[torch.Tensor], fi
     return gathered * valid_keys[:, None, None, :]
 
 
+def _token_shift(pending: PendingChunk, tokens, base: int) -> torch.Tensor:
+    """(B,) token index of slot 0 of each row (slot ``s`` holds token ``s + shift``): token index minus position of
+    the chunk's real tokens (the chunk is the last c tokens), plus ``base``. Exact for rows whose cached real tokens
+    are consecutive and end right before the chunk (left padding, or none)."""
+    chunk = pending.positions.shape[1]
+    offset = (tokens - chunk + torch.arange(chunk, device=pending.positions.device))[None, :] - pending.positions
+    shift = torch.where(pending.valid, offset, torch.full_like(offset, torch.iinfo(offset.dtype).min)).amax(-1)
+    return torch.where(pending.valid.any(-1), shift, torch.zeros_like(shift)) + base
+
+
+def _slot_mask(attention_mask: torch.Tensor, layer, pending: PendingChunk, slots: int, plans: Optional[dict]
+               ) -> Optional[torch.Tensor]:
+    """A caller's 4-D mask (B | 1, 1, c, K) over the tokens (token order) read at the cache's slots: None when it
+    is the causal + padding mask of what the cache holds (nothing to apply), else (B, 1, c, S) bool in slot order.
+    A mask that allows a key the cache does not hold (a padding token, which is never stored, a future key, an
+    empty slot) for a real query is refused. Computed once per forward (the layers of one geometry hold the same
+    positions)."""
+    key = ("slot mask", id(attention_mask), layer.base, slots)
+    if plans is not None and key in plans:
+        return plans[key]
+    allowed = _allowed(attention_mask)
+    batch, chunk = pending.positions.shape
+    if allowed.shape[-2] != chunk:
+        raise ValueError(MASK_REFUSED.format(what=f"mask of shape {tuple(attention_mask.shape)} for {chunk} new "
+                                                  f"tokens"))
+    key_length = allowed.shape[-1]
+    allowed = allowed[:, :1].expand(batch, 1, chunk, key_length)
+    shift = _token_shift(pending, int(layer.get_seq_length()), layer.base)
+    column = torch.arange(slots, device=allowed.device) + shift[:, None]  # (B, S): the token held in slot s
+    inside = (column >= 0) & (column < key_length)
+    index = column.clamp(min=0, max=key_length - 1)[:, None, None, :].expand(batch, 1, chunk, slots)
+    gathered = allowed.gather(-1, index) & inside[:, None, None, :]
+    slot_positions = torch.arange(slots, device=allowed.device) + layer.base
+    held = (slot_positions >= layer.first_positions[:, None, None]) & \
+        (slot_positions <= pending.positions[:, :, None])  # (B, c, S): written, real, not in the future
+    held = held[:, None]
+    real = pending.valid[:, None, :, None]
+    outside = (allowed.sum(-1, keepdim=True) != (gathered & held).sum(-1, keepdim=True)) & real
+    if bool(outside.any()):
+        row, _, query_index, _ = outside.nonzero()[0].tolist()
+        raise ValueError(MASK_REFUSED.format(what=f"row {row}, new token {query_index}"))
+    result = None if bool(((gathered == held) | ~real).all()) else gathered & held
+    if plans is not None:
+        plans[key] = result
+    return result
+
+
 def _cached(module, query, layer, pending: PendingChunk, geometry, scales, bias, attention_mask, eager,
-            plans: Optional[dict] = None):
+            plans: Optional[dict] = None, standard_masks: bool = True):
     """Queries of the tokens the layer's last update stored, against everything it holds. query (B, Hq, c, r) level
     order. Returns (output (B, c, Hq, dv) contiguous, as attention functions return it; probabilities in token order
-    or None)."""
+    or None). Unless ``standard_masks``, a 4-D ``attention_mask`` is compared with the causal + padding mask of what
+    the cache holds and, where it differs, applied over the slots (``_slot_mask``)."""
     batch, q_heads, chunk, width = query.shape
     kv_heads = layer.keys.shape[1]
     groups = q_heads // kv_heads
@@ -361,6 +443,8 @@ def _cached(module, query, layer, pending: PendingChunk, geometry, scales, bias,
     base = layer.base
     tokens = layer.get_seq_length()
     rows = query.reshape(batch, kv_heads, groups * chunk, width)  # group-major: row g*c + i
+    custom = not standard_masks and attention_mask is not None and attention_mask.dim() == 4 and \
+        not torch.compiler.is_compiling()
     if chunk == 1 and not eager:
         shift = (tokens - 1) - layer.last_positions + base if bias is not None else None
         # one plan per forward, shared by its layers (they hold the same positions); keyed by plain tuples, which
@@ -378,6 +462,10 @@ def _cached(module, query, layer, pending: PendingChunk, geometry, scales, bias,
         slot_bias = _slot_bias(bias, shift, slots)
         if slot_bias is not None and slot_bias.shape[-1] < keys.shape[2]:
             slot_bias = F.pad(slot_bias, (0, keys.shape[2] - slot_bias.shape[-1]))
+        mask = _slot_mask(attention_mask, layer, pending, keys.shape[2], plans) if custom else None
+        if mask is not None:
+            additive = _additive(mask, softmax_dtype(rows.dtype))
+            slot_bias = additive if slot_bias is None else slot_bias + additive
         known = None if pending.shared_newest is None else (pending.shared_newest, pending.latest_first)
         out = mlr_decode_step(rows, keys, values, layer.fine_storage, layer.ring_widths, geometry, scales,
                               layer.last_positions, layer.first_positions, base, bias=slot_bias, plan=plan,
@@ -387,22 +475,29 @@ def _cached(module, query, layer, pending: PendingChunk, geometry, scales, bias,
     query_positions = pending.positions.repeat(1, groups)  # (B, g*c)
     rings_before = layer._fine_views(pending.rings_before, layer._capacity()) if pending.rings_before is not None \
         else layer.rings
-    shift = None
-    if bias is not None:  # token index minus position of the chunk's real tokens, per row (the chunk is the last c)
-        offset = (tokens - chunk + torch.arange(chunk, device=query.device))[None, :] - pending.positions
-        shift = torch.where(pending.valid, offset, torch.full_like(offset, torch.iinfo(offset.dtype).min)).amax(-1)
-        shift = torch.where(pending.valid.any(-1), shift, torch.zeros_like(shift)) + base
+    # token index minus position of the chunk's real tokens, per row (the chunk is the last c)
+    shift = _token_shift(pending, tokens, base) if bias is not None else None
+    slot_bias = _slot_bias(bias, shift, slots) if bias is not None else None
+    mask = _slot_mask(attention_mask, layer, pending, slots, plans) if custom else None
+    if mask is not None:
+        additive = _additive(mask, softmax_dtype(rows.dtype)).repeat(1, 1, groups, 1)  # rows are group-major
+        slot_bias = additive if slot_bias is None else slot_bias + additive
     out = mlr_cached_chunk(rows, layer.keys, layer.values, rings_before, pending.keys, geometry, scales,
                            query_positions, pending.positions, pending.valid, pending.last_before,
-                           layer.first_positions, base, bias=_slot_bias(bias, shift, slots) if bias is not None
-                           else None, return_weights=eager)
+                           layer.first_positions, base, bias=slot_bias, return_weights=eager)
     out, weights = out if eager else (out, None)
     out = out.reshape(batch, q_heads, chunk, -1).transpose(1, 2).contiguous()
     if weights is not None:
         key_length = attention_mask.shape[-1] if attention_mask is not None else int(tokens)
-        valid_keys = key_validity(attention_mask, batch, key_length)
-        weights = _token_weights(weights.reshape(batch, q_heads, chunk, slots), valid_keys, layer.first_positions,
-                                 base, key_length).to(query.dtype)
+        weights = weights.reshape(batch, q_heads, chunk, slots)
+        if mask is not None:  # the caller's mask: token k of a row sits in slot k - shift
+            column = torch.arange(key_length, device=weights.device) - _token_shift(pending, tokens, base)[:, None]
+            inside = (column >= 0) & (column < slots)
+            index = column.clamp(min=0, max=slots - 1)[:, None, None, :].expand(batch, q_heads, chunk, key_length)
+            weights = (weights.gather(-1, index) * inside[:, None, None, :]).to(query.dtype)
+        else:
+            valid_keys = key_validity(attention_mask, batch, key_length)
+            weights = _token_weights(weights, valid_keys, layer.first_positions, base, key_length).to(query.dtype)
     return out, weights
 
 
@@ -427,11 +522,22 @@ def _forward(module, query, key, value, attention_mask, scaling, dropout, eager,
         pending, layer.pending = layer.pending, None
         query, _ = _reorder(query, None, geometry)
         if pending.had_past:
-            return _cached(module, query, layer, pending, geometry, scales, bias, attention_mask, eager, step.plans)
+            return _cached(module, query, layer, pending, geometry, scales, bias, attention_mask, eager, step.plans,
+                           step.standard_masks)
         if bias is not None and bias.shape[-1] > length:  # T5's bias over a static cache's slots: the chunk's first
             bias = bias[..., :length]
+        allowed = None
+        if not step.standard_masks and attention_mask is not None and attention_mask.dim() == 4 and \
+                not _is_standard_mask(attention_mask, key_validity(attention_mask, batch, attention_mask.shape[-1]),
+                                      causal, length, query_offset=0):
+            # the caller's 4-D mask over the chunk's own keys (a static cache's empty slots after them)
+            allowed = _allowed(attention_mask)
+            if bool((allowed[..., length:].any(-1) & pending.valid[:, None, :]).any()):
+                raise ValueError(MASK_REFUSED.format(what="an empty slot of the static cache"))
+            allowed = allowed[..., :length]
         out, weights = _uncached(module, query, pending.keys, pending.values, geometry, scales, pending.positions,
-                                 None if bool(pending.valid.all()) else pending.valid, bias, causal, eager)
+                                 None if bool(pending.valid.all()) else pending.valid, bias, causal, eager,
+                                 allowed=allowed)
         if weights is not None and isinstance(layer, MLRStaticKeyCacheLayer) and layer.max_cache_len > length:
             # as transformers' static layers: a prefill's maps span the cache's slots (the chunk's tokens first)
             weights = F.pad(weights, (0, layer.max_cache_len - weights.shape[-1]))
@@ -444,17 +550,23 @@ def _forward(module, query, key, value, attention_mask, scaling, dropout, eager,
         written = layer.get_seq_length()
         written = written if torch.compiler.is_compiling() else int(written)
     valid_keys = key_validity(attention_mask, batch, key_length)
-    _check_standard_mask(attention_mask, valid_keys, causal, length, query_offset=written - length)
+    allowed = None
+    if not _is_standard_mask(attention_mask, valid_keys, causal, length, query_offset=written - length):
+        # the caller's own 4-D mask (a window, a bidirectional or block overlay, a hidden pair): applied as given,
+        # blocks from the positions; a token is real iff it may see itself
+        allowed = _allowed(attention_mask)
+        own = _own_key_allowed(allowed, written - length).expand(batch, length)
+        valid_keys = own if key_length == length else None
     query, key = _reorder(query, key, geometry)
     if step is not None and step.positions is not None and kwargs.get("position_ids") is None:
         kwargs = dict(kwargs, position_ids=step.positions)
     positions = _query_positions(kwargs, None if valid_keys is None else valid_keys[:, :written], batch, length,
                                  written, query.device)
     valid_queries = None if valid_keys is None else valid_keys[:, written - length:written]
-    positions = _checked_positions(positions, valid_queries)
+    positions = _checked_positions(positions, valid_queries if allowed is None else own)
     if key_length == length:
         out, weights = _uncached(module, query, key, value, geometry, scales, positions, valid_queries, bias, causal,
-                                 eager, dropout)
+                                 eager, dropout, allowed=allowed)
         return out.transpose(1, 2).contiguous(), weights
     if not causal:
         raise ValueError("MLR attention with cached keys is implemented for causal self-attention only")
@@ -467,9 +579,12 @@ def _forward(module, query, key, value, attention_mask, scaling, dropout, eager,
     key_positions = _key_positions(positions, valid_queries, written)
     if written != key_length:
         key_positions = torch.cat([key_positions, key_positions.new_zeros(batch, key_length - written)], dim=-1)
+    if allowed is not None:  # keys in token order: the mask applies as given (rows are group-major)
+        additive = _additive(allowed, softmax_dtype(rows.dtype)).repeat(1, 1, groups, 1)
+        bias = additive if bias is None else bias + additive
     out = mlr_attention_full_keys(rows, key, value, geometry=geometry, scales=scales,
                                   query_positions=positions.repeat(1, groups), key_positions=key_positions,
-                                  key_valid=key_valid, bias=bias, return_weights=eager)
+                                  key_valid=key_valid, causal=allowed is None, bias=bias, return_weights=eager)
     out, weights = out if eager else (out, None)
     out = out.reshape(batch, query.shape[1], length, -1)
     if weights is not None:

@@ -53,12 +53,19 @@ class StructAttnStep:
 
     cache: the self-attention ``Cache`` of this call or None; positions: (B, c) absolute positions of the new
     tokens or None (continue each row after its newest real position); valid: (B, c) bool, True = real token, or
-    None (all real). ``plans`` memoises per-geometry index tensors shared by the layers of one call."""
+    None (all real). ``plans`` memoises per-geometry index tensors shared by the layers of one call.
+    ``standard_masks``: the model's masks were built by transformers from no mask or a 2-D keep-mask."""
 
     cache: Optional[Cache] = None
     positions: Optional[torch.Tensor] = None
     valid: Optional[torch.Tensor] = None
     plans: dict = field(default_factory=dict)
+    # the caller gave no mask or a 2-D keep-mask, so every 4-D mask the model built is transformers' causal (or
+    # bidirectional) + padding mask: layers over the MLR cache need not compare it with one
+    standard_masks: bool = False
+    # the caller's 2-D keep-mask over the cached and new tokens, or None: only a row that holds padding after a real
+    # token may continue behind its newest cached position (right padding in generate); other restarts are refused
+    key_mask: Optional[torch.Tensor] = None
 
     def layer(self, layer_idx: Optional[int]):
         """The cache layer of ``layer_idx``, or None."""
@@ -66,6 +73,22 @@ class StructAttnStep:
         if cache is None or layer_idx is None or layer_idx >= len(cache.layers):
             return None
         return cache.layers[layer_idx]
+
+
+def new_token_validity(mask: Optional[torch.Tensor], past, length: int) -> Optional[torch.Tensor]:
+    """(B, T) padding flags of the new tokens from a 2-D keep-mask or transformers' 4-D mask (a new token is real
+    iff its own key is allowed: the diagonal of its rows, at column ``past + i``), or None."""
+    if mask is None:
+        return None
+    if mask.dim() == 2:
+        return mask[:, -length:].bool()
+    if mask.dim() != 4 or mask.shape[-2] != length:
+        return None
+    rows = torch.arange(length, device=mask.device)
+    own = mask[:, 0][:, rows, rows + past]
+    if own.dtype == torch.bool:
+        return own
+    return own > torch.finfo(own.dtype).min / 2 if own.is_floating_point() else own != 0
 
 
 def self_attention_cache(cache: Optional[Cache]) -> Optional[Cache]:
@@ -402,19 +425,24 @@ class MLRCacheLayerMixin:
         positions = positions.to(device=device, dtype=torch.long).expand(batch, chunk)
         valid = valid.to(device=device)
         if self.last_positions is not None:
-            positions = self._continue_rows_behind(positions, valid)
+            positions = self._continue_rows_behind(positions, valid, None if step is None else step.key_mask)
         return positions, valid
 
-    def _continue_rows_behind(self, positions, valid):
+    def _continue_rows_behind(self, positions, valid, key_mask=None):
         """Rows whose new real tokens start at or before the row's newest cached position: the signature of right
         padding in ``generate`` (transformers gives the first generated token position ``0 + 1`` after a padded
         tail). A position-addressed hierarchical cache cannot hold two tokens at one position, so such a row's new
         tokens continue right after its newest cached token (MLR blocks follow the row's real tokens in order; the
         model's position embeddings still see the given ``position_ids``); uncached MLR attention places them the
         same way (``structattn_attention._checked_positions``), so cached and uncached agree. Warned once: the
-        row's generated tokens then follow its padding, which is why transformers asks for left padding."""
+        row's generated tokens then follow its padding, which is why transformers asks for left padding. Only a row
+        whose cached tokens hold padding after a real token (the caller's 2-D ``key_mask`` over the cached and new
+        tokens) is continued: a row that restarts or goes back without such padding is a packed sequence, refused
+        by ``_check_contiguous``."""
         first_new = torch.where(valid, positions, torch.full_like(positions, NO_POSITION)).amin(-1)
         behind = (self.last_positions >= 0) & valid.any(-1) & (first_new <= self.last_positions)
+        if not torch.compiler.is_compiling() and bool(behind.any()):  # rare: read the caller's mask only then
+            behind = behind & _right_padded(key_mask, positions.shape[1], behind.device)
         shift = torch.where(behind, self.last_positions + 1 - first_new, torch.zeros_like(first_new))
         if not torch.compiler.is_compiling() and bool(behind.any()) and not _WARNED_BEHIND:
             _WARNED_BEHIND.append(True)
@@ -666,6 +694,15 @@ class MLRCacheLayerMixin:
             self._apply_storage(lambda t: t.to(self.device, non_blocking=True))
         elif self.is_initialized and not self.is_bound:
             super().prefetch()
+
+
+def _right_padded(key_mask: Optional[torch.Tensor], chunk: int, device) -> torch.Tensor:
+    """(B,) bool or a False scalar: the row's tokens before the last ``chunk`` hold a padding token after a real one
+    (per the caller's 2-D keep-mask over the cached and new tokens)."""
+    if key_mask is None or key_mask.dim() != 2 or key_mask.shape[-1] <= chunk:
+        return torch.tensor(False, device=device)
+    past = key_mask[:, :-chunk] != 0
+    return (past.long().cummax(-1).values.bool() & ~past).any(-1).to(device)
 
 
 def _step_of(args, kwargs) -> Optional[StructAttnStep]:
@@ -1093,4 +1130,4 @@ def prepare_structattn_cache(cache: Optional[Cache], geometries: dict, *, reserv
 
 
 __all__ = ["MLRKeyCacheLayer", "MLRStaticKeyCacheLayer", "StructAttnStep", "STEP_KEY", "key_cache_bytes",
-           "prepare_structattn_cache", "self_attention_cache", "set_rollback_window"]
+           "new_token_validity", "prepare_structattn_cache", "self_attention_cache", "set_rollback_window"]

@@ -40,7 +40,7 @@ from .structattn_decoder_spec import (  # noqa: F401  (the decoder spec, re-expo
     rotary_pair_order,
     stock_layer_geometry,
 )
-from .structattn_geometry import announce_config
+from .structattn_geometry import announce_config, check_positions, keep_mask, one_line_field_errors
 
 MODEL_TYPE_PREFIX = "mlr_"
 CLASS_PREFIX = "MLR"
@@ -84,18 +84,48 @@ def _num_cache_layers(self) -> int:
     return self.config.get_text_config(decoder=True).num_hidden_layers
 
 
-def _new_token_validity(mask: Optional[torch.Tensor], past, length: int) -> Optional[torch.Tensor]:
-    """(B, T) padding flags of the new tokens from a 2-D keep-mask or transformers' 4-D mask (a new token is real
-    iff its own key is allowed), or None."""
-    if mask is None:
-        return None
+def _check_inputs(kwargs: dict, tokens: torch.Tensor, past) -> None:
+    """One-line errors naming the argument for inputs the attention would misread or fail on with a raw error:
+    empty inputs (no token, or a batch of 0), token ids that are not integers, ``position_ids`` of the wrong shape
+    or dtype, attention masks of the wrong size, and additive 2-D masks (read as keep-masks they would be silently
+    inverted; transformers' 4-D masks may be additive). Shapes only, except for a floating 2-D mask, whose values
+    are read (a host read: an integer or bool mask, what tokenizers and ``generate`` pass, costs nothing)."""
+    name = "input_ids" if kwargs.get("input_ids") is not None else "inputs_embeds"
+    if name == "input_ids" and (tokens.dim() != 2 or tokens.dtype.is_floating_point or tokens.dtype == torch.bool):
+        raise ValueError(f"input_ids must be an integer tensor of shape (batch, length), got {tokens.dtype} "
+                         f"{tuple(tokens.shape)}")
+    if name == "inputs_embeds" and tokens.dim() != 3:
+        raise ValueError(f"inputs_embeds must have shape (batch, length, hidden), got {tuple(tokens.shape)}")
+    batch, length = tokens.shape[:2]
+    if batch == 0 or length == 0:
+        raise ValueError(f"{name} of shape {tuple(tokens.shape)} is empty (batch {batch}, length {length}): pass at "
+                         f"least one token in at least one row")
+    positions = kwargs.get("position_ids")
+    well_formed = isinstance(positions, torch.Tensor) and positions.shape[-1:] == (length,) and (
+        positions.dim() == 3 or (positions.dim() == 2 and positions.shape[0] in (1, batch)) or positions.dim() == 1) \
+        and not (positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool)
+    if positions is not None and not well_formed:
+        # (3, B, T) multimodal positions are refused by the attention with their own message
+        check_positions(positions, batch, length, name="position_ids")
+    mask = kwargs.get("attention_mask")
+    if mask is None or isinstance(mask, dict):
+        return
+    if not isinstance(mask, torch.Tensor):
+        raise ValueError(f"attention_mask must be a tensor, got {type(mask).__name__}")
+    covered = int(past) + length
     if mask.dim() == 2:
-        return mask[:, -length:].bool()
-    if mask.dim() != 4 or mask.shape[-2] != length:
-        return None
-    rows = torch.arange(length, device=mask.device)
-    own = mask[:, 0][:, rows, rows + past]
-    return own if own.dtype == torch.bool else own > torch.finfo(own.dtype).min / 2
+        if mask.is_floating_point():
+            keep_mask(mask, batch, covered, name="attention_mask")
+        elif mask.shape[0] not in (1, batch) or mask.shape[1] != covered:
+            raise ValueError(f"attention_mask must have shape ({batch}, {covered}) (batch, cached + new tokens; 1 = "
+                             f"attend), got {tuple(mask.shape)}")
+    elif mask.dim() == 4:
+        if mask.shape[0] not in (1, batch) or mask.shape[2] != length or mask.shape[3] < covered:
+            raise ValueError(f"a 4-D attention_mask must have shape ({batch}, 1, {length}, >= {covered}) (batch, 1, "
+                             f"new tokens, cached + new tokens), got {tuple(mask.shape)}")
+    else:
+        raise ValueError(f"attention_mask must be a (batch, cached + new tokens) keep-mask or transformers' 4-D "
+                         f"mask, got shape {tuple(mask.shape)}")
 
 
 def _forward_of(base):
@@ -103,7 +133,13 @@ def _forward_of(base):
     hierarchical form (a ``DynamicCache(config=...)`` built here when caching and none is given) and with the new
     tokens' positions and padding in a ``StructAttnStep`` under the kwargs every attention call receives. It keeps
     the base signature (``generate`` reads it to decide what to pass)."""
-    from .structattn_cache import STEP_KEY, StructAttnStep, prepare_structattn_cache, self_attention_cache
+    from .structattn_cache import (
+        STEP_KEY,
+        StructAttnStep,
+        new_token_validity,
+        prepare_structattn_cache,
+        self_attention_cache,
+    )
 
     signature = inspect.signature(base.forward)
     positional = [name for name, parameter in signature.parameters.items()
@@ -122,16 +158,21 @@ def _forward_of(base):
         if cache is not None and not torch.compiler.is_compiling():
             prepare_structattn_cache(cache, _cache_geometries(self), num_layers=config.num_hidden_layers)
         if tokens is not None:
-            batch, length = tokens.shape[:2]
             past = cache.get_seq_length() if cache is not None else 0
+            if not torch.compiler.is_compiling():
+                _check_inputs(kwargs, tokens, past)
+            batch, length = tokens.shape[:2]
             positions = kwargs.get("position_ids")
             if positions is None:
                 positions = torch.arange(length, device=tokens.device)[None] + past
             elif positions.dim() == 2:
                 positions = positions.expand(batch, length)
-            valid = _new_token_validity(kwargs.get("attention_mask"), past, length)
+            mask = kwargs.get("attention_mask")
+            standard = mask is None or (isinstance(mask, torch.Tensor) and mask.dim() == 2)
+            valid = new_token_validity(mask, past, length) if isinstance(mask, torch.Tensor) else None
             kwargs[STEP_KEY] = StructAttnStep(cache=self_attention_cache(cache), positions=positions
-                                              if positions.dim() == 2 else None, valid=valid)
+                                              if positions.dim() == 2 else None, valid=valid,
+                                              standard_masks=standard, key_mask=mask if standard else None)
         return base.forward(self, **kwargs)
 
     forward.__signature__ = signature
@@ -197,15 +238,48 @@ def mlr_config_class(base):
             base.__post_init__(self, **kwargs)
             announce_config(self)
 
-        cls = type(name, (base,), {"model_type": MODEL_TYPE_PREFIX + base.model_type, "__module__": __name__,
-                                   "__post_init__": __post_init__})
+        cls = one_line_field_errors(type(name, (base,), {"model_type": MODEL_TYPE_PREFIX + base.model_type,
+                                                         "__module__": __name__, "__post_init__": __post_init__}))
         cls.register_for_auto_class()
         _CLASSES[name] = cls
     return _CLASSES[name]
 
 
-def mlr_model_class(base, auto_class: str = "AutoModelForCausalLM"):
-    """``MLR<Base>`` model class: the transformers class with MLR attention installed (see the module docstring)."""
+def _is_causal_lm(base) -> bool:
+    return base.__name__.endswith("ForCausalLM") or base.__name__.endswith("LMHeadModel")
+
+
+def base_model_name(base) -> Optional[str]:
+    """The name of the transformers base model (``LlamaModel``, ``GPT2Model``, ``Gemma3TextModel``) of a causal-LM
+    class, from transformers' ``AutoModel`` name table; None when it has none."""
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    name = MODEL_MAPPING_NAMES.get(base.config_class.model_type)
+    name = name[0] if isinstance(name, (tuple, list)) else name
+    return name if isinstance(name, str) and isinstance(getattr(transformers, name, None), type) else None
+
+
+def auto_map_of(base) -> dict:
+    """The ``auto_map`` a saved ``MLR<Arch>`` checkpoint carries: its config, its causal-LM class and its base model
+    (``AutoModel``), whichever of the two was saved."""
+    causal = base if _is_causal_lm(base) else None
+    if causal is None:  # a base model: its causal-LM class is the one whose base model it is
+        causal = next((cls for name, cls in vars(transformers).items() if isinstance(cls, type) and
+                       issubclass(cls, transformers.PreTrainedModel) and _is_causal_lm(cls) and
+                       cls.config_class is base.config_class and base_model_name(cls) == base.__name__), None)
+    module = __name__.rpartition(".")[2]
+    auto_map = {"AutoConfig": f"{module}.{CLASS_PREFIX}{base.config_class.__name__}"}
+    base_name = base.__name__ if causal is not base else base_model_name(base)
+    if base_name is not None:
+        auto_map["AutoModel"] = f"{module}.{CLASS_PREFIX}{base_name}"
+    if causal is not None:
+        auto_map["AutoModelForCausalLM"] = f"{module}.{CLASS_PREFIX}{causal.__name__}"
+    return auto_map
+
+
+def mlr_model_class(base, auto_class: Optional[str] = None):
+    """``MLR<Base>`` model class: the transformers class with MLR attention installed (see the module docstring).
+    ``base`` is a causal-LM class (registered for ``AutoModelForCausalLM``) or a base model (``AutoModel``)."""
     name = CLASS_PREFIX + base.__name__
     if name not in _CLASSES:
         from .structattn_pretrained import StructAttnPreTrainedMixin  # the modeling half, on first use
@@ -218,10 +292,11 @@ def mlr_model_class(base, auto_class: str = "AutoModelForCausalLM"):
             "save_pretrained": _save_pretrained,
             "structattn_cache_geometries": _cache_geometries,
             "structattn_num_cache_layers": _num_cache_layers,
+            "structattn_auto_map": auto_map_of(base),
             "_mlr_base": base.__name__,
         }
         cls = type(name, (StructAttnPreTrainedMixin, base), namespace)
-        cls.register_for_auto_class(auto_class)
+        cls.register_for_auto_class(auto_class or ("AutoModelForCausalLM" if _is_causal_lm(base) else "AutoModel"))
         _CLASSES[name] = cls
     return _CLASSES[name]
 
@@ -237,6 +312,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["CLASS_PREFIX", "MODEL_TYPE_PREFIX", "attention_modules", "check_pair_complete_levels", "decoder_geometry",
+__all__ = ["CLASS_PREFIX", "MODEL_TYPE_PREFIX", "attention_modules", "auto_map_of", "base_model_name",
+           "check_pair_complete_levels", "decoder_geometry",
            "decoder_geometries", "mlr_config_class", "mlr_layer_indices", "mlr_model_class", "model_rotary",
            "rotary_pair_order", "stock_layer_geometry"]

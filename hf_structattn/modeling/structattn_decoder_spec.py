@@ -65,6 +65,11 @@ def rotary_pair_order(rotary, apply_rotary_pos_emb, head_dim: int, layer_types=(
     the model's own frequency order; the number of rotated dims). Raises ValueError when the rotation couples
     more than two dims.
     """
+    with torch.device("cpu"):  # numbers, also inside a meta-device context (from_pretrained, patch on meta)
+        return _rotary_pair_order(rotary, apply_rotary_pos_emb, head_dim, layer_types)
+
+
+def _rotary_pair_order(rotary, apply_rotary_pos_emb, head_dim: int, layer_types) -> tuple[list, int]:
     basis = torch.eye(head_dim, dtype=torch.float64)[None, None]  # (1, 1, d, d): query "token" i is e_i
     takes_layer_type = "layer_type" in inspect.signature(rotary.forward).parameters
     moved = torch.zeros(head_dim, head_dim, dtype=torch.bool)

@@ -280,6 +280,46 @@ KIND_VARIANTS = {kind: variant for variant, kind in VARIANT_KINDS.items()}
 _BUILT_GEOMETRIES: dict = {}
 
 
+def _is_traced(value) -> bool:
+    """Whether ``value`` (a tensor, or a dict / tuple of them) was made while torch.compile or torch.export traced:
+    a fake or functional tensor, or any tensor made inside a compiled region."""
+    if torch.compiler.is_compiling():
+        return True
+    values = value.values() if isinstance(value, dict) else value if isinstance(value, (tuple, list)) else (value,)
+    return any(isinstance(item, torch.Tensor) and (type(item) is not torch.Tensor or item.is_meta) for item in values)
+
+
+class TensorMemo:
+    """The few small device tensors an ``MLRGeometry`` derives (index constants, scale vectors), at most
+    ``capacity`` entries (the oldest made goes first: a hit is one dict lookup, which every layer of a decode step
+    pays). Nothing made while tracing is kept (a fake tensor of one ``torch.export`` would end up in the next one's
+    constants). The tables are per level or per head dim, never per cache slot, so the memo stays a few hundred bytes
+    whatever the caches hold (``flops.allocated_cache_bytes`` counts it)."""
+
+    def __init__(self, capacity: int = 8):
+        self.capacity = capacity
+        self.entries = {}
+
+    def lookup(self, key):
+        """The value memoised under ``key``, or None."""
+        return self.entries.get(key)
+
+    def get(self, key, make):
+        """The value memoised under ``key``, else ``make()`` (kept unless traced)."""
+        value = self.entries.get(key)
+        if value is not None:
+            return value
+        value = make()
+        if not _is_traced(value):
+            self.entries[key] = value
+            while len(self.entries) > self.capacity:
+                del self.entries[next(iter(self.entries))]
+        return value
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
 @dataclass(frozen=True)
 class MLRGeometry:
     """Everything MLR attention needs to know about one layer, validated once (by ``build``).
@@ -288,8 +328,8 @@ class MLRGeometry:
     level_scales: per-level logit multipliers, or None for "the attention module's own ``scaling`` on every
     level" (patched decoders: ``mlr_ranks=[head_dim]`` is then the stock model); average_levels: divide each logit
     by the number of levels the pair shares; dim_order: the head-dim permutation that puts the level slices first
-    (whole RoPE rotation pairs for patched RoPE decoders), or None for the identity. Hashable; device tensors
-    derived from it are cached in ``tensors`` (not part of equality).
+    (whole RoPE rotation pairs for patched RoPE decoders), or None for the identity. Hashable; the small device
+    tensors derived from it are memoised in ``tensors`` (a bounded ``TensorMemo``, not part of equality).
     """
 
     ranks: tuple
@@ -297,9 +337,7 @@ class MLRGeometry:
     level_scales: Optional[tuple] = None
     average_levels: bool = False
     dim_order: Optional[tuple] = None
-    tensors: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
-    # a layer's configuration, not state of the caches that reference it (flops.allocated_cache_bytes skips it)
-    holds_cache_state: ClassVar[bool] = False
+    tensors: TensorMemo = field(default_factory=TensorMemo, compare=False, hash=False, repr=False)
 
     @classmethod
     def build(cls, ranks, block_sizes, scales=None, *, head_dim: Optional[int] = None, average_levels: bool = False,
@@ -361,59 +399,47 @@ class MLRGeometry:
                                            for size, rank in zip(self.block_sizes, self.ranks[1:]))
 
     def fine_layout(self, ring_widths: Sequence[int], device) -> dict:
-        """Index tensors over the flat storage of the finer levels' rings (ring l: ``ring_widths[l]`` entries of
+        """What indexing the flat storage of the finer levels' rings needs (ring l: ``ring_widths[l]`` entries of
         ``r_l`` dims, after the rings before it, dim-major: element ``o_l + j W_l + e`` is dim j of entry e, so that
-        one dim of consecutive entries is contiguous; cached):
+        one dim of consecutive entries is contiguous; memoised, a few values per fine head dim):
 
-        * "query dims" (F,): for each element, the fine query dim (counted from r_1) it multiplies;
-        * "entry of element" (F,): the ring entry (of all levels, E = sum_l W_l) it belongs to; "entries": E;
-        * "entry block", "entry index" (E,): the block size b_l of an entry's level and its index e in its ring;
+        * "entries": E = sum_l W_l, the ring entries of all levels;
         * "element block", "element offset" (sum_l r_l,): per fine dim j of level l, b_l and ``o_l + j W_l``
           (o_l: the ring's start), so that a token at slot s writes element ``o_l + j W_l + s % b_l``;
         * "sizes" (L-1,): the block sizes."""
-        key = ("fine layout", tuple(ring_widths), str(device))
-        if key not in self.tensors:
-            query_dims, entry_of_element, entry_block, entry_index = [], [], [], []
-            element_block, element_offset = [], []
-            dim_offset = entries = offset = 0
-            for rank, width, size in zip(self.ranks[1:], ring_widths, self.block_sizes):
-                for j in range(rank):
-                    query_dims += [dim_offset + j] * width
-                    entry_of_element += range(entries, entries + width)
-                entry_block += [size] * width
-                entry_index += list(range(width))
+        widths = tuple(int(width) for width in ring_widths)
+
+        def make():
+            element_block, element_offset, offset = [], [], 0
+            for rank, width, size in zip(self.ranks[1:], widths, self.block_sizes):
                 element_block += [size] * rank
                 element_offset += [offset + j * width for j in range(rank)]
-                dim_offset += rank
-                entries += width
                 offset += width * rank
 
             def tensor(values):
                 return torch.tensor(values, dtype=torch.long, device=device)
 
-            self.tensors[key] = {
-                "query dims": tensor(query_dims), "entry of element": tensor(entry_of_element), "entries": entries,
-                "entry block": tensor(entry_block), "entry index": tensor(entry_index),
-                "element block": tensor(element_block), "element offset": tensor(element_offset),
-                "sizes": tensor(list(self.block_sizes))}
-        return self.tensors[key]
+            return {"entries": sum(widths), "element block": tensor(element_block),
+                    "element offset": tensor(element_offset), "sizes": tensor(list(self.block_sizes))}
+
+        return self.tensors.get(("fine layout", widths, device), make)
 
     def dim_order_index(self, device) -> Optional[torch.Tensor]:
-        """``dim_order`` as a long tensor on ``device`` (cached), or None."""
+        """``dim_order`` as a long tensor on ``device`` (memoised), or None."""
         if self.dim_order is None:
             return None
-        key = ("dim_order", device)
-        if key not in self.tensors:
-            self.tensors[key] = torch.tensor(self.dim_order, dtype=torch.long, device=device)
-        return self.tensors[key]
+        return self.tensors.get(("dim_order", device),
+                                lambda: torch.tensor(self.dim_order, dtype=torch.long, device=device))
 
     def scale_vector(self, scales: Sequence[float], dtype: torch.dtype, device) -> torch.Tensor:
-        """(r,) per-dim multiplier: ``scales[l]`` on the dims of level l (folded into queries)."""
+        """(r,) per-dim multiplier: ``scales[l]`` on the dims of level l (folded into queries; memoised). Called by
+        every layer of every decode step: a hit is one dict lookup."""
         key = ("scales", tuple(scales), dtype, device)
-        if key not in self.tensors:
-            self.tensors[key] = torch.tensor([s for s, r in zip(scales, self.ranks) for _ in range(r)],
-                                             dtype=dtype, device=device)
-        return self.tensors[key]
+        value = self.tensors.lookup(key)
+        if value is None:
+            value = self.tensors.get(key, lambda: torch.tensor(
+                [s for s, r in zip(scales, self.ranks) for _ in range(r)], dtype=dtype, device=device))
+        return value
 
 
 # Callbacks run once per config class, when the first config of that class is built: the installed package registers
@@ -431,6 +457,32 @@ def announce_config(config) -> None:
     _announced.add(config_class)
     for hook in list(FIRST_CONFIG_HOOKS):
         hook(config_class)
+
+
+def _type_name(annotation) -> str:
+    text = getattr(annotation, "__name__", None) if isinstance(annotation, type) else None
+    return text or str(annotation).replace("typing.", "").replace("NoneType", "None")
+
+
+def one_line_field_errors(cls):
+    """Class decorator, applied after ``@strict``: a field set to a value of the wrong type (at construction, by
+    ``from_pretrained`` or by assignment) raises a one-line ``ValueError`` naming the field, the value and the
+    accepted types, instead of huggingface_hub's multi-line ``StrictDataclassFieldValidationError``."""
+    strict_setattr = cls.__setattr__
+
+    def __setattr__(self, name, value):
+        try:
+            strict_setattr(self, name, value)
+        except Exception as error:  # huggingface_hub's error class: matched by name (the payload imports no hub)
+            if not type(error).__name__.startswith("StrictDataclass"):
+                raise
+            fields = getattr(type(self), "__dataclass_fields__", {})
+            expected = _type_name(fields[name].type) if name in fields else "its declared type"
+            raise ValueError(f"{name}={value!r} ({type(value).__name__}) is not a valid value of the config field "
+                             f"{name}: expected {expected}") from None
+
+    cls.__setattr__ = __setattr__
+    return cls
 
 
 class StructAttnConfigMixin:

@@ -13,7 +13,7 @@ number of shared levels), the executable spec being ``structattn_reference.mlr_a
   rows in step) that is one contiguous ``add_`` per level; while ``torch.compile`` traces, the entry scores are
   tiled over the slot axis and kept on the row's current block (pointwise work with affine indices, which inductor
   fuses with the mask into one pass of vector loads; the matmuls stay library calls); otherwise (eager, rows in
-  different blocks) all levels are scored at once over the flat storage and scattered onto their slots.
+  different blocks) each ring's entry scores are one matmul and all levels are scattered onto their slots at once.
 * ``mlr_cached_chunk``: several new queries per row (chunked prefill, speculative verification): materialised scores
   over every slot; fine-level scores of the rings as they were before the chunk and of the chunk's own keys are
   scattered onto their slots with their same-block weights.
@@ -60,10 +60,10 @@ def mlr_decode_step(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     slot axis (slot ``s`` of a block holds entry ``s % b_l``) and kept where the slot is in the row's current block:
     no gather or scatter, so inductor fuses every level and the mask into one pass over the slots with vector loads,
     onto which one ``baddbmm`` adds the level-1 scores (``_compiled_scores``). Otherwise (eager, rows in different
-    blocks) all levels are scored at once over the flat storage: the query's fine dims are gathered to line up with
-    it, multiplied elementwise, summed per ring entry (one ``index_add_``), and each entry's score is added onto its
-    slot in the row's current block (one ``scatter_add_`` onto the level-1 scores, padded by a coarsest block so that
-    entries past the last slot land outside). ``plan``: a dict shared by the layers of one model forward that hold
+    blocks) each ring's entry scores are one matmul of the level's query dims with its dim-major rows (no index
+    table over the storage), and each entry's score is added onto its slot in the row's current block (one
+    ``scatter_add_`` of all levels onto the level-1 scores, padded by a coarsest block so that entries past the last
+    slot land outside). ``plan``: a dict shared by the layers of one model forward that hold
     the same positions (an empty dict is filled): the index work that depends only on positions is done once.
     ``known_positions``: (the newest position, shared by every row, the rows' latest first position) as host integers
     when the caller read them already (the cache's decode write), so that planning reads nothing back from the
@@ -96,13 +96,13 @@ def mlr_decode_step(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
                     scores[..., start:start + used].add_((level_query @ ring).to(work))
                 offset += width * rank
     elif not compiling and plan["entries"]:
-        fine_query = query[..., first_rank:]
-        # (B, Hk, g, F); a 2-D index_select: along the last dim of a 4-D tensor it is ~20x slower on CPU
-        gathered = fine_query.reshape(-1, fine_query.shape[-1]).index_select(1, plan["query dims"]).view(
-            batch, heads, rows, -1)
-        products = (gathered * fine[:, :, None, :]).to(work)
-        entry_scores = products.new_zeros(batch, heads, rows, plan["entries"]).index_add_(
-            -1, plan["entry of element"], products)  # (B, Hk, g, E)
+        # each ring's entry scores (B, Hk, g, W_l) by one matmul with its dim-major rows, all levels side by side
+        level_scores, offset = [], 0
+        for level_query, rank, width in zip(query[..., first_rank:].split(list(geometry.ranks[1:]), dim=-1),
+                                            geometry.ranks[1:], ring_widths):
+            level_scores.append(level_query @ fine[..., offset:offset + width * rank].view(batch, heads, rank, width))
+            offset += width * rank
+        entry_scores = torch.cat(level_scores, dim=-1).to(work)  # (B, Hk, g, E)
         padded = F.pad(scores, (0, geometry.block_sizes[0]))
         target = plan["entry slots"][:, None, None, :].expand(batch, heads, rows, plan["entries"])
         scores = padded.scatter_add_(-1, target, entry_scores)[..., :slots]
@@ -250,9 +250,10 @@ def _plan_decode(plan: dict, geometry: MLRGeometry, ring_widths: Sequence[int], 
     plan["shared starts"] = shared
     plan["shared groups"] = None if shared is None else _shared_groups(geometry, ring_widths, shared, slots)
     if constants["entries"] and shared is None and not compiling:
-        block = constants["entry block"]
-        plan["entry slots"] = ((new_positions[:, None] // block) * block - base).clamp(min=0) + \
-            constants["entry index"]
+        # (B, E): entry e of ring l lands on the first slot of the row's current level-l block + e
+        plan["entry slots"] = torch.cat([((new_positions[:, None] // size) * size - base).clamp(min=0) +
+                                         torch.arange(width, device=device)
+                                         for size, width in zip(geometry.block_sizes, ring_widths)], dim=1)
     slot_index = torch.arange(slots, device=device) if compiling or geometry.average_levels or \
         not every_slot_allowed else None
     if constants["entries"] and compiling:

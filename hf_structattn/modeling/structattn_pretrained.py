@@ -91,6 +91,13 @@ class StructAttnPreTrainedMixin:
         elif model_kwargs.get("assistant_model") is not None or "assisted" in str(generation_mode).lower():
             max_cache_length += (generation_config.num_assistant_tokens or 0) + 1
         window = _rollback_window(generation_config, model_kwargs, generation_mode)
+        # transformers sizes every later static cache to the longest one this model generated with (so that a compiled
+        # decode step is not recompiled); a call that needs less than half of that gets a cache of its own size
+        # instead (at most 2x the formula held for a shorter call). generation_config.max_cache_len keeps the worst
+        # case on purpose, as in transformers.
+        previous = getattr(self, "_previous_max_cache_length", None)
+        if previous is not None and generation_config.max_cache_len is None and previous > 2 * max_cache_length:
+            del self._previous_max_cache_length
         result = super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, batch_size,
                                                        max_cache_length)
         cache = model_kwargs.get("cache")

@@ -186,8 +186,22 @@ class GenerationTesterMixin:
 
     # ------------------------------------------------------------------ output structure (scores, maps, cache)
 
+    def _described(self, config):
+        """The config of the model the tested class builds from the tester's ``config``. Harness adaptation for the
+        conversion testers, whose class turns a stock config into the patched model (``testers.converted_model_class``:
+        its config carries the MLR fields, and replaced sliding layers are global): the output checks read the model
+        it built, found by building it on the meta device (nothing allocated). Any other class: ``config`` itself."""
+        model_class = self.all_model_classes[0]
+        if getattr(model_class, "converted_from", None) is None or getattr(config, "mlr_ranks", None) is not None:
+            return config
+        with torch.device("meta"):
+            built = model_class(copy.deepcopy(config)).config
+        return built if config.is_encoder_decoder or built.get_text_config(decoder=True) is built else \
+            built.get_text_config(decoder=True)
+
     def _check_generate_outputs(self, output, config, use_cache=False, num_return_sequences=1, num_beams=1,
                                 recording=False):
+        config = self._described(config)
         input_batch = output.sequences.shape[0] // num_return_sequences
         internal_batch = input_batch * num_beams if num_beams > 1 else input_batch * num_return_sequences
         prompt_length = self._prompt_length()
@@ -225,8 +239,13 @@ class GenerationTesterMixin:
             self.assertIsNone(cache, "generate(use_cache=False) returned a cache")
 
     def _layer_types(self, config):
+        """The decoder layers' attention types; a config without ``layer_types`` whose ``sliding_window`` is set
+        (Mistral: one window for every layer) has only sliding layers."""
         types = getattr(config, "layer_types", None)
-        return list(types) if types is not None else [None] * self._num_decoder_layers(config)
+        if types is not None:
+            return list(types)
+        sliding = getattr(config, "sliding_window", None) and not getattr(config, "is_encoder_decoder", False)
+        return ["sliding_attention" if sliding else None] * self._num_decoder_layers(config)
 
     @staticmethod
     def _num_decoder_layers(config):
@@ -306,6 +325,7 @@ class GenerationTesterMixin:
         the number of tokens fed (for a static cache: the number of slots it was built for)."""
         self.assertIsInstance(cache, Cache)
         cache = _decoder_cache(cache)
+        config = self._described(config)
         layer_types = self._layer_types(config)
         self.assertEqual(len(cache.layers), len(layer_types))
         self.assertEqual(cache.get_seq_length(), seq_length)

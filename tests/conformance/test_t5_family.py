@@ -13,7 +13,15 @@ import hf_structattn
 
 from .generation_tester import GenerationTesterMixin
 from .skips import apply_skips
-from .testers import T5_MLR_FIELDS, ModelTesterMixin, ConfigTester, T5EncoderOnlyModelTester, T5ModelTester, t5_tester
+from .testers import (
+    T5_MLR_FIELDS,
+    ConfigTester,
+    ModelTesterMixin,
+    T5EncoderOnlyModelTester,
+    T5ModelTester,
+    converted_model_class,
+    t5_tester,
+)
 
 
 class T5ModelTestBase:
@@ -92,6 +100,43 @@ class StructAttnT5EncoderOnlyMLRTest(T5EncoderOnlyModelTestBase, ModelTesterMixi
     model_tester_class = t5_tester(T5EncoderOnlyModelTester, T5_MLR_FIELDS["mlr"])
     config_class = hf_structattn.StructAttnT5Config
     all_model_classes = (hf_structattn.StructAttnT5EncoderModel,)
+
+
+@apply_skips("t5")
+class PatchedT5Test(T5ModelTestBase, ModelTesterMixin, GenerationTesterMixin, unittest.TestCase):
+    """transformers' T5 converted by ``patch`` (MLR encoder and decoder self-attention): the T5 tester's stock
+    config, every model ``hf_structattn.patch(T5ForConditionalGeneration(config), ...)``. ``patch`` converts the
+    head model only, so the tests of the base class run on it."""
+
+    model_tester_class = T5ModelTester
+    config_class = hf_structattn.StructAttnT5Config
+    all_model_classes = (converted_model_class(transformers.T5ForConditionalGeneration,
+                                               {key: value for key, value in T5_MLR_FIELDS["mlr"].items()
+                                                if key.startswith("mlr_")}),)
+
+    def test_model(self):
+        config, input_ids, decoder_input_ids, attention_mask, decoder_attention_mask, _ = \
+            self.model_tester.prepare_config_and_inputs()
+        model = self.all_model_classes[0](config).eval()
+        self.assertIsInstance(model, hf_structattn.StructAttnT5ForConditionalGeneration)
+        model(input_ids=input_ids, decoder_input_ids=decoder_input_ids, attention_mask=attention_mask,
+              decoder_attention_mask=decoder_attention_mask)
+        result = model(input_ids=input_ids, decoder_input_ids=decoder_input_ids)
+        tester = self.model_tester
+        self.assertEqual(tuple(result.encoder_last_hidden_state.shape),
+                         (tester.batch_size, tester.encoder_seq_length, tester.hidden_size))
+        self.assertEqual(tuple(result.logits.shape), (tester.batch_size, tester.decoder_seq_length, tester.vocab_size))
+
+    def test_with_lm_head(self):
+        config, input_ids, decoder_input_ids, _, decoder_attention_mask, lm_labels = \
+            self.model_tester.prepare_config_and_inputs()
+        model = self.all_model_classes[0](config).eval()
+        outputs = model(input_ids=input_ids, decoder_input_ids=decoder_input_ids,
+                        decoder_attention_mask=decoder_attention_mask, labels=lm_labels)
+        self.assertEqual(tuple(outputs.logits.shape), (self.model_tester.batch_size,
+                                                       self.model_tester.decoder_seq_length,
+                                                       self.model_tester.vocab_size))
+        self.assertEqual(tuple(outputs.loss.shape), ())
 
 
 @pytest.mark.slow

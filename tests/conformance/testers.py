@@ -2,8 +2,9 @@
 ``tests/models/gpt2``, ``t5``, ``llama``, ``qwen2``, ``gemma3``), which the sdist does not ship.
 
 Inputs, sizes and seeds are upstream's (batch 13, 7 tokens, vocab 99, hidden 32, 2 layers, float32); what differs is
-the config only: the hf_structattn config class and its attention fields, or a stock config passed through
-``hf_structattn.patch``. ``ModelTesterMixin``, ``ConfigTester``, ``ids_tensor`` come from transformers' own
+the config (the hf_structattn config class and its attention fields) or, for the conversion testers, the model class:
+it builds the stock model from the tester's stock config and returns ``hf_structattn.patch`` of it
+(``converted_model_class``). ``ModelTesterMixin``, ``ConfigTester``, ``ids_tensor`` come from transformers' own
 ``test_modeling_common.py`` / ``test_configuration_common.py`` (``upstream.py``).
 """
 
@@ -347,34 +348,52 @@ PATCH_KWARGS = dict(attention="mlr", mlr_ranks=[8, 4, 4], mlr_block_sizes=[4, 2]
 
 
 class DecoderModelTester(CausalLMModelTester):
-    """``CausalLMModelTester`` for a stock transformers decoder config; with ``patch_kwargs`` the config is the one
-    ``hf_structattn.patch`` gives a model of that config (``MLR<Config>`` with the MLR fields and the RoPE pair
-    order), and the model class is the patched ``MLR<Arch>`` class."""
+    """``CausalLMModelTester`` for a stock transformers decoder config (with the architecture's extra fields, e.g. a
+    sliding window). The model class is the stock class (a control) or a conversion class
+    (``converted_model_class``), which builds ``hf_structattn.patch`` of the stock model from the same config."""
 
-    stock_causal_lm_class = None
     extra_config = {}
-    patch_kwargs = None
 
     def __init__(self, parent, **kwargs):
         super().__init__(parent, **kwargs)
         for name, value in self.extra_config.items():
             setattr(self, name, value)
 
-    def get_config(self):
-        config = self.config_class(**self.config_kwargs())
-        if self.patch_kwargs is None:
-            return config
-        patched = hf_structattn.patch(self.stock_causal_lm_class(config), **self.patch_kwargs).config
-        # a fresh config, as the patched checkpoint's config.json loads: the patched model's own config object has
-        # been through a model's __init__ (which fixes its attention implementation), a stock tester's has not
-        return type(patched).from_dict(patched.to_dict())
 
-
-def decoder_tester(config_class, causal_lm_class, extra_config=None, patch_kwargs=None):
-    """A tester class for ``causal_lm_class`` (stock), or for its patched ``MLR<Arch>`` class."""
-    model_class = mlr_model_class(causal_lm_class) if patch_kwargs is not None else causal_lm_class
-    name = ("Patched" if patch_kwargs is not None else "") + causal_lm_class.__name__.replace("ForCausalLM", "") \
-        + "ModelTester"
+def decoder_tester(config_class, causal_lm_class, extra_config=None):
+    """A tester class whose config is a stock ``config_class`` and whose model class is ``causal_lm_class``."""
+    name = causal_lm_class.__name__.replace("ForCausalLM", "") + "ModelTester"
     return type(name, (DecoderModelTester,), {
-        "config_class": config_class, "causal_lm_class": model_class, "stock_causal_lm_class": causal_lm_class,
-        "extra_config": dict(extra_config or {}), "patch_kwargs": dict(patch_kwargs) if patch_kwargs else None})
+        "config_class": config_class, "causal_lm_class": causal_lm_class, "extra_config": dict(extra_config or {})})
+
+
+# ------------------------------------------------------------------------------ models produced by hf_structattn.patch
+
+def converted_model_class(stock_class, patch_kwargs: dict):
+    """The class the conversion testers run: ``converted_model_class(stock, kwargs)(config)`` is
+    ``hf_structattn.patch(stock(config), **kwargs)`` for a stock config (what the tester builds), so every model the
+    mixins construct has been through the conversion (its weights, buffers and state carried over from a stock model
+    built from that config). A config that already carries the structured-attention fields (a saved patched
+    checkpoint's, which ``from_pretrained`` reads back, or a patched model's own) builds the patched class from it,
+    as loading such a checkpoint does. The class has the patched class's name, so transformers' name tables treat it
+    as that class; instances are of the patched class itself."""
+    target = _patched_class_of(stock_class)
+
+    def __new__(cls, config, *args, **kwargs):
+        if _is_structured_config(config):
+            return target(config, *args, **kwargs)
+        return hf_structattn.patch(stock_class(config, *args, **kwargs), **patch_kwargs)
+
+    return type(target.__name__, (target,), {"__new__": __new__, "__module__": __name__,
+                                            "converted_from": stock_class, "patch_kwargs": dict(patch_kwargs)})
+
+
+def _is_structured_config(config) -> bool:
+    model_type = getattr(config, "model_type", "")
+    return model_type.startswith("mlr_") or model_type.startswith("structattn_")
+
+
+def _patched_class_of(stock_class):
+    if issubclass(stock_class, transformers.T5ForConditionalGeneration):
+        return hf_structattn.StructAttnT5ForConditionalGeneration
+    return mlr_model_class(stock_class)

@@ -1,0 +1,124 @@
+"""Math backend of exact MLR attention: the T x T scores materialised like eager attention.
+
+Part of the checkpoint payload (only torch imports, flat relative imports); called by ``structattn_mlr.mlr_attention``.
+The global dims go in one matmul and finer levels are added on the diagonal blocks, with plain autograd around the
+score assembly, so it runs on any device and differentiates an additive bias (T5's learned relative bias).
+"""
+
+import torch
+
+from .structattn_geometry import depth_scale_vector, level_prefix_widths, mask_value, softmax_dtype
+
+class _BlockScores(torch.autograd.Function):
+    """Materialised MLR scores ``S = q_g k_g^T + sum_l blockdiag_l(q_l k_l^T)``.
+
+    ``q_g``/``k_g``: the first ``global_width`` dims (levels shared by every pair); level l adds its own dims
+    ``q[..., lo:hi]`` inside its blocks, given as ``(lo, hi, first, full, block, ranges)``: ``full`` whole blocks
+    of ``block`` tokens from index ``first`` done in one batched matmul, plus blocks done one by one as (start,
+    end) ``ranges`` (the partial blocks cut by the sequence ends, and every block when there are few).
+    Blocks are accumulated in place on strided diagonal views and the backward reads the same views, so there
+    is no full-size temporary besides S itself.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, global_width, levels):
+        # q, k: (B, H, T, r). Returns S (B, H, T, T).
+        ctx.save_for_backward(q, k)
+        ctx.global_width, ctx.levels = global_width, levels
+        scores = q[..., :global_width] @ k[..., :global_width].transpose(-1, -2)
+        for lo, hi, first, full, block, ranges in levels:
+            if full:
+                _block_diagonal(scores, first, full, block).add_(
+                    _blocks(q[..., lo:hi], first, full, block) @ _blocks(k[..., lo:hi], first, full, block).mT)
+            for a, b in ranges:
+                scores[:, :, a:b, a:b].add_(q[:, :, a:b, lo:hi] @ k[:, :, a:b, lo:hi].mT)
+        return scores
+
+    @staticmethod
+    def backward(ctx, grad_scores):
+        q, k = ctx.saved_tensors
+        width = ctx.global_width
+        grad_q, grad_k = torch.zeros_like(q), torch.zeros_like(k)
+        grad_q[..., :width] = grad_scores @ k[..., :width]
+        grad_k[..., :width] = grad_scores.mT @ q[..., :width]
+        for lo, hi, first, full, block, ranges in ctx.levels:
+            if full:
+                grad_blocks = _block_diagonal(grad_scores, first, full, block)
+                _blocks(grad_q[..., lo:hi], first, full, block).copy_(
+                    grad_blocks @ _blocks(k[..., lo:hi], first, full, block))
+                _blocks(grad_k[..., lo:hi], first, full, block).copy_(
+                    grad_blocks.mT @ _blocks(q[..., lo:hi], first, full, block))
+            for a, b in ranges:
+                grad_q[:, :, a:b, lo:hi] = grad_scores[:, :, a:b, a:b] @ k[:, :, a:b, lo:hi]
+                grad_k[:, :, a:b, lo:hi] = grad_scores[:, :, a:b, a:b].mT @ q[:, :, a:b, lo:hi]
+        return grad_q, grad_k, None, None
+
+
+def _blocks(x: torch.Tensor, first: int, full: int, block: int) -> torch.Tensor:
+    """(B, H, T, E) -> (B, H, full, block, E) view of the whole blocks starting at index ``first``."""
+    return x[:, :, first:first + full * block].unflatten(2, (full, block))
+
+
+def _block_diagonal(scores: torch.Tensor, first: int, full: int, block: int) -> torch.Tensor:
+    """(B, H, T, T) -> (B, H, full, block, block) strided view of the whole diagonal blocks from ``first``."""
+    end = first + full * block
+    tiles = scores[:, :, first:end, first:end].unflatten(2, (full, block)).unflatten(4, (full, block))
+    return tiles.diagonal(dim1=2, dim2=4).permute(0, 1, 4, 2, 3)
+
+
+_LOOPED_BLOCKS = 8
+
+
+def _level_blocks(length: int, start: int, block: int) -> tuple:
+    """Blocks of ``block`` positions (aligned to position 0) met by indices 0..length-1 at positions start+i:
+    (first, full, partial) = index of the first whole block, number of whole blocks, partial (a, b) ranges."""
+    first = min((-start) % block, length)
+    full = (length - first) // block
+    end = first + full * block
+    partial = tuple(r for r in ((0, first), (end, length)) if r[1] > r[0])
+    return first, full, partial
+
+
+def mlr_attention_math(q, k, v, key_valid, bias, ranks, block_sizes, first_depth, level_scales, average_levels, causal,
+                       start: int = 0):
+    """Materialised-score MLR attention with plain autograd around the score assembly (any device; the path
+    that differentiates the bias, e.g. T5's learned relative position bias). O(T^2) memory like eager
+    attention; score MACs ``T^2 c_first + sum_l T b_l r_l``.
+
+    q, k: (B, H, T, r), v: (B, H, T, dv), index i at position ``start + i`` (blocks are aligned to position 0;
+    ``first_depth`` levels are shared by every pair); key_valid: (B, T) bool or None; bias: broadcastable to
+    (B, H, T, T) or None. Returns (B, H, T, dv).
+    """
+    length = q.shape[2]
+    num_levels = len(ranks)
+    widths = level_prefix_widths(ranks)
+    level_vector = depth_scale_vector(ranks, level_scales, num_levels, False, q.dtype, q.device)
+    levels = []
+    for level in range(first_depth + 1, num_levels + 1):
+        block = block_sizes[level - 2]
+        first, full, ranges = _level_blocks(length, start, block)
+        if full <= _LOOPED_BLOCKS:
+            # few large blocks: one matmul per block reads S in place, where one batched matmul over the strided
+            # diagonal would first copy those T x b scores (measured ~2x slower backward at T = 513, b = 256)
+            ranges = tuple(sorted(ranges + tuple((first + i * block, first + (i + 1) * block) for i in range(full))))
+            full = 0
+        levels.append((widths[level - 2], widths[level - 1], first, full, block, ranges))
+    scores = _BlockScores.apply(q * level_vector, k, widths[first_depth - 1], tuple(levels))
+    if average_levels:
+        positions = torch.arange(start, start + length, device=q.device)
+        depth = torch.full((length, length), float(first_depth), dtype=q.dtype, device=q.device)
+        for level in range(first_depth + 1, num_levels + 1):
+            block = block_sizes[level - 2]
+            depth += (positions[:, None] // block == positions[None, :] // block).to(q.dtype)
+        scores = scores / depth
+    if bias is not None:
+        scores = scores + bias
+    masked = None
+    if key_valid is not None:
+        masked = ~key_valid[:, None, None, :]
+    if causal:
+        future = torch.ones(length, length, dtype=torch.bool, device=q.device).triu_(1)
+        masked = future if masked is None else masked | future
+    if masked is not None:
+        scores = scores.masked_fill(masked, mask_value(scores.dtype))
+    return torch.softmax(scores, dim=-1, dtype=softmax_dtype(scores.dtype)).to(v.dtype) @ v

@@ -1,0 +1,334 @@
+"""Fused CPU backend of exact MLR attention: one flash-attention call per level group, merged by log-sum-exp.
+
+Part of the checkpoint payload (only torch imports, flat relative imports); called by ``structattn_mlr.mlr_attention``
+on the canonical layout it builds.
+
+For a query in finest block F the keys split into at most L contiguous groups: its own finest block (all r dims),
+and for each coarser depth d the part of its level-d block outside its level-(d+1) block (the first
+``c_d = r_1 + ... + r_d`` dims). Each group is an ordinary attention problem, so the op is a handful of
+``aten._scaled_dot_product_flash_attention_for_cpu`` calls whose (output, log-sum-exp) pairs are merged; the T x T
+score matrix is never materialised. The custom backward calls the fused backward once per group with the *global*
+output and LSE (that is exactly flash backward with ``P = exp(S_g - LSE)``). The kernel needs equal q/k/v widths,
+so truncated q is zero-padded (scales folded into q, ``scale=1``).
+"""
+
+from typing import Dict, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .structattn_geometry import depth_scale_vector, level_prefix_widths, mask_value, softmax_dtype
+
+_cpu_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_cpu_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+class _Group:
+    """One level group on the canonical layout (token index == position - base, length Tc).
+
+    The sequence is viewed as ``n_parents`` parents of ``n_children`` children of ``child`` tokens;
+    queries in child i attend keys in child ``i - offset`` of the same parent. The finest group is
+    ``n_children == 1, offset == 0`` (own block, causal inside when causal).
+    """
+
+    def __init__(self, depth: int, parent: int, child: int, offset: int, length: int):
+        self.depth = depth
+        self.parent = parent
+        self.child = child
+        self.offset = offset
+        self.n_parents = length // parent
+        self.n_children = parent // child
+        self.count = self.n_children - abs(offset)
+        self.query_children = slice(max(offset, 0), self.n_children + min(offset, 0))
+        self.key_children = slice(max(-offset, 0), self.n_children - max(offset, 0))
+
+    @property
+    def is_own_block(self) -> bool:
+        return self.offset == 0
+
+    def view(self, x: torch.Tensor, children: slice) -> torch.Tensor:
+        """x (B, H, Tc, E) -> (B, H, n_parents, count, child, E) view of the selected children."""
+        batch, heads, _, width = x.shape
+        return x.view(batch, heads, self.n_parents, self.n_children, self.child, width)[:, :, :, children]
+
+    def rows(self, lse: torch.Tensor) -> torch.Tensor:
+        """lse (B, H, Tc) -> (B, H, n_parents, count, child) view of the query rows."""
+        return self.view(lse[..., None], self.query_children)[..., 0]
+
+    def additive_mask(self, key_valid: Optional[torch.Tensor], bias: Optional[torch.Tensor], batch: int, heads: int,
+                      dtype: torch.dtype) -> Optional[torch.Tensor]:
+        """Additive mask (B, H*N, 1|child, child) for this group from the canonical key validity (B, Tc) and
+        bias (Bb, Hb, Tc, Tc) with Bb in (1, B), Hb in (1, H), or None."""
+        result = None
+        if key_valid is not None:
+            valid = key_valid.view(batch, 1, self.n_parents, self.n_children, 1, self.child)[:, :, :, self.key_children]
+            valid = valid.expand(batch, heads, self.n_parents, self.count, 1, self.child)
+            valid = valid.reshape(batch, heads * self.n_parents * self.count, 1, self.child)
+            result = torch.zeros(valid.shape, dtype=dtype, device=valid.device).masked_fill_(~valid, mask_value(dtype))
+        if bias is not None:
+            bias_batch, bias_heads, length, _ = bias.shape
+            blocks = bias.view(bias_batch, bias_heads, self.n_parents, self.parent, self.n_parents, self.parent)
+            blocks = blocks.diagonal(dim1=2, dim2=4).permute(0, 1, 4, 2, 3)  # (Bb, Hb, nP, P, P)
+            blocks = blocks.reshape(bias_batch, bias_heads, self.n_parents, self.n_children, self.child,
+                                    self.n_children, self.child)
+            blocks = blocks.diagonal(offset=-self.offset, dim1=3, dim2=5).permute(0, 1, 2, 5, 3, 4)
+            blocks = blocks.expand(batch, heads, self.n_parents, self.count, self.child, self.child)
+            blocks = blocks.reshape(batch, heads * self.n_parents * self.count, self.child, self.child).to(dtype)
+            result = blocks if result is None else result + blocks
+        return result
+
+    # Fused path: (B, n_parents, count) fold into the kernel's batch dim. The kernel returns gradients (and
+    # wants the output gradient) with (batch, length, heads, width) memory, so the fold follows the inputs'
+    # layout: for (B, T, H, E) memory (what a model's ``view(B, T, H, E).transpose(1, 2)`` gives) H stays the
+    # kernel's head dim; for (B, H, T, E) memory H joins the batch too and the kernel sees one head. Either
+    # way every group is a strided view of the inputs, and the own-block group's results are whole-sequence
+    # tensors in the inputs' layout without a copy.
+    def fold(self, x: torch.Tensor, children: slice, heads_in_batch: bool) -> torch.Tensor:
+        """x (B, H, Tc, ...) -> (B * n_parents * count, H, child, ...), or (B * H * n_parents * count, 1,
+        child, ...) when ``heads_in_batch`` (a view when the strides allow)."""
+        batch, heads = x.shape[:2]
+        rest = x.shape[3:]
+        picked = x.reshape(batch, heads, self.n_parents, self.n_children, self.child, *rest)[:, :, :, children]
+        if heads_in_batch:
+            return picked.reshape(batch * heads * self.n_parents * self.count, 1, self.child, *rest)
+        picked = picked.movedim(1, 3)  # (B, nP, count, H, child, ...)
+        return picked.reshape(batch * self.n_parents * self.count, heads, self.child, *rest)
+
+    def unfold(self, t: torch.Tensor, batch: int, heads: int, heads_in_batch: bool) -> torch.Tensor:
+        """Inverse of ``fold`` as a view: kernel-side tensor -> (B, H, n_parents, count, child, ...)."""
+        if heads_in_batch:
+            return t.squeeze(1).unflatten(0, (batch, heads, self.n_parents, self.count))
+        return t.unflatten(0, (batch, self.n_parents, self.count)).movedim(3, 1)
+
+    def fold_mask(self, key_valid: Optional[torch.Tensor], bias: Optional[torch.Tensor], batch: int, heads: int,
+                  dtype: torch.dtype, heads_in_batch: bool) -> Optional[torch.Tensor]:
+        """``additive_mask`` in the fused path's fold, or None."""
+        mask = self.additive_mask(key_valid, bias, batch, heads, dtype)
+        if mask is None:
+            return None
+        mask = mask.view(batch, heads, self.n_parents, self.count, *mask.shape[2:])
+        if heads_in_batch:
+            return mask.reshape(batch * heads * self.n_parents * self.count, 1, *mask.shape[-2:])
+        return mask.movedim(1, 3).reshape(batch * self.n_parents * self.count, heads, *mask.shape[-2:])
+
+
+class _Plan:
+    """Groups of one call: built from the canonical length and the levels that are not shared by all tokens."""
+
+    def __init__(self, ranks: Sequence[int], block_sizes: Sequence[int], first_depth: int, length: int, causal: bool):
+        self.groups = []
+        num_levels = len(ranks)
+        finest = block_sizes[-1] if first_depth < num_levels else length  # first_depth == L: one dense group
+        self.groups.append(_Group(num_levels, finest, finest, 0, length))
+        for depth in range(num_levels - 1, first_depth - 1, -1):
+            parent = length if depth == first_depth else block_sizes[depth - 2]
+            child = block_sizes[depth - 1]
+            n_children = parent // child
+            offsets = list(range(1, n_children)) + ([] if causal else list(range(-(n_children - 1), 0)))
+            for offset in offsets:
+                self.groups.append(_Group(depth, parent, child, offset, length))
+        self.prefix_widths = level_prefix_widths(ranks)
+
+
+def _uniform_scale(vector: torch.Tensor, width: int) -> Optional[float]:
+    """The common value of ``vector[:width]`` when all entries are equal and non-zero, else None."""
+    head = vector[:width]
+    low, high = float(head.min()), float(head.max())
+    return low if low == high and low != 0.0 else None
+
+
+def _heads_in_batch(q: torch.Tensor) -> bool:
+    """Fold heads into the kernel batch for (B, H, T, E) memory, keep them as kernel heads otherwise."""
+    return q.is_contiguous()
+
+
+def _fold_layout(t: torch.Tensor, heads_in_batch: bool) -> torch.Tensor:
+    """``t`` in a layout whose group folds are views: (B, H, T, E) memory for the heads-in-batch fold, else
+    (B, T, H, E) memory (any layout works when B == 1). One up-front copy when needed replaces a copy of
+    every group's rows."""
+    if heads_in_batch:
+        return t.contiguous()
+    if t.shape[0] == 1 or t.transpose(1, 2).is_contiguous():
+        return t
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _scratch_view(inputs, attr: str, like: torch.Tensor) -> torch.Tensor:
+    """A reused buffer shaped like the kernel-side ``like`` (B', H, L, E) with (B', L, H, E) memory."""
+    buffer = getattr(inputs, attr)
+    if buffer is None or buffer.numel() < like.numel():
+        buffer = torch.empty(like.numel(), dtype=like.dtype, device=like.device)
+        setattr(inputs, attr, buffer)
+    rows, heads, length, width = like.shape
+    return buffer[:like.numel()].view(rows, length, heads, width).transpose(1, 2)
+
+
+class _GroupInputs:
+    """Per-call constants of the fused path: padded inputs, per-depth scale vectors and reused scratch.
+
+    The kernel wants equal q/k/v widths and one scalar scale, so every coarse group runs on a copy of its
+    query rows, scaled and zero-masked beyond the group's prefix width; writing that copy into one reused
+    buffer (instead of a fresh tensor per group) saves an allocation and its page faults per group. The
+    own-block group uses every dim, so with uniform scales it runs on q itself with the kernel's ``scale``.
+    """
+
+    def __init__(self, q, k, v, plan, scale_vectors):
+        self.head_dim, self.value_dim = q.shape[-1], v.shape[-1]
+        self.width = width = max(self.head_dim, self.value_dim)
+        self.heads_in_batch = fold = _heads_in_batch(q)
+        padded = (F.pad(t, (0, width - t.shape[-1])) if t.shape[-1] < width else t for t in (q, k, v))
+        self.q, self.k, self.v = (_fold_layout(t, fold) for t in padded)
+        self.plan = plan
+        self.vectors = {depth: F.pad(vec, (0, width - vec.shape[0])) for depth, vec in scale_vectors.items()}
+        self.own_scale = _uniform_scale(self.vectors[plan.groups[0].depth], self.head_dim)
+        self.q_scratch = self.grad_scratch = None
+
+    def prefix(self, group: _Group) -> int:
+        """Number of leading dims the group's scores use (later dims of its scaled q are zero)."""
+        if group.depth >= len(self.plan.prefix_widths):
+            return self.head_dim
+        return self.plan.prefix_widths[group.depth - 1]
+
+    def queries(self, group: _Group):
+        """(kernel q, kernel scale, multiplier of the kernel's dq or None) for one group."""
+        rows = group.fold(self.q, group.query_children, self.heads_in_batch)
+        if group is self.plan.groups[0] and self.own_scale is not None:
+            return rows, self.own_scale, None
+        vector = self.vectors[group.depth]
+        return torch.mul(rows, vector, out=_scratch_view(self, "q_scratch", rows)), 1.0, vector
+
+    def keys(self, group: _Group):
+        fold = self.heads_in_batch
+        return group.fold(self.k, group.key_children, fold), group.fold(self.v, group.key_children, fold)
+
+    def fold(self, group: _Group, x: torch.Tensor) -> torch.Tensor:
+        """The group's query rows of x (B, H, Tc, ...) as the kernel sees them."""
+        return group.fold(x, group.query_children, self.heads_in_batch)
+
+    def unfold(self, group: _Group, t: torch.Tensor) -> torch.Tensor:
+        return group.unfold(t, self.q.shape[0], self.q.shape[1], self.heads_in_batch)
+
+    def mask(self, group: _Group, key_valid, bias, dtype):
+        return group.fold_mask(key_valid, bias, self.q.shape[0], self.q.shape[1], dtype, self.heads_in_batch)
+
+    def kernel_grad(self, group: _Group, grad: torch.Tensor) -> torch.Tensor:
+        """The group's output-gradient rows with (B', L, H, E) memory: the fused backward reads that layout
+        and copies anything else into a fresh tensor per call; this reuses one buffer."""
+        rows = self.fold(group, grad)
+        if rows.transpose(1, 2).is_contiguous():
+            return rows
+        return _scratch_view(self, "grad_scratch", rows).copy_(rows)
+
+
+class _FusedMLRFunction(torch.autograd.Function):
+    """Exact MLR attention on the canonical layout using the fused CPU flash kernel per group."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, key_valid, bias, plan, scale_vectors, causal):
+        batch, heads, length, _ = q.shape
+        inputs = _GroupInputs(q, k, v, plan, scale_vectors)
+        value_dim = inputs.value_dim
+        acc_dtype = softmax_dtype(q.dtype)
+        out = lse = None
+        for group in plan.groups:
+            mask = inputs.mask(group, key_valid, bias, q.dtype)
+            group_q, kernel_scale, _ = inputs.queries(group)
+            group_k, group_v = inputs.keys(group)
+            group_out, group_lse = _cpu_flash(group_q, group_k, group_v, 0.0, causal and group.is_own_block,
+                                              attn_mask=mask, scale=kernel_scale)
+            group_out = inputs.unfold(group, group_out[..., :value_dim])
+            group_lse = inputs.unfold(group, group_lse)
+            if out is None:  # the own-block group covers every query row: its result (a view) starts the merge
+                out = group_out.to(acc_dtype).reshape(batch, heads, length, value_dim)
+                lse = group_lse.to(acc_dtype).reshape(batch, heads, length)
+                continue
+            # Merge weights sum to one, so the merge is one in-place lerp over the group's rows.
+            running = group.rows(lse)
+            group_lse = group_lse.to(acc_dtype)
+            merged = torch.logaddexp(running, group_lse)
+            weight = torch.sub(group_lse, merged, out=group_lse if group_lse.dtype == acc_dtype else None).exp_()
+            out_rows = group.view(out, group.query_children)
+            out_rows.lerp_(group_out.to(acc_dtype), weight[..., None])
+            running.copy_(merged)
+            del group_out
+        inputs.q_scratch = None
+        result = out.to(q.dtype)
+        if result._is_view():
+            # ``out`` views a kernel result (the own-block group's output, unfolded without a copy), and autograd
+            # refuses any in-place op on a custom Function output that is a view ("Output 0 of ... is a view and is
+            # being modified inplace"). A tensor that ``set_`` points at the same storage is no view to autograd
+            # (``_is_view()`` is False) and copies nothing, so the output behaves like SDPA's: in-place ops on it
+            # are allowed, and because it is the saved output with its own version counter, an in-place op
+            # followed by backward raises autograd's "modified by an inplace operation" error instead of
+            # returning wrong gradients. tests/test_mlr_ops.py::test_set_alias_* pin that torch behaviour.
+            result = torch.empty(0, dtype=result.dtype, device=result.device).set_(
+                result.untyped_storage(), result.storage_offset(), result.size(), result.stride())
+        ctx.save_for_backward(q, k, v, key_valid, bias, result, lse)
+        ctx.plan, ctx.scale_vectors, ctx.causal = plan, scale_vectors, causal
+        return result
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, key_valid, bias, out, lse = ctx.saved_tensors
+        plan, causal = ctx.plan, ctx.causal
+        batch, heads, length, head_dim = q.shape
+        inputs = _GroupInputs(q, k, v, plan, ctx.scale_vectors)
+        value_dim, width = inputs.value_dim, inputs.width
+        out_pad, grad_pad = (F.pad(t, (0, width - t.shape[-1])) if t.shape[-1] < width else t
+                             for t in (out, grad_out))
+        acc_dtype = softmax_dtype(q.dtype)
+        lse = lse.to(acc_dtype)
+        grad_q = grad_k = grad_v = None
+        for group in plan.groups:
+            mask = inputs.mask(group, key_valid, bias, q.dtype)
+            group_q, kernel_scale, dq_scale = inputs.queries(group)
+            group_k, group_v = inputs.keys(group)
+            group_lse = inputs.fold(group, lse[..., None])[..., 0]
+            dq, dk, dv = _cpu_flash_backward(
+                inputs.kernel_grad(group, grad_pad), group_q, group_k, group_v,
+                inputs.fold(group, out_pad), group_lse, 0.0, causal and group.is_own_block,
+                attn_mask=mask, scale=kernel_scale)
+            dq, dk, dv = (inputs.unfold(group, t) for t in (dq, dk, dv))
+            if grad_q is None:
+                # The own-block group touches every query and key row, and its gradients come back in the
+                # inputs' layout (see ``_Group.fold``): whole-sequence views of them start the sums.
+                if dq_scale is not None:
+                    dq.mul_(dq_scale)
+                grad_q, grad_k, grad_v = (t.to(acc_dtype).reshape(batch, heads, length, width) for t in (dq, dk, dv))
+                continue
+            # dq beyond the prefix is discarded and dk beyond it is exactly zero (q was zero-masked there).
+            prefix = inputs.prefix(group)
+            query_rows = group.view(grad_q, group.query_children)[..., :prefix]
+            if dq_scale is None:
+                query_rows.add_(dq[..., :prefix])
+            else:
+                query_rows.addcmul_(dq[..., :prefix], dq_scale[:prefix])
+            group.view(grad_k, group.key_children)[..., :prefix].add_(dk[..., :prefix])
+            group.view(grad_v, group.key_children).add_(dv)
+            del dq, dk, dv
+        inputs.q_scratch = inputs.grad_scratch = None
+        return (grad_q[..., :head_dim].to(q.dtype), grad_k[..., :head_dim].to(k.dtype),
+                grad_v[..., :value_dim].to(v.dtype), None, None, None, None, None)
+
+
+
+@torch.compiler.disable
+def mlr_attention_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: Optional[torch.Tensor],
+                        bias: Optional[torch.Tensor], ranks: Sequence[int], block_sizes: Sequence[int],
+                        first_depth: int, level_scales: Sequence[float], average_levels: bool,
+                        causal: bool) -> torch.Tensor:
+    """Exact MLR attention on the canonical layout with the fused CPU kernel per level group.
+
+    q, k: (B, H, Tc, r), v: (B, H, Tc, dv) on CPU, index i at position ``base + i`` where ``base`` is a multiple of
+    the finest block that is not shared by every token (``first_depth`` levels are shared by every pair) and Tc is
+    a multiple of that block; key_valid: (B, Tc) bool or None; bias: (Bb, Hb, Tc, Tc) with Bb in (1, B) and
+    Hb in (1, H), not requiring grad, or None. Returns (B, H, Tc, dv).
+
+    Runs eagerly under torch.compile: it writes through strided views and ``out=`` buffers that Dynamo cannot
+    trace, and the fused kernel is already the whole cost.
+    """
+    plan = _Plan(ranks, block_sizes, first_depth, q.shape[2], causal)
+    scale_vectors: Dict[int, torch.Tensor] = {
+        depth: depth_scale_vector(ranks, level_scales, depth, average_levels, q.dtype, q.device)
+        for depth in {group.depth for group in plan.groups}}
+    return _FusedMLRFunction.apply(q, k, v, key_valid, bias, plan, scale_vectors, causal)

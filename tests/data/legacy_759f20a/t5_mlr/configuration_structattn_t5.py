@@ -1,0 +1,133 @@
+"""Configuration of T5-style encoder-decoder models with structured attention (T5's field names)."""
+
+from typing import Optional, Union
+
+from transformers import T5Config
+# transformers' own re-export of huggingface_hub's `strict` keeps the payload's imports to torch/transformers
+from transformers.configuration_utils import strict
+
+from .structattn_bilinear import validate_bilinear_fields
+from .structattn_geometry import (
+    StructAttnConfigMixin,
+    default_block_sizes,
+    resolve_level_scales,
+    validate_config_numbers,
+    validate_mlr_geometry,
+)
+
+T5_ATTENTION_VARIANTS = ("dense", "mlr", "bilinear_mlr", "bilinear_btt")
+T5_ATTENTION_ROLES = {"encoder_self": "encoder_attention", "decoder_self": "decoder_attention",
+                      "cross": "cross_attention"}
+# fields that describe the structured attention (recorded by the patcher, re-applied to Chronos-Bolt on reload)
+T5_STRUCTATTN_FIELDS = ("encoder_attention", "decoder_attention", "cross_attention", "mlr_ranks", "mlr_block_sizes",
+                        "mlr_max_length", "mlr_scaling", "mlr_average_levels", "bilinear_mlr_ranks",
+                        "bilinear_scaling", "btt_rank", "btt_factors")
+
+
+@strict
+class StructAttnT5Config(StructAttnConfigMixin, T5Config):
+    r"""T5 architecture (same fields as ``transformers.T5Config``) whose attention is chosen per role.
+
+    Structured-attention fields:
+        encoder_attention, decoder_attention, cross_attention: "dense", "mlr", "bilinear_mlr" or "bilinear_btt"
+            for encoder self-attention, decoder self-attention and decoder->encoder cross-attention. MLR is
+            refused for cross-attention: its blocks are distances within one sequence, and a decoder and an
+            encoder position have no common axis.
+        mlr_ranks: per-level ranks r_1..r_L summing to ``d_kv`` (required for any MLR role).
+        mlr_block_sizes: block sizes of levels 2..L (default dyadic from ``mlr_max_length``: n/2, n/4, ...).
+        mlr_max_length: the training length the default blocks are derived from (never the current input's length).
+        mlr_scaling: per-level logit multipliers; default 1.0 because T5 has no 1/sqrt(d) (it is folded into the
+            init), "standard" (1/sqrt(d_kv)), "mup" (1/r_l) or a list of floats are accepted too.
+        mlr_average_levels: divide each logit by the number of levels the pair shares.
+        bilinear_mlr_ranks: per-level ranks of bilinear MLR (level l splits d_model into 2^(l-1) chunks).
+        bilinear_scaling: "standard" (1/sqrt(width)) or "mup" (1/width) for the bilinear variants.
+        btt_rank, btt_factors: BTT rank s and factors (a, b, c, d) with a*b = c*d = d_model (default balanced).
+        structattn_patch: provenance written by ``hf_structattn.patch`` (source class, level-split init).
+
+    Unknown keys (e.g. Chronos' ``chronos_config``) are kept as attributes and survive save/load.
+    """
+
+    model_type = "structattn_t5"
+
+    encoder_attention: str = "dense"
+    decoder_attention: str = "dense"
+    cross_attention: str = "dense"
+    mlr_ranks: Optional[list[int]] = None
+    mlr_block_sizes: Optional[list[int]] = None
+    mlr_max_length: int = 512
+    mlr_scaling: Union[str, float, int, list[float]] = 1.0
+    mlr_average_levels: bool = False
+    bilinear_mlr_ranks: Optional[list[int]] = None
+    bilinear_scaling: str = "standard"
+    btt_rank: int = 1
+    btt_factors: Optional[list[int]] = None
+    structattn_patch: Optional[dict] = None
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        self._validate_structured_attention()  # a plain ValueError at construction
+
+    def role_attention(self, role: str) -> str:
+        """Variant of ``role`` ("encoder_self", "decoder_self" or "cross")."""
+        return getattr(self, T5_ATTENTION_ROLES[role])
+
+    @property
+    def resolved_mlr_block_sizes(self) -> list[int]:
+        if self.mlr_block_sizes is not None:
+            return list(self.mlr_block_sizes)
+        return default_block_sizes(self.mlr_max_length, len(self.mlr_ranks))
+
+    def attention_spec(self, role: str) -> dict:
+        """Everything an attention module of ``role`` needs (a plain dict: no config class travels with it)."""
+        variant = self.role_attention(role)
+        spec = {"attention": variant, "causal": role == "decoder_self"}
+        if variant == "mlr":
+            ranks = list(self.mlr_ranks)
+            spec.update(ranks=ranks, block_sizes=self.resolved_mlr_block_sizes,
+                        level_scales=resolve_level_scales(ranks, self.mlr_scaling, "mlr_scaling"),
+                        average_levels=bool(self.mlr_average_levels))
+        elif variant == "bilinear_mlr":
+            spec.update(ranks=list(self.bilinear_mlr_ranks), scaling=self.bilinear_scaling)
+        elif variant == "bilinear_btt":
+            spec.update(rank=self.btt_rank, factors=list(self.btt_factors) if self.btt_factors else None,
+                        scaling=self.bilinear_scaling)
+        return spec
+
+    def cache_layer_specs(self) -> list[dict]:
+        """Per-decoder-layer description for ``StructAttnCache`` (MLR key cache for MLR decoder self-attention)."""
+        spec = self.attention_spec("decoder_self")
+        layer = {"attention": "mlr", "ranks": spec["ranks"], "block_sizes": spec["block_sizes"]} \
+            if spec["attention"] == "mlr" else {"attention": spec["attention"]}
+        return [dict(layer) for _ in range(self.num_decoder_layers)]
+
+    def _validate_structured_attention(self) -> None:
+        validate_config_numbers(self, ("vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_heads",
+                                       "relative_attention_num_buckets", "relative_attention_max_distance"),
+                                ("layer_norm_epsilon", "dropout_rate", "initializer_factor"))
+        if self.num_decoder_layers is not None:
+            validate_config_numbers(self, ("num_decoder_layers",))
+        for role, field in T5_ATTENTION_ROLES.items():
+            value = getattr(self, field)
+            if value not in T5_ATTENTION_VARIANTS:
+                raise ValueError(f"{field}={value!r} is not one of {T5_ATTENTION_VARIANTS}")
+        if self.cross_attention == "mlr":
+            raise ValueError("cross_attention='mlr' is not supported: MLR blocks group positions of one sequence, "
+                             "and a decoder position and an encoder position share no block; use 'dense', "
+                             "'bilinear_mlr' or 'bilinear_btt' for cross_attention")
+        variants = {self.encoder_attention, self.decoder_attention, self.cross_attention}
+        if "mlr" in variants:
+            if self.mlr_ranks is None:
+                raise ValueError(f"mlr_ranks is required when an attention role is 'mlr' (ranks summing to "
+                                 f"d_kv={self.d_kv})")
+            ranks = list(self.mlr_ranks)
+            if self.mlr_block_sizes is None:
+                try:
+                    default_block_sizes(self.mlr_max_length, len(ranks), "mlr_max_length")
+                except ValueError as error:
+                    raise ValueError(f"mlr_block_sizes / mlr_max_length: {error}") from None
+            validate_mlr_geometry(ranks, self.resolved_mlr_block_sizes, self.d_kv, "mlr_ranks", "mlr_block_sizes")
+            resolve_level_scales(ranks, self.mlr_scaling, "mlr_scaling")
+        validate_bilinear_fields(self, variants, self.d_model, self.num_heads, hidden_field="d_model")
+
+
+__all__ = ["StructAttnT5Config"]
