@@ -1,4 +1,4 @@
-"""Key/value cache memory: what the cache returned by ``generate`` allocates, against the formula (issue 24).
+"""Key/value cache memory: what the cache returned by ``generate`` allocates, against the formula.
 
 Models (float32, batch 1, random weights, greedy):
 * ``MLR GPT-2``: ``StructAttnGPT2LMHeadModel``, 2 layers, n_embd 256, 4 heads of 64, n_positions 2048, MLR ranks

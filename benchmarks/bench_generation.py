@@ -30,7 +30,7 @@ Clocks: ``--clock thread`` (CPU time of the calling thread: leaves out time othe
 with one torch thread) and wall time; both are printed. On CUDA (``--device cuda``) both are wall time around a
 synchronised step.
 
-    # issue 22's table: eager and compiled, MLR and dense, batch 1 and 16, prompt 512 and 3584 (~15-25 min)
+    # the decode table: eager and compiled, MLR and dense, batch 1 and 16, prompt 512 and 3584 (~15-25 min)
     OMP_NUM_THREADS=1 python benchmarks/bench_generation.py --skip-t5 --output /tmp/gen_compiled.md
     OMP_NUM_THREADS=1 python benchmarks/bench_generation.py --modes eager static --stock --output /tmp/gen.md
     python benchmarks/bench_generation.py --threads 2 --clock wall --output /tmp/gen_2threads.md

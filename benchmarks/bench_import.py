@@ -1,4 +1,4 @@
-"""Import cost of the package against its dependencies (issue 25: within 0.5 s of ``import torch, transformers,
+"""Import cost of the package against its dependencies (the target: within 0.5 s of ``import torch, transformers,
 accelerate``). Each measurement is a fresh interpreter that imports the baseline modules, then the package, timing
 each part with the process CPU clock (``time.process_time``; imports are CPU-bound once the files are cached) and the
 wall clock; rounds alternate nothing else, the median over rounds is printed with its min-max.

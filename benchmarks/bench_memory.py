@@ -1,4 +1,4 @@
-"""Transient memory of the fused MLR op against SDPA on CPU: peak of a prefill and of a training step (issue 24).
+"""Transient memory of the fused MLR op against SDPA on CPU: peak of a prefill and of a training step.
 
     python benchmarks/bench_memory.py [--lengths 1024 2048 4096 8192] [--layouts bthd bhtd] [--breakdown]
 

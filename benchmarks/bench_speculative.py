@@ -1,4 +1,4 @@
-"""Prompt-lookup decoding with the main job's trained models (issue 21): tokens/s with and without speculation for
+"""Prompt-lookup decoding with the main job's trained models: tokens/s with and without speculation for
 the dense and the MLR model, and how many drafted tokens were accepted.
 
 The prompt is a code-editing request on code from the embedded corpus (the standard library's own sources, the data

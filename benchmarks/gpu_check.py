@@ -1,33 +1,43 @@
-"""The GPU check of issue 22 in one report: run by ``bash scripts/gpu_check.sh`` (which sets up the venv first).
+"""The GPU check in one report: run by ``bash scripts/gpu_check.sh`` (which installs the carried wheels first).
 
     python benchmarks/gpu_check.py [--out outputs/gpu_check.md] [--parts tests attention training decode]
-                                   [--total-budget 450] [--budget-scale 1.0]
+                                   [--total-budget 480] [--budget-scale 1.0]
 
-Parts, each in its own process with its own time budget (a part that fails or runs out of time is recorded in the
-report with its error or partial results, and the next part runs):
+Parts, in order of value, each in its own process with its own time budget (a part that fails or runs out of time
+is recorded in the report with its error or partial results, and the next part runs; the report is rewritten after
+every part, so a killed run keeps what finished):
 
-* ``tests``: ``pytest tests/test_triton_kernel.py tests/test_import_cost.py`` (the CUDA/Triton tests);
-* ``attention``: ``hf_structattn.mlr_attention`` (ranks 32|8|6|4|4|4|4|2, head dim 64, dyadic blocks T/2..T/128,
-  causal; on CUDA its Triton kernel) against ``F.scaled_dot_product_attention`` with the default backend choice and
-  with the flash backend forced (``sdpa_kernel(SDPBackend.FLASH_ATTENTION)``), forward (no grad) and forward +
-  backward, at T = 1k, 2k, 4k, 8k, 16k, bf16, batch 1, 16 heads: median ms and peak extra memory;
-* ``training``: one training step (forward + backward + AdamW, bf16 autocast) of the GPT-2 family with MLR
-  attention against ``transformers.GPT2LMHeadModel`` with SDPA of the same size (6 layers, n_embd 512, 8 heads,
-  T = 4096, batch 4), steps interleaved: median tokens/s and peak memory;
-* ``decode``: ``benchmarks/bench_generation.py``'s decode cells on the GPU: MLR vs dense, eager (default cache) and
-  compiled (``cache_implementation="static"`` + ``torch.compile`` of the forward), batch 1 and 16, prompt 512
-  (then 3584 while time is left).
+* ``tests`` (a): ``pytest tests/test_cuda_paths.py tests/test_triton_kernel.py tests/test_import_cost.py``: the
+  Triton kernel and the dispatcher's CUDA paths against the float64 reference (outputs and gradients, bf16 and fp32,
+  odd shapes, padding, causal and bidirectional, learned bias), decode steps on CUDA (cached and compiled static)
+  against the CPU float64 forward, and the kernel at real sizes;
+* ``attention`` (b): ``hf_structattn.mlr_attention`` (ranks 32|8|6|4|4|4|4|2, head dim 64, dyadic blocks
+  T/2..T/128, causal; on CUDA its Triton kernel) against ``F.scaled_dot_product_attention`` with the default backend
+  choice and with the flash backend forced (``sdpa_kernel(SDPBackend.FLASH_ATTENTION)``), forward (no grad) and
+  forward + backward, at T = 1k, 2k, 4k, 8k, 16k, bf16, batch 1, 16 heads: median ms, peak extra memory, and MLR's
+  score and score + PV FLOP ratios to dense beside each row;
+* ``training`` (c): one training step (forward + backward + AdamW, bf16 autocast) of the GPT-2 family with MLR and
+  with dense attention against ``transformers.GPT2LMHeadModel`` with SDPA of the same size (6 layers, n_embd 512,
+  8 heads, T = 4096, batch 4), steps interleaved: median tokens/s and peak memory;
+* ``decode`` (d): ``benchmarks/bench_generation.py``'s decode cells on the GPU: MLR vs dense, eager (default cache)
+  and compiled (``cache_implementation="static"`` + ``torch.compile`` of the forward), batch 1 and 16, prompt 512
+  (then 4096 while time is left);
+* ``icl`` (e): the ICL pilot, ``scripts/icl_rank_experiment.py pilot`` (when that command exists in this checkout).
 
 Without CUDA it prints one line and exits 0. ``--device cpu --tiny`` runs every part at toy sizes on the CPU (what
-tests/test_gpu_check.py does); its numbers mean nothing.
+tests/test_gpu_check.py and the rehearsal, ``bash scripts/gpu_check.sh --rehearse``, do); its numbers mean nothing.
+The last line is ``gpu_check: N/M parts passed`` (``rehearsal: ...`` with ``--rehearse``); the exit status is 0 only
+when every part passed.
 """
 
 import argparse
 import datetime
+import importlib.util
 import json
 import math
 import os
 import shlex
+import shutil
 import signal
 import statistics
 import subprocess
@@ -38,16 +48,18 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
-PARTS = ("tests", "attention", "training", "decode")
+PARTS = ("tests", "attention", "training", "decode", "icl")
 TITLES = {
-    "tests": "(a) CUDA / Triton tests",
+    "tests": "(a) Correctness on the device: Triton kernel, dispatcher, decode steps",
     "attention": "(b) MLR attention vs SDPA / FlashAttention, forward and forward + backward",
-    "training": "(c) Training step: GPT-2 family with MLR vs transformers GPT2LMHeadModel (SDPA)",
+    "training": "(c) Training step: GPT-2 family (MLR, dense) vs transformers GPT2LMHeadModel (SDPA)",
     "decode": "(d) Decode: MLR vs dense, eager and compiled static cache",
+    "icl": "(e) ICL pilot",
 }
-# seconds per part at --budget-scale 1; the defaults sum to 420 s so that setup + the parts stay under 8 minutes
-BUDGETS = {"tests": 90, "attention": 90, "training": 70, "decode": 170}
-TEST_FILES = ["tests/test_triton_kernel.py", "tests/test_import_cost.py"]
+# seconds per part at --budget-scale 1: with ~30 s of setup they fill the 8 minutes (480 s) of the default total
+BUDGETS = {"tests": 60, "attention": 70, "training": 45, "decode": 125, "icl": 150}
+TEST_FILES = ["tests/test_cuda_paths.py", "tests/test_triton_kernel.py", "tests/test_import_cost.py"]
+PASSED = ("passed", "done")
 MLR_RANKS = [32, 8, 6, 4, 4, 4, 4, 2]
 HEAD_DIM = 64
 SIZES = {  # full size on CUDA, and toy sizes for --tiny (the CPU tests of this script)
@@ -107,10 +119,23 @@ def _cell(times: list) -> str:
 # --------------------------------------------------------------------------------------------- the parts
 
 
+def flop_ratios(length: int, blocks) -> tuple:
+    """(score, score + PV) FLOPs of causal MLR (MLR_RANKS, ``blocks``) over dense attention of the same head dim."""
+    from hf_structattn.flops import pv_macs, score_macs
+
+    mlr = dict(ranks=MLR_RANKS, block_sizes=blocks)
+    dense = dict(head_dim=HEAD_DIM)
+    score = score_macs("mlr", length, causal=True, **mlr) / score_macs("dense", length, causal=True, **dense)
+    both = ((score_macs("mlr", length, causal=True, **mlr) + pv_macs("mlr", length, causal=True, **mlr))
+            / (score_macs("dense", length, causal=True, **dense) + pv_macs("dense", length, causal=True, **dense)))
+    return score, both
+
+
 def attention_rows(lengths, device: str, dtype, heads: int = 16, batch: int = 1, deadline: float = math.inf,
-                   cell_budget_s: float = 1.0) -> list:
+                   cell_budget_s: float = 1.0, implementation: str = "auto") -> list:
     """One dict per T: median seconds and peak extra MiB of SDPA (default backend), SDPA flash and MLR, forward
-    (no grad) and forward + backward; ``error`` entries for variants that could not run (e.g. no flash kernel)."""
+    (no grad) and forward + backward, and MLR's FLOP ratios (``flops``); ``error`` entries for variants that could
+    not run (e.g. no flash kernel). ``implementation``: mlr_attention's (auto = the Triton kernel on CUDA)."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -140,9 +165,10 @@ def attention_rows(lengths, device: str, dtype, heads: int = 16, batch: int = 1,
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
         def mlr():
-            return mlr_attention(q, k, v, ranks=MLR_RANKS, block_sizes=blocks, causal=True)
+            return mlr_attention(q, k, v, ranks=MLR_RANKS, block_sizes=blocks, causal=True,
+                                 implementation=implementation)
 
-        row = {"T": length}
+        row = {"T": length, "flops": flop_ratios(length, blocks)}
         for name, fn in (("sdpa", sdpa), ("sdpa_flash", sdpa_flash), ("mlr", mlr)):
             def forward(fn=fn):
                 with torch.no_grad():
@@ -165,12 +191,12 @@ def attention_rows(lengths, device: str, dtype, heads: int = 16, batch: int = 1,
 
 
 def attention_markdown(rows: list) -> str:
-    lines = ["| T | mode | SDPA ms | SDPA flash ms | MLR ms | MLR / SDPA | MLR / flash | peak MiB SDPA / flash / MLR |",
-             "|---:|---|---:|---:|---:|---:|---:|---|"]
+    lines = ["| T | mode | SDPA ms | SDPA flash ms | MLR ms | MLR / SDPA | MLR / flash | MLR FLOPs / dense (scores; "
+             "+ PV) | peak MiB SDPA / flash / MLR |", "|---:|---|---:|---:|---:|---:|---:|---|---|"]
     errors = []
     for row in rows:
         if "skipped" in row:
-            lines.append(f"| {row['T']} | skipped: {row['skipped']} | | | | | | |")
+            lines.append(f"| {row['T']} | skipped: {row['skipped']} | | | | | | | |")
             continue
         for name in ("sdpa", "sdpa_flash", "mlr"):
             if (name, "error") in row:
@@ -181,15 +207,17 @@ def attention_markdown(rows: list) -> str:
             cells = [f"{1e3 * medians[name]:.3f}" if not math.isnan(medians[name]) else "–"
                      for name in ("sdpa", "sdpa_flash", "mlr")]
             memory = " / ".join(f"{row.get((name, mode, 'MiB'), math.nan):.1f}" for name in ("sdpa", "sdpa_flash", "mlr"))
+            score, both = row["flops"]
             lines.append(f"| {row['T']} | {mode} | {' | '.join(cells)} | {medians['mlr'] / medians['sdpa']:.2f}x | "
-                         f"{medians['mlr'] / medians['sdpa_flash']:.2f}x | {memory} |")
+                         f"{medians['mlr'] / medians['sdpa_flash']:.2f}x | {score:.2f}; {both:.2f} | {memory} |")
     if errors:
         lines += ["", "Variants that could not run:", ""] + [f"* {error}" for error in errors]
     return "\n".join(lines)
 
 
 def training_models(length: int, n_layer: int, n_embd: int, device: str) -> dict:
-    """GPT-2 family with MLR and transformers' GPT-2 with SDPA, same size and init seed, training mode."""
+    """transformers' GPT-2 with SDPA and the GPT-2 family with MLR and with dense attention, same size and init
+    seed, training mode."""
     import torch
     import transformers
 
@@ -200,7 +228,9 @@ def training_models(length: int, n_layer: int, n_embd: int, device: str) -> dict
     torch.manual_seed(0)
     stock = transformers.GPT2LMHeadModel(transformers.GPT2Config(**common, attn_implementation="sdpa"))
     mlr = StructAttnGPT2LMHeadModel(StructAttnGPT2Config(**common, attention="mlr", mlr_ranks=MLR_RANKS))
-    return {"GPT-2 sdpa": stock.to(device).train(), "MLR": mlr.to(device).train()}
+    dense = StructAttnGPT2LMHeadModel(StructAttnGPT2Config(**common, attention="dense"))
+    return {name: model.to(device).train() for name, model in
+            (("GPT-2 sdpa", stock), ("MLR", mlr), ("dense (ours)", dense))}
 
 
 def training_results(length: int, batch: int, n_layer: int, n_embd: int, device: str, dtype,
@@ -261,6 +291,9 @@ def decode_markdown(device: str, batches, prompts, steps: int, warmup: int, back
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     overrides = {} if (n_layer, n_embd) == (6, 512) else dict(n_layer=n_layer, n_embd=n_embd,
                                                                 n_head=n_embd // HEAD_DIM)
+    longest = max(prompts) + warmup + steps + 1
+    if longest > generation.GPT2_SHAPE["n_positions"]:  # e.g. prompt 4096: a training length that holds the cell
+        overrides["n_positions"] = 2 ** math.ceil(math.log2(longest))
     models = generation.gpt2_models(device=device, **overrides)
     modes = ["eager", "compiled"]
     variants = generation.decode_variants(list(models), modes)
@@ -296,6 +329,7 @@ def run_part(part: str, args) -> int:
     sizes = SIZES["tiny" if args.tiny else "full"]
     device = args.device
     dtype = torch.float32 if args.tiny else torch.bfloat16
+    dtype_name = str(dtype).replace("torch.", "")
     deadline = args.deadline
 
     def write(text):
@@ -304,19 +338,23 @@ def run_part(part: str, args) -> int:
 
     if part == "attention":
         lengths = args.attention_lengths or sizes["lengths"]
-        write(f"bf16 unless --tiny (dtype here: {str(dtype).replace('torch.', '')}), batch 1, {sizes['heads']} heads, "
-              f"head dim {HEAD_DIM}, causal; MLR ranks {'|'.join(map(str, MLR_RANKS))}, blocks T/2..T/128; "
-              "median of up to 20 calls after 2 warm-ups; peak = max_memory_allocated above the inputs.\n\n(running)")
+        implementation = args.mlr_implementation
+        header = (f"{dtype_name}, batch 1, {sizes['heads']} heads, head dim {HEAD_DIM}, causal; MLR ranks "
+                  f"{'|'.join(map(str, MLR_RANKS))} (`hf_structattn.mlr_attention`, implementation {implementation}), "
+                  "blocks T/2..T/128; SDPA = `F.scaled_dot_product_attention` (default backend), flash = the same "
+                  "under `sdpa_kernel(SDPBackend.FLASH_ATTENTION)`; median of up to 20 calls after 2 warm-ups; "
+                  "peak = max_memory_allocated above the inputs (outputs and gradients included); FLOP ratios from "
+                  "`hf_structattn.flops` (causal, one head).\n\n")
+        write(header + "(running)")
         rows = []
         for length in lengths:  # row by row, so that a time-out still leaves the finished rows in the report
             rows += attention_rows([length], device, dtype, heads=sizes["heads"], deadline=deadline,
-                                   cell_budget_s=0.05 if args.tiny else 1.0)
-            write(f"{str(dtype).replace('torch.', '')}, batch 1, {sizes['heads']} heads, head dim {HEAD_DIM}, causal; "
-                  f"MLR ranks {'|'.join(map(str, MLR_RANKS))} (`hf_structattn.mlr_attention`, implementation auto), "
-                  "blocks T/2..T/128; SDPA = `F.scaled_dot_product_attention` (default backend), flash = the same "
-                  "under `sdpa_kernel(SDPBackend.FLASH_ATTENTION)`; median of up to 20 calls after 2 warm-ups; "
-                  "peak = max_memory_allocated above the inputs (outputs and gradients included).\n\n"
-                  + attention_markdown(rows))
+                                   cell_budget_s=0.05 if args.tiny else 1.0, implementation=implementation)
+            write(header + attention_markdown(rows))
+        failed = [f"T={row['T']}: {row['mlr', 'error']}" for row in rows if ("mlr", "error") in row]
+        if failed:  # SDPA's flash backend may be missing on some GPUs; MLR itself must run
+            print("MLR could not run: " + "; ".join(failed), file=sys.stderr)
+            return 1
     elif part == "training":
         length = args.train_length or sizes["train_length"]
         batch = sizes["train_batch"]
@@ -324,11 +362,12 @@ def run_part(part: str, args) -> int:
         results = training_results(length, batch, sizes["n_layer"], sizes["n_embd"], device, dtype,
                                    steps=3 if args.tiny else 10, deadline=deadline)
         write(f"{sizes['n_layer']} layers, n_embd {sizes['n_embd']}, {sizes['n_embd'] // HEAD_DIM} heads, vocab 257, "
-              f"T = {length}, batch {batch}, AdamW, autocast {str(dtype).replace('torch.', '')}, `use_cache=False`; "
+              f"T = {length}, batch {batch}, AdamW, autocast {dtype_name}, `use_cache=False`; "
               "one warm-up step each, then steps interleaved.\n\n" + training_markdown(results, length, batch))
     elif part == "decode":
-        header = (f"GPT-2 family {sizes['n_layer']} layers, n_embd {sizes['n_embd']}, float32; eager = default "
-                  "cache, compiled = `cache_implementation=\"static\"` + `torch.compile(model.forward)` (backend "
+        header = (f"GPT-2 family {sizes['n_layer']} layers, n_embd {sizes['n_embd']}, float32, n_positions 4096 "
+                  "(the next power of two when a cell needs more); eager = default cache, compiled = "
+                  "`cache_implementation=\"static\"` + `torch.compile(model.forward)` (backend "
                   f"{sizes['compile_backend']}); {sizes['decode_warmup']} untimed + {sizes['decode_steps']} timed "
                   "steps per variant, interleaved; synchronised wall clock.\n\n")
         write(header + "(running)")
@@ -340,29 +379,44 @@ def run_part(part: str, args) -> int:
     return 0
 
 
+ICL_SCRIPT = os.path.join(ROOT, "scripts", "icl_rank_experiment.py")
+
+
+def icl_pilot_available() -> bool:
+    """Whether this checkout's ICL experiment has its ``pilot`` command (the batched runner's short GPU run)."""
+    return os.path.exists(ICL_SCRIPT) and "def pilot" in open(ICL_SCRIPT).read()
+
+
+def run_icl_part(args, budget: float, env) -> dict:
+    """``scripts/icl_rank_experiment.py pilot``: the single-head dense arm and the rank control, batched, for the
+    part's budget; its markdown summary becomes the section."""
+    if not icl_pilot_available():
+        return {"status": "skipped (this checkout has no ICL pilot command)", "body": "", "log": ""}
+    out_dir = os.path.join(args.workdir, "icl_pilot")
+    shutil.rmtree(out_dir, ignore_errors=True)  # the pilot refuses a non-empty folder (an earlier check's)
+    command = [sys.executable, ICL_SCRIPT, "pilot", "--device", args.device, "--out", out_dir,
+               "--budget-s", f"{max(budget - 20.0, 5.0):.0f}"] + (["--tiny"] if args.tiny else [])
+    code, output = _run_with_timeout(command, budget, env)
+    summary = os.path.join(out_dir, "pilot.md")
+    body = f"`{' '.join(['python'] + command[1:])}`\n\n" + (open(summary).read() if os.path.exists(summary) else "")
+    if code == 0:
+        return {"status": "done", "body": body, "log": ""}
+    status = "timed out (partial results)" if code is None else f"error (exit {code})"
+    return {"status": status, "body": body, "log": _tail(output)}
+
+
 # ------------------------------------------------------------------------------------------- the report
 
 
 def environment_line(device: str) -> str:
-    import torch
-    import transformers
-
+    """The versions actually imported (transformers with the folder it came from: the carried wheels or the
+    image's own), the GPU, the CPU and the commit."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
     from bench_generation import cpu_name, git_commit
+    from gpu_env import versions_line
 
-    try:
-        import triton
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = "not installed"
-    if device.startswith("cuda"):
-        properties = torch.cuda.get_device_properties(0)
-        hardware = (f"{properties.name} ({properties.total_memory / 2 ** 30:.0f} GiB, "
-                    f"{properties.multi_processor_count} SMs), CUDA {torch.version.cuda}")
-    else:
-        hardware = f"no GPU: {cpu_name()}"
-    return (f"Hardware: {hardware}; CPU {cpu_name()}, {os.cpu_count()} cores. Versions: Python "
-            f"{sys.version.split()[0]}, torch {torch.__version__}, triton {triton_version}, transformers "
-            f"{transformers.__version__}; hf_structattn git {git_commit()}.")
+    return (f"Versions used: {versions_line(device)}. CPU {cpu_name()}, {os.cpu_count()} cores; hf_structattn git "
+            f"{git_commit()}.")
 
 
 def render_report(environment: str, command: str, sections: list, total_s: float, setup: str = "") -> str:
@@ -425,6 +479,7 @@ def run_benchmark_part(part: str, args, budget: float, env) -> dict:
                "--device", args.device, "--deadline", f"{deadline:.1f}"]
     if args.tiny:
         command.append("--tiny")
+    command += ["--mlr-implementation", args.mlr_implementation]
     for field in ("attention_lengths", "decode_prompts"):
         if getattr(args, field):
             command += [f"--{field.replace('_', '-')}", *map(str, getattr(args, field))]
@@ -451,7 +506,7 @@ def parse_args(argv=None):
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--out", default=os.path.join("outputs", "gpu_check.md"), help="the markdown report")
     parser.add_argument("--parts", nargs="+", default=list(PARTS), help=f"a subset of {', '.join(PARTS)}")
-    parser.add_argument("--total-budget", type=float, default=450.0,
+    parser.add_argument("--total-budget", type=float, default=480.0,
                         help="seconds for the whole check, counted from --started (setup included)")
     parser.add_argument("--budget-scale", type=float, default=1.0, help="multiplies every part's budget")
     parser.add_argument("--started", type=float, default=None, help="epoch seconds the check started (setup)")
@@ -459,6 +514,12 @@ def parse_args(argv=None):
     parser.add_argument("--command", default="", help="the command line to name in the report")
     parser.add_argument("--device", default="cuda", help="cuda; cpu only together with --tiny (the tests)")
     parser.add_argument("--tiny", action="store_true", help="toy sizes (CPU tests of this script)")
+    parser.add_argument("--rehearse", action="store_true",
+                        help="the CPU rehearsal of scripts/gpu_check.sh: --device cpu --tiny, the attention part "
+                             "through the Triton kernel under its interpreter (when triton is installed)")
+    parser.add_argument("--mlr-implementation", default=None, choices=["auto", "triton", "math", "fused"],
+                        help="mlr_attention's implementation in the attention part (default auto; triton when "
+                             "rehearsing)")
     parser.add_argument("--attention-lengths", type=int, nargs="+", default=None)
     parser.add_argument("--train-length", type=int, default=None)
     parser.add_argument("--decode-prompts", type=int, nargs="+", default=None)
@@ -468,6 +529,11 @@ def parse_args(argv=None):
     parser.add_argument("--body", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--deadline", type=float, default=math.inf, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.rehearse:
+        args.device, args.tiny = "cpu", True
+        if args.mlr_implementation is None:
+            args.mlr_implementation = "triton" if importlib.util.find_spec("triton") is not None else "auto"
+    args.mlr_implementation = args.mlr_implementation or "auto"
     unknown = [part for part in args.parts if part not in PARTS]
     if unknown:
         parser.error(f"--parts: {unknown[0]!r} is not a part; expected some of {', '.join(PARTS)}")
@@ -507,6 +573,9 @@ def main(argv=None) -> int:
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(
         [ROOT] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
     environment = environment_line(args.device)
+    if args.rehearse:
+        environment = ("**Rehearsal on a CPU** (`bash scripts/gpu_check.sh --rehearse`): every part at toy size, "
+                       "the Triton kernel under its interpreter; the numbers mean nothing. " + environment)
     print(environment, flush=True)
     budgets = {part: BUDGETS[part] * args.budget_scale for part in args.parts}
     sections = []
@@ -521,6 +590,8 @@ def main(argv=None) -> int:
             result = {"status": "skipped (no time left)", "body": "", "log": ""}
         elif part == "tests":
             result = run_tests_part(budget, env)
+        elif part == "icl":
+            result = run_icl_part(args, budget, env)
         else:
             result = run_benchmark_part(part, args, budget, env)
         result.update(part=part, seconds=time.time() - part_start, budget=budget)
@@ -536,7 +607,9 @@ def main(argv=None) -> int:
         json.dump([{k: v for k, v in s.items() if k in ("part", "status", "seconds", "budget")} for s in sections],
                   handle, indent=1)
     print(f"gpu_check: report written to {args.out} ({time.time() - started:.0f} s)")
-    return 0
+    passed = sum(section["status"] in PASSED for section in sections)
+    print(f"{'rehearsal' if args.rehearse else 'gpu_check'}: {passed}/{len(sections)} parts passed")
+    return 0 if passed == len(sections) else 1
 
 
 if __name__ == "__main__":

@@ -1,39 +1,98 @@
 #!/usr/bin/env bash
-# The GPU check of issue 22 in one command, on a CUDA machine, in under 8 minutes:
-#   bash scripts/gpu_check.sh [--out outputs/gpu_check.md] [--parts tests attention training decode] [--budget-scale 1]
-# 1. sets up .venv (scripts/setup.sh; a new .venv sees the system's packages, so a CUDA torch/triton installed there
-#    is used and nothing but pip packages is downloaded; if pip cannot reach its index the check goes on with the
-#    packages already there and the source tree on PYTHONPATH, and says so in the report);
-# 2. runs benchmarks/gpu_check.py: the CUDA/Triton tests, MLR vs SDPA/FlashAttention (T = 1k..16k, bf16), a training
-#    step of the GPT-2 family vs GPT2LMHeadModel (T = 4096), compiled static-cache decode MLR vs dense (batch 1, 16),
-#    each part with its own time budget; a part that fails or times out is recorded and the next one runs;
-# 3. prints the path of the one markdown report (default outputs/gpu_check.md).
-# Without a CUDA GPU it prints one line and exits 0. More options: python benchmarks/gpu_check.py --help.
+# The GPU check in one command, on an offline CUDA machine, in under 8 minutes (setup included):
+#   bash scripts/gpu_check.sh [--out outputs/gpu_check.md] [--parts tests attention training decode icl]
+#                             [--budget-scale 1] [--total-budget 480]
+#   bash scripts/gpu_check.sh --rehearse      # the same on this CPU machine, against the GPU image's packages
+#
+# 1. Finds what the machine's python3 (the image's, with its CUDA torch) lacks for hf_structattn
+#    (scripts/gpu_env.py) and installs the carried wheels of .whl/ (built beforehand by scripts/gpu_wheels.sh
+#    where PyPI is reachable) with `pip install --no-index --no-deps --target`, so the image's torch, triton and
+#    nvidia-* packages are never touched; the target goes first on PYTHONPATH. With nothing missing and no .whl/ it
+#    runs as it is; with .whl/ missing, a package missing and no index reachable it says so in one line and exits 3.
+# 2. Runs benchmarks/gpu_check.py: (a) correctness on CUDA, (b) the op vs SDPA/flash at T = 1k..16k, (c) a training
+#    step vs GPT2LMHeadModel at T = 4096, (d) decode eager and compiled, (e) the ICL pilot, each part with its own
+#    time budget; the report (default outputs/gpu_check.md) starts with the versions actually used and is rewritten
+#    after every part. The last line is `gpu_check: N/M parts passed`; exit 0 only when all passed.
+# Without a CUDA GPU (and without --rehearse) it prints one line and exits 0.
+#
+# --rehearse builds (once, then reuses) a throwaway environment under the cache folder with the image's pure-Python
+# packages at the image's versions (scripts/gpu_image.txt) and this machine's CPU torch, builds or reuses .whl/,
+# then makes the package index unreachable (PIP_NO_INDEX=1, no pip configuration) for the rest of the run, installs
+# .whl/ exactly as the GPU run does, and runs every part at toy size on the CPU (Triton under its interpreter). Its
+# last line is `rehearsal: N/M parts passed` (exit 0 only then); its report is outputs/gpu_check_rehearsal.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
-  echo "gpu_check: no CUDA GPU on this machine (nvidia-smi finds none); nothing to check."
-  exit 0
-fi
 started=$(date +%s)
+rehearse=0
+args=()
+for arg in "$@"; do
+  if [ "$arg" = "--rehearse" ]; then rehearse=1; else args+=("$arg"); fi
+done
+wheels=${GPU_CHECK_WHEELS:-.whl}
+cache=${HF_STRUCTATTN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hf_structattn}
 mkdir -p outputs
-setup_log=outputs/gpu_check_setup.log
-if [ ! -x .venv/bin/python ]; then
-  python3 -m venv --system-site-packages .venv
-  # python3 may itself be a virtual environment holding the CUDA torch (--system-site-packages only reaches the base
-  # interpreter's): a .pth file makes its packages visible too, behind what setup.sh installs into .venv
-  parent=$(python3 -c 'import sys, sysconfig; print(sysconfig.get_paths()["purelib"] if sys.prefix != sys.base_prefix else "")')
-  if [ -n "$parent" ]; then
-    .venv/bin/python -c 'import sys, sysconfig; open(sysconfig.get_paths()["purelib"] + "/zz_gpu_check_parent_env.pth", "w").write(sys.argv[1] + "\n")' "$parent"
+
+if [ "$rehearse" = 1 ]; then
+  stamp=$( (cat scripts/gpu_image.txt; python3 --version) | sha256sum | cut -c1-12)
+  venv="$cache/gpu-rehearsal-$stamp"
+  if [ ! -f "$venv/.complete" ]; then
+    echo "gpu_check: building the rehearsal environment $venv (the image's packages, this machine's CPU torch)"
+    rm -rf "$venv"
+    { python3 -m venv "$venv" &&
+      "$venv/bin/python" -m pip install -q --disable-pip-version-check "torch==2.13.0" &&
+      "$venv/bin/python" -m pip install -q --disable-pip-version-check -r scripts/gpu_image.txt; } \
+      >outputs/gpu_rehearsal_env.log 2>&1 ||
+      { echo "gpu_check: could not build the rehearsal environment: $(grep -m1 ERROR outputs/gpu_rehearsal_env.log ||
+          tail -1 outputs/gpu_rehearsal_env.log) (log: outputs/gpu_rehearsal_env.log)"; exit 3; }
+    touch "$venv/.complete"
   fi
-fi
-# fail fast where pip's index is unreachable (an offline GPU machine), instead of retrying for minutes
-if PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_RETRIES=0 PIP_DEFAULT_TIMEOUT=20 bash scripts/setup.sh >"$setup_log" 2>&1; then
-  setup="scripts/setup.sh succeeded in $(( $(date +%s) - started )) s"
+  PY="$venv/bin/python"
+  if ! bash scripts/gpu_wheels.sh --dest "$wheels" >outputs/gpu_wheels.log 2>&1; then
+    echo "gpu_check: scripts/gpu_wheels.sh failed: $(tail -1 outputs/gpu_wheels.log)"; exit 3
+  fi
+  # from here on no index: what the run needs must come from the environment and the carried wheels
+  unset PIP_FIND_LINKS PIP_EXTRA_INDEX_URL PIP_INDEX_URL
+  export PIP_NO_INDEX=1 PIP_CONFIG_FILE=/dev/null TRITON_INTERPRET=1
+  report=outputs/gpu_check_rehearsal.md
+  site="$cache/gpu-rehearsal-site"
 else
-  setup="scripts/setup.sh FAILED after $(( $(date +%s) - started )) s (log: $setup_log: $(tail -1 "$setup_log" | cut -c1-200)); running with the packages already installed and the source tree on PYTHONPATH"
+  if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
+    echo "gpu_check: no CUDA GPU on this machine (nvidia-smi finds none); nothing to check."
+    exit 0
+  fi
+  PY=${GPU_CHECK_PYTHON:-python3}
+  report=outputs/gpu_check.md
+  site=${GPU_CHECK_SITE:-/tmp/hf_structattn_gpu_site}
 fi
+
+step=$("$PY" scripts/gpu_env.py plan "$wheels") || { echo "gpu_check: scripts/gpu_env.py failed with $PY"; exit 3; }
+if [ "$step" = "download" ]; then  # an online GPU machine without carried wheels: build them here
+  bash scripts/gpu_wheels.sh --dest "$wheels" >outputs/gpu_wheels.log 2>&1 ||
+    { echo "gpu_check: scripts/gpu_wheels.sh failed: $(tail -1 outputs/gpu_wheels.log)"; exit 3; }
+  step=install
+fi
+case "$step" in
+  ready)
+    setup="nothing to install: $PY already meets every requirement of the check" ;;
+  install)
+    rm -rf "$site"
+    if ! bash scripts/offline_install.sh "$wheels" "$site" "$PY" >outputs/gpu_check_install.log 2>&1; then
+      echo "gpu_check: installing $wheels into $site failed: $(tail -1 outputs/gpu_check_install.log)"; exit 3
+    fi
+    setup="installed $(cd "$wheels" && ls -- *.whl | paste -sd' ') from $wheels into $site (pip --no-index --no-deps --target), first on PYTHONPATH"
+    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" ;;
+  *)
+    echo "gpu_check: $step"; exit 3 ;;
+esac
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+if ! missing=$("$PY" scripts/gpu_env.py needs); then
+  echo "gpu_check: still missing after setup: $(echo "$missing" | paste -sd';')"; exit 3
+fi
+setup="$setup; $(( $(date +%s) - started )) s"
 echo "gpu_check: $setup"
-. .venv/bin/activate
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-python benchmarks/gpu_check.py --started "$started" --setup "$setup" --command "bash scripts/gpu_check.sh $*" "$@"
+if [ "$rehearse" = 1 ]; then
+  exec "$PY" benchmarks/gpu_check.py --rehearse --out "$report" --budget-scale 8 --total-budget 4800 \
+    --started "$started" --setup "$setup" --command "bash scripts/gpu_check.sh --rehearse ${args[*]}" "${args[@]}"
+fi
+exec "$PY" benchmarks/gpu_check.py --out "$report" --started "$started" --setup "$setup" \
+  --command "bash scripts/gpu_check.sh ${args[*]}" "${args[@]}"

@@ -1,35 +1,49 @@
-"""The in-context-regression test of the paper's rank claim (Kuang et al. 2025 §2.2, §4; issues 15 and 23).
+"""The in-context-regression test of the paper's rank claim (Kuang et al. 2025 §2.2, §4, Fig. 2, 3a) and its
+equal-compute comparison (Fig. 3b).
 
 Claim: multi-head dense attention whose head dim r is well below the input dim d cannot solve in-context linear
-regression, while at the same width full-rank scores (1-head dense, bilinear BTT, bilinear MLR with
-sum p_l r_l >= d) can. Arms at d (divisible by 4), width D = 6d unless noted (d = 4: D = 24), 6 layers, q/k RMSNorm:
+regression, while at the same width full-rank scores (1-head dense, bilinear BTT) can; and (Fig. 3b) at a fixed width
+the bilinear scores reach a lower error than dense attention for the same training FLOPs. Arms at d (divisible by 4),
+width D = 6d unless noted (d = 4: D = 24), 6 layers, q/k RMSNorm:
 
   (i)   dense, 12 heads, r = d/2                     the failing arm (the paper: r must be "nearly" d)
   (ii)  dense, 1 head, r = D
   (iii) bilinear BTT, 8 heads (full-rank score, D)
-  (iv)  bilinear MLR, 8 heads, ranks d/4 | d/2 (sum p_l r_l = 5d/4 >= d)
+  (iv)  bilinear MLR, 8 heads, ranks d/4 | d/2 (sum p_l r_l = 5d/4 >= d)   reported, not ruled on (module below)
   (v)   dense, 3 heads, r = 2d                       rank control: same width as (i), only the head split differs
-  (vi)  dense, 8 heads, r = 2d at D = 16d            width control (the earlier design's capacity control)
+  (vi)  dense, 8 heads, r = 2d at D = 16d            width control (reported, not ruled on)
 
 Every arm starts with the same logit scale: each score is divided by the square root of its width (1/sqrt(r)
 dense, 1/sqrt(D) BTT, 1/sqrt(p_l r_l) per bilinear-MLR level times 1/sqrt(L) for its L summed levels), so the
 row-centred logits have RMS ~1 at init in every arm (``describe`` measures it with
-``hf_structattn.mup.attention_logit_rms``). The decision rule is in docs/results.md §1d.
+``hf_structattn.mup.attention_logit_rms``). The decision rules are in scripts/icl_rank_report.py and docs/results.md.
 
     python scripts/icl_rank_experiment.py describe --d 4          # arms: score rank, init logit RMS, parameters
-    python scripts/icl_rank_experiment.py time --d 4              # ms per step per arm and the sweep's cost
-    python scripts/icl_rank_experiment.py run --d 4 --device cuda --jobs 8 --out outputs/icl_rank_v2   # the sweep
-    python scripts/icl_rank_experiment.py report --d 4 --out outputs/icl_rank_v2   # table + plot + verdict
+    python scripts/icl_rank_experiment.py plan --d 4              # the sweep's runs and training FLOPs
+    python scripts/icl_rank_experiment.py time --d 4              # CPU ms/step per arm: batched vs separate runs
+    python scripts/icl_rank_experiment.py pilot --device cuda --budget-s 170 --out outputs/icl_pilot
+    python scripts/icl_rank_experiment.py run --d 4 --device cuda --out outputs/icl_rank_v3   # the d = 4 sweep
+    python scripts/icl_rank_experiment.py report --d 4 --out outputs/icl_rank_v3   # table, FLOPs, plot, verdicts
+    python scripts/icl_rank_experiment.py run --d 8 --device cuda --out outputs/icl_rank_v3   # the d = 8 stage
     python scripts/icl_rank_experiment.py earlier-ranks      # score rank of the models of docs/results.md §1, §1b
 
-``run``'s defaults are the budget docs/results.md §1d says would decide the claim (40,000 steps, 3 LRs, 3 seeds).
-Each run (arm, lr, seed) trains in its own process, evaluates every ``--eval_every`` steps on 1024 fresh prompts
-(a random stream training never draws from), stops early when solved (last-query error < 0.05), writes its
-evaluations to ``<out>/d<d>/<run>/progress.jsonl`` as it goes and a resumable checkpoint every 1000 steps, and
-``result.json`` at the end; a rerun skips finished runs and resumes interrupted ones. Task, curriculum and warm-up
+**Batched.** The runs of one arm (its LRs x seeds) train as ONE stacked model
+(``hf_structattn.training.batched.StackedRuns``: ``torch.func.functional_call`` + ``vmap`` over stacked parameters,
+AdamW over stacked moments, per-run learning rates, clipping and data streams), so one step launches one set of
+kernels for all of the arm's runs; ``run`` trains ``--jobs`` arms at a time (one process each). Each run evaluates
+every ``--eval_every`` steps on 1024 fresh prompts (a random stream training never draws from), is frozen once solved
+(last-query error < 0.05; its parameters stop changing, as a separate run that stopped would), writes its evaluations
+to ``<out>/d<d>/<run>/progress.jsonl`` as it goes and ``result.json`` at the end; the arm writes a resumable
+checkpoint every 1000 steps to ``<out>/d<d>/<arm>.stack/`` and a rerun resumes it. Task, curriculum and warm-up
 follow the authors' ICL scripts (x ~ N(0, I/d), w ~ N(0, I), N = 2d points, a curriculum over the first 6 % of the
 steps, linear warm-up then constant LR, AdamW beta (0.9, 0.95), batch 64, 6 layers), scaled to ``--steps``.
-The §1c runs (the earlier five arms, 2,500 steps) used this script as of commit 8bc2f46.
+
+**Pilot.** ``pilot`` trains (ii) and (v) at one LR and one seed for the deciding step count (40,000 at d = 4), both
+arms interleaved in one process, within ``--budget-s`` seconds of wall time, and writes ``pilot.md`` (a short summary
+to paste into a report) and ``pilot.json`` to ``--out``: whether the controls solve the task within 40k steps, the
+measured ms per step and the full sweep's projected time on this device. ``--tiny`` (2 layers, 30 steps, 128
+evaluation prompts) is the CPU rehearsal the tests run. The §1c runs (the earlier five arms, 2,500 steps) used this
+script as of commit 8bc2f46; §1d's design (one process per run) as of 40d8cb1.
 """
 
 from __future__ import annotations
@@ -48,13 +62,26 @@ import torch
 
 from hf_structattn import StructAttnGPT2Config, StructAttnGPT2ForInContextRegression
 from hf_structattn.diagnostics import effective_rank
+from hf_structattn.flops import flops_per_token
 from hf_structattn.mup import attention_logit_rms
+from hf_structattn.training.batched import StackedRuns
 from hf_structattn.training.icl import sample_prompts
 from icl_rank_arms import FAILED, LABELS, SOLVED, arms  # noqa: F401  (scripts/icl_rank_arms.py)
 
 EARLY_STOP = 0.05
 BATCH, EVAL_PROMPTS, LAYERS, CHECKPOINT_EVERY = 64, 1024, 6, 1000
-DECIDING_STEPS, DECIDING_LRS, DECIDING_SEEDS = 40_000, [3e-4, 1e-3, 3e-3], [0, 1, 2]
+# d -> deciding steps: d = 4's 40k is 16x the 2,500 steps after which §1c's arms were still falling; d = 8 doubles
+# it (twice the points and dimensions to learn), to be revised by the d = 4 runs' solved-at steps
+DECIDING_STEPS = {4: 40_000, 8: 80_000}
+DECIDING_LRS, DECIDING_SEEDS = [3e-4, 1e-3, 3e-3], [0, 1, 2]
+PILOT_ARMS, PILOT_LR, PILOT_SEED = ("ii_dense1", "v_dense3_rank"), 1e-3, 0
+TINY = dict(layers=2, steps=30, eval_every=10, eval_count=128)  # the pilot's CPU rehearsal
+CHUNK = 250  # steps whose data is drawn and moved to the device at once
+
+
+def deciding_steps(d: int) -> int:
+    return DECIDING_STEPS.get(d, 20_000 * d // 2)
+
 
 def earlier_arms(d: int) -> dict[str, dict]:
     """The five arms of the §1c runs (script as of 8bc2f46), for ``describe --earlier``: r = d - 1 < d at 8 heads,
@@ -79,8 +106,8 @@ def score_rank(d: int, arm: str) -> int:
     return min(fields["n_embd"], sum(2 ** level * rank for level, rank in enumerate(fields["bilinear_mlr_ranks"])))
 
 
-def build(d: int, arm: str, earlier: bool = False) -> StructAttnGPT2ForInContextRegression:
-    fields = dict(vocab_size=1, n_positions=4 * d, n_layer=LAYERS, icl_input_dim=d, qk_layernorm=True,
+def build(d: int, arm: str, earlier: bool = False, layers: int = LAYERS) -> StructAttnGPT2ForInContextRegression:
+    fields = dict(vocab_size=1, n_positions=4 * d, n_layer=layers, icl_input_dim=d, qk_layernorm=True,
                   qk_norm="rms", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
                   pad_token_id=0, **(earlier_arms(d) if earlier else arms(d))[arm])
     return StructAttnGPT2ForInContextRegression(StructAttnGPT2Config(**fields))
@@ -109,15 +136,36 @@ def eval_prompts(d: int, seed: int, count: int = EVAL_PROMPTS) -> tuple[torch.Te
     return xs, ys
 
 
-@torch.no_grad()
-def evaluate(model, d: int, seed: int) -> dict:
-    device = next(model.parameters()).device
-    xs, ys = (t.to(device) for t in eval_prompts(d, seed))
-    model.eval()
-    predictions = torch.cat([model(xs=x, ys=y).predictions for x, y in zip(xs.split(256), ys.split(256))])
-    model.train()
-    last = float(((predictions[:, -1] - ys[:, -1]) ** 2).mean() / (ys[:, -1] ** 2).mean())
-    return {"error_last": last, "mse_all": float(((predictions - ys) ** 2).mean())}
+def train_batch(d: int, seed: int, step: int, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The training prompts of (seed, step): xs (64, points, d), ys (64, points); the same for every LR."""
+    _, dims, points = schedule(step, steps, d, 1.0)
+    xs, ys, _ = sample_prompts(generator(seed, 2, step), BATCH, points, d, dims)
+    return xs, ys
+
+
+def training_flops(d: int, arm: str, steps: int, layers: int = LAYERS) -> list[float]:
+    """Cumulative training FLOPs after each step 0..steps of one run (``flops_per_token``: matmuls of the transformer
+    blocks and the attention terms, read-in and read-out excluded as in the paper's Fig. 3b, backward = 2x forward),
+    following the curriculum's prompt length. Returns steps + 1 values, the first 0."""
+    config = build(d, arm, layers=layers).config
+    per_length = {}
+    total, out = 0.0, [0.0]
+    for step in range(steps):
+        _, _, points = schedule(step, steps, d, 1.0)
+        if points not in per_length:
+            per_length[points] = flops_per_token(config, 2 * points, training=True) * BATCH * 2 * points
+        total += per_length[points]
+        out.append(total)
+    return out
+
+
+def loss_of(forward, batch) -> torch.Tensor:
+    """The ICL training loss of one run: batch = (xs (B, N, d), ys (B, N))."""
+    return forward(xs=batch[0], ys=batch[1]).loss
+
+
+def predictions_of(forward, batch) -> torch.Tensor:
+    return forward(xs=batch[0], ys=batch[1]).predictions
 
 
 def rank_summary(model, d: int, seed: int) -> dict:
@@ -132,176 +180,441 @@ def rank_summary(model, d: int, seed: int) -> dict:
             "logit_rms": [round(float(v), 4) for v in logit_rms]}
 
 
-def train_run(d: int, arm: str, lr: float, seed: int, steps: int, eval_every: int, folder: Path,
-              device: str = "cpu") -> dict:
-    folder.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(seed)
-    model = build(d, arm).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-    start, wall_before = 0, 0.0
-    checkpoint = folder / "checkpoint.pt"
-    config = {"d": d, "arm": arm, "lr": lr, "seed": seed, "steps": steps, "eval_every": eval_every,
-              "layers": LAYERS, "batch": BATCH}
-    if checkpoint.exists():
-        state = torch.load(checkpoint, weights_only=False, map_location=device)
-        if state["config"] != config:
-            raise ValueError(f"{checkpoint} was written by another configuration: {state['config']} vs {config}")
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        start, wall_before = state["step"], state["wall"]
-    else:
-        (folder / "progress.jsonl").write_text("")
-        (folder / "rank_init.json").write_text(json.dumps(rank_summary(model, d, seed)))
-    t0 = time.time()
-    log = (folder / "progress.jsonl").open("a")
-    step, solved_at = start, None
-    for step in range(start, steps + 1):
-        if step % eval_every == 0 or step == steps:
-            record = {"step": step, **evaluate(model, d, seed), "wall": wall_before + time.time() - t0}
-            log.write(json.dumps(record) + "\n")
-            log.flush()
-            if record["error_last"] < EARLY_STOP:
-                solved_at = step
-                break
-        if step == steps:
-            break
-        rate, dims, points = schedule(step, steps, d, lr)
-        for group in optimizer.param_groups:
-            group["lr"] = rate
-        xs, ys, _ = sample_prompts(generator(seed, 2, step), BATCH, points, d, dims)
-        loss = model(xs=xs.to(device), ys=ys.to(device)).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        if (step + 1) % CHECKPOINT_EVERY == 0:
-            tmp = folder / "checkpoint.tmp"
-            torch.save({"config": config, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                        "step": step + 1, "wall": wall_before + time.time() - t0}, tmp)
-            os.replace(tmp, checkpoint)
-    evals = [json.loads(line) for line in (folder / "progress.jsonl").read_text().splitlines() if line]
-    result = {**config, "final_step": step, "solved_at": solved_at, "final": evals[-1],
-              "best_error_last": min(e["error_last"] for e in evals), "rank_init": json.loads(
-                  (folder / "rank_init.json").read_text()), "rank_final": rank_summary(model, d, seed),
-              "wall_s": wall_before + time.time() - t0, "params": sum(p.numel() for p in model.parameters())}
-    (folder / "result.json").write_text(json.dumps(result, indent=1))
-    checkpoint.unlink(missing_ok=True)
-    return result
-
-
-def claim(folder: Path) -> bool:
-    """Mark ``folder`` as trained by this process (two launchers may share an output folder); False if a live
-    process already holds it."""
-    folder.mkdir(parents=True, exist_ok=True)
-    marker = folder / "running.pid"
-    if marker.exists():
-        try:
-            os.kill(int(marker.read_text()), 0)
-            return False
-        except (ProcessLookupError, ValueError):
-            pass  # a dead run: resume it
-    marker.write_text(str(os.getpid()))
-    return True
-
-
 def run_name(arm: str, lr: float, seed: int) -> str:
     return f"{arm}_lr{lr:g}_s{seed}"
 
 
-def launch_all(args) -> None:
-    """Every (seed, lr, arm) run not finished yet, ``--jobs`` processes at a time, seed 0 first (stages)."""
+def atomic_write(path: Path, text: str) -> None:
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(text)
+    os.replace(temporary, path)
+
+
+class ArmRunner:
+    """The runs (lr, seed) of one arm trained as one stacked model, a chunk of steps at a time (module docstring).
+
+    ``root``: ``<out>/d<d>``; each run writes ``root/<run>/progress.jsonl``, ``rank_init.json`` and, from
+    :meth:`finish`, ``result.json``; the stack's checkpoint is ``root/<arm>.stack/checkpoint.pt``. ``dtype`` float64
+    is for tests; ``layers`` / ``eval_count`` shrink the model and the evaluation for the CPU rehearsal."""
+
+    def __init__(self, d: int, arm: str, lrs, seeds, steps: int, eval_every: int, root: Path, device: str = "cpu",
+                 dtype: torch.dtype = torch.float32, layers: int = LAYERS, eval_count: int = EVAL_PROMPTS):
+        self.d, self.arm, self.steps, self.eval_every, self.root = d, arm, steps, eval_every, Path(root)
+        self.runs = [(float(lr), int(seed)) for seed in seeds for lr in lrs]
+        self.seeds = sorted({seed for _, seed in self.runs})
+        self.device, self.layers = torch.device(device), layers
+        self.config = {"d": d, "arm": arm, "lrs": [float(lr) for lr in lrs], "seeds": [int(s) for s in seeds],
+                       "steps": steps, "eval_every": eval_every, "layers": layers, "batch": BATCH,
+                       "eval_count": eval_count, "dtype": str(dtype)}
+        initial = {}
+        for seed in self.seeds:  # a separate run seeds torch, then builds its model
+            torch.manual_seed(seed)
+            initial[seed] = build(d, arm, layers=layers).to(dtype)
+        self.params = sum(p.numel() for p in initial[self.seeds[0]].parameters())
+        self.stack = StackedRuns(copy.deepcopy(initial[self.seeds[0]]),
+                                 [initial[seed].state_dict() for _, seed in self.runs],
+                                 [lr for lr, _ in self.runs], betas=(0.9, 0.95), weight_decay=0.0, max_grad_norm=1.0,
+                                 device=self.device, dtype=dtype, cuda_graphs=self.device.type == "cuda")
+        self.run_seed = torch.tensor([self.seeds.index(seed) for _, seed in self.runs], device=self.device)
+        evals = [eval_prompts(d, seed, eval_count) for seed in self.seeds]
+        self.eval_xs = torch.stack([xs for xs, _ in evals]).to(self.device, dtype).index_select(0, self.run_seed)
+        self.eval_ys = torch.stack([ys for _, ys in evals]).to(self.device, dtype).index_select(0, self.run_seed)
+        self.step, self.wall_before, self.started = 0, 0.0, time.perf_counter()
+        self.solved_at: list = [None] * len(self.runs)
+        self.last_eval: list = [None] * len(self.runs)
+        self.stack_folder = self.root / f"{arm}.stack"
+        self.checkpoint = self.stack_folder / "checkpoint.pt"
+        self.stack_folder.mkdir(parents=True, exist_ok=True)
+        if self.checkpoint.exists():
+            state = torch.load(self.checkpoint, map_location=self.device, weights_only=True)
+            if state["config"] != self.config:
+                raise ValueError(f"{self.checkpoint} was written by another configuration: {state['config']} vs "
+                                 f"{self.config}")
+            self.stack.load_state_dict(state["stack"])
+            self.step, self.wall_before = state["step"], state["wall"]
+            self.solved_at, self.last_eval = state["solved_at"], state["last_eval"]
+            for folder in self.folders():  # drop evaluations written after the checkpoint
+                lines = [line for line in (folder / "progress.jsonl").read_text().splitlines()
+                         if line and json.loads(line)["step"] <= self.step]
+                (folder / "progress.jsonl").write_text("".join(f"{line}\n" for line in lines))
+        else:
+            for run, folder in enumerate(self.folders()):
+                folder.mkdir(parents=True, exist_ok=True)
+                (folder / "progress.jsonl").write_text("")
+                (folder / "rank_init.json").write_text(json.dumps(
+                    rank_summary(self.stack.run_model(run), d, self.runs[run][1])))
+            self.evaluate()
+
+    def folders(self) -> list[Path]:
+        return [self.root / run_name(self.arm, lr, seed) for lr, seed in self.runs]
+
+    @property
+    def wall(self) -> float:
+        return self.wall_before + time.perf_counter() - self.started
+
+    @property
+    def finished(self) -> bool:
+        return self.step >= self.steps or all(solved is not None for solved in self.solved_at)
+
+    def evaluate(self) -> None:
+        """Evaluate every active run at ``self.step`` on its seed's fixed prompts; freeze the runs that are solved."""
+        predictions = torch.cat([self.stack.evaluate(predictions_of, (xs, ys)) for xs, ys in
+                                 zip(self.eval_xs.split(256, 1), self.eval_ys.split(256, 1))], 1)
+        last = ((predictions[..., -1] - self.eval_ys[..., -1]) ** 2).mean(1) / (self.eval_ys[..., -1] ** 2).mean(1)
+        mse_all = ((predictions - self.eval_ys) ** 2).mean((1, 2))
+        last, mse_all, wall = last.tolist(), mse_all.tolist(), self.wall  # one host sync per evaluation
+        solved = torch.zeros(len(self.runs), dtype=torch.bool)
+        for run, folder in enumerate(self.folders()):
+            if self.solved_at[run] is not None:
+                continue  # frozen: its last evaluation stands
+            record = {"step": self.step, "error_last": last[run], "mse_all": mse_all[run], "wall": wall}
+            with (folder / "progress.jsonl").open("a") as log:
+                log.write(json.dumps(record) + "\n")
+            self.last_eval[run] = record
+            if record["error_last"] < EARLY_STOP:
+                self.solved_at[run] = self.step
+                solved[run] = True
+        if solved.any():
+            self.stack.freeze(solved)
+
+    def next_stop(self) -> int:
+        """The end of the next chunk: the next evaluation, checkpoint or curriculum stage, at most CHUNK steps."""
+        end = min(self.steps, (self.step // self.eval_every + 1) * self.eval_every,
+                  (self.step // CHECKPOINT_EVERY + 1) * CHECKPOINT_EVERY, self.step + CHUNK)
+        shape = schedule(self.step, self.steps, self.d, 1.0)[1:]
+        for step in range(self.step + 1, end):
+            if schedule(step, self.steps, self.d, 1.0)[1:] != shape:
+                return step
+        return end
+
+    def advance(self) -> None:
+        """Train up to :meth:`next_stop` (one transfer of the chunk's prompts to the device), then evaluate and
+        checkpoint when due."""
+        end = self.next_stop()
+        steps = range(self.step, end)
+        prompts = [[train_batch(self.d, seed, step, self.steps) for seed in self.seeds] for step in steps]
+        xs = torch.stack([torch.stack([x for x, _ in per_seed]) for per_seed in prompts])  # (K, seeds, B, N, d)
+        ys = torch.stack([torch.stack([y for _, y in per_seed]) for per_seed in prompts])  # (K, seeds, B, N)
+        if self.device.type == "cuda":  # pinned + non_blocking: no stream sync, the host prepares the next chunk
+            xs, ys = xs.pin_memory(), ys.pin_memory()
+        xs = xs.to(self.device, self.stack.dtype, non_blocking=True)
+        ys = ys.to(self.device, self.stack.dtype, non_blocking=True)
+        for index, step in enumerate(steps):
+            factor = schedule(step, self.steps, self.d, 1.0)[0]  # warm-up factor; peak LRs live in the stack
+            self.stack.train_step(loss_of, (xs[index].index_select(0, self.run_seed),
+                                            ys[index].index_select(0, self.run_seed)), factor)
+        self.step = end
+        if self.step % self.eval_every == 0 or self.step == self.steps:
+            self.evaluate()
+        if self.step % CHECKPOINT_EVERY == 0 and not self.finished:
+            self.save_checkpoint()
+
+    def save_checkpoint(self) -> None:
+        temporary = self.checkpoint.with_name("checkpoint.tmp")
+        torch.save({"config": self.config, "stack": self.stack.state_dict(), "step": self.step, "wall": self.wall,
+                    "solved_at": self.solved_at, "last_eval": self.last_eval}, temporary)
+        os.replace(temporary, self.checkpoint)
+
+    def finish(self) -> list[dict]:
+        """Write every run's ``result.json`` (the report reads them) and remove the checkpoint."""
+        results = []
+        for run, folder in enumerate(self.folders()):
+            lr, seed = self.runs[run]
+            evals = [json.loads(line) for line in (folder / "progress.jsonl").read_text().splitlines() if line]
+            result = {"d": self.d, "arm": self.arm, "lr": lr, "seed": seed, "steps": self.steps,
+                      "eval_every": self.eval_every, "layers": self.layers, "batch": BATCH,
+                      "final_step": evals[-1]["step"], "solved_at": self.solved_at[run], "final": evals[-1],
+                      "best_error_last": min(e["error_last"] for e in evals),
+                      "rank_init": json.loads((folder / "rank_init.json").read_text()),
+                      "rank_final": rank_summary(self.stack.run_model(run), self.d, seed),
+                      "wall_s": self.wall, "params": self.params, "batched_with": len(self.runs),
+                      "step_mode": self.stack.graph_status}
+            atomic_write(folder / "result.json", json.dumps(result, indent=1))
+            results.append(result)
+        self.checkpoint.unlink(missing_ok=True)
+        return results
+
+
+def train_arm(args, arm: str) -> list[dict]:
+    """``arm``: every (lr, seed) run of one arm as one stacked model, resumable, until done or ``--budget-s``."""
     root = Path(args.out) / f"d{args.d}"
-    pending = [(arm, lr, seed) for seed in args.seeds for lr in args.lrs for arm in args.arms
-               if not (root / run_name(arm, lr, seed) / "result.json").exists()]
+    if all((root / run_name(arm, lr, seed) / "result.json").exists() for lr in args.lrs for seed in args.seeds):
+        print(f"{arm}: every run has its result.json already; nothing to train", flush=True)
+        return [json.loads((root / run_name(arm, lr, seed) / "result.json").read_text())
+                for seed in args.seeds for lr in args.lrs]
+    runner = ArmRunner(args.d, arm, args.lrs, args.seeds, args.steps, args.eval_every, root, args.device,
+                       layers=args.layers)
+    while not runner.finished:
+        runner.advance()
+        if args.budget_s is not None and runner.wall - runner.wall_before > args.budget_s and not runner.finished:
+            runner.save_checkpoint()
+            print(f"{arm}: stopped by --budget-s at step {runner.step}; rerun the command to resume", flush=True)
+            return []
+    return runner.finish()
+
+
+def launch_all(args) -> None:
+    """Every arm with an unfinished run, its runs stacked: ``--jobs 1`` trains the arms one after another in this
+    process; more jobs run that many arms at a time, one process each (the ``arm`` command)."""
+    root = Path(args.out) / f"d{args.d}"
+    pending = [arm for arm in args.arms if not all((root / run_name(arm, lr, seed) / "result.json").exists()
+                                                   for lr in args.lrs for seed in args.seeds)]
+    if args.jobs == 1:
+        t0 = time.time()
+        for arm in pending:
+            print(f"[{time.time() - t0:7.0f} s] start {arm} ({len(args.lrs) * len(args.seeds)} runs stacked)",
+                  flush=True)
+            done = train_arm(args, arm)
+            print(f"[{time.time() - t0:7.0f} s] {'done' if done else 'stopped'} {arm}", flush=True)
+        print(f"all arms finished, wall {time.time() - t0:.0f} s", flush=True)
+        return
     running: list[tuple[subprocess.Popen, str]] = []
     t0 = time.time()
+    root.mkdir(parents=True, exist_ok=True)
     while pending or running:
         while pending and len(running) < args.jobs:
-            arm, lr, seed = pending.pop(0)
-            name = run_name(arm, lr, seed)
-            command = [sys.executable, __file__, "one", "--d", str(args.d), "--out", args.out, "--arm", arm,
-                       "--lr", str(lr), "--seed", str(seed), "--steps", str(args.steps), "--eval_every",
-                       str(args.eval_every), "--device", args.device]
-            (root / name).mkdir(parents=True, exist_ok=True)
-            log = (root / name / "stdout.log").open("a")
-            running.append((subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT), name))
-            print(f"[{time.time() - t0:7.0f} s] start {name}", flush=True)
-        time.sleep(2)
-        for process, name in list(running):
+            arm = pending.pop(0)
+            command = [sys.executable, __file__, "arm", "--d", str(args.d), "--out", args.out, "--arm", arm,
+                       "--lrs", *map(str, args.lrs), "--seeds", *map(str, args.seeds), "--steps", str(args.steps),
+                       "--eval_every", str(args.eval_every), "--device", args.device, "--layers", str(args.layers)]
+            log = (root / f"{arm}.log").open("a")
+            running.append((subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT), arm))
+            print(f"[{time.time() - t0:7.0f} s] start {arm} ({len(args.lrs) * len(args.seeds)} runs stacked)",
+                  flush=True)
+        time.sleep(0.5)
+        for process, arm in list(running):
             if process.poll() is not None:
-                running.remove((process, name))
-                print(f"[{time.time() - t0:7.0f} s] {'done' if process.returncode == 0 else 'FAILED'} {name}",
+                running.remove((process, arm))
+                print(f"[{time.time() - t0:7.0f} s] {'done' if process.returncode == 0 else 'FAILED'} {arm}",
                       flush=True)
-    print(f"all runs finished, wall {time.time() - t0:.0f} s", flush=True)
+    print(f"all arms finished, wall {time.time() - t0:.0f} s", flush=True)
 
 
-def step_timing(d: int, arm_names, device: str = "cpu", repeats: int = 11) -> dict[str, float]:
-    """Seconds per training step of each arm at the full prompt size: thread time on CPU (one thread, the arms
-    interleaved), synchronised wall time on CUDA. The first step of each arm is a warm-up and not counted."""
-    models = {arm: build(d, arm).to(device) for arm in arm_names}
-    optimizers = {arm: torch.optim.AdamW(m.parameters(), lr=1e-3) for arm, m in models.items()}
-    clock = time.thread_time if device == "cpu" else time.perf_counter
-    totals = {arm: 0.0 for arm in models}
-    for repeat in range(repeats):
-        for arm, model in models.items():
-            xs, ys, _ = sample_prompts(generator(0, 2, repeat), BATCH, 2 * d, d)
-            xs, ys = xs.to(device), ys.to(device)
-            if device != "cpu":
-                torch.cuda.synchronize()
-            begin = clock()
-            loss = model(xs=xs, ys=ys).loss
-            optimizers[arm].zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizers[arm].step()
-            if device != "cpu":
-                torch.cuda.synchronize()
+# ------------------------------------------------------------------------------------------------------- the pilot
+
+
+def pilot(args) -> dict:
+    """(ii) and (v) at one LR and one seed, interleaved chunk by chunk in one process, within ``--budget-s``; writes
+    ``pilot.md`` and ``pilot.json`` to ``--out`` (module docstring)."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    size = TINY if args.tiny else dict(layers=LAYERS, steps=args.steps, eval_every=args.eval_every,
+                                       eval_count=EVAL_PROMPTS)
+    started = time.perf_counter()
+    root = out / f"d{args.d}"
+    runners = [ArmRunner(args.d, arm, [args.lrs[0]], [args.seeds[0]], size["steps"], size["eval_every"], root,
+                         args.device, layers=size["layers"], eval_count=size["eval_count"]) for arm in PILOT_ARMS]
+    setup = time.perf_counter() - started
+    training = {runner.arm: 0.0 for runner in runners}
+    stopped_by_budget = False
+    while not all(runner.finished for runner in runners):
+        for runner in runners:
+            if runner.finished:
+                continue
+            begin = time.perf_counter()
+            runner.advance()  # its evaluation syncs the device, so the time is the chunk's real time
+            training[runner.arm] += time.perf_counter() - begin
+        if time.perf_counter() - started > args.budget_s and not all(runner.finished for runner in runners):
+            stopped_by_budget = True
+            break
+    for runner in runners:
+        if runner.finished:
+            runner.finish()
+    summary = {"command": "pilot", "device": pilot_device_name(args.device), "d": args.d, "lr": args.lrs[0],
+               "seed": args.seeds[0], "steps_planned": size["steps"], "layers": size["layers"], "tiny": args.tiny,
+               "budget_s": args.budget_s, "stopped_by_budget": stopped_by_budget,
+               "wall_s": round(time.perf_counter() - started, 2), "setup_s": round(setup, 2), "arms": {}}
+    for runner in runners:
+        last = runner.last_eval[0]
+        summary["arms"][runner.arm] = {
+            "label": LABELS[runner.arm], "steps_done": runner.step, "solved_at": runner.solved_at[0],
+            "error_last": last["error_last"], "ms_per_step": round(1000 * training[runner.arm] / max(1, runner.step),
+                                                                   3),
+            "step_mode": runner.stack.graph_status, "params": runner.params}
+    mean_ms = sum(arm["ms_per_step"] for arm in summary["arms"].values()) / len(summary["arms"])
+    # The sweep: 6 arms, each one stacked model of 9 runs. On a GPU these steps are launch-bound, so a 9-run step
+    # costs about what the pilot's 1-run step costs; on a CPU the work grows with the runs (9x). An assumption: the
+    # sweep's own log measures it.
+    runs_factor = 1 if args.device.startswith("cuda") else len(DECIDING_LRS) * len(DECIDING_SEEDS)
+    summary["projection"] = (f"mean measured ms/step x {runs_factor} (a 9-run stacked step "
+                             f"{'costs about one run' if runs_factor == 1 else 'costs 9 runs on a CPU'}) x "
+                             f"{deciding_steps(args.d):,} steps x 6 arms, one arm at a time")
+    summary["projected_sweep_h"] = round(mean_ms * runs_factor / 1000 * deciding_steps(args.d) * len(arms(args.d))
+                                         / 3600, 2)
+    (out / "pilot.json").write_text(json.dumps(summary, indent=1))
+    (out / "pilot.md").write_text(pilot_markdown(summary))
+    print((out / "pilot.md").read_text(), flush=True)
+    return summary
+
+
+def pilot_device_name(device: str) -> str:
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name(torch.device(device))} (torch {torch.__version__})"
+    return f"cpu, {torch.get_num_threads()} thread(s) (torch {torch.__version__})"
+
+
+def pilot_markdown(summary: dict) -> str:
+    """The pilot's summary as a short markdown section (another script pastes it into a report)."""
+    size = "tiny CPU rehearsal (2 layers, 30 steps), not a measurement" if summary["tiny"] else \
+        f"{summary['layers']} layers, {summary['steps_planned']:,} steps planned"
+    stopped = "; **stopped by the budget**" if summary["stopped_by_budget"] else ""
+    lines = [f"### ICL rank pilot: (ii) and (v), d = {summary['d']}, lr {summary['lr']:g}, seed {summary['seed']}",
+             "", f"Device: {summary['device']}; {size}; budget {summary['budget_s']:g} s, wall "
+                 f"{summary['wall_s']:.1f} s (setup {summary['setup_s']:.1f} s){stopped}.",
+             "", "| arm | steps done | ms/step | step mode | last-query error | solved at |",
+             "|---|---|---|---|---|---|"]
+    for arm in summary["arms"].values():
+        lines.append(f"| {arm['label']} | {arm['steps_done']:,} | {arm['ms_per_step']:.2f} | {arm['step_mode']} | "
+                     f"{arm['error_last']:.3f} | {arm['solved_at'] if arm['solved_at'] is not None else '-'} |")
+    solved = [arm["solved_at"] is not None for arm in summary["arms"].values()]
+    if summary["tiny"]:
+        answer = "not asked: a rehearsal of the command at tiny size"
+    elif all(solved):
+        answer = "yes: both controls solve the task (error < 0.05) within the planned steps"
+    elif summary["stopped_by_budget"]:
+        answer = "not known: the budget ended first"
+    else:
+        answer = "no: a control did not reach 0.05 within the planned steps (the sweep would be UNDECIDED)"
+    lines += ["", f"Do the planned steps suffice for the controls at this LR and seed? {answer}.",
+              f"Projected d = {summary['d']} sweep on this device: {summary['projected_sweep_h']:.2f} h "
+              f"({summary['projection']}).", ""]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------------- timing
+
+
+def step_timing(d: int, arm_names, lrs, seeds, repeats: int = 6) -> dict[str, dict]:
+    """CPU thread time (one thread) of one training step of each arm's runs, separate (R models, torch AdamW, SDPA,
+    as §1d's one-process-per-run runner) against batched (one ``StackedRuns`` step), the two interleaved in one
+    process; the first repeat is a warm-up and not counted. Also the operators each dispatches per step."""
+    results = {}
+    runs = [(lr, seed) for seed in seeds for lr in lrs]
+    for arm in arm_names:
+        separate, optimizers = [], []
+        for lr, seed in runs:
+            torch.manual_seed(seed)
+            separate.append(build(d, arm))
+            optimizers.append(torch.optim.AdamW(separate[-1].parameters(), lr=lr, betas=(0.9, 0.95),
+                                                weight_decay=0.0))
+        stack = StackedRuns(build(d, arm), [m.state_dict() for m in separate], [lr for lr, _ in runs])
+        seed_index = torch.tensor([seeds.index(seed) for _, seed in runs])
+        totals = {"separate": 0.0, "batched": 0.0}
+        for repeat in range(repeats):
+            batches = [train_batch(d, seed, 10_000 + repeat, 40_000) for seed in seeds]
+            xs = torch.stack([x for x, _ in batches]).index_select(0, seed_index)
+            ys = torch.stack([y for _, y in batches]).index_select(0, seed_index)
+            begin = time.thread_time()
+            for run, (model, optimizer) in enumerate(zip(separate, optimizers)):
+                loss = model(xs=xs[run], ys=ys[run]).loss
+                optimizer.zero_grad()
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+            middle = time.thread_time()
+            stack.train_step(loss_of, (xs, ys), 1.0)
+            end = time.thread_time()
             if repeat:
-                totals[arm] += clock() - begin
-    return {arm: total / (repeats - 1) for arm, total in totals.items()}
+                totals["separate"] += middle - begin
+                totals["batched"] += end - middle
+        results[arm] = {"runs": len(runs), **{k: v / (repeats - 1) for k, v in totals.items()},
+                        "ops_separate_run": ops_per_step(lambda: separate_step(separate[0], optimizers[0], xs[0],
+                                                                               ys[0])),
+                        "ops_batched": ops_per_step(lambda: stack.train_step(loss_of, (xs, ys), 1.0)),
+                        "kernels_batched": ops_per_step(lambda: stack.train_step(loss_of, (xs, ys), 1.0), True)}
+        results[arm].update(host_cost_per_operator(d, arm))
+    return results
 
 
-def ops_per_step(d: int, arm: str) -> int:
-    """PyTorch operators one training step dispatches (forward, backward, clipping, AdamW; foreach kernels as on
-    CUDA), counted by ``torch.profiler`` as the ``aten::`` calls not made inside another one: at these sizes a GPU
-    step costs about one kernel launch per operator, so this count sets its launch-bound time."""
+def host_cost_per_operator(d: int, arm: str, repeats: int = 10) -> dict:
+    """Thread time per dispatched operator of one step with ONE prompt and one run, where the arithmetic is
+    negligible: what PyTorch's dispatch costs the host per operator, separate (plain autograd) and batched (vmap +
+    grad transforms). On a GPU the host pays about this per operator while the kernels are this small."""
+    torch.manual_seed(0)
+    model = build(d, arm)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    stack = StackedRuns(build(d, arm), [model.state_dict()], [1e-3])
+    xs, ys = (t[:1] for t in train_batch(d, 0, 10_000, 40_000))
+
+    def separate():
+        separate_step(model, optimizer, xs, ys)
+
+    def batched():
+        stack.train_step(loss_of, (xs[None], ys[None]), 1.0)
+
+    out = {}
+    for name, step in (("separate", separate), ("batched", batched)):
+        step()
+        begin = time.thread_time()
+        for _ in range(repeats):
+            step()
+        out[f"host_us_per_op_{name}"] = (time.thread_time() - begin) / repeats / ops_per_step(step) * 1e6
+    return out
+
+
+def separate_step(model, optimizer, xs, ys) -> None:
+    loss = model(xs=xs, ys=ys).loss
+    optimizer.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+
+
+# operators that only re-describe memory (views, shape queries): no kernel runs for them on a GPU
+VIEW_OPERATORS = {"aten::view", "aten::_unsafe_view", "aten::alias", "aten::detach", "aten::expand", "aten::t",
+                  "aten::transpose", "aten::permute", "aten::slice", "aten::select", "aten::unsqueeze",
+                  "aten::squeeze", "aten::reshape", "aten::as_strided", "aten::split", "aten::unbind",
+                  "aten::split_with_sizes", "aten::_reshape_alias", "aten::unflatten", "aten::flatten",
+                  "aten::movedim", "aten::narrow", "aten::chunk", "aten::view_as", "aten::expand_as",
+                  "aten::result_type", "aten::empty", "aten::empty_like", "aten::to", "aten::lift_fresh",
+                  "aten::promote_types", "aten::is_same_size", "aten::size", "aten::stride", "aten::dim"}
+
+
+def ops_per_step(step, computing: bool = False) -> int:
+    """PyTorch operators one call of ``step`` dispatches, counted by ``torch.profiler`` as the ``aten::`` calls not
+    made inside another one (``computing``: only those that are not views, i.e. about one kernel each on a GPU).
+    At these sizes a GPU step costs about one host dispatch per operator and one short kernel per computing one."""
     from torch.profiler import ProfilerActivity, profile
 
-    model = build(d, arm)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
-    xs, ys, _ = sample_prompts(generator(0, 2, 0), BATCH, 2 * d, d)
-
-    def step():
-        loss = model(xs=xs, ys=ys).loss
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
-        optimizer.step()
-
-    step()  # AdamW creates its state on the first step
+    step()
     with profile(activities=[ProfilerActivity.CPU]) as profiler:
         step()
     return sum(1 for event in profiler.events() if event.name.startswith("aten::")
-               and (event.cpu_parent is None or not event.cpu_parent.name.startswith("aten::")))
-
-
-def sweep_cost(seconds_per_step: dict[str, float], steps: int, lrs, seeds, jobs: int) -> float:
-    """Wall seconds of the whole sweep with ``jobs`` runs at a time at these step times (no early stop; the
-    evaluations, ~1 % of the steps' work at ``--eval_every`` 500, not counted)."""
-    return sum(seconds_per_step.values()) * steps * len(lrs) * len(seeds) / jobs
+               and (event.cpu_parent is None or not event.cpu_parent.name.startswith("aten::"))
+               and not (computing and event.name in VIEW_OPERATORS))
 
 
 def time_arms(args) -> None:
-    """Seconds per step of each arm on ``--device`` and what the sweep of ``--steps``/``--lrs``/``--seeds`` costs."""
-    seconds = step_timing(args.d, args.arms, args.device)
-    for arm, value in seconds.items():
-        print(f"{arm}: {value * 1000:.1f} ms/step ({'thread time, one thread' if args.device == 'cpu' else 'wall'}), "
-              f"{ops_per_step(args.d, arm):,} operators/step, "
-              f"params {sum(p.numel() for p in build(args.d, arm).parameters()):,}")
-    runs = len(seconds) * len(args.lrs) * len(args.seeds)
-    cost = sweep_cost(seconds, args.steps, args.lrs, args.seeds, args.jobs)
-    print(f"sweep: {len(seconds)} arms x {len(args.lrs)} LRs x {len(args.seeds)} seeds = {runs} runs of "
-          f"{args.steps:,} steps; {cost / 3600:.1f} h wall with {args.jobs} runs at a time at these step times")
+    """Batched vs separate CPU step time of each arm, and the sweep's cost on this CPU from them."""
+    results = step_timing(args.d, args.arms, args.lrs, args.seeds)
+    print("| arm | runs | separate runs, ms/step (sum over runs) | batched, ms/step | speed-up | operators/step, one "
+          "separate run | operators/step, batched (computing) | host us/operator, separate / batched (1 prompt) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for arm, row in results.items():
+        print(f"| {LABELS[arm]} | {row['runs']} | {row['separate'] * 1000:.1f} | {row['batched'] * 1000:.1f} | "
+              f"{row['separate'] / row['batched']:.2f}x | {row['ops_separate_run']:,} | {row['ops_batched']:,} "
+              f"({row['kernels_batched']:,}) | "
+              f"{row['host_us_per_op_separate']:.1f} / {row['host_us_per_op_batched']:.1f} |")
+    for mode in ("separate", "batched"):
+        hours = sum(row[mode] for row in results.values()) * args.steps / args.jobs / 3600
+        print(f"sweep {mode}: {len(results)} arms x {len(args.lrs)} LRs x {len(args.seeds)} seeds x {args.steps:,} "
+              f"steps: {hours:.1f} h of wall with {args.jobs} cores at these thread times")
+
+
+def plan(args) -> None:
+    """The sweep's size: per arm its parameters and a run's training FLOPs at ``--steps``; the total."""
+    print(f"| arm | params | FLOPs per run ({args.steps:,} steps) | runs |")
+    print("|---|---|---|---|")
+    total = 0.0
+    for arm in args.arms:
+        flops = training_flops(args.d, arm, args.steps)[-1]
+        runs = len(args.lrs) * len(args.seeds)
+        total += flops * runs
+        print(f"| {LABELS[arm]} | {sum(p.numel() for p in build(args.d, arm).parameters()):,} | {flops:.3g} | "
+              f"{runs} |")
+    print(f"\nd = {args.d}: {len(args.arms)} arms x {len(args.lrs)} LRs x {len(args.seeds)} seeds = "
+          f"{len(args.arms) * len(args.lrs) * len(args.seeds)} runs of {args.steps:,} steps, {total:.3g} training "
+          "FLOPs (launch-bound on a GPU: the time follows the operators per step, see the time command)")
 
 
 def describe(args) -> None:
@@ -352,20 +665,24 @@ def ranks_of_earlier_runs() -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", choices=["run", "one", "time", "describe", "report", "earlier-ranks"])
+    parser.add_argument("command", choices=["run", "arm", "pilot", "plan", "time", "describe", "report",
+                                            "earlier-ranks"])
     parser.add_argument("--d", type=int, default=4, help="input dim, a multiple of 4")
-    parser.add_argument("--out", default="outputs/icl_rank_v2")
-    parser.add_argument("--steps", type=int, default=DECIDING_STEPS)
+    parser.add_argument("--out", help="output folder (default: outputs/icl_rank_v3; pilot: outputs/icl_pilot)")
+    parser.add_argument("--steps", type=int, help=f"training steps (default: the deciding budget, {DECIDING_STEPS})")
     parser.add_argument("--eval_every", type=int, default=500)
-    parser.add_argument("--lrs", type=float, nargs="+", default=DECIDING_LRS)
-    parser.add_argument("--seeds", type=int, nargs="+", default=DECIDING_SEEDS)
-    parser.add_argument("--jobs", type=int, default=2, help="runs at a time (one process each)")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda (each run on this device)")
-    parser.add_argument("--arms", nargs="+", help="run / report only these arms (default: all six)")
-    parser.add_argument("--arm")
-    parser.add_argument("--lr", type=float)
-    parser.add_argument("--seed", type=int)
-    parser.add_argument("--figures", default="docs/results/icl_rank_v2")
+    parser.add_argument("--lrs", type=float, nargs="+", help=f"default {DECIDING_LRS}; pilot {PILOT_LR}")
+    parser.add_argument("--seeds", type=int, nargs="+", help=f"default {DECIDING_SEEDS}; pilot {PILOT_SEED}")
+    parser.add_argument("--layers", type=int, default=LAYERS, help="run / arm: transformer blocks (the design: 6)")
+    parser.add_argument("--jobs", type=int, default=1, help="run: arms at a time (one process each)")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:<index>")
+    parser.add_argument("--arms", nargs="+", help="run / report / time only these arms (default: all six)")
+    parser.add_argument("--arm", help="arm: the arm to train")
+    parser.add_argument("--budget-s", dest="budget_s", type=float,
+                        help="wall seconds after which training stops (pilot default 170; arm/run: a checkpoint "
+                             "is kept and a rerun resumes)")
+    parser.add_argument("--tiny", action="store_true", help="pilot: the CPU rehearsal (2 layers, 30 steps)")
+    parser.add_argument("--figures", default="docs/results/icl_rank_v3")
     parser.add_argument("--earlier", action="store_true", help="describe: the five arms of the §1c runs")
     args = parser.parse_args(argv)
     try:
@@ -376,35 +693,46 @@ def main(argv=None) -> None:
     if unknown:
         parser.error(f"--arms: unknown {', '.join(unknown)}; the arms are {', '.join(arm_names)}")
     args.arms = [arm for arm in arm_names if not args.arms or arm in args.arms]
-    for name in ("steps", "eval_every", "jobs"):
+    pilot_command = args.command == "pilot"
+    args.out = args.out or ("outputs/icl_pilot" if pilot_command else "outputs/icl_rank_v3")
+    args.steps = args.steps if args.steps is not None else deciding_steps(args.d)
+    args.lrs = args.lrs or ([PILOT_LR] if pilot_command else DECIDING_LRS)
+    args.seeds = args.seeds or ([PILOT_SEED] if pilot_command else DECIDING_SEEDS)
+    if pilot_command and args.budget_s is None:
+        args.budget_s = 170.0
+    for name in ("steps", "eval_every", "jobs", "layers"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.budget_s is not None and not args.budget_s > 0:
+        parser.error(f"--budget-s must be positive, got {args.budget_s}")
     if any(not lr > 0 for lr in args.lrs):
         parser.error(f"--lrs must be positive, got {args.lrs}")
+    if len(set(args.seeds)) != len(args.seeds) or len(set(args.lrs)) != len(args.lrs):
+        parser.error(f"--lrs and --seeds must not repeat, got {args.lrs} and {args.seeds}")
     if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
         parser.error(f"--device must be cpu or cuda[:index], got {args.device!r}")
-    if args.command == "one" and (args.arm not in arm_names or args.lr is None or args.seed is None):
-        parser.error(f"one needs --arm (one of {', '.join(arm_names)}), --lr and --seed; got --arm {args.arm!r}")
+    if args.device.startswith("cuda") and args.command in ("run", "arm", "pilot") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: CUDA is not available on this machine")
+    if pilot_command and Path(args.out).exists() and any(Path(args.out).iterdir()):
+        parser.error(f"--out {args.out} is not empty: a pilot starts from scratch in a new folder")
+    if args.command == "arm" and args.arm not in arm_names:
+        parser.error(f"arm needs --arm, one of {', '.join(arm_names)}; got {args.arm!r}")
     torch.set_num_threads(1)
     if args.command == "time":
         time_arms(args)
+    elif args.command == "plan":
+        plan(args)
     elif args.command == "earlier-ranks":
         ranks_of_earlier_runs()
     elif args.command == "describe":
         describe(args)
-    elif args.command == "one":
-        folder = Path(args.out) / f"d{args.d}" / run_name(args.arm, args.lr, args.seed)
-        if (folder / "result.json").exists() or not claim(folder):
-            print(f"skip {folder}: finished or running in another process")
-            return
-        try:
-            result = train_run(args.d, args.arm, args.lr, args.seed, args.steps, args.eval_every, folder,
-                               args.device)
-        finally:
-            (folder / "running.pid").unlink(missing_ok=True)
-        print(json.dumps(result))
+    elif args.command == "arm":
+        for result in train_arm(args, args.arm):
+            print(json.dumps({k: result[k] for k in ("arm", "lr", "seed", "final_step", "solved_at")}))
     elif args.command == "run":
         launch_all(args)
+    elif args.command == "pilot":
+        pilot(args)
     else:
         from icl_rank_report import report  # scripts/icl_rank_report.py
 

@@ -1,14 +1,26 @@
-"""Table, plot and verdict of ``scripts/icl_rank_experiment.py`` (the decision rule of docs/results.md §1d).
+"""Table, FLOPs, plot and verdicts of ``scripts/icl_rank_experiment.py`` (the decision rules of docs/results.md).
 
-    python scripts/icl_rank_experiment.py report --out outputs/icl_rank_v2 --d 4 [--figures docs/results/icl_rank_v2]
+    python scripts/icl_rank_experiment.py report --out outputs/icl_rank_v3 --d 4 [--figures docs/results/icl_rank_v3]
 
-Rule: YES when the full-rank controls (ii) 1-head dense, (iii) bilinear BTT and (v) the same-width r = 2d dense
-arm each end below 0.1 in every seed while (i), r = d/2, ends above 0.5 in every seed (bilinear MLR's part: (iv)
-below 0.1 in every seed too); NO when (i) ends below 0.1 in any seed; UNDECIDED otherwise, with the reasons. An
-arm's score for a seed is its best-LR final error. (vi), the wider r = 2d arm, is reported, not ruled on.
+Error = last-query MSE on 1024 fresh prompts / Var(y) of those prompts ("predict 0" = 1). An arm's score for a seed
+is its best-LR error.
+
+Rank rule (the paper's Fig. 2 / 3a claim; scores = final errors): YES when the full-rank controls (ii) 1-head dense,
+(iii) bilinear BTT and (v) the same-width r = 2d dense arm each end below 0.1 in every seed while (i), r = d/2, ends
+above 0.5 in every seed; NO when (i) ends below 0.1 in any seed; UNDECIDED otherwise, with the reasons. (iv) bilinear
+MLR and (vi) the wider r = 2d arm are reported as observations: the paper does not claim that bilinear MLR solves the
+task at a given width, only its advantage at equal compute.
+
+Equal-compute rule (the paper's Fig. 3b claim: at a fixed width the bilinear scores reach a lower error than dense
+attention with 1 or many heads for the same training FLOPs; FLOPs of the transformer blocks, read-in and read-out
+excluded as in the paper). The budget F* is the smallest planned-run FLOPs of the four arms compared (the cheapest
+arm's whole run); a run's error at F* is its last evaluation at or below F* FLOPs, and an arm's score for a seed is
+the best over LRs. "Lower" means lower by at least 10 % of the larger error and 0.01. YES when (iii) bilinear BTT and
+(iv) bilinear MLR are each lower than both (i) 12-head and (ii) 1-head dense in every seed; NO when in every seed the
+better of (i) and (ii) is lower than both bilinear arms; UNDECIDED otherwise.
 
 Unfinished runs are read from their ``progress.jsonl`` and marked "running" (their last evaluation counts as the
-current value; the verdict says "partial" until every run has its ``result.json``).
+current value; the verdicts say "PARTIAL" until every run has its ``result.json``).
 """
 
 from __future__ import annotations
@@ -17,6 +29,10 @@ import json
 from pathlib import Path
 
 from icl_rank_arms import FAILED, LABELS, SOLVED, arms
+
+EQUAL_COMPUTE_BILINEAR = ("iii_btt8", "iv_mlr8")
+EQUAL_COMPUTE_DENSE = ("i_dense12_half", "ii_dense1")
+MARGIN_RELATIVE, MARGIN_ABSOLUTE = 0.10, 0.01  # "lower" in the equal-compute rule
 
 LOW_RANK = "i_dense12_half"
 CONTROLS = ("ii_dense1", "iii_btt8", "v_dense3_rank")
@@ -61,6 +77,7 @@ def scores(runs: list[dict], arm_names, seeds) -> dict:
 
 
 def verdict(table: dict, seeds, complete: bool) -> str:
+    """The rank rule (module docstring) on ``table`` ((arm, seed) -> (best-LR final error, run))."""
     def all_below(arm, threshold):
         return all((arm, s) in table and table[arm, s][0] < threshold for s in seeds)
 
@@ -71,8 +88,7 @@ def verdict(table: dict, seeds, complete: bool) -> str:
     controls = all(all_below(arm, SOLVED) for arm in CONTROLS)
     low_fails = all((LOW_RANK, s) in table and table[LOW_RANK, s][0] > FAILED for s in seeds)
     if controls and low_fails:
-        mlr = "and bilinear MLR too" if all_below("iv_mlr8", SOLVED) else "but bilinear MLR does not solve it"
-        return f"YES: (ii), (iii), (v) solve the task in every seed while (i) stays above 0.5 ({mlr})"
+        return "YES: (ii), (iii), (v) solve the task in every seed while (i) stays above 0.5"
     reasons = []
     for arm in CONTROLS:
         if not all_below(arm, SOLVED):
@@ -80,6 +96,67 @@ def verdict(table: dict, seeds, complete: bool) -> str:
     if not low_fails:
         reasons.append("(i) ends between 0.1 and 0.5 in a seed")
     return "UNDECIDED: " + "; ".join(reasons)
+
+
+def observations(table: dict, seeds) -> list[str]:
+    """What the arms outside the rank rule did: (iv) bilinear MLR and (vi) the width control."""
+    lines = []
+    for arm in ("iv_mlr8", "vi_dense8_wide"):
+        values = [table[arm, s][0] for s in seeds if (arm, s) in table]
+        if not values:
+            continue
+        solved = sum(value < SOLVED for value in values)
+        lines.append(f"{LABELS[arm]}: best-LR error {', '.join(f'{v:.3f}' for v in values)} "
+                     f"(seeds {', '.join(str(s) for s in seeds if (arm, s) in table)}); below 0.1 in {solved} of "
+                     f"{len(values)} seeds")
+    return lines
+
+
+def lower(first: float, second: float) -> bool:
+    """``first`` lower than ``second`` by the equal-compute rule's margin."""
+    return second - first >= max(MARGIN_ABSOLUTE, MARGIN_RELATIVE * max(first, second))
+
+
+def error_at_flops(run: dict, flops: list[float], budget: float):
+    """The run's error at its last evaluation whose cumulative training FLOPs (``flops[step]``) are at most
+    ``budget``; None while an unfinished run has not reached the budget yet."""
+    def spent(step):
+        return flops[min(step, len(flops) - 1)]
+
+    reached = run["finished"] or spent(run["step"]) >= budget
+    inside = [e for e in run["evals"] if spent(e["step"]) <= budget]
+    return inside[-1]["error_last"] if reached and inside else None
+
+
+def equal_compute_table(runs: list[dict], flops: dict, budget: float, arm_names, seeds) -> dict:
+    """(arm, seed) -> best-LR error at ``budget`` FLOPs (``flops[arm]``: cumulative FLOPs per step of one run)."""
+    table = {}
+    for arm in arm_names:
+        for seed in seeds:
+            values = [error_at_flops(run, flops[arm], budget) for run in runs
+                      if run["arm"] == arm and run["seed"] == seed]
+            values = [v for v in values if v is not None]
+            if values:
+                table[arm, seed] = min(values)
+    return table
+
+
+def equal_compute_verdict(table: dict, seeds, complete: bool) -> str:
+    """The equal-compute rule (module docstring) on ``table`` ((arm, seed) -> best-LR error at F*)."""
+    needed = [(arm, s) for arm in EQUAL_COMPUTE_BILINEAR + EQUAL_COMPUTE_DENSE for s in seeds]
+    if not complete or any(key not in table for key in needed):
+        return "PARTIAL: not every run has reached the budget F*"
+    bilinear_win = all(lower(table[b, s], table[dense, s]) for b in EQUAL_COMPUTE_BILINEAR
+                       for dense in EQUAL_COMPUTE_DENSE for s in seeds)
+    if bilinear_win:
+        return "YES: bilinear BTT and bilinear MLR each end lower than 12-head and 1-head dense in every seed at F*"
+    dense_win = all(lower(min(table[dense, s] for dense in EQUAL_COMPUTE_DENSE), table[b, s])
+                    for b in EQUAL_COMPUTE_BILINEAR for s in seeds)
+    if dense_win:
+        return "NO: in every seed the better dense arm ends lower than both bilinear arms at F*"
+    losses = sorted({f"{LABELS[b]} vs {LABELS[dense]}" for b in EQUAL_COMPUTE_BILINEAR
+                     for dense in EQUAL_COMPUTE_DENSE for s in seeds if not lower(table[b, s], table[dense, s])})
+    return "UNDECIDED: not lower in every seed: " + "; ".join(losses)
 
 
 def plot(runs: list[dict], d: int, seeds, out: Path) -> Path:
@@ -122,9 +199,12 @@ def plot(runs: list[dict], d: int, seeds, out: Path) -> Path:
 
 
 def report(args) -> None:
+    from icl_rank_experiment import training_flops  # scripts/icl_rank_experiment.py (imports torch)
+
     root = Path(args.out) / f"d{args.d}"
     arm_names = list(args.arms)
-    runs = [run for run in load_runs(root) if run["arm"] in arm_names]
+    runs = [run for run in load_runs(root) if run["arm"] in arm_names and run["lr"] in args.lrs
+            and run["seed"] in args.seeds]  # only the design's runs count
     expected = len(arm_names) * len(args.lrs) * len(args.seeds)
     complete = sum(run["finished"] for run in runs) == expected
     table = scores(runs, arm_names, args.seeds)
@@ -148,6 +228,29 @@ def report(args) -> None:
             print(f"| {LABELS[arm]} | {fields[arm]['n_embd']} | {fields[arm]['n_head']} | {rank_text} | {seed} | "
                   f"{' | '.join(cells)} | {'-' if best is None else f'{best[0]:.3f}'} | {solved} |")
     total_wall = sum(run["wall"] for run in runs)
-    print(f"\nruns finished: {sum(r['finished'] for r in runs)}/{expected}; summed run wall time {total_wall:.0f} s")
-    print("VERDICT:", verdict(table, args.seeds, complete))
+    print(f"\nruns finished: {sum(r['finished'] for r in runs)}/{expected}; summed run wall time {total_wall:.0f} s "
+          "(runs of one arm train stacked, so each shares its arm's wall time)")
+    print("VERDICT (rank, Fig. 2/3a):", verdict(table, args.seeds, complete))
+    for line in observations(table, args.seeds):
+        print("OBSERVATION:", line)
+
+    flops = {arm: training_flops(args.d, arm, args.steps, layers=args.layers) for arm in arm_names}
+    print(f"\n| arm | training FLOPs per step (full prompt) | FLOPs of a {args.steps:,}-step run |")
+    print("|---|---|---|")
+    for arm in arm_names:
+        print(f"| {LABELS[arm]} | {flops[arm][-1] - flops[arm][-2]:.3g} | {flops[arm][-1]:.3g} |")
+    compared = [arm for arm in EQUAL_COMPUTE_BILINEAR + EQUAL_COMPUTE_DENSE if arm in arm_names]
+    if compared:
+        budget = min(flops[arm][-1] for arm in compared)
+        levels = [budget / 4, budget / 2, budget]
+        print(f"\nEqual compute (Fig. 3b): best-LR error at F*/4, F*/2 and F* = {budget:.3g} FLOPs (the cheapest "
+              "compared arm's whole run), read from each run's evaluations")
+        print("| arm | seed | " + " | ".join(f"{level:.3g}" for level in levels) + " |")
+        print("|---|---|" + "---|" * len(levels))
+        at_levels = [equal_compute_table(runs, flops, level, arm_names, args.seeds) for level in levels]
+        for arm in arm_names:
+            for seed in args.seeds:
+                cells = [f"{t[arm, seed]:.3f}" if (arm, seed) in t else "-" for t in at_levels]
+                print(f"| {LABELS[arm]} | {seed} | {' | '.join(cells)} |")
+        print("VERDICT (equal compute, Fig. 3b):", equal_compute_verdict(at_levels[-1], args.seeds, complete))
     print("plot:", plot(runs, args.d, list(args.seeds), Path(args.figures)))

@@ -1,4 +1,4 @@
-"""Init logit scale of MLR attention by pair distance for the LM settings (issue 15 item 3, docs/models.md).
+"""Init logit scale of MLR attention by pair distance for the LM settings (docs/models.md).
 
     python scripts/logit_scale_report.py
 

@@ -1,5 +1,5 @@
 """What the default MLR logit scale costs: ``mlr_scaling="standard"`` (uniform 1/sqrt(r), our config default) vs
-``"mup"`` (1/r_l per level, the authors' LM code) on the README's main-job CLM recipe (issue 23 item 16).
+``"mup"`` (1/r_l per level, the authors' LM code) on the README's main-job CLM recipe.
 
     OMP_NUM_THREADS=1 python scripts/mlr_scaling_experiment.py run --steps 300 --seeds 0 1 2 --out outputs/mlr_scaling
     python scripts/mlr_scaling_experiment.py report --out outputs/mlr_scaling

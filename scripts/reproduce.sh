@@ -1,11 +1,25 @@
 #!/usr/bin/env bash
-# Reproduce the paper's experiments (Kuang et al., ICML 2025) at CPU scale.
+# The paper's experiments (Kuang et al., ICML 2025): what this script runs, exactly (docs/results.md has the table of
+# claims, designs, rules and budgets).
 #
+#   bash scripts/reproduce.sh --designs [--device cuda] [--jobs N] [--only icl|lm|chronos]
+#       The decisive designs, each one command with a rule coded before it runs, then its report (verdict lines):
+#         icl:     scripts/icl_rank_experiment.py run --d 4 (6 arms x 3 LRs x 3 seeds x 40k steps, the runs of an arm
+#                  stacked into one model; --jobs arms at a time), then report
+#         lm:      scripts/lm_experiment.py run (6 variants x 3 widths x 2 seeds x 3 LRs at equal FLOPs, muP), report
+#         chronos: scripts/chronos_experiment.py run (dense / MLR / logit-scale ablation x 3 widths x 3 seeds x 3
+#                  LRs, Chronos-T5's 8 x 64 heads), report
+#       GPU work on one H100 (estimates, docs/results.md): icl 0.35-0.75 h with --jobs 6 (the default here; 5-12 min
+#       if its CUDA graphs engage), lm ~2.1 h, chronos ~1.2 h; every command resumes from its checkpoints when rerun. Results under $REPRODUCE_OUT (default
+#       outputs/reproduce): icl_rank_v3/, lm_equal_flops/, chronos_design/, and <name>_report.txt.
+#   bash scripts/reproduce.sh --pilots [--device cuda]
+#       The three pilots (each <= 170 s of wall on an H100 by its --budget-s), into $REPRODUCE_OUT/pilots/<name>/
+#       (pilot.md, pilot.json; a rerun replaces them).
 #   bash scripts/reproduce.sh [--budget small|full] [--jobs N] [--only icl|clm|chronos]
-#   (results under $REPRODUCE_OUT, default outputs/reproduce, figures in $REPRODUCE_FIGURES, default docs/results;
-#   finished runs are skipped on a rerun)
+#       The earlier TOY-SCALE CPU runs of docs/results.md's toy-scale sections (not reproductions; finished runs are
+#       skipped on a rerun; results under $REPRODUCE_OUT, figures in $REPRODUCE_FIGURES, default docs/results):
 #
-# Experiment 1 (implemented): in-context linear regression (paper §2.2 Fig. 2 and §4 Fig. 3a/3b).
+# Experiment 1, toy scale: in-context linear regression (paper §2.2 Fig. 2 and §4 Fig. 3a/3b).
 #   x ~ N(0, I/d), w ~ N(0, I), y = <x, w>, N = 2d points; 8-head dense, 1-head dense, 8-head bilinear BTT and
 #   8-head bilinear MLR attention at widths D; the same number of training steps for every run; evaluation on
 #   fresh prompts never trained on (recipes/train_icl.py). Results: outputs/reproduce/icl/d<d>/<variant>_D<D>/
@@ -21,10 +35,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 BUDGET=small
-JOBS=2
+JOBS=
 ONLY=all
+MODE=toy
+DEVICE=cuda
 while [[ $# -gt 0 ]]; do
   case "$1" in
+    --designs) MODE=designs; shift ;;
+    --pilots) MODE=pilots; shift ;;
+    --device) DEVICE="$2"; shift 2 ;;
     --budget) BUDGET="$2"; shift 2 ;;
     --budget=*) BUDGET="${1#*=}"; shift ;;
     --jobs) JOBS="$2"; shift 2 ;;
@@ -34,6 +53,7 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 
+if [[ -z $JOBS ]]; then JOBS=$([[ $MODE == designs ]] && echo 6 || echo 2); fi
 if [[ -f .venv/bin/activate ]]; then . .venv/bin/activate; fi
 PY=${PYTHON:-python}
 
@@ -163,6 +183,39 @@ run_chronos() {
   $PY scripts/plot_chronos.py --root "$out" --out "${REPRODUCE_FIGURES:-docs/results}"
 }
 # ---------------------------------------------------------------------------------------------------------------
+
+# ---------------------------------------------------------------------------------------------------------------
+# The decisive designs and their pilots (the scripts' own docstrings hold the designs and rules).
+run_designs() {
+  local out=${REPRODUCE_OUT:-outputs/reproduce}
+  mkdir -p "$out"
+  case "$ONLY" in all|icl|lm|chronos) ;; *) echo "--only must be icl, lm or chronos with --designs" >&2; exit 2 ;; esac
+  if [[ $ONLY == all || $ONLY == icl ]]; then
+    $PY scripts/icl_rank_experiment.py run --d 4 --device "$DEVICE" --jobs "$JOBS" --out "$out/icl_rank_v3"
+    $PY scripts/icl_rank_experiment.py report --d 4 --out "$out/icl_rank_v3" --figures "$out/icl_rank_v3" \
+      | tee "$out/icl_report.txt"
+  fi
+  if [[ $ONLY == all || $ONLY == lm ]]; then
+    $PY scripts/lm_experiment.py run --device "$DEVICE" --out "$out/lm_equal_flops"
+    $PY scripts/lm_experiment.py report --out "$out/lm_equal_flops" | tee "$out/lm_report.txt"
+  fi
+  if [[ $ONLY == all || $ONLY == chronos ]]; then
+    $PY scripts/chronos_experiment.py run --device "$DEVICE" --out "$out/chronos_design"
+    $PY scripts/chronos_experiment.py report --out "$out/chronos_design" | tee "$out/chronos_report.txt"
+  fi
+}
+
+run_pilots() {
+  local out=${REPRODUCE_OUT:-outputs/reproduce}/pilots
+  mkdir -p "$out"
+  rm -rf "$out/icl" "$out/lm" "$out/chronos"  # a pilot starts from scratch
+  $PY scripts/icl_rank_experiment.py pilot --device "$DEVICE" --budget-s 170 --out "$out/icl"
+  $PY scripts/lm_experiment.py pilot --device "$DEVICE" --budget-s 170 --out "$out/lm"
+  $PY scripts/chronos_experiment.py pilot --device "$DEVICE" --budget-s 170 --out "$out/chronos"
+}
+
+if [[ $MODE == designs ]]; then run_designs; exit 0; fi
+if [[ $MODE == pilots ]]; then run_pilots; exit 0; fi
 
 case "$ONLY" in
   all) run_icl; run_clm; run_chronos ;;

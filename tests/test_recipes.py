@@ -980,7 +980,7 @@ def test_icl_curriculum_and_exact_resume(tmp_path):
 # ------------------------------------------------------------------------------------------------ Chronos
 
 
-def test_finetune_chronos_tiny_end_to_end(tmp_path):
+def test_finetune_chronos_tiny_end_to_end(tmp_path, capsys):
     pytest.importorskip("chronos")
     pytest.importorskip("statsmodels")
     from chronos import ChronosPipeline
@@ -993,6 +993,8 @@ def test_finetune_chronos_tiny_end_to_end(tmp_path):
                    "--synthetic_eval_series", "2", "--real_datasets", "nile,sunspots", "--eval_num_samples", "4",
                    "--per_device_batch_size", "4", "--disable_tqdm"])
     assert result["step"] == 4
+    # the tiny Chronos has Chronos-T5's dropout 0.1: off in the MLR layers' attention weights, said once
+    assert "attention dropout: 0.1 in the config, off in the mlr layers" in capsys.readouterr().out
     for key in ("eval_mase", "eval_wql", "eval_loss"):
         assert result[key] > 0 and torch.isfinite(torch.tensor(result[key])), key
     assert "patch_logit_rel" in result
@@ -1157,3 +1159,51 @@ def test_fsdp2_on_two_cpu_processes_trains_an_mlr_model_like_one_process(tmp_pat
     for name, tensor in one["state"].items():
         assert tensor.dtype == torch.float64
         torch.testing.assert_close(two["state"][name], tensor, rtol=1e-9, atol=1e-11, msg=name)
+
+
+def test_a_run_prints_no_warning_a_user_cannot_act_on(tmp_path):
+    """transformers' loss-type notice (the class name names no task) and accelerate's tied-weights notice at every
+    checkpoint are silenced at their source; the run still saves checkpoints with tied weights."""
+    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "train_clm.py"), "--config", TINY_CLM,
+                           "--output_dir", str(tmp_path / "out"), "--sample_new_tokens", "0"], cwd=tmp_path,
+                          env=_script_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    output = proc.stdout + proc.stderr
+    assert (tmp_path / "out" / "checkpoints").is_dir()
+    for notice in ("Removed shared tensor", "loss_type=None"):
+        assert notice not in output, output[-3000:]
+
+
+def test_without_the_progress_bar_a_run_prints_progress_lines_with_a_rate_and_an_eta(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "train_clm.py"), "--config", TINY_CLM,
+                           "--output_dir", str(tmp_path / "out"), "--sample_new_tokens", "0", "--disable_tqdm",
+                           "--progress_every_s", "0.001"], cwd=tmp_path, env=_script_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if re.fullmatch(
+        r"step \d+/\d+: loss \d+\.\d{4}, [\d,]+ tokens/s, ETA (\d+m\d\ds|\d+s)", line)]
+    steps = [int(line.split()[1].split("/")[0]) for line in lines]
+    assert len(steps) >= 3 and steps == sorted(steps), proc.stdout[-2000:]
+    bad = subprocess.run([sys.executable, str(ROOT / "recipes" / "train_clm.py"), "--config", TINY_CLM,
+                          "--output_dir", str(tmp_path / "bad"), "--progress_every_s", "-1"], cwd=tmp_path,
+                         env=_script_env(), capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "--progress_every_s must be >= 0, got -1.0" in bad.stderr
+
+
+def test_chronos_recipe_turns_off_only_the_attention_dropout_the_fused_mlr_op_cannot_apply():
+    import transformers
+
+    import hf_structattn
+    from hf_structattn.modeling.structattn_attention import mlr_geometry_of
+    from hf_structattn.training.chronos_ft import _no_attention_dropout_in_mlr_layers
+
+    fields = dict(vocab_size=50, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, dropout_rate=0.1,
+                  decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    for implementation, expected in (("sdpa", 0.1), ("eager", 0.0)):
+        stock = transformers.T5ForConditionalGeneration(transformers.T5Config(**fields,
+                                                                              attn_implementation=implementation))
+        model = hf_structattn.patch(stock, mlr_ranks=[4, 2, 2], mlr_max_length=16).train()
+        assert _no_attention_dropout_in_mlr_layers(model) == expected
+        mlr_modules = [m for m in model.modules() if mlr_geometry_of(m) is not None]
+        assert mlr_modules and all(m.dropout == 0.1 - expected for m in mlr_modules)
+        assert all(m.p == 0.1 for m in model.modules() if isinstance(m, torch.nn.Dropout))  # the rest stays

@@ -300,6 +300,8 @@ class StructAttnGPT2LMHeadModel(StructAttnGPT2PreTrainedModel, GenerationMixin):
 
     def __init__(self, config: StructAttnGPT2Config):
         super().__init__(config)
+        # transformers picks the loss from the class name, which names no task here ("...LMHeadModel" as GPT-2's)
+        self.loss_type = "ForCausalLM"
         self.transformer = StructAttnGPT2Model(config)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.post_init()

@@ -10,4 +10,6 @@
 * :mod:`.timeseries`-- KernelSynth-style Gaussian-process series and statsmodels' real series
 * :mod:`.clm`, :mod:`.icl`, :mod:`.chronos_ft`, :mod:`.decoder_ft` -- the four recipes
 * :mod:`.metrics`   -- the project's ``evaluate`` metric modules, loaded from local paths
+* :mod:`.batched`   -- ``StackedRuns``: the runs of one architecture (LRs x seeds) trained as one stacked model
+* :mod:`.sweep`     -- one arm of an LR x seed sweep on ``StackedRuns``, resumable (the LM and Chronos designs)
 """

@@ -26,7 +26,9 @@ complete checkpoint to resume from instead.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import random
 import re
@@ -294,6 +296,25 @@ def _fsync(path: Path) -> None:
         os.close(descriptor)
 
 
+
+class _TiedWeightsNotice(logging.Filter):
+    """accelerate logs "Removed shared tensor {'lm_head.weight'} while saving" at every checkpoint of a model with
+    tied embeddings: the tensor is saved once and re-tied on load (the resume tests check the weights), so the line
+    says nothing a user can act on."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Removed shared tensor" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _without_tied_weights_notice():
+    logger, notice = logging.getLogger("accelerate.utils.other"), _TiedWeightsNotice()
+    logger.addFilter(notice)
+    try:
+        yield
+    finally:
+        logger.removeFilter(notice)
+
 class CheckpointWriter:
     """Numbers, writes and rotates the checkpoints of one run (module docstring). Every process calls
     :meth:`save` together."""
@@ -317,7 +338,8 @@ class CheckpointWriter:
                     shutil.rmtree(staging)
                 staging.mkdir(parents=True)
             accelerator.wait_for_everyone()
-            accelerator.save_state(str(staging))  # model(s), optimizer(s), scaler; plus accelerate's RNG pickle:
+            with _without_tied_weights_notice():
+                accelerator.save_state(str(staging))  # model(s), optimizer(s), scaler; plus accelerate's RNG pickle:
             rank = accelerator.process_index
             (staging / f"random_states_{rank}.pkl").unlink(missing_ok=True)  # replaced by a safetensors file
             save_rng_state(staging / RNG_STATE.format(rank=rank))

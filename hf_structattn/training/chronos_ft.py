@@ -133,6 +133,22 @@ class ChronosArgs(CommonArgs):
                                   f"{str(error).splitlines()[0]}") from None
 
 
+def _no_attention_dropout_in_mlr_layers(model) -> float:
+    """Set the attention-weight dropout of ``model``'s MLR attention modules to 0 when they run the fused op (which
+    cannot drop weights and would warn at every run); returns the configured rate that was turned off (0.0: none)."""
+    from ..modeling.structattn_attention import mlr_geometry_of
+
+    if model.config._attn_implementation == "eager":
+        return 0.0
+    rates = set()
+    for module in model.modules():
+        if mlr_geometry_of(module) is not None and isinstance(getattr(module, "dropout", None), float) and \
+                module.dropout > 0:
+            rates.add(module.dropout)
+            module.dropout = 0.0
+    return max(rates, default=0.0)
+
+
 def build_tiny_chronos(path: str | Path, overrides: Optional[dict] = None, seed: int = 0) -> Path:
     """Save a randomly initialised tiny Chronos-T5 (hf_integration.md §5) to ``path``; returns it."""
     from transformers import T5Config, T5ForConditionalGeneration
@@ -209,6 +225,10 @@ def main(argv=None) -> dict:
             moved = patch_report(original, pipe, {"context": probe, "prediction_length": prediction_length})
     del original
     model = pipe.model.model
+    dropped = _no_attention_dropout_in_mlr_layers(model)
+    if dropped:
+        accelerator.print(f"attention dropout: {dropped} in the config, off in the {args.attention} layers (their "
+                          f"fused kernels do not drop attention weights); every other dropout unchanged")
     set_eval_config = dict(num_samples=args.eval_num_samples)
     optimizer = build_optimizer(model, args)
     model, optimizer = accelerator.prepare(model, optimizer)

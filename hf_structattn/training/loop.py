@@ -86,7 +86,9 @@ class CommonArgs:
     report_to: str = arg("trackers besides metrics.jsonl: 'all' installed ones, 'none', or a comma list of "
                            "accelerate trackers (tensorboard, wandb, ...)", default="all")
     run_name: Optional[str] = arg("tracker run name (default: the recipe's name)", default=None)
-    disable_tqdm: bool = arg("no progress bar", default=False)
+    disable_tqdm: bool = arg("no progress bar (progress lines instead, see --progress_every_s)", default=False)
+    progress_every_s: float = arg("without the progress bar: print a progress line (step, loss, tokens/s, ETA) "
+                                  "every this many seconds; 0: never", default=30.0)
     push_to_hub: bool = arg("upload the finished output folder to the Hub (token and access checked first)",
                               default=False)
     hub_model_id: Optional[str] = arg("Hub repository id (user/name) for push_to_hub", default=None)
@@ -100,7 +102,8 @@ class CommonArgs:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("warmup_steps", "eval_every", "checkpoint_every", "weight_decay", "max_grad_norm", "adam_eps"):
+        for name in ("warmup_steps", "eval_every", "checkpoint_every", "weight_decay", "max_grad_norm", "adam_eps",
+                     "progress_every_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name} must be >= 0, got {getattr(self, name)}")
         for name in ("learning_rate", "adam_eps"):
@@ -374,6 +377,10 @@ def train(accelerator: Accelerator, args: CommonArgs, model, optimizer, *,
                     disable=args.disable_tqdm or not accelerator.is_local_main_process)
     started, cpu_started = time.perf_counter(), time.thread_time()
     eval_time.update(wall=0.0, cpu=0.0)
+    # without a bar (logs, `--disable_tqdm`), a line with the rate and an ETA now and then, so a slow run never
+    # looks hung between evaluations
+    progress_lines = progress.disable and args.progress_every_s > 0 and accelerator.is_local_main_process
+    next_progress_line = started + args.progress_every_s
     step = start_step
     interrupted = False
     model.train()
@@ -397,6 +404,10 @@ def train(accelerator: Accelerator, args: CommonArgs, model, optimizer, *,
         loss_value = accelerator.reduce(total, reduction="mean").item()
         progress.update(1)
         progress.set_postfix(loss=f"{loss_value:.4f}")
+        if progress_lines and time.perf_counter() >= next_progress_line and step < args.max_steps:
+            print(progress_line(step, start_step, args.max_steps, loss_value, tokens_per_step,
+                                time.perf_counter() - started), flush=True)
+            next_progress_line = time.perf_counter() + args.progress_every_s
         if step % args.log_every == 0 or step == args.max_steps:
             record = {"train/loss": loss_value, "train/lr": lr,
                       "tokens": step * tokens_per_step, "flops": step * tokens_per_step * flops_per_token}
@@ -420,6 +431,18 @@ def train(accelerator: Accelerator, args: CommonArgs, model, optimizer, *,
     return TrainResult(step=step, interrupted=interrupted, final_eval=final_eval, train_seconds=seconds,
                        start_step=start_step, tokens_per_second=tokens / step_seconds if step_seconds > 0 else 0.0,
                        tokens_per_cpu_second=tokens / step_cpu_seconds if step_cpu_seconds > 0 else 0.0)
+
+
+def progress_line(step: int, start_step: int, max_steps: int, loss: float, tokens_per_step: int,
+                  elapsed_s: float) -> str:
+    """``step 120/500: loss 3.2100, 2,410 tokens/s, ETA 2m38s`` (rate over the steps of this process, evaluations
+    included, as a user waiting sees it)."""
+    done = step - start_step
+    rate = done / elapsed_s if elapsed_s > 0 else 0.0
+    eta = (max_steps - step) / rate if rate > 0 else float("inf")
+    eta_text = "?" if not math.isfinite(eta) else (f"{int(eta // 60)}m{int(eta % 60):02d}s" if eta >= 60
+                                                    else f"{eta:.0f}s")
+    return (f"step {step}/{max_steps}: loss {loss:.4f}, {rate * tokens_per_step:,.0f} tokens/s, ETA {eta_text}")
 
 
 # ------------------------------------------------------------------------------------------ end of a run

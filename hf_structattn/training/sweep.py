@@ -1,0 +1,238 @@
+"""One arm of a learning-rate x seed sweep trained as one stacked model, for the LM and Chronos experiments
+(``scripts/lm_experiment.py``, ``scripts/chronos_experiment.py``; the ICL experiment has its own runner with a
+curriculum and early stopping).
+
+An arm is one model configuration; its runs are (lr, seed) pairs, trained together by
+:class:`~hf_structattn.training.batched.StackedRuns` (each run: its own initialisation, data stream and learning
+rate). Layout under the arm's ``root``::
+
+    <root>/<arm>_lr<lr>_s<seed>/progress.jsonl   one JSON line per evaluation (step, metrics, cumulative FLOPs, wall)
+    <root>/<arm>_lr<lr>_s<seed>/result.json      written when the arm finishes (the reports read these)
+    <root>/<arm>_s<seeds>.stack/checkpoint.pt    every ``checkpoint_every`` steps; a rerun resumes from it
+
+The schedule is linear warm-up then cosine decay to ``min_lr_ratio`` of the peak (``transformers``'
+``cosine_with_min_lr`` shape), the same factor for every run of the arm.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import nn
+
+from .batched import StackedRuns
+
+
+def cosine_factor(step: int, steps: int, warmup: int, min_lr_ratio: float) -> float:
+    """Learning-rate factor at optimizer step ``step`` (0-based): ``(step + 1) / warmup`` during the warm-up, then
+    a cosine from 1 to ``min_lr_ratio`` at ``steps``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, steps - warmup))
+    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+@dataclass
+class ArmSpec:
+    """What a stacked arm needs from its experiment.
+
+    ``build(seed)``: the run's freshly initialised model (float32, CPU). ``batch(seed, step)``: that run's training
+    batch of the step, a tuple of CPU tensors (runs of one seed share it). ``loss(forward, batch)``: a scalar loss,
+    ``forward(**inputs)`` calling the model with the run's parameters. ``evaluate(stack)``: metrics name -> (R,)
+    tensor for every run at the current parameters. ``lr_multipliers(model)``: optional per-parameter LR
+    multipliers (muP). ``flops_per_step``: training FLOPs of one run's step (for the logs and the reports)."""
+
+    name: str
+    build: Callable[[int], nn.Module]
+    batch: Callable[[int, int], tuple]
+    loss: Callable
+    evaluate: Callable[[StackedRuns], dict]
+    flops_per_step: float
+    lr_multipliers: Optional[Callable[[nn.Module], dict]] = None
+    config: dict = field(default_factory=dict)
+
+
+def run_name(arm: str, lr: float, seed: int) -> str:
+    return f"{arm}_lr{lr:g}_s{seed}"
+
+
+class StackedArm:
+    """The (lr, seed) runs of one :class:`ArmSpec`, stacked, for ``steps`` steps (module docstring)."""
+
+    def __init__(self, spec: ArmSpec, lrs: Sequence[float], seeds: Sequence[int], steps: int, eval_every: int,
+                 root: Path, device: str = "cpu", warmup: Optional[int] = None, min_lr_ratio: float = 0.1,
+                 max_grad_norm: float = 1.0, checkpoint_every: int = 1000, chunk: int = 50,
+                 dtype: torch.dtype = torch.float32):
+        for name, value in (("steps", steps), ("eval_every", eval_every), ("checkpoint_every", checkpoint_every),
+                            ("chunk", chunk)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        self.spec, self.steps, self.eval_every, self.root = spec, steps, eval_every, Path(root)
+        self.warmup = max(1, steps // 20) if warmup is None else warmup
+        self.min_lr_ratio, self.checkpoint_every, self.chunk = min_lr_ratio, checkpoint_every, chunk
+        self.runs = [(float(lr), int(seed)) for seed in seeds for lr in lrs]
+        self.seeds = sorted({seed for _, seed in self.runs})
+        self.device = torch.device(device)
+        self.config = {"arm": spec.name, "lrs": [float(lr) for lr in lrs], "seeds": [int(s) for s in seeds],
+                       "steps": steps, "eval_every": eval_every, "warmup": self.warmup, "min_lr_ratio": min_lr_ratio,
+                       "max_grad_norm": max_grad_norm, "dtype": str(dtype), **spec.config}
+        models = {}
+        for seed in self.seeds:
+            torch.manual_seed(seed)
+            models[seed] = spec.build(seed).to(dtype)
+        template = models[self.seeds[0]]
+        self.params = sum(p.numel() for p in template.parameters())
+        multipliers = spec.lr_multipliers(template) if spec.lr_multipliers else None
+        self.stack = StackedRuns(template, [models[seed].state_dict() for _, seed in self.runs],
+                                 [lr for lr, _ in self.runs], betas=(0.9, 0.95), weight_decay=0.0,
+                                 max_grad_norm=max_grad_norm, lr_multipliers=multipliers, device=self.device,
+                                 dtype=dtype, cuda_graphs=False)
+        self.run_seed = torch.tensor([self.seeds.index(seed) for _, seed in self.runs], device=self.device)
+        self.step, self.wall_before, self.started = 0, 0.0, time.perf_counter()
+        seeds_text = "-".join(str(seed) for seed in self.seeds)
+        self.checkpoint = self.root / f"{spec.name}_s{seeds_text}.stack" / "checkpoint.pt"
+        self.checkpoint.parent.mkdir(parents=True, exist_ok=True)
+        if self.checkpoint.exists():
+            state = torch.load(self.checkpoint, map_location=self.device, weights_only=True)
+            if state["config"] != self.config:
+                raise ValueError(f"{self.checkpoint} was written by another configuration: {state['config']} vs "
+                                 f"{self.config}")
+            self.stack.load_state_dict(state["stack"])
+            self.step, self.wall_before = state["step"], state["wall"]
+            for folder in self.folders():
+                lines = [line for line in (folder / "progress.jsonl").read_text().splitlines()
+                         if line and json.loads(line)["step"] <= self.step]
+                (folder / "progress.jsonl").write_text("".join(f"{line}\n" for line in lines))
+        else:
+            for folder in self.folders():
+                folder.mkdir(parents=True, exist_ok=True)
+                (folder / "progress.jsonl").write_text("")
+            self.log_evaluation()
+
+    def folders(self) -> list[Path]:
+        return [self.root / run_name(self.spec.name, lr, seed) for lr, seed in self.runs]
+
+    @property
+    def wall(self) -> float:
+        return self.wall_before + time.perf_counter() - self.started
+
+    @property
+    def finished(self) -> bool:
+        return self.step >= self.steps
+
+    def log_evaluation(self) -> None:
+        metrics = {name: values.tolist() for name, values in self.spec.evaluate(self.stack).items()}
+        wall = self.wall
+        for run, folder in enumerate(self.folders()):
+            record = {"step": self.step, **{name: values[run] for name, values in metrics.items()},
+                      "flops": self.step * self.spec.flops_per_step, "wall": wall}
+            with (folder / "progress.jsonl").open("a") as log:
+                log.write(json.dumps(record) + "\n")
+
+    def advance(self) -> None:
+        """Train to the next evaluation, checkpoint or chunk end (the chunk's batches moved to the device at once)."""
+        end = min(self.steps, (self.step // self.eval_every + 1) * self.eval_every,
+                  (self.step // self.checkpoint_every + 1) * self.checkpoint_every, self.step + self.chunk)
+        steps = range(self.step, end)
+        per_step = [[self.spec.batch(seed, step) for seed in self.seeds] for step in steps]
+        fields = len(per_step[0][0])
+        # (K, seeds, ...) per field, moved once; a step's run batch is an index_select by seed on the device
+        stacked = [torch.stack([torch.stack([batch[i] for batch in seeds]) for seeds in per_step]).to(self.device)
+                   for i in range(fields)]
+        for index, step in enumerate(steps):
+            batch = tuple(field[index].index_select(0, self.run_seed) for field in stacked)
+            self.stack.train_step(self.spec.loss, batch, cosine_factor(step, self.steps, self.warmup,
+                                                                       self.min_lr_ratio))
+        self.step = end
+        if self.step % self.eval_every == 0 or self.finished:
+            self.log_evaluation()
+        if self.step % self.checkpoint_every == 0 and not self.finished:
+            self.save_checkpoint()
+
+    def save_checkpoint(self) -> None:
+        temporary = self.checkpoint.with_name("checkpoint.tmp")
+        torch.save({"config": self.config, "stack": self.stack.state_dict(), "step": self.step, "wall": self.wall},
+                   temporary)
+        os.replace(temporary, self.checkpoint)
+
+    def run_until(self, budget_s: Optional[float] = None) -> bool:
+        """Train until finished (True) or until ``budget_s`` seconds of this process have passed (False, with a
+        checkpoint a rerun resumes from)."""
+        while not self.finished:
+            self.advance()
+            if budget_s is not None and self.wall - self.wall_before > budget_s and not self.finished:
+                self.save_checkpoint()
+                return False
+        return True
+
+    def finish(self, extra: Optional[dict] = None) -> list[dict]:
+        """Write every run's ``result.json`` and remove the checkpoint."""
+        results = []
+        for run, folder in enumerate(self.folders()):
+            lr, seed = self.runs[run]
+            evals = [json.loads(line) for line in (folder / "progress.jsonl").read_text().splitlines() if line]
+            result = {**self.config, "lr": lr, "seed": seed, "final": evals[-1], "params": self.params,
+                      "flops_per_step": self.spec.flops_per_step, "wall_s": self.wall,
+                      "batched_with": len(self.runs), **(extra or {})}
+            temporary = folder / "result.json.tmp"
+            temporary.write_text(json.dumps(result, indent=1))
+            os.replace(temporary, folder / "result.json")
+            results.append(result)
+        self.checkpoint.unlink(missing_ok=True)
+        return results
+
+
+def load_results(root: Path) -> list[dict]:
+    """Every run under ``root``: its ``result.json`` when finished, else its progress so far (``finished`` False)."""
+    runs = []
+    for folder in sorted(Path(root).iterdir()) if Path(root).exists() else []:
+        progress = folder / "progress.jsonl"
+        if not progress.is_file():
+            continue
+        evals = [json.loads(line) for line in progress.read_text().splitlines() if line.strip()]
+        if not evals:
+            continue
+        result_file = folder / "result.json"
+        result = json.loads(result_file.read_text()) if result_file.exists() else None
+        arm, rest = folder.name.rsplit("_lr", 1)
+        lr, seed = rest.split("_s")
+        runs.append({"name": folder.name, "arm": arm, "lr": float(lr), "seed": int(seed), "evals": evals,
+                     "final": evals[-1], "finished": result is not None, "result": result})
+    return runs
+
+
+def probe_arm(spec: ArmSpec, lrs: Sequence[float], device: str = "cpu", steps: int = 2) -> dict:
+    """Train ``spec``'s runs (seed 0, ``lrs`` stacked) for ``steps`` steps without writing anything: the wall time of
+    the last step and, on CUDA, the peak memory. An out-of-memory error is reported, not raised (a pilot checks
+    that the design's largest arms fit before the design runs). Returns {"ms_per_step", "peak_gib", "error"}."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        torch.manual_seed(0)
+        model = spec.build(0)
+        multipliers = spec.lr_multipliers(model) if spec.lr_multipliers else None
+        stack = StackedRuns(model, [model.state_dict()] * len(lrs), list(lrs), lr_multipliers=multipliers,
+                            device=device)
+        seconds = 0.0
+        for step in range(steps):
+            batch = tuple(field[None].expand(len(lrs), *field.shape).to(device) for field in spec.batch(0, step))
+            begin = time.perf_counter()
+            losses = stack.train_step(spec.loss, batch, 1.0)
+            losses.sum().item()  # wait for the device
+            seconds = time.perf_counter() - begin
+        peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None
+        return {"ms_per_step": round(1000 * seconds, 2), "peak_gib": peak, "error": None}
+    except torch.cuda.OutOfMemoryError as error:
+        return {"ms_per_step": None, "peak_gib": None, "error": f"out of memory: {str(error).splitlines()[0]}"}
+    finally:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()

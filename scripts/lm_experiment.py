@@ -1,0 +1,427 @@
+"""The language-modelling claim (Kuang et al. 2025 §5.1, Fig. 4) as one decisive design: MLR attention reaches a
+lower validation loss than dense attention, sliding-window attention (SWA) and global + SWA at equal training FLOPs,
+at every width. Bilinear MLR and bilinear BTT are trained beside them and reported as observations (the paper makes
+no LM claim for them).
+
+Design (fixed here, before any run):
+
+* byte-level LM (vocabulary 257) on the Python standard library's ``*.py`` sources of the interpreter that runs it
+  (built on the machine, nothing downloaded; 5 % of the files, chosen by a hash of their path, are held out), all
+  ~30 MB of training bytes (Python 3.11);
+* 6 layers, T = 1024, head dim 64, widths D in {128, 256, 384} (2, 4, 6 heads), q/k LayerNorm, no dropout;
+* muP (``hf_structattn.mup``: 1/r logits, 1/r_l per MLR level, zero read-outs, per-matrix LR multipliers at base
+  width 128, untied LM head), AdamW (0.9, 0.95), clip 1, warm-up 5 % then cosine to 0.1x; learning-rate grid
+  {1e-3, 3e-3, 1e-2}, seeds {0, 1} (a seed fixes the init and the data order);
+* variants: dense; SWA with window 129 (the paper's T' = 128); global + SWA (layers 1 and 4 dense); MLR 8 levels
+  32|8|6|4|4|4|4|2 with level averaging (the paper's); bilinear MLR ranks 16|8|4|4; bilinear BTT rank 1;
+* **equal FLOPs**: at width D dense trains ``DENSE_STEPS`` steps of 16 x 1024 tokens; every other variant trains
+  ``round(DENSE_STEPS * F_dense / F_variant)`` steps, F = training FLOPs per token
+  (``hf_structattn.flops.flops_per_token``, the paper's measure: non-embedding matmuls + attention scores and
+  values, backward = 2x forward), so every run of a width ends at the same compute;
+* evaluation: bits per byte on 128 windows of 1024 tokens spread over the held-out files, 8 times per run.
+
+Each (variant, width, seed) is one stacked model of its 3 learning rates (``hf_structattn.training.sweep``).
+
+Rule (coded in :func:`verdict`, tested in tests/test_lm_experiment.py): a run's score is its final validation
+bits/byte; a (variant, width, seed) scores its best learning rate. MLR is *better* than a baseline (dense, SWA,
+global + SWA) at a width when it is lower by at least 0.01 bits/byte in both seeds; the baseline is better when it
+is lower by at least 0.01 in both seeds. YES: MLR is better than every baseline at every width. NO: at 2 or more of
+the 3 widths some baseline is better than MLR. UNDECIDED otherwise, and also when a YES or NO would rest on a best
+learning rate at the edge of the grid (the grid did not bracket that optimum). PARTIAL until every run has finished.
+
+    python scripts/lm_experiment.py plan                                   # arms, steps, FLOPs, H100 estimate
+    python scripts/lm_experiment.py run --device cuda --out outputs/lm_equal_flops     # the design (resumable)
+    python scripts/lm_experiment.py report --out outputs/lm_equal_flops   # table + verdict
+    python scripts/lm_experiment.py pilot --device cuda --budget-s 170 --out outputs/lm_pilot   # <= 3 min
+    python scripts/lm_experiment.py pilot --tiny --out DIR                 # the CPU rehearsal of the pilot
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from hf_structattn import StructAttnGPT2Config, StructAttnGPT2LMHeadModel
+from hf_structattn.flops import flops_per_token
+from hf_structattn.mup import mup_config_overrides, mup_init_, mup_param_groups
+from hf_structattn.training.sweep import ArmSpec, StackedArm, load_results, probe_arm
+
+WIDTHS, LAYERS, SEQ_LEN, HEAD_DIM, BATCH = (128, 256, 384), 6, 1024, 64, 16
+DENSE_STEPS, EVALS_PER_RUN, EVAL_WINDOWS = 4000, 8, 128
+LRS, SEEDS, MUP_BASE_WIDTH = (1e-3, 3e-3, 1e-2), (0, 1), 128
+BASELINES = ("dense", "swa", "gswa")
+OBSERVED = ("bilinear_mlr", "bilinear_btt")
+MARGIN = 0.01  # bits per byte
+# the assumed effective training throughput of one H100 for these eager fp32/TF32 models with materialised T x T
+# attention (see docs/results.md: an estimate until the pilot measures it)
+ASSUMED_H100_FLOPS_PER_S = 4e13
+# the pilot trains dense and MLR at D = 128 within 75 % of its budget, then takes 2 steps of every variant at the
+# widest width (3 LRs stacked) to measure its memory and step time before the design runs
+PILOT = dict(width=128, variants=("dense", "mlr"), steps=300, eval_windows=16, train_share=0.75)
+TINY = dict(width=32, head_dim=16, seq_len=64, layers=2, batch=4, steps=6, eval_windows=4, variants=("dense", "mlr"),
+            max_train_bytes=300_000, max_validation_bytes=50_000, probe_width=48)
+
+
+def variant_fields(variant: str, seq_len: int = SEQ_LEN, layers: int = LAYERS, head_dim: int = HEAD_DIM) -> dict:
+    """Config fields of a variant (the module docstring's list), for head dim 64 or the tiny rehearsal's 16."""
+    small = head_dim < 64
+    if variant == "dense":
+        return dict(attention="dense")
+    if variant == "swa":
+        return dict(attention="swa", sliding_window=min(129, seq_len // 4 + 1))
+    if variant == "gswa":
+        kinds = ["full_attention" if layer % 3 == 0 else "sliding_attention" for layer in range(layers)]
+        return dict(attention="swa", sliding_window=min(129, seq_len // 4 + 1), layer_types=kinds)
+    if variant == "mlr":
+        return dict(attention="mlr", mlr_ranks=[8, 4, 2, 2] if small else [32, 8, 6, 4, 4, 4, 4, 2],
+                    mlr_average_levels=True)
+    if variant == "bilinear_mlr":
+        return dict(attention="bilinear_mlr", bilinear_mlr_ranks=[4, 2] if small else [16, 8, 4, 4])
+    if variant == "bilinear_btt":
+        return dict(attention="bilinear_btt", btt_rank=1)
+    raise ValueError(f"variant must be one of {', '.join(BASELINES + ('mlr',) + OBSERVED)}, got {variant!r}")
+
+
+VARIANTS = ("dense", "swa", "gswa", "mlr", "bilinear_mlr", "bilinear_btt")
+
+
+def model_config(variant: str, width: int, seq_len: int = SEQ_LEN, layers: int = LAYERS,
+                 head_dim: int = HEAD_DIM) -> StructAttnGPT2Config:
+    if width % head_dim:
+        raise ValueError(f"width must be a multiple of the head dim {head_dim}, got {width}")
+    fields = dict(vocab_size=257, n_positions=seq_len, n_embd=width, n_layer=layers, n_head=width // head_dim,
+                  qk_layernorm=True, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=256,
+                  eos_token_id=256, pad_token_id=256, **variant_fields(variant, seq_len, layers, head_dim))
+    fields.update(mup_config_overrides())
+    return StructAttnGPT2Config(**fields)
+
+
+def flops_per_step(variant: str, width: int, seq_len: int = SEQ_LEN, layers: int = LAYERS, head_dim: int = HEAD_DIM,
+                   batch: int = BATCH) -> float:
+    """Training FLOPs of one run's step (``flops_per_token`` x tokens per step)."""
+    config = model_config(variant, width, seq_len, layers, head_dim)
+    return flops_per_token(config, seq_len, training=True) * batch * seq_len
+
+
+def equal_flops_steps(variant: str, width: int, dense_steps: int = DENSE_STEPS, **size) -> int:
+    """Steps that spend what ``dense_steps`` dense steps spend at this width."""
+    return max(1, round(dense_steps * flops_per_step("dense", width, **size) / flops_per_step(variant, width, **size)))
+
+
+def build_model(variant: str, width: int, **size) -> StructAttnGPT2LMHeadModel:
+    model = StructAttnGPT2LMHeadModel(model_config(variant, width, **size))
+    mup_init_(model)
+    return model
+
+
+def mup_multipliers(model) -> dict:
+    return {name: group["lr_multiplier"] for group in mup_param_groups(model, lr=1.0, base_width=MUP_BASE_WIDTH)
+            for name in group["names"]}
+
+
+def lm_loss(forward, batch) -> torch.Tensor:
+    """Mean next-byte cross-entropy (nats) of one run's (B, T) token batch, in at least float32."""
+    ids = batch[0]
+    logits = forward(input_ids=ids, use_cache=False).logits[:, :-1]
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+
+
+def window_nll_sum(forward, batch) -> torch.Tensor:
+    """Summed next-token NLL (nats) of (W, T) windows."""
+    ids = batch[0]
+    logits = forward(input_ids=ids, use_cache=False).logits[:, :-1]
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="sum")
+
+
+def make_evaluate(windows: torch.Tensor, chunk: int = 8):
+    """evaluate(stack) -> {"bits_per_byte", "loss"} (R,) on ``windows`` (W, T), the same windows for every run."""
+    byte_count = int((windows[:, 1:] < 256).sum())
+    token_count = windows[:, 1:].numel()
+
+    def evaluate(stack) -> dict:
+        total = torch.zeros(stack.runs, dtype=torch.float64, device=stack.device)
+        for part in windows.split(chunk):
+            part = part.to(stack.device)[None].expand(stack.runs, *part.shape)
+            total += stack.evaluate(window_nll_sum, (part,)).double()
+        return {"bits_per_byte": total / math.log(2) / byte_count, "loss": total / token_count}
+
+    return evaluate
+
+
+def arm_spec(variant: str, width: int, corpus, windows, seq_len=SEQ_LEN, layers=LAYERS, head_dim=HEAD_DIM,
+             batch=BATCH) -> ArmSpec:
+    from hf_structattn.training.data import lm_micro_batch
+
+    size = dict(seq_len=seq_len, layers=layers, head_dim=head_dim)
+    return ArmSpec(
+        name=f"{variant}_D{width}", build=lambda seed: build_model(variant, width, **size),
+        batch=lambda seed, step: (lm_micro_batch(corpus.train, seq_len, step, 0, 0, 1, batch, 1, seed),),
+        loss=lm_loss, evaluate=make_evaluate(windows), flops_per_step=flops_per_step(variant, width, batch=batch,
+                                                                                      **size),
+        lr_multipliers=mup_multipliers,
+        config={"variant": variant, "width": width, "seq_len": seq_len, "layers": layers, "head_dim": head_dim,
+                "batch": batch, "corpus": corpus.description})
+
+
+def load_data(max_train_bytes=None, max_validation_bytes=None, seq_len=SEQ_LEN, eval_windows=EVAL_WINDOWS):
+    from hf_structattn.training.data import eval_windows as spread_windows, load_stdlib_corpus
+
+    corpus = load_stdlib_corpus(max_train_bytes=max_train_bytes, max_validation_bytes=max_validation_bytes)
+    return corpus, spread_windows(corpus.validation, seq_len, eval_windows)
+
+
+def design_rows(widths=WIDTHS, variants=VARIANTS, dense_steps=DENSE_STEPS) -> list[dict]:
+    rows = []
+    for width in widths:
+        for variant in variants:
+            steps = equal_flops_steps(variant, width, dense_steps)
+            per_step = flops_per_step(variant, width)
+            rows.append({"variant": variant, "width": width, "steps": steps, "flops_per_step": per_step,
+                         "run_flops": steps * per_step, "runs": len(LRS) * len(SEEDS)})
+    return rows
+
+
+def plan(args) -> None:
+    rows = design_rows()
+    print("| variant | D | FLOPs/token (train) | steps (equal FLOPs) | tokens per run | FLOPs per run | runs |")
+    print("|---|---|---|---|---|---|---|")
+    for row in rows:
+        per_token = row["flops_per_step"] / (BATCH * SEQ_LEN)
+        print(f"| {row['variant']} | {row['width']} | {per_token / 1e6:.1f} M | {row['steps']:,} | "
+              f"{row['steps'] * BATCH * SEQ_LEN / 1e6:.0f} M | {row['run_flops']:.3g} | {row['runs']} |")
+    total = sum(row["run_flops"] * row["runs"] for row in rows)
+    print(f"\ntotal: {sum(r['runs'] for r in rows)} runs, {total:.3g} training FLOPs; one H100 at an assumed "
+          f"{ASSUMED_H100_FLOPS_PER_S:.0e} FLOP/s effective: {total / ASSUMED_H100_FLOPS_PER_S / 3600:.1f} h "
+          "(the pilot measures the real rate and projects from it)")
+
+
+# ------------------------------------------------------------------------------------------------------- the rule
+
+
+def scores(runs: list[dict]) -> tuple[dict, dict]:
+    """(variant, width, seed) -> best-LR final bits/byte, and -> whether that best LR is at the grid's edge."""
+    best, edge = {}, {}
+    groups: dict = {}
+    for run in runs:
+        variant, width = run["arm"].rsplit("_D", 1)
+        groups.setdefault((variant, int(width), run["seed"]), []).append(run)
+    for key, members in groups.items():
+        winner = min(members, key=lambda run: run["final"]["bits_per_byte"])
+        best[key] = winner["final"]["bits_per_byte"]
+        grid = sorted({run["lr"] for run in members})
+        edge[key] = len(grid) > 1 and winner["lr"] in (grid[0], grid[-1])
+    return best, edge
+
+
+def verdict(best: dict, edge: dict, widths=WIDTHS, seeds=SEEDS, complete: bool = True) -> str:
+    """The rule of the module docstring on ``best`` ((variant, width, seed) -> best-LR bits/byte)."""
+    needed = [(v, w, s) for v in ("mlr",) + BASELINES for w in widths for s in seeds]
+    if not complete or any(key not in best for key in needed):
+        return "PARTIAL: not every run has finished"
+
+    def better(first, second, width):  # `first` lower than `second` by the margin in every seed
+        return all(best[second, width, s] - best[first, width, s] >= MARGIN for s in seeds)
+
+    mlr_wins = all(better("mlr", base, w) for base in BASELINES for w in widths)
+    lost_widths = [w for w in widths if any(better(base, "mlr", w) for base in BASELINES)]
+    if mlr_wins:
+        outcome = "YES: MLR is lower than dense, SWA and global+SWA by >= 0.01 bits/byte in both seeds at every width"
+    elif len(lost_widths) >= 2:
+        outcome = f"NO: a baseline is lower than MLR by >= 0.01 bits/byte in both seeds at D = {lost_widths}"
+    else:
+        reasons = [f"D = {w}: MLR vs {base}" for w in widths for base in BASELINES if not better("mlr", base, w)]
+        return "UNDECIDED: no consistent 0.01 bits/byte gap at " + "; ".join(reasons)
+    edges = sorted(f"{v} D = {w} seed {s}" for (v, w, s) in needed if edge.get((v, w, s)))
+    if edges:
+        return f"UNDECIDED: it would be {outcome.split(':')[0]}, but the best LR is at the grid's edge for " + \
+            "; ".join(edges)
+    return outcome
+
+
+def observations(best: dict, widths=WIDTHS, seeds=SEEDS) -> list[str]:
+    lines = []
+    for variant in OBSERVED:
+        for width in widths:
+            gaps = [best[("dense", width, s)] - best[(variant, width, s)] for s in seeds
+                    if (variant, width, s) in best and ("dense", width, s) in best]
+            if gaps:
+                lines.append(f"{variant} D = {width}: dense minus {variant} = "
+                             f"{', '.join(f'{g:+.3f}' for g in gaps)} bits/byte (seeds {', '.join(map(str, seeds))})")
+    return lines
+
+
+def report(args) -> None:
+    design = {(f"{row['variant']}_D{row['width']}", lr, seed) for row in design_rows() for lr in LRS for seed in SEEDS}
+    runs = [run for run in load_results(Path(args.out)) if (run["arm"], run["lr"], run["seed"]) in design]
+    best, edge = scores(runs)
+    expected = len(design)
+    complete = sum(run["finished"] for run in runs) == expected
+    print("| variant | D | seed | " + " | ".join(f"lr {lr:g}" for lr in LRS) + " | best | FLOPs per run |")
+    print("|---|---|---|" + "---|" * len(LRS) + "---|---|")
+    for row in design_rows():
+        for seed in SEEDS:
+            cells = []
+            for lr in LRS:
+                run = next((r for r in runs if r["arm"] == f"{row['variant']}_D{row['width']}" and r["lr"] == lr
+                            and r["seed"] == seed), None)
+                cells.append("-" if run is None else f"{run['final']['bits_per_byte']:.4f}" +
+                             ("" if run["finished"] else f" (step {run['final']['step']})"))
+            key = (row["variant"], row["width"], seed)
+            best_text = "-" if key not in best else f"{best[key]:.4f}" + (" (edge)" if edge.get(key) else "")
+            print(f"| {row['variant']} | {row['width']} | {seed} | {' | '.join(cells)} | {best_text} | "
+                  f"{row['run_flops']:.3g} |")
+    print(f"\nruns finished: {sum(r['finished'] for r in runs)}/{expected}")
+    print("VERDICT (MLR vs dense, SWA, global+SWA at equal FLOPs):", verdict(best, edge, complete=complete))
+    for line in observations(best):
+        print("OBSERVATION:", line)
+
+
+# ------------------------------------------------------------------------------------------------------- run, pilot
+
+
+def run_design(args) -> None:
+    """Every (variant, width, seed) arm of the design, one after another, resumable; ``--budget-s`` stops early."""
+    corpus, windows = load_data()
+    started = time.perf_counter()
+    root = Path(args.out)
+    for row in design_rows():
+        for seed in SEEDS:
+            spec = arm_spec(row["variant"], row["width"], corpus, windows)
+            if all((root / f"{spec.name}_lr{lr:g}_s{seed}" / "result.json").exists() for lr in LRS):
+                continue
+            arm = StackedArm(spec, LRS, [seed], row["steps"], max(1, row["steps"] // EVALS_PER_RUN), root,
+                             args.device)
+            left = None if args.budget_s is None else args.budget_s - (time.perf_counter() - started)
+            if left is not None and left <= 0 or not arm.run_until(left):
+                print(f"stopped by --budget-s in {spec.name} seed {seed}; rerun the command to resume", flush=True)
+                return
+            arm.finish()
+            print(f"done {spec.name} seed {seed} ({row['steps']:,} steps) at {time.perf_counter() - started:.0f} s",
+                  flush=True)
+
+
+def pilot(args) -> dict:
+    """Dense and MLR at D = 128, 3 LRs x seed 0 stacked, 300 steps each within ``--budget-s``: ms per step, the
+    measured FLOP rate, and the full design's projected time on this device; writes pilot.md / pilot.json."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()  # the budget covers loading the corpus too
+    if args.tiny:
+        size = dict(seq_len=TINY["seq_len"], layers=TINY["layers"], head_dim=TINY["head_dim"])
+        corpus, windows = load_data(TINY["max_train_bytes"], TINY["max_validation_bytes"], TINY["seq_len"],
+                                    TINY["eval_windows"])
+        width, steps, batch, variants = TINY["width"], TINY["steps"], TINY["batch"], TINY["variants"]
+    else:
+        size = dict(seq_len=SEQ_LEN, layers=LAYERS, head_dim=HEAD_DIM)
+        corpus, windows = load_data(eval_windows=PILOT["eval_windows"])
+        width, steps, batch, variants = PILOT["width"], PILOT["steps"], BATCH, PILOT["variants"]
+    summary = {"command": "pilot", "device": device_name(args.device), "tiny": args.tiny, "width": width,
+               "steps_planned": steps, "lrs": list(LRS), "seed": 0, "budget_s": args.budget_s, "arms": {}}
+    training_budget = PILOT["train_share"] * args.budget_s
+    for index, variant in enumerate(variants):
+        spec = arm_spec(variant, width, corpus, windows, batch=batch, **size)
+        arm = StackedArm(spec, LRS, [0], steps, max(1, steps // 2), out, args.device, chunk=10)
+        left = (training_budget - (time.perf_counter() - started)) / (len(variants) - index)
+        begin, step_before = time.perf_counter(), arm.step
+        done = arm.run_until(max(1.0, left))
+        seconds = time.perf_counter() - begin
+        evaluations = len((arm.folders()[0] / "progress.jsonl").read_text().splitlines())
+        firsts = [json.loads((f / "progress.jsonl").read_text().splitlines()[0])["bits_per_byte"]
+                  for f in arm.folders()]
+        lasts = [json.loads((f / "progress.jsonl").read_text().splitlines()[-1])["bits_per_byte"]
+                 for f in arm.folders()]
+        if done:
+            arm.finish()
+        ran = arm.step - step_before
+        summary["arms"][variant] = {
+            "steps_done": arm.step, "finished": done, "ms_per_step": round(1000 * seconds / max(1, ran), 2),
+            "flops_per_s": arm.spec.flops_per_step * len(LRS) * ran / seconds,
+            "bits_per_byte_start": firsts, "bits_per_byte_end": lasts, "evaluations": evaluations}
+    probe_width = TINY["probe_width"] if args.tiny else max(WIDTHS)
+    summary["probe"] = {"width": probe_width, "arms": {}}
+    for variant in VARIANTS:  # the widest arms: do they fit, and how fast is their step?
+        if time.perf_counter() - started > args.budget_s:
+            summary["probe"]["arms"][variant] = {"ms_per_step": None, "peak_gib": None, "error": "not run: budget"}
+            continue
+        spec = arm_spec(variant, probe_width, corpus, windows[:1], batch=batch, **size)
+        summary["probe"]["arms"][variant] = probe_arm(spec, LRS, args.device)
+    rate = sum(a["flops_per_s"] for a in summary["arms"].values()) / len(summary["arms"])
+    total = sum(row["run_flops"] * row["runs"] for row in design_rows())
+    summary.update(wall_s=round(time.perf_counter() - started, 2), design_flops=total,
+                   projected_design_h=round(total / rate / 3600, 2))
+    (out / "pilot.json").write_text(json.dumps(summary, indent=1))
+    (out / "pilot.md").write_text(pilot_markdown(summary))
+    print((out / "pilot.md").read_text(), flush=True)
+    return summary
+
+
+def device_name(device: str) -> str:
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name(torch.device(device))} (torch {torch.__version__})"
+    return f"cpu, {torch.get_num_threads()} thread(s) (torch {torch.__version__})"
+
+
+def pilot_markdown(summary: dict) -> str:
+    size = "tiny CPU rehearsal (D = 32, T = 64, 2 layers), not a measurement" if summary["tiny"] else \
+        f"D = {summary['width']}, T = {SEQ_LEN}, {LAYERS} layers, {summary['steps_planned']} steps planned"
+    lines = [f"### LM pilot: dense and MLR, 3 LRs stacked, seed {summary['seed']}", "",
+             f"Device: {summary['device']}; {size}; budget {summary['budget_s']:g} s, wall {summary['wall_s']:.1f} s.",
+             "", "| variant | steps done | ms/step (3 runs stacked) | FLOP/s | bits/byte at step 0 -> end, per LR |",
+             "|---|---|---|---|---|"]
+    for variant, arm in summary["arms"].items():
+        change = ", ".join(f"{a:.2f} -> {b:.2f}" for a, b in zip(arm["bits_per_byte_start"],
+                                                                  arm["bits_per_byte_end"]))
+        lines.append(f"| {variant} | {arm['steps_done']} | {arm['ms_per_step']:.1f} | {arm['flops_per_s']:.3g} | "
+                     f"{change} |")
+    lines += ["", f"Widest arms (D = {summary['probe']['width']}, 3 LRs stacked, 2 steps):", "",
+              "| variant | ms/step | peak memory (GiB) | error |", "|---|---|---|---|"]
+    for variant, probe in summary["probe"]["arms"].items():
+        ms = "-" if probe["ms_per_step"] is None else f"{probe['ms_per_step']:.1f}"
+        peak = "-" if probe["peak_gib"] is None else f"{probe['peak_gib']:.1f}"
+        lines.append(f"| {variant} | {ms} | {peak} | {probe['error'] or '-'} |")
+    lines += ["", f"Projected full design on this device ({summary['design_flops']:.3g} FLOPs at the mean measured "
+                  f"FLOP rate): {summary['projected_design_h']:.1f} h.", ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("command", choices=["plan", "run", "report", "pilot"])
+    parser.add_argument("--out", help="output folder (default outputs/lm_equal_flops; pilot outputs/lm_pilot)")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:<index>")
+    parser.add_argument("--budget-s", dest="budget_s", type=float, help="wall seconds (pilot default 170)")
+    parser.add_argument("--tiny", action="store_true", help="pilot: the CPU rehearsal")
+    args = parser.parse_args(argv)
+    args.out = args.out or ("outputs/lm_pilot" if args.command == "pilot" else "outputs/lm_equal_flops")
+    if args.command == "pilot" and args.budget_s is None:
+        args.budget_s = 170.0
+    if args.budget_s is not None and not args.budget_s > 0:
+        parser.error(f"--budget-s must be positive, got {args.budget_s}")
+    if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
+        parser.error(f"--device must be cpu or cuda[:index], got {args.device!r}")
+    if args.device.startswith("cuda") and args.command in ("run", "pilot") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: CUDA is not available on this machine")
+    if args.command == "pilot" and Path(args.out).exists() and any(Path(args.out).iterdir()):
+        parser.error(f"--out {args.out} is not empty: a pilot starts from scratch in a new folder")
+    if args.device.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = True  # TF32 matmuls: the throughput the estimate assumes
+    if args.command == "plan":
+        plan(args)
+    elif args.command == "run":
+        run_design(args)
+    elif args.command == "report":
+        report(args)
+    else:
+        pilot(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

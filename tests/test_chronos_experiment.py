@@ -1,0 +1,128 @@
+"""The Chronos design (scripts/chronos_experiment.py): Chronos-T5's head layout, the logit-scale ablation's scales
+measured on the patched model, the rules, and the pilot command at tiny size on CPU."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_structattn.modeling.structattn_attention import mlr_geometry_of
+from hf_structattn.modeling.structattn_geometry import depth_scale_vector
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+import chronos_experiment as ce  # noqa: E402
+
+TINY = dict(heads=2, d_kv=16, layers=1, context=64, horizon=16, n_tokens=256)
+SEEDS, WIDTHS = (0, 1, 2), (128, 256, 512)
+
+
+def test_the_design_uses_chronos_t5s_eight_heads_of_64_and_the_papers_ranks():
+    for width in WIDTHS:
+        config = ce.t5_config(width)
+        assert (config.num_heads, config.d_kv, config.d_ff, config.dropout_rate) == (8, 64, 4 * width, 0.0)
+    mlr = ce.model_config("mlr", 128)
+    assert mlr.mlr_ranks == [32, 10, 8, 8, 4, 2] and mlr.encoder_attention == mlr.decoder_attention == "mlr"
+    assert mlr.resolved_mlr_block_sizes == [256, 128, 64, 32, 16]
+    rows = ce.design_rows()
+    for width in WIDTHS:  # equal steps: MLR's fewer score FLOPs make it cheaper at every width
+        per_arm = {row["arm"]: row["run_flops"] for row in rows if row["width"] == width}
+        assert per_arm["mlr"] == per_arm["mlr_flat"] < per_arm["dense"]
+
+
+@torch.no_grad()
+def _logit_std_by_depth(model, ranks, average_levels, scales, pairs=4096):
+    """Std of layer-0 encoder logits by depth for N(0, I) inputs through the layer's own q/k weights, with the
+    per-depth multipliers of ``depth_scale_vector`` (T5: no 1/sqrt(d))."""
+    attention = model.encoder.block[0].layer[0].SelfAttention
+    hidden = torch.randn(2, pairs, model.config.d_model, generator=torch.Generator().manual_seed(0),
+                         dtype=torch.float64)
+    heads = model.config.num_heads
+    q = attention.q(hidden[0]).view(pairs, heads, -1)
+    k = attention.k(hidden[1]).view(pairs, heads, -1)
+    stds = []
+    for depth in range(1, len(ranks) + 1):
+        scale = depth_scale_vector(ranks, scales, depth, average_levels, torch.float64, q.device)
+        stds.append(float(((q * scale) * k).sum(-1).std()))
+    return stds
+
+
+def test_the_ablation_gives_every_depth_the_dense_init_logit_scale_while_mlr_shrinks_distant_ones():
+    ranks = (8, 4, 4)
+    torch.manual_seed(0)
+    flat = ce.build_model("mlr_flat", 32, ranks, **TINY).double()
+    geometry = mlr_geometry_of(flat.encoder.block[0].layer[0].SelfAttention)
+    assert geometry.average_levels and list(geometry.level_scales) == pytest.approx(ce.flat_scales(ranks))
+    dense_std = _logit_std_by_depth(flat, [16], False, [1.0])[0]  # the same q/k weights scored as dense
+    flat_std = _logit_std_by_depth(flat, ranks, True, geometry.level_scales)
+    assert [s / dense_std for s in flat_std] == pytest.approx([1.0, 1.0, 1.0], abs=0.08)
+    torch.manual_seed(0)
+    plain = ce.build_model("mlr", 32, ranks, **TINY).double()
+    plain_geometry = mlr_geometry_of(plain.encoder.block[0].layer[0].SelfAttention)
+    plain_std = _logit_std_by_depth(plain, ranks, plain_geometry.average_levels, plain_geometry.scales(1.0))
+    # T5's scale 1 on every level: depth 1 (only the 8 global dims) has sqrt(8/16) of dense's logit std
+    assert plain_std[0] / dense_std == pytest.approx(0.5 ** 0.5, abs=0.06)
+    assert plain_std[-1] / dense_std == pytest.approx(1.0, abs=0.06)
+    for depth in range(1, 4):  # exactly: (1/k^2) sum_{l<=k} alpha_l^2 r_l = r
+        vector = depth_scale_vector(ranks, ce.flat_scales(ranks), depth, True, torch.float64, "cpu")
+        assert float((vector ** 2).sum()) == pytest.approx(16.0, rel=1e-12)
+
+
+def _best(gaps: dict, flat_gaps: dict = None) -> dict:
+    """(width) -> per-seed dense-minus-mlr gaps (default 0.05) and mlr_flat gaps -> best table."""
+    best = {}
+    for width in WIDTHS:
+        for seed in SEEDS:
+            best["dense", width, seed] = 3.0
+            best["mlr", width, seed] = 3.0 - gaps.get(width, (0.05,) * 3)[seed]
+            best["mlr_flat", width, seed] = 3.0 - (flat_gaps or {}).get(width, (0.05,) * 3)[seed]
+    return best
+
+
+def test_the_claims_rule_and_the_ablations_rule():
+    yes = ce.verdict(_best({}), {})
+    assert yes.startswith("YES")
+    assert ce.ablation_verdict(_best({}), yes).startswith("SURVIVES")
+    confounded = _best({}, {128: (0.0, 0.0, 0.0), 256: (0.05, 0.05, -0.01), 512: (0.05,) * 3})
+    assert ce.ablation_verdict(confounded, yes).startswith("CONFOUNDED")
+    mixed = _best({}, {128: (0.0, 0.0, 0.0)})
+    assert ce.ablation_verdict(mixed, yes).startswith("MIXED")
+    one_seed = _best({256: (0.05, 0.05, 0.0)})
+    assert ce.verdict(one_seed, {}).startswith("UNDECIDED") and "[256]" in ce.verdict(one_seed, {})
+    assert ce.ablation_verdict(one_seed, ce.verdict(one_seed, {})).startswith("NOT APPLICABLE")
+    dense_wins = _best({128: (-0.02,) * 3, 512: (-0.05,) * 3})
+    assert ce.verdict(dense_wins, {}).startswith("NO")
+    assert ce.verdict(_best({}), {("dense", 128, 2): True}).startswith("UNDECIDED: it would be YES")
+    assert ce.verdict(_best({}), {}, complete=False).startswith("PARTIAL")
+
+
+def test_windows_with_missing_values_are_refused():
+    tokenizer = ce.tokenizer_for(64, 16, 256)
+    windows = torch.randn(2, 80).cumsum(-1)
+    ids, labels = ce.tokenize_windows(tokenizer, windows, 64)
+    assert ids.shape == (2, 65) and labels.shape == (2, 17)
+    windows[1, 3] = float("nan")
+    with pytest.raises(ValueError, match="missing values"):
+        ce.tokenize_windows(tokenizer, windows, 64)
+
+
+def test_the_pilot_runs_at_tiny_size_and_writes_its_summary(tmp_path, capsys):
+    ce.main(["pilot", "--tiny", "--device", "cpu", "--budget-s", "120", "--out", str(tmp_path / "pilot")])
+    summary = json.loads((tmp_path / "pilot" / "pilot.json").read_text())
+    assert set(summary["arms"]) == {"dense", "mlr"} and summary["tiny"]
+    for arm in summary["arms"].values():
+        assert arm["steps_done"] == 4 and arm["finished"] and arm["flops_per_s"] > 0
+        assert arm["loss_end"][-1] < arm["loss_start"][-1]  # 4 steps at the largest LR lower the held-out loss
+    assert len(list((tmp_path / "pilot").glob("*/result.json"))) == 6
+    assert set(summary["probe"]["arms"]) == set(ce.ARMS)
+    assert all(probe["error"] is None and probe["ms_per_step"] > 0 for probe in summary["probe"]["arms"].values())
+    ce.main(["report", "--out", str(tmp_path / "pilot")])  # the pilot's tiny runs are not the design's
+    out = capsys.readouterr().out
+    assert "runs finished: 0/81" in out and "(MLR vs dense, Fig. 5): PARTIAL" in out
+    assert (tmp_path / "pilot" / "pilot.md").read_text().startswith("### Chronos pilot")
+    with pytest.raises(SystemExit):
+        ce.main(["pilot", "--tiny", "--budget-s", "-1", "--out", str(tmp_path / "other")])
+    assert "--budget-s must be positive, got -1.0" in capsys.readouterr().err
