@@ -458,6 +458,30 @@ def test_compiled_decode_equals_eager():
         del model.forward
 
 
+def test_compiled_forward_over_the_dynamic_cache_falls_back_quietly_and_fullgraph_names_the_static_cache():
+    """A dynamic MLR cache cannot be filled inside a compiled region: ``torch.compile(model.forward)`` over it gives
+    the eager tokens (torch.compile runs that frame eagerly), and ``fullgraph=True`` stops with dynamo's report,
+    which quotes our message naming the static cache."""
+    model = tiny_lm("mlr")
+    prompt = torch.randint(2, 61, (1, 9), generator=torch.Generator().manual_seed(2))
+    common = dict(max_new_tokens=5, pad_token_id=1, do_sample=False)
+    eager = model.generate(prompt, **common)
+    torch._dynamo.reset()
+    model.forward = torch.compile(model.forward, backend="eager")
+    try:
+        assert torch.equal(model.generate(prompt, **common), eager)
+    finally:
+        del model.forward
+    torch._dynamo.reset()
+    model.forward = torch.compile(model.forward, backend="eager", fullgraph=True)
+    try:
+        with pytest.raises(Exception, match="cache_implementation='static'"):
+            model.generate(prompt, **common)
+    finally:
+        del model.forward
+        torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("family", ["t5", "llama"])
 def test_compiled_decode_equals_eager_for_t5_and_patched_decoders(family):
     """The same recipe, traced as one graph per step (``fullgraph=True``), for a T5 MLR decoder and a patched Llama
