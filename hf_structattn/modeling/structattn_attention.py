@@ -480,6 +480,19 @@ def _over_mlr_cache(module, query, key, value, attention_mask, layer, step, geom
     return out.transpose(1, 2).contiguous(), weights
 
 
+def _module_flag(module, name: str, default=True):
+    """``getattr(module, name, default)`` without ``nn.Module.__getattr__``'s failed lookup when neither the
+    instance nor its class has the attribute (GPT-2's attention has no ``is_decoder``: microseconds per layer)."""
+    value = module.__dict__.get(name, _MISSING)
+    if value is not _MISSING:
+        return value
+    return getattr(module, name, default) if hasattr(type(module), name) or name in module._modules or \
+        name in module._parameters or name in module._buffers else default
+
+
+_MISSING = object()
+
+
 def _forward(module, query, key, value, attention_mask, scaling, dropout, eager, kwargs):
     geometry = _layer_geometry(module)
     if geometry is None:
@@ -495,7 +508,7 @@ def _forward(module, query, key, value, attention_mask, scaling, dropout, eager,
     bias = kwargs.get("position_bias")
     batch, _, length, _ = query.shape
     step = kwargs.get(STEP_KEY)
-    if not (getattr(module, "is_decoder", True) and causal):
+    if not (_module_flag(module, "is_decoder") and causal):
         step = None  # the plan describes the decoder's self-attention tokens, not T5's encoder or cross-attention
     layer = step.layer(getattr(module, "layer_idx", None)) if step is not None else None
     if isinstance(layer, MLR_CACHE_LAYERS) and layer.is_bound:

@@ -225,23 +225,30 @@ class MLRCacheLayerMixin(RollbackMixin):
                              f"{chunk} tokens in {batch} rows")
         if not self.is_initialized:
             self._lazy_init(keys, values, step)
+        if torch.is_grad_enabled():  # (entering no_grad costs an eager decode step microseconds per layer)
+            with torch.no_grad():
+                return self._store(keys, values, step, chunk)
+        return self._store(keys, values, step, chunk)
+
+    def _store(self, keys: torch.Tensor, values: torch.Tensor, step: MLRStep, chunk: int) -> MLRCacheView:
+        facts = step.facts
         held = facts.held if facts is not None else True
-        with torch.no_grad():
-            keys_in = keys.detach() if keys.requires_grad else keys
-            values_in = values.detach() if values.requires_grad else values
-            if facts is not None:  # the slots in use, and (dynamic) at least the tokens seen: ``keys`` exposes them
-                needed = max(facts.newest - self.base + 1, 1)
-                if not isinstance(self, StaticLayer):
-                    needed = max(needed, facts.tokens_before + chunk)
+        keys_in = keys.detach() if keys.requires_grad else keys
+        values_in = values.detach() if values.requires_grad else values
+        if facts is not None:  # the slots in use, and (dynamic) at least the tokens seen: ``keys`` exposes them
+            needed = max(facts.newest - self.base + 1, 1)
+            if not isinstance(self, StaticLayer):
+                needed = max(needed, facts.tokens_before + chunk)
+            if needed > self.capacity:
                 self._ensure_capacity(needed, keys_in, values_in)
-            if chunk == 1 and facts is not None and facts.continuing and not self.record_past:
-                last_before = None
-                self._write_decode(keys_in, values_in, step, facts)
-                replaced = None
-            else:
-                plan = self._write_plan(step)
-                last_before = plan.last_before
-                replaced = self._write_chunk(keys_in, values_in, step, plan, keep_replaced=chunk > 1 and held)
+        if chunk == 1 and facts is not None and facts.continuing and not self.record_past:
+            last_before = None
+            self._write_decode(keys_in, values_in, step, facts)
+            replaced = None
+        else:
+            plan = self._write_plan(step)
+            last_before = plan.last_before
+            replaced = self._write_chunk(keys_in, values_in, step, plan, keep_replaced=chunk > 1 and held)
         return self._view(facts, last_before, replaced, held)
 
     def _view(self, facts, last_before, replaced, held: bool) -> MLRCacheView:
@@ -276,14 +283,18 @@ class MLRCacheLayerMixin(RollbackMixin):
         rank = geometry.ranks[0]
         if facts.shared_newest is not None:
             slot = facts.shared_newest - self.base
-            self.keys_storage().narrow(2, slot, 1).copy_(keys[..., :rank])
+            if geometry.block_sizes:  # one split of the key into its level-1 and finer dims (fewer ops per layer)
+                first, finer = keys.split_with_sizes([rank, keys.shape[-1] - rank], -1)
+            else:
+                first, finer = keys, None
+            self.keys_storage().narrow(2, slot, 1).copy_(first)
             self.values_storage().narrow(2, slot, 1).copy_(values)
-            if geometry.block_sizes:
+            if finer is not None:
                 key = ("decode element", id(geometry), self.ring_widths, slot)
                 index = step.memo.get(key)
                 if index is None:
                     index = step.memo[key] = self._fine_index_of_slot(slot, keys.device)
-                self._fine.index_copy_(2, index, keys[:, :, 0, rank:])
+                self._fine.index_copy_(2, index, finer.select(2, 0))
             self.last_positions.fill_(facts.shared_newest)
         else:
             position = step.positions[:, 0]

@@ -55,7 +55,9 @@ class DecodeReadPlan:
     (B, 1, 1, C) 1 / the number of levels a slot shares with the query (average_levels) or None; additive_mask:
     (B, 1, 1, C) 0 on the row's slots first..newest and the dtype's lowest value elsewhere, or None when every row
     holds every slot; scaled: the level scales (all equal) are folded into ``inverse_depth``, so the queries are not
-    scaled (one op less per layer)."""
+    scaled (one op less per layer); split_sizes: the query dims of level 1 and of each group of ``shared_groups``
+    (one ``split_with_sizes`` per layer); flat_multiplier: ``inverse_depth`` as (1, 1, C), which the 3-D scores of a
+    shared-start step are multiplied by in place (None without ``inverse_depth``)."""
 
     work: torch.dtype
     entries: int
@@ -65,6 +67,8 @@ class DecodeReadPlan:
     inverse_depth: Optional[torch.Tensor]
     additive_mask: Optional[torch.Tensor]
     scaled: bool = False
+    split_sizes: Optional[list] = None
+    flat_multiplier: Optional[torch.Tensor] = None
 
 
 def plan_decode_read(geometry: MLRGeometry, view, slots: int, work: torch.dtype, facts=None,
@@ -79,7 +83,7 @@ def plan_decode_read(geometry: MLRGeometry, view, slots: int, work: torch.dtype,
     constants = geometry.fine_layout(ring_widths, device)
     entries = constants["entries"]
     compiling = facts is None
-    shared_groups = entry_slots = current_block = inverse_depth = shared_starts = None
+    shared_groups = entry_slots = current_block = inverse_depth = shared_starts = flat_multiplier = None
     every_slot_allowed = False
     scaled = geometry.average_levels and len(set(scales)) == 1
     if not compiling:
@@ -103,7 +107,8 @@ def plan_decode_read(geometry: MLRGeometry, view, slots: int, work: torch.dtype,
         current_block = ((slot_index >= starts[..., None]) & (slot_index < ends[..., None]))[:, :, None, None, :]
     if geometry.average_levels and shared_starts is not None:
         # every row's blocks start at the same slots (host integers): a few in-place adds per forward
-        inverse_depth = _inverse_depth(shared_starts, slots, work, device, scales[0] if scaled else 1.0)
+        inverse_depth, flat_multiplier = _shared_inverse_depth(shared_starts, geometry.block_sizes, slots, work,
+                                                               device, scales[0] if scaled else 1.0)
     elif geometry.average_levels:
         sizes = constants["sizes"]
         starts = (new_positions[:, None] // sizes) * sizes - base  # (B, L-1)
@@ -117,7 +122,29 @@ def plan_decode_read(geometry: MLRGeometry, view, slots: int, work: torch.dtype,
         allowed = (slot_positions >= first_positions[:, None]) & (slot_positions <= new_positions[:, None])
         additive = torch.zeros(allowed.shape, dtype=work, device=device).masked_fill(~allowed, torch.finfo(work).min)
         additive = additive[:, None, None, :]
-    return DecodeReadPlan(work, entries, shared_groups, entry_slots, current_block, inverse_depth, additive, scaled)
+    split_sizes = None if shared_groups is None else [geometry.ranks[0]] + [group[3] for group in shared_groups]
+    return DecodeReadPlan(work, entries, shared_groups, entry_slots, current_block, inverse_depth, additive, scaled,
+                          split_sizes, flat_multiplier)
+
+
+_INVERSE_DEPTHS: dict = {}  # (starts, dtype, device, scale) -> (1, 1, 1, S) inverse depths over S >= the slots read
+
+
+def _shared_inverse_depth(starts: Sequence[int], block_sizes: Sequence[int], slots: int, work: torch.dtype, device,
+                          scale: float) -> tuple:
+    """``_inverse_depth`` over ``slots`` slots as (1, 1, 1, C) and (1, 1, C) views of a tensor made once per block
+    starts (read-only, shared by the steps whose query stays in the same finest blocks: the inverse depths over C
+    slots are a prefix of those over more), which saves the decode step's plan a dozen small ops."""
+    key = (tuple(starts), work, device, scale)
+    full = _INVERSE_DEPTHS.get(key)
+    if full is None or full.shape[-1] < slots:
+        if len(_INVERSE_DEPTHS) >= 64:
+            _INVERSE_DEPTHS.clear()
+        # every step until the query leaves its finest block reads a prefix of this span
+        span = max(slots, min(start + size for start, size in zip(starts, block_sizes)))
+        full = _INVERSE_DEPTHS[key] = _inverse_depth(starts, span, work, device, scale)
+    inverse_depth = full.narrow(3, 0, slots)
+    return inverse_depth, inverse_depth.view(1, 1, slots)
 
 
 def _inverse_depth(starts: Sequence[int], span: int, work: torch.dtype, device, scale: float) -> torch.Tensor:
@@ -154,6 +181,10 @@ def mlr_decode_step(query: torch.Tensor, view, plan: DecodeReadPlan, geometry: M
     that entries past the last slot land outside)."""
     keys, values, fine, ring_widths = view.keys, view.values, view.fine, view.ring_widths
     work = plan.work
+    if plan.shared_groups is not None and plan.scaled and bias is None and not return_weights and \
+            query.dtype == work and not torch.compiler.is_compiling():
+        # the common eager step (rows in step, equal level scales): 3-D products throughout, scores scaled in place
+        return _shared_start_step(query, keys, values, fine, plan)
     batch, heads, rows, _ = query.shape
     slots = keys.shape[2]
     if not plan.scaled:
@@ -248,22 +279,53 @@ def _compiled_scores(query: torch.Tensor, keys: torch.Tensor, fine: torch.Tensor
         batch, heads, rows, slots)
 
 
-def _shared_start_scores(query: torch.Tensor, keys: torch.Tensor, fine: torch.Tensor, groups: Sequence[tuple]
-                         ) -> torch.Tensor:
+def _shared_start_step(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, fine: torch.Tensor,
+                       plan: DecodeReadPlan) -> torch.Tensor:
+    """``mlr_decode_step`` when every row's blocks start at the same slots, the level scales are folded into the
+    plan's multiplier, the query is in the working dtype and neither a bias nor the weights are asked for: the
+    scores of ``_shared_start_scores`` stay (B Hk, g, C), are scaled (in place) and masked, and meet the values in
+    one 3-D ``bmm``. Returns (B, Hk, g, dv)."""
+    batch, heads, rows, _ = query.shape
+    slots = keys.shape[2]
+    flat = batch * heads
+    scores = _shared_start_scores(query, keys, fine, plan.shared_groups, plan.split_sizes, flat=True)
+    if plan.flat_multiplier is not None and plan.additive_mask is not None:
+        scores = torch.addcmul(plan.additive_mask, scores.view(batch, heads, rows, slots),
+                               plan.inverse_depth).view(flat, rows, slots)
+    elif plan.flat_multiplier is not None:
+        scores.mul_(plan.flat_multiplier)
+    elif plan.additive_mask is not None:
+        scores = (scores.view(batch, heads, rows, slots) + plan.additive_mask).view(flat, rows, slots)
+    output = torch.bmm(torch.softmax(scores, dim=-1), values.reshape(flat, slots, values.shape[-1]))
+    return output.view(batch, heads, rows, -1)
+
+
+def _shared_start_scores(query: torch.Tensor, keys: torch.Tensor, fine: torch.Tensor, groups: Sequence[tuple],
+                         split_sizes: Optional[list] = None, flat: bool = False) -> torch.Tensor:
     """(B, Hk, g, C) scores when every row's current level-l block starts at the same slot (query already scaled,
     in the working dtype): level 1 by one bmm over every slot, each group of finer levels by one in-place
     ``baddbmm_`` of its query dims (g, dims) and its dim-major ring rows (dims, used entries) onto the block's slots.
     ``groups``: (start slot, used entries, first query dim, dims, storage offset, ring width) from ``_plan_decode``
     (levels whose blocks start at the same slot with rings as wide are one group: their dims are adjacent rows of the
-    storage and their entries land on the same slots)."""
+    storage and their entries land on the same slots). ``split_sizes``: the plan's query dims of level 1 and of each
+    group; ``flat``: return (B Hk, g, C)."""
     batch, heads, rows, width = query.shape
     slots, first_rank = keys.shape[2], keys.shape[3]
+    if split_sizes is None:
+        split_sizes = [first_rank] + [group[3] for group in groups]
     # every eager op costs microseconds of dispatch, which a decode step of ~7 levels feels: the query is split once,
     # each ring is one strided view, and groups over the same slots share one slice of the scores
-    pieces = query.reshape(batch * heads, rows, width).split([first_rank] + [group[3] for group in groups], dim=2)
-    scores = torch.bmm(pieces[0], keys.reshape(batch * heads, slots, first_rank).transpose(1, 2))
-    fine = fine.reshape(batch * heads, -1)
-    row_stride, element_stride = fine.stride()
+    pieces = query.reshape(batch * heads, rows, width).split_with_sizes(split_sizes, dim=2)
+    key_strides = keys.stride()
+    if key_strides[0] == heads * key_strides[1]:  # (B Hk, r_1, C) as one strided view of the (narrowed) storage
+        keys_t = keys.as_strided((batch * heads, first_rank, slots), (key_strides[1], key_strides[3], key_strides[2]),
+                                 keys.storage_offset())
+    else:
+        keys_t = keys.reshape(batch * heads, slots, first_rank).transpose(1, 2)
+    scores = torch.bmm(pieces[0], keys_t)
+    if fine.stride(0) != heads * fine.stride(1):
+        fine = fine.reshape(batch * heads, -1)
+    row_stride, element_stride = fine.stride(-2), fine.stride(-1)
     storage_offset = fine.storage_offset()
     targets = {}
     for (start, used, dim, dims, offset, ring_width), level_query in zip(groups, pieces[1:]):
@@ -273,7 +335,7 @@ def _shared_start_scores(query: torch.Tensor, keys: torch.Tensor, fine: torch.Te
         if target is None:
             target = targets[start, used] = scores.narrow(2, start, used)
         target.baddbmm_(level_query, ring)
-    return scores.view(batch, heads, rows, slots)
+    return scores if flat else scores.view(batch, heads, rows, slots)
 
 
 def _shared_groups(geometry: MLRGeometry, ring_widths: Sequence[int], starts: Sequence[int], slots: int) -> list:
