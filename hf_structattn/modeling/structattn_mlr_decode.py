@@ -138,7 +138,7 @@ def _shared_inverse_depth(starts: Sequence[int], block_sizes: Sequence[int], slo
     key = (tuple(starts), work, device, scale)
     full = _INVERSE_DEPTHS.get(key)
     if full is None or full.shape[-1] < slots:
-        if len(_INVERSE_DEPTHS) >= 64:
+        if len(_INVERSE_DEPTHS) >= 16:
             _INVERSE_DEPTHS.clear()
         # every step until the query leaves its finest block reads a prefix of this span
         span = max(slots, min(start + size for start, size in zip(starts, block_sizes)))
@@ -379,29 +379,32 @@ def plan_chunk_read(geometry: MLRGeometry, view, positions: torch.Tensor, valid:
     device = positions.device
     base, last_before, first = view.base, view.last_before, view.first_positions
     query_positions = positions.repeat(1, groups)  # (B, n)
-    newest_new = torch.where(valid, positions, -1).amax(-1)  # (B,)
-    rings, chunks = [], []
-    for size, width in zip(geometry.block_sizes, view.ring_widths):
+    target = weight = depth = None
+    if geometry.block_sizes:
+        # every level at once (a handful of ops per forward instead of a dozen per level): per source s its level's
+        # block size and, for a ring entry, its index in the ring (constants of the geometry)
+        chunk = positions.shape[1]
+        ring_size, ring_entry, level_size, source_size = _chunk_read_constants(geometry, view.ring_widths, chunk,
+                                                                               device)
+        newest_new = torch.where(valid, positions, -1).amax(-1)  # (B,)
+        last, oldest = last_before[:, None], first[:, None]
         # ring entries of the block of the newest cached position, as written before the chunk: an entry the chunk
         # overwrote (a position one block on, up to the chunk's newest) is left to what the chunk's write replaced
-        block_start = (last_before // size) * size  # (B,)
-        entry_positions = block_start[:, None] + torch.arange(width, device=device)  # (B, W)
-        held = (last_before[:, None] >= 0) & (entry_positions <= last_before[:, None]) & \
-            (entry_positions >= first[:, None]) & (entry_positions + size > newest_new[:, None])
-        rings.append((size, entry_positions, held))
+        entry_positions = (last // ring_size) * ring_size + ring_entry  # (B, sum W_l)
+        ring_held = (last >= 0) & (entry_positions <= last) & (entry_positions >= oldest) & \
+            (entry_positions + ring_size > newest_new[:, None])
         # what each new token's write replaced: the position one block earlier, when it was cached in that block
-        earlier = positions - size
-        replaced = valid & (earlier >= block_start[:, None]) & (earlier <= last_before[:, None]) & \
-            (earlier >= first[:, None])
-        chunks.append((size, torch.cat([earlier, positions], dim=1), torch.cat([replaced, valid], dim=1)))
-    targets, weights = [], []
-    for size, key_positions, key_held in rings + chunks:
-        targets.append((key_positions - base).clamp(min=0, max=slots - 1))
-        weights.append(key_held[:, None, :] & (query_positions[:, :, None] // size == key_positions[:, None, :] // size))
-    target = weight = depth = None
-    if targets:
-        target = torch.cat(targets, dim=1)
-        weight = torch.cat(weights, dim=2)[:, None].to(work)
+        earlier = positions[:, None, :] - level_size  # (B, L-1, c)
+        replaced = valid[:, None, :] & (earlier >= (last[:, :, None] // level_size) * level_size) & \
+            (earlier <= last[:, :, None]) & (earlier >= oldest[:, :, None])
+        batch, levels = earlier.shape[:2]
+        pair_positions = torch.cat([earlier, positions[:, None, :].expand(batch, levels, chunk)], dim=2)
+        pair_held = torch.cat([replaced, valid[:, None, :].expand(batch, levels, chunk)], dim=2)
+        key_positions = torch.cat([entry_positions, pair_positions.reshape(batch, -1)], dim=1)  # (B, E)
+        key_held = torch.cat([ring_held, pair_held.reshape(batch, -1)], dim=1)
+        target = (key_positions - base).clamp(min=0, max=slots - 1)
+        weight = (key_held[:, None, :] & (query_positions[:, :, None] // source_size ==
+                                          key_positions[:, None, :] // source_size))[:, None].to(work)
         if geometry.average_levels:
             depth = torch.ones(positions.shape[0], 1, query_positions.shape[1], slots, dtype=work, device=device)
             depth.scatter_add_(-1, target[:, None, None, :].expand(*weight.shape), weight)
@@ -409,6 +412,22 @@ def plan_chunk_read(geometry: MLRGeometry, view, positions: torch.Tensor, valid:
     allowed = (slot_positions >= first[:, None, None]) & (slot_positions <= query_positions[:, :, None])
     additive = torch.zeros(allowed.shape, dtype=work, device=device).masked_fill(~allowed, torch.finfo(work).min)
     return ChunkReadPlan(work, target, weight, depth, additive[:, None])
+
+
+def _chunk_read_constants(geometry: MLRGeometry, ring_widths: Sequence[int], chunk: int, device) -> tuple:
+    """What ``plan_chunk_read`` indexes by source (memoised per geometry): (sum W_l,) each ring entry's block size
+    and index in its ring; (L-1, 1) the block sizes; (E,) the block size of every source in plan order (the ring
+    entries level by level, then per level the c replaced and the c new keys)."""
+    def make():
+        sizes = geometry.block_sizes
+        ring_size = [size for size, width in zip(sizes, ring_widths) for _ in range(width)]
+        ring_entry = [entry for width in ring_widths for entry in range(width)]
+        source_size = ring_size + [size for size in sizes for _ in range(2 * chunk)]
+        return (torch.tensor(ring_size, dtype=torch.long, device=device),
+                torch.tensor(ring_entry, dtype=torch.long, device=device),
+                torch.tensor(sizes, dtype=torch.long, device=device)[:, None],
+                torch.tensor(source_size, dtype=torch.long, device=device))
+    return geometry.tensors.get(("chunk read", tuple(ring_widths), chunk, device), make)
 
 
 def mlr_cached_chunk(query: torch.Tensor, chunk_keys: torch.Tensor, view, plan: ChunkReadPlan,
