@@ -181,10 +181,10 @@ def mlr_decode_step(query: torch.Tensor, view, plan: DecodeReadPlan, geometry: M
     that entries past the last slot land outside)."""
     keys, values, fine, ring_widths = view.keys, view.values, view.fine, view.ring_widths
     work = plan.work
-    if plan.shared_groups is not None and plan.scaled and bias is None and not return_weights and \
-            query.dtype == work and not torch.compiler.is_compiling():
-        # the common eager step (rows in step, equal level scales): 3-D products throughout, scores scaled in place
-        return _shared_start_step(query, keys, values, fine, plan)
+    if plan.shared_groups is not None and bias is None and not return_weights and query.dtype == work and \
+            not torch.compiler.is_compiling():
+        # the common eager step (rows in step): 3-D products throughout, scores scaled in place
+        return _shared_start_step(query, keys, values, fine, plan, geometry, scales)
     batch, heads, rows, _ = query.shape
     slots = keys.shape[2]
     if not plan.scaled:
@@ -280,11 +280,12 @@ def _compiled_scores(query: torch.Tensor, keys: torch.Tensor, fine: torch.Tensor
 
 
 def _shared_start_step(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, fine: torch.Tensor,
-                       plan: DecodeReadPlan) -> torch.Tensor:
-    """``mlr_decode_step`` when every row's blocks start at the same slots, the level scales are folded into the
-    plan's multiplier, the query is in the working dtype and neither a bias nor the weights are asked for: the
-    scores of ``_shared_start_scores`` stay (B Hk, g, C), are scaled (in place) and masked, and meet the values in
-    one 3-D ``bmm``. Returns (B, Hk, g, dv)."""
+                       plan: DecodeReadPlan, geometry: MLRGeometry, scales: Sequence[float]) -> torch.Tensor:
+    """``mlr_decode_step`` when every row's blocks start at the same slots, the query is in the working dtype and
+    neither a bias nor the weights are asked for: the scores of ``_shared_start_scores`` stay (B Hk, g, C), are
+    scaled (in place) and masked, and meet the values in one 3-D ``bmm``. Returns (B, Hk, g, dv)."""
+    if not plan.scaled:
+        query = query * geometry.scale_vector(scales, query.dtype, query.device)
     batch, heads, rows, _ = query.shape
     slots = keys.shape[2]
     flat = batch * heads
