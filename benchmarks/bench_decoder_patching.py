@@ -11,7 +11,7 @@ Speed (float32, one thread, ``time.thread_time``, variants interleaved in one pr
 token and decode ms per generated token (``model(token, cache=...)``, the step generate runs), with the bytes of
 keys the cache holds after the prompt (measured from the cache object, and the formula).
 
-    python benchmarks/bench_decoder_patching.py --output docs/bench_decoder_patching.md
+    python benchmarks/bench_decoder_patching.py --output /tmp/decoder_patching.md
     python benchmarks/bench_decoder_patching.py --skip_exactness --compiled --prompts 512 2048 --steps 24
 
 ``--compiled`` adds compiled static-cache decode (``cache_implementation="static"``, the forward compiled with

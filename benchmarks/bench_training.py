@@ -31,9 +31,11 @@ except ImportError:  # run from another directory
 
 def build_models(args, length):
     common = dict(vocab_size=args.vocab_size, n_positions=length, n_embd=args.n_embd, n_head=args.n_embd // 64,
-                  n_layer=args.n_layer, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                  n_layer=args.n_layer, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                  bos_token_id=0, eos_token_id=0)  # GPT-2's 50256 lies outside the byte vocabulary
     torch.manual_seed(0)
     reference = transformers.GPT2LMHeadModel(transformers.GPT2Config(**common, attn_implementation="sdpa")).train()
+    reference.loss_type = "ForCausalLM"  # stock GPT-2 names no loss and would say so at every step
     mlr = StructAttnGPT2LMHeadModel(StructAttnGPT2Config(**common, attention="mlr", mlr_ranks=args.mlr_ranks)).train()
     return {"gpt2 sdpa": reference, "mlr": mlr}
 

@@ -26,7 +26,7 @@ _cpu_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 # at 2x SDPA's memory). Pieces of at most 1/PIECE_FRACTION of the output keep the extra at ~2/PIECE_FRACTION;
 # pieces are not cut below MIN_PIECE_ELEMENTS (1 MiB in float32), where the extra kernel calls and merges cost more
 # time than the memory is worth (5-15 % of the forward at T = 1024, 8 heads, one thread). Above it the pieces cost
-# 0-5 % of the forward (docs/benchmarks.md, "Transient memory of the fused MLR op").
+# 0-5 % of the forward (docs/benchmarks.md, "Transient memory of the op").
 PIECE_FRACTION = 8
 MIN_PIECE_ELEMENTS = 2 ** 18
 
