@@ -736,7 +736,7 @@ def main(argv=None) -> None:
     else:
         from icl_rank_report import report  # scripts/icl_rank_report.py
 
-        report(args)
+        report(args, training_flops)
 
 
 if __name__ == "__main__":

@@ -198,8 +198,9 @@ def plot(runs: list[dict], d: int, seeds, out: Path) -> Path:
     return path
 
 
-def report(args) -> None:
-    from icl_rank_experiment import training_flops  # scripts/icl_rank_experiment.py (imports torch)
+def report(args, training_flops) -> None:
+    """The verdicts, tables and figure of ``args.out``; ``training_flops(d, arm, steps, layers=...)`` gives a run's
+    cumulative FLOPs (scripts/icl_rank_experiment.py passes its own, so that this module needs no torch)."""
 
     root = Path(args.out) / f"d{args.d}"
     arm_names = list(args.arms)
