@@ -32,6 +32,12 @@ SKIPS = {
             "model). Left-padded assisted decoding equals greedy search for a patched model with an MLR layer beside a "
             "stock sliding layer: tests/test_decoder_patching.py::"
             "test_assisted_decoding_equals_greedy_with_a_sliding_layer"),
+        "test_prompt_lookup_decoding_matches_greedy_search": (
+            "the same right-padded prompts and sliding window: the first verification forward's padding-only window "
+            "rows differ from greedy search's on stock Qwen2 with the same window too, by seed (measured: seeds 51 and "
+            "53 of 60 fail, the same seeds on the stock control and the patched model). Prompt lookup with an MLR "
+            "layer beside a stock sliding layer equals greedy search on a left-padded prompt: "
+            "tests/test_decoder_patching.py::test_assisted_decoding_equals_greedy_with_a_sliding_layer"),
     },
     "gpt2_swa": {  # the plugin's GPT-2 with sliding-window layers (window 4, shorter than the tester's prompts)
         "test_assisted_decoding_matches_greedy_search": (
