@@ -15,6 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 DOCUMENTS = [ROOT / "README.md", ROOT / "recipes" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.M | re.S)
+PRINTED = re.compile(r"^[ \t]*print\(.*?\)[ \t]+#[ \t]*(\S.*?)[ \t]*$", re.M)  # print(...)  # what it prints
 
 
 def python_blocks(path: Path) -> list:
@@ -37,3 +38,6 @@ def test_python_snippets_run_as_written(path, tmp_path):
     result = subprocess.run([sys.executable, "-c", program], cwd=tmp_path, env=env, capture_output=True, text=True,
                             timeout=900)
     assert result.returncode == 0, f"{path.name}: {result.stderr[-3000:]}"
+    if path.name == "README.md":  # the README shows what it prints: each commented print's output appears as written
+        for expected in PRINTED.findall(program):
+            assert expected in result.stdout, (expected, result.stdout[-2000:])
