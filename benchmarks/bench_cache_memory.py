@@ -10,7 +10,7 @@ Models (float32, batch 1, random weights, greedy):
 
 For each prompt length: ``model.generate(ids, max_new_tokens=N, return_dict_in_generate=True)`` (the model's own
 default cache, or ``cache_implementation="static"`` with ``--cache static``), then
-* allocated: ``hf_structattn.flops.allocated_cache_bytes(out.cache)``, the unique storage bytes of every tensor
+* allocated: ``hf_structattn.cache_memory.allocated_cache_bytes(out.cache)``, the unique storage bytes of every tensor
   the returned cache holds (reserved slots, positions, flags and scratch included);
 * formula: keys + values in use for the tokens the cache holds (``cache.get_seq_length()``, i.e. prompt + N - 1):
   ``attention_cost_report(config, context_len=T).kv_cache_bytes`` for the GPT-2 family and
@@ -29,7 +29,8 @@ import transformers
 
 import hf_structattn
 from hf_structattn import StructAttnGPT2Config, StructAttnGPT2LMHeadModel
-from hf_structattn.flops import allocated_cache_bytes, attention_cost_report, decoder_cache_report
+from hf_structattn.cache_memory import allocated_cache_bytes
+from hf_structattn.flops import attention_cost_report, decoder_cache_report
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_generation import header_line  # noqa: E402

@@ -51,7 +51,7 @@ _LAZY = {
     "patch_report": "patching",
     "load_patched_chronos_bolt": "patching",
 }
-_SUBMODULES = ("flops", "diagnostics", "mup", "patching", "decoder_patching", "cli", "training", "tokenization")
+_SUBMODULES = ("flops", "cache_memory", "diagnostics", "mup", "patching", "decoder_patching", "cli", "training", "tokenization")
 
 
 def __getattr__(name: str):

@@ -43,7 +43,6 @@ width; CONFOUNDED when ``mlr_flat`` is not lower than ``dense`` at 2 or more wid
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import time
@@ -53,7 +52,8 @@ import numpy as np
 import torch
 
 from hf_structattn.flops import encoder_decoder_flops
-from hf_structattn.training.sweep import ArmSpec, StackedArm, load_results, probe_arm
+from hf_structattn.training.sweep import (ArmSpec, StackedArm, design_arguments, device_name, finish_pilot,
+                                          load_results, probe_markdown)
 
 ARMS = ("dense", "mlr", "mlr_flat")
 WIDTHS, HEADS, D_KV, LAYERS = (128, 256, 512), 8, 64, 4
@@ -361,26 +361,9 @@ def pilot(args) -> dict:
                                      "loss_end": [values[-1] for values in losses]}
     probe_width = TINY["probe_width"] if args.tiny else max(WIDTHS)
     summary["probe"] = {"width": probe_width, "arms": {}}
-    for arm_name in ARMS:  # the widest arms: do they fit, and how fast is their step?
-        if time.perf_counter() - started > args.budget_s:
-            summary["probe"]["arms"][arm_name] = {"ms_per_step": None, "peak_gib": None, "error": "not run: budget"}
-            continue
-        spec = arm_spec(arm_name, probe_width, 0, tiny=args.tiny, batch=batch)
-        summary["probe"]["arms"][arm_name] = probe_arm(spec, LRS, args.device)
-    rate = sum(a["flops_per_s"] for a in summary["arms"].values()) / len(summary["arms"])
     total = sum(row["run_flops"] * row["runs"] for row in design_rows())
-    summary.update(wall_s=round(time.perf_counter() - started, 2), design_flops=total,
-                   projected_design_h=round(total / rate / 3600, 2))
-    (out / "pilot.json").write_text(json.dumps(summary, indent=1))
-    (out / "pilot.md").write_text(pilot_markdown(summary))
-    print((out / "pilot.md").read_text(), flush=True)
-    return summary
-
-
-def device_name(device: str) -> str:
-    if device.startswith("cuda") and torch.cuda.is_available():
-        return f"{torch.cuda.get_device_name(torch.device(device))} (torch {torch.__version__})"
-    return f"cpu, {torch.get_num_threads()} thread(s) (torch {torch.__version__})"
+    return finish_pilot(summary, ARMS, lambda name: arm_spec(name, probe_width, 0, tiny=args.tiny, batch=batch), LRS,
+                        args.device, started, args.budget_s, total, out, pilot_markdown)
 
 
 def pilot_markdown(summary: dict) -> str:
@@ -394,38 +377,12 @@ def pilot_markdown(summary: dict) -> str:
         change = ", ".join(f"{a:.2f} -> {b:.2f}" for a, b in zip(arm["loss_start"], arm["loss_end"]))
         lines.append(f"| {name} | {arm['steps_done']} | {arm['ms_per_step']:.1f} | {arm['flops_per_s']:.3g} | "
                      f"{change} |")
-    lines += ["", f"Widest arms (D = {summary['probe']['width']}, 3 LRs stacked, 2 steps):", "",
-              "| arm | ms/step | peak memory (GiB) | error |", "|---|---|---|---|"]
-    for name, probe in summary["probe"]["arms"].items():
-        ms = "-" if probe["ms_per_step"] is None else f"{probe['ms_per_step']:.1f}"
-        peak = "-" if probe["peak_gib"] is None else f"{probe['peak_gib']:.1f}"
-        lines.append(f"| {name} | {ms} | {peak} | {probe['error'] or '-'} |")
-    lines += ["", f"Projected full design on this device ({summary['design_flops']:.3g} FLOPs at the mean measured "
-                  f"FLOP rate): {summary['projected_design_h']:.1f} h.", ""]
+    lines += probe_markdown(summary, "arm")
     return "\n".join(lines)
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", choices=["plan", "run", "report", "pilot"])
-    parser.add_argument("--out", help="output folder (default outputs/chronos_design; pilot outputs/chronos_pilot)")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:<index>")
-    parser.add_argument("--budget-s", dest="budget_s", type=float, help="wall seconds (pilot default 170)")
-    parser.add_argument("--tiny", action="store_true", help="pilot: the CPU rehearsal")
-    args = parser.parse_args(argv)
-    args.out = args.out or ("outputs/chronos_pilot" if args.command == "pilot" else "outputs/chronos_design")
-    if args.command == "pilot" and args.budget_s is None:
-        args.budget_s = 170.0
-    if args.budget_s is not None and not args.budget_s > 0:
-        parser.error(f"--budget-s must be positive, got {args.budget_s}")
-    if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
-        parser.error(f"--device must be cpu or cuda[:index], got {args.device!r}")
-    if args.device.startswith("cuda") and args.command in ("run", "pilot") and not torch.cuda.is_available():
-        parser.error(f"--device {args.device}: CUDA is not available on this machine")
-    if args.command == "pilot" and Path(args.out).exists() and any(Path(args.out).iterdir()):
-        parser.error(f"--out {args.out} is not empty: a pilot starts from scratch in a new folder")
-    if args.device.startswith("cuda"):
-        torch.backends.cuda.matmul.allow_tf32 = True
+    args = design_arguments(argv, __doc__.split("\n\n")[0], "outputs/chronos_design", "outputs/chronos_pilot")
     {"plan": plan, "run": run_design, "report": report, "pilot": pilot}[args.command](args)
 
 

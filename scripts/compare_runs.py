@@ -16,7 +16,7 @@ excluded), and, measured here:
   the median [min-max] over rounds of the round's time per step, and the ratio to the first run is taken within
   each round (median [min-max] of those per-round ratios). The cache then holds ``1 + --decode_tokens`` tokens;
 * key/value cache bytes of that cache after the last round: **allocated** (the unique storages of every tensor it
-  holds, ``hf_structattn.flops.allocated_cache_bytes``) beside the **formula** (keys, and keys + values, in use for
+  holds, ``hf_structattn.cache_memory.allocated_cache_bytes``) beside the **formula** (keys, and keys + values, in use for
   the tokens the cache holds: ``hf_structattn.flops.attention_cost_report``).
 
 Prints a markdown table with the machine and versions and a note on what the decode ratio means, saves the
@@ -33,7 +33,8 @@ from pathlib import Path
 import torch
 
 import hf_structattn  # noqa: F401  (registers the Auto classes of the saved model type)
-from hf_structattn.flops import allocated_cache_bytes, attention_cost_report
+from hf_structattn.cache_memory import allocated_cache_bytes
+from hf_structattn.flops import attention_cost_report
 
 
 def cpu_name() -> str:

@@ -65,6 +65,7 @@ from hf_structattn.diagnostics import effective_rank
 from hf_structattn.flops import flops_per_token
 from hf_structattn.mup import attention_logit_rms
 from hf_structattn.training.batched import StackedRuns
+from hf_structattn.training.sweep import device_name
 from hf_structattn.training.icl import sample_prompts
 from icl_rank_arms import FAILED, LABELS, SOLVED, arms  # noqa: F401  (scripts/icl_rank_arms.py)
 
@@ -420,7 +421,7 @@ def pilot(args) -> dict:
     for runner in runners:
         if runner.finished:
             runner.finish()
-    summary = {"command": "pilot", "device": pilot_device_name(args.device), "d": args.d, "lr": args.lrs[0],
+    summary = {"command": "pilot", "device": device_name(args.device), "d": args.d, "lr": args.lrs[0],
                "seed": args.seeds[0], "steps_planned": size["steps"], "layers": size["layers"], "tiny": args.tiny,
                "budget_s": args.budget_s, "stopped_by_budget": stopped_by_budget,
                "wall_s": round(time.perf_counter() - started, 2), "setup_s": round(setup, 2), "arms": {}}
@@ -445,12 +446,6 @@ def pilot(args) -> dict:
     (out / "pilot.md").write_text(pilot_markdown(summary))
     print((out / "pilot.md").read_text(), flush=True)
     return summary
-
-
-def pilot_device_name(device: str) -> str:
-    if device.startswith("cuda") and torch.cuda.is_available():
-        return f"{torch.cuda.get_device_name(torch.device(device))} (torch {torch.__version__})"
-    return f"cpu, {torch.get_num_threads()} thread(s) (torch {torch.__version__})"
 
 
 def pilot_markdown(summary: dict) -> str:

@@ -38,7 +38,6 @@ learning rate at the edge of the grid (the grid did not bracket that optimum). P
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -50,7 +49,8 @@ import torch
 from hf_structattn import StructAttnGPT2Config, StructAttnGPT2LMHeadModel
 from hf_structattn.flops import flops_per_token
 from hf_structattn.mup import mup_config_overrides, mup_init_, mup_param_groups
-from hf_structattn.training.sweep import ArmSpec, StackedArm, load_results, probe_arm
+from hf_structattn.training.sweep import (ArmSpec, StackedArm, design_arguments, device_name, finish_pilot,
+                                          load_results, probe_markdown)
 
 WIDTHS, LAYERS, SEQ_LEN, HEAD_DIM, BATCH = (128, 256, 384), 6, 1024, 64, 16
 DENSE_STEPS, EVALS_PER_RUN, EVAL_WINDOWS = 4000, 8, 128
@@ -347,26 +347,10 @@ def pilot(args) -> dict:
             "bits_per_byte_start": firsts, "bits_per_byte_end": lasts, "evaluations": evaluations}
     probe_width = TINY["probe_width"] if args.tiny else max(WIDTHS)
     summary["probe"] = {"width": probe_width, "arms": {}}
-    for variant in VARIANTS:  # the widest arms: do they fit, and how fast is their step?
-        if time.perf_counter() - started > args.budget_s:
-            summary["probe"]["arms"][variant] = {"ms_per_step": None, "peak_gib": None, "error": "not run: budget"}
-            continue
-        spec = arm_spec(variant, probe_width, corpus, windows[:1], batch=batch, **size)
-        summary["probe"]["arms"][variant] = probe_arm(spec, LRS, args.device)
-    rate = sum(a["flops_per_s"] for a in summary["arms"].values()) / len(summary["arms"])
     total = sum(row["run_flops"] * row["runs"] for row in design_rows())
-    summary.update(wall_s=round(time.perf_counter() - started, 2), design_flops=total,
-                   projected_design_h=round(total / rate / 3600, 2))
-    (out / "pilot.json").write_text(json.dumps(summary, indent=1))
-    (out / "pilot.md").write_text(pilot_markdown(summary))
-    print((out / "pilot.md").read_text(), flush=True)
-    return summary
-
-
-def device_name(device: str) -> str:
-    if device.startswith("cuda") and torch.cuda.is_available():
-        return f"{torch.cuda.get_device_name(torch.device(device))} (torch {torch.__version__})"
-    return f"cpu, {torch.get_num_threads()} thread(s) (torch {torch.__version__})"
+    return finish_pilot(summary, VARIANTS,
+                        lambda name: arm_spec(name, probe_width, corpus, windows[:1], batch=batch, **size), LRS,
+                        args.device, started, args.budget_s, total, out, pilot_markdown)
 
 
 def pilot_markdown(summary: dict) -> str:
@@ -381,38 +365,12 @@ def pilot_markdown(summary: dict) -> str:
                                                                   arm["bits_per_byte_end"]))
         lines.append(f"| {variant} | {arm['steps_done']} | {arm['ms_per_step']:.1f} | {arm['flops_per_s']:.3g} | "
                      f"{change} |")
-    lines += ["", f"Widest arms (D = {summary['probe']['width']}, 3 LRs stacked, 2 steps):", "",
-              "| variant | ms/step | peak memory (GiB) | error |", "|---|---|---|---|"]
-    for variant, probe in summary["probe"]["arms"].items():
-        ms = "-" if probe["ms_per_step"] is None else f"{probe['ms_per_step']:.1f}"
-        peak = "-" if probe["peak_gib"] is None else f"{probe['peak_gib']:.1f}"
-        lines.append(f"| {variant} | {ms} | {peak} | {probe['error'] or '-'} |")
-    lines += ["", f"Projected full design on this device ({summary['design_flops']:.3g} FLOPs at the mean measured "
-                  f"FLOP rate): {summary['projected_design_h']:.1f} h.", ""]
+    lines += probe_markdown(summary, "variant")
     return "\n".join(lines)
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", choices=["plan", "run", "report", "pilot"])
-    parser.add_argument("--out", help="output folder (default outputs/lm_equal_flops; pilot outputs/lm_pilot)")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:<index>")
-    parser.add_argument("--budget-s", dest="budget_s", type=float, help="wall seconds (pilot default 170)")
-    parser.add_argument("--tiny", action="store_true", help="pilot: the CPU rehearsal")
-    args = parser.parse_args(argv)
-    args.out = args.out or ("outputs/lm_pilot" if args.command == "pilot" else "outputs/lm_equal_flops")
-    if args.command == "pilot" and args.budget_s is None:
-        args.budget_s = 170.0
-    if args.budget_s is not None and not args.budget_s > 0:
-        parser.error(f"--budget-s must be positive, got {args.budget_s}")
-    if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
-        parser.error(f"--device must be cpu or cuda[:index], got {args.device!r}")
-    if args.device.startswith("cuda") and args.command in ("run", "pilot") and not torch.cuda.is_available():
-        parser.error(f"--device {args.device}: CUDA is not available on this machine")
-    if args.command == "pilot" and Path(args.out).exists() and any(Path(args.out).iterdir()):
-        parser.error(f"--out {args.out} is not empty: a pilot starts from scratch in a new folder")
-    if args.device.startswith("cuda"):
-        torch.backends.cuda.matmul.allow_tf32 = True  # TF32 matmuls: the throughput the estimate assumes
+    args = design_arguments(argv, __doc__.split("\n\n")[0], "outputs/lm_equal_flops", "outputs/lm_pilot")
     if args.command == "plan":
         plan(args)
     elif args.command == "run":

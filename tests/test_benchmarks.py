@@ -13,7 +13,8 @@ import transformers
 
 import hf_structattn
 from hf_structattn import StructAttnGPT2Config, StructAttnGPT2LMHeadModel, mlr_attention, mlr_attention_reference
-from hf_structattn.flops import allocated_cache_bytes, attention_cost_report
+from hf_structattn.cache_memory import allocated_cache_bytes
+from hf_structattn.flops import attention_cost_report
 from hf_structattn.modeling import structattn_mlr_fused
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -14,7 +14,7 @@ import transformers
 import hf_structattn
 from hf_structattn import StructAttnGPT2Config, StructAttnGPT2LMHeadModel, StructAttnT5Config
 from hf_structattn import StructAttnT5ForConditionalGeneration
-from hf_structattn.flops import allocated_cache_bytes
+from hf_structattn.cache_memory import allocated_cache_bytes
 
 BLOCKS = [16, 8, 4]  # b_2, b_3, b_4: the coarsest fine block is 16 tokens
 RANKS = [8, 4, 2, 2]  # head dim 16

@@ -301,7 +301,7 @@ class TensorMemo:
     ``capacity`` entries (the oldest made goes first: a hit is one dict lookup, which every layer of a decode step
     pays). Nothing made while tracing is kept (a fake tensor of one ``torch.export`` would end up in the next one's
     constants). The tables are per level or per head dim, never per cache slot, so the memo stays a few hundred bytes
-    whatever the caches hold (``flops.allocated_cache_bytes`` counts it)."""
+    whatever the caches hold (``hf_structattn.cache_memory.allocated_cache_bytes`` counts it)."""
 
     def __init__(self, capacity: int = 8):
         self.capacity = capacity

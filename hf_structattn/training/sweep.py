@@ -16,6 +16,7 @@ The schedule is linear warm-up then cosine decay to ``min_lr_ratio`` of the peak
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -236,3 +237,75 @@ def probe_arm(spec: ArmSpec, lrs: Sequence[float], device: str = "cpu", steps: i
     finally:
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------------------------ the design scripts' shared CLI
+
+
+def finish_pilot(summary: dict, names: Sequence[str], spec_of: Callable[[str], ArmSpec], lrs: Sequence[float],
+                 device: str, started: float, budget_s: float, design_flops: float, out: Path,
+                 markdown: Callable[[dict], str]) -> dict:
+    """The end of a design pilot: probe the widest arm of every name in ``names`` (``spec_of(name)``) while the
+    budget lasts, project the design's time from the FLOP rate the trained arms measured, write ``pilot.json`` and
+    ``pilot.md`` (``markdown(summary)``) to ``out`` and print the latter. ``summary["arms"]`` holds the trained
+    arms (each with ``flops_per_s``); ``summary["probe"]["width"]`` is set by the caller."""
+    for name in names:  # the widest arms: do they fit, and how fast is their step?
+        if time.perf_counter() - started > budget_s:
+            summary["probe"]["arms"][name] = {"ms_per_step": None, "peak_gib": None, "error": "not run: budget"}
+            continue
+        summary["probe"]["arms"][name] = probe_arm(spec_of(name), lrs, device)
+    rate = sum(arm["flops_per_s"] for arm in summary["arms"].values()) / len(summary["arms"])
+    summary.update(wall_s=round(time.perf_counter() - started, 2), design_flops=design_flops,
+                   projected_design_h=round(design_flops / rate / 3600, 2))
+    (out / "pilot.json").write_text(json.dumps(summary, indent=1))
+    (out / "pilot.md").write_text(markdown(summary))
+    print((out / "pilot.md").read_text(), flush=True)
+    return summary
+
+
+def device_name(device: str) -> str:
+    """The device a pilot ran on, for its report: the CUDA device's name, or the CPU and its thread count."""
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name(torch.device(device))} (torch {torch.__version__})"
+    return f"cpu, {torch.get_num_threads()} thread(s) (torch {torch.__version__})"
+
+
+def probe_markdown(summary: dict, label: str) -> list:
+    """A pilot summary's widest-arm probe table (``summary["probe"]``, from :func:`probe_arm`) and the projected
+    design time, as markdown lines; ``label`` names the first column (arm, variant)."""
+    lines = ["", f"Widest arms (D = {summary['probe']['width']}, 3 LRs stacked, 2 steps):", "",
+             f"| {label} | ms/step | peak memory (GiB) | error |", "|---|---|---|---|"]
+    for name, probe in summary["probe"]["arms"].items():
+        ms = "-" if probe["ms_per_step"] is None else f"{probe['ms_per_step']:.1f}"
+        peak = "-" if probe["peak_gib"] is None else f"{probe['peak_gib']:.1f}"
+        lines.append(f"| {name} | {ms} | {peak} | {probe['error'] or '-'} |")
+    lines += ["", f"Projected full design on this device ({summary['design_flops']:.3g} FLOPs at the mean measured "
+                  f"FLOP rate): {summary['projected_design_h']:.1f} h.", ""]
+    return lines
+
+
+def design_arguments(argv, description: str, design_out: str, pilot_out: str) -> argparse.Namespace:
+    """The command line of a design script (``plan``, ``run``, ``report``, ``pilot``), checked: a positive budget,
+    a cpu / cuda[:index] device that exists for ``run`` and ``pilot``, a new or empty folder for a pilot. Turns TF32
+    matmuls on for CUDA (the throughput the designs' estimates assume)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("command", choices=["plan", "run", "report", "pilot"])
+    parser.add_argument("--out", help=f"output folder (default {design_out}; pilot {pilot_out})")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:<index>")
+    parser.add_argument("--budget-s", dest="budget_s", type=float, help="wall seconds (pilot default 170)")
+    parser.add_argument("--tiny", action="store_true", help="pilot: the CPU rehearsal")
+    args = parser.parse_args(argv)
+    args.out = args.out or (pilot_out if args.command == "pilot" else design_out)
+    if args.command == "pilot" and args.budget_s is None:
+        args.budget_s = 170.0
+    if args.budget_s is not None and not args.budget_s > 0:
+        parser.error(f"--budget-s must be positive, got {args.budget_s}")
+    if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
+        parser.error(f"--device must be cpu or cuda[:index], got {args.device!r}")
+    if args.device.startswith("cuda") and args.command in ("run", "pilot") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: CUDA is not available on this machine")
+    if args.command == "pilot" and Path(args.out).exists() and any(Path(args.out).iterdir()):
+        parser.error(f"--out {args.out} is not empty: a pilot starts from scratch in a new folder")
+    if args.device.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = True
+    return args
