@@ -2,19 +2,22 @@
 the naive reference, rollback for speculative decoding, what it allocates, static == dynamic, half precision and
 torch.compile."""
 
+import collections
 import copy
 import dataclasses
 
 import pytest
 import torch
 import transformers
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.cache_utils import Cache
 
 import hf_structattn
 
 from hf_structattn.modeling.structattn_cache import MLRKeyCacheLayer, MLRStaticKeyCacheLayer
 from hf_structattn.modeling.structattn_geometry import MLRGeometry
-from hf_structattn.modeling.structattn_mlr_decode import DecodeReadPlan, mlr_cached_attention
+from hf_structattn.modeling.structattn_mlr_decode import (DecodeReadPlan, mlr_cached_attention, mlr_decode_in_step,
+                                                          plan_decode_lane)
 from hf_structattn.modeling.structattn_plan import STEP_KEY, build_step
 from hf_structattn.modeling.structattn_prepare import key_cache_bytes
 from hf_structattn.modeling.structattn_reference import mlr_attention_reference
@@ -154,6 +157,135 @@ def test_decode_step_over_the_slots_in_use_with_host_positions_equals_the_refere
             plan = next(value for value in written[1].memo.values() if isinstance(value, DecodeReadPlan))
             assert plan.shared_groups is not None
             assert (plan.additive_mask is None) == (pads == (0, 0, 0))  # every row holds every slot
+
+
+def _lane_step(layer, keys, values, positions, valid, query, geometry):
+    """What the ``"mlr"`` function runs for an eager decode step of rows in step: the step plan, ``update``, the
+    forward's ``DecodeLane``, the layer's write and the op. query (B, Hq, 1, r). Returns (output (B, 1, Hq, dv) or
+    None when the lane does not apply, step)."""
+    step = build_step(cache=Cache(layers=[layer]), positions=positions, valid=valid, batch=keys.shape[0],
+                      length=1, device=keys.device, geometries=(tuple(geometry.block_sizes),))
+    level_keys, level_values = layer.update(keys, values, kwargs={STEP_KEY: step})
+    needed = step.facts.newest - layer.base + 1
+    if not isinstance(layer, MLRStaticKeyCacheLayer):
+        needed = max(needed, step.facts.tokens_before + 1)
+    lane = plan_decode_lane(geometry, step, layer.base, layer.capacity, layer.ring_widths, values.shape[-1], needed,
+                            query.dtype, query.device, geometry.level_scales)
+    storages = None if lane is None else layer.write_in_step(level_keys, level_values, lane)
+    if storages is None:
+        return None, step
+    return mlr_decode_in_step(query, *storages, lane), step
+
+
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("average_levels", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_decode_lane_writes_what_store_writes_and_reads_the_reference(static, average_levels, dtype):
+    """The eager decode lane (rows in step: three ``index_copy_`` writes, strided reads of the whole storage) against
+    the general path on a twin layer (the same slots, rings and positions) and the reference, every step across
+    every block boundary, two query heads per cached head; without padding and with left padding (rows in step,
+    later first positions: the lane keeps a mask), and rows at one offset (``base`` > 0). float64 exactly, float32
+    within rounding."""
+    geometry = _geometry(average_levels)
+    tolerance = EXACT if dtype == torch.float64 else dict(atol=2e-6, rtol=2e-5)
+    for pads, offset in (((0, 0, 0), 0), ((0, 2, 4), 0), ((0, 0, 0), 17)):
+        q, k, v, _, valid = _rows(pads=pads, offsets=(0, 0, 0), dtype=dtype)
+        positions = torch.arange(40).expand(3, 40) + offset  # padding first, then real tokens in step
+        lane_layer, general = _layer(static, geometry, capacity=64), _layer(static, geometry, capacity=64)
+        for layer in (lane_layer, general):
+            _write(layer, k[:, :, :9], v[:, :, :9], positions[:, :9], valid[:, :9])
+        taken = 0
+        for index in range(9, 40):
+            token = slice(index, index + 1)
+            query = q[:, :, :, index].reshape(3, 4, 1, 8)  # query head h * 2 + g reads cached head h
+            got, step = _lane_step(lane_layer, k[:, :, token], v[:, :, token], positions[:, token], valid[:, token],
+                                   query, geometry)
+            if got is None:  # a dynamic layer that must grow takes the general path for this step
+                assert not static
+                written = _write(lane_layer, k[:, :, token], v[:, :, token], positions[:, token], valid[:, token])
+                got = _attend(q[:, :, :, index], written, geometry).reshape(3, 1, 4, 5)
+            else:
+                taken += 1
+            _write(general, k[:, :, token], v[:, :, token], positions[:, token], valid[:, token])
+            expected = _reference_rows(q.double(), k.double(), v.double(), positions, valid, geometry, index)
+            torch.testing.assert_close(got.double(), expected.reshape(3, 1, 4, 5), **tolerance,
+                                       msg=f"step {index}, pads {pads}, offset {offset}")
+            assert lane_layer.get_seq_length() == general.get_seq_length()
+        assert taken >= 28
+        for got, expected in ((lane_layer.keys_storage(), general.keys_storage()),
+                              (lane_layer.values_storage(), general.values_storage()),
+                              (lane_layer.fine_storage, general.fine_storage),
+                              (lane_layer.last_positions, general.last_positions),
+                              (lane_layer.first_positions, general.first_positions)):
+            torch.testing.assert_close(got, expected, atol=0, rtol=0)
+
+
+def test_decode_lane_is_declined_where_the_general_path_is_needed():
+    """Rows at different newest positions, a layer that keeps a rollback log (speculative decoding) and a layer of
+    another capacity get no lane write (nothing is written), so that the general path runs."""
+    geometry = _geometry()
+    q, k, v, positions, valid = _rows(pads=(0, 0, 0), offsets=(0, 0, 3))
+    layer = _layer(True, geometry)
+    _write(layer, k[:, :, :9], v[:, :, :9], positions[:, :9], valid[:, :9])
+    token = slice(9, 10)
+    got, step = _lane_step(layer, k[:, :, token], v[:, :, token], positions[:, token], valid[:, token],
+                           q[:, :, :, 9].reshape(3, 4, 1, 8), geometry)
+    assert got is None and step.facts.shared_newest is None
+    q, k, v, positions, valid = _rows(pads=(0, 0, 0), offsets=(0, 0, 0))
+    for make in (lambda: _layer(True, geometry), lambda: _layer(True, geometry, capacity=50)):
+        layer = make()
+        _write(layer, k[:, :, :9], v[:, :, :9], positions[:, :9], valid[:, :9])
+        before = layer.keys_storage().clone()
+        step = build_step(cache=Cache(layers=[layer]), positions=positions[:, token], valid=None, batch=3, length=1,
+                          device=k.device, geometries=(tuple(geometry.block_sizes),))
+        lane = plan_decode_lane(geometry, step, layer.base, 48, layer.ring_widths, 5, 10, torch.float64, k.device,
+                                geometry.level_scales)
+        assert lane is not None
+        if layer.capacity == 48:
+            layer.record_past = True
+        keys, values = layer.update(k[:, :, token], v[:, :, token], kwargs={STEP_KEY: step})
+        assert layer.write_in_step(keys, values, lane) is None
+        assert torch.equal(layer.keys_storage(), before)
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("static", [False, True])
+def test_model_decode_steps_of_rows_in_step_take_the_decode_lane(family, static):
+    """A model's eager decode step of rows in step (batch 3, no padding) writes each MLR layer's token with three
+    ``index_copy_`` and none of the general path's copies or indexed assignments, and its logits equal the uncached
+    forward's (float64). Block boundaries are crossed on the way (10 steps over blocks of 4 and 8)."""
+    if family == "gpt2":
+        model = tiny_lm("mlr", n_layer=3).double()
+        layers = 3
+    else:
+        config = transformers.LlamaConfig(vocab_size=61, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+        torch.manual_seed(0)
+        model = hf_structattn.patch(transformers.LlamaForCausalLM(config).double().eval(), mlr_ranks=[8, 4, 4],
+                                    mlr_block_sizes=[8, 4])
+        layers = 2
+    ids = torch.randint(2, 61, (3, 18), generator=torch.Generator().manual_seed(5))
+    cache = transformers.StaticCache(config=model.config, max_cache_len=24) if static else \
+        transformers.DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids[:, :8], cache=cache)
+        for index in range(8, 18):
+            with _OpCounter() as counter:
+                logits = model(ids[:, index:index + 1], cache=cache).logits[:, -1]
+            assert counter.ops["index_copy_"] == 3 * layers, (index, counter.ops)
+            assert not any(counter.ops[name] for name in ("copy_", "index_put_", "scatter_add_", "narrow_copy"))
+            expected = model(ids[:, :index + 1], use_cache=False).logits[:, -1]
+            torch.testing.assert_close(logits, expected, **EXACT, msg=f"step {index}")
 
 
 @pytest.mark.parametrize("static", [False, True])

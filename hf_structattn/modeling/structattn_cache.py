@@ -82,6 +82,7 @@ class MLRCacheLayerMixin(RollbackMixin):
         self.first_positions = self.last_positions = None
         self._fine = None
         self._widths_at = None  # (capacity, geometry, ring widths) of the last ``_ring_widths`` call
+        self._targets = None  # ``_token_targets``
         self.rings = []
         self._record_past = False
         self.rollback_log = RollbackLog()
@@ -308,6 +309,41 @@ class MLRCacheLayerMixin(RollbackMixin):
             self.last_positions.copy_(position)
         self._advance(1, facts.newest - self.base + 1)
 
+    def write_in_step(self, keys: torch.Tensor, values: torch.Tensor, lane) -> Optional[tuple]:
+        """Write one token per row on a ``DecodeLane`` (rows in step, eager) by three ``index_copy_`` into flat views
+        of the storages; returns the whole storages (keys (B, H, S, r_1), values (B, H, S, dv), fine (B, H, F)) for
+        ``mlr_decode_in_step``, or None, writing nothing, when the lane does not fit this layer (another capacity or
+        base, a rollback log to keep, storage of another dtype or not contiguous). keys: (B, H, 1, r) level order;
+        values: (B, H, 1, dv)."""
+        if lane.capacity != self.capacity or lane.base != self.base or self._record_past:
+            return None
+        targets = self._token_targets()
+        if targets is None or targets[0].dtype != keys.dtype:
+            return None
+        if lane.key_split is not None:
+            first, finer = keys.split_with_sizes(lane.key_split, -1)
+            targets[2].index_copy_(3, lane.fine_index, finer)
+        else:
+            first = keys
+        targets[0].index_copy_(3, lane.key_index, first)
+        targets[1].index_copy_(3, lane.value_index, values)
+        self.last_positions.fill_(lane.newest)
+        self._advance(1, lane.slots)
+        return targets[3:]
+
+    def _token_targets(self) -> Optional[tuple]:
+        """(keys, values, fine as (B, H, 1, ·) flat views, then the storages themselves), made again when a storage
+        was replaced (growth, reordering, offloading); None when a storage is not contiguous."""
+        storages = (self.keys_storage(), self.values_storage(), self._fine)
+        cached = self._targets
+        if cached is not None and all(old is new for old, new in zip(cached[3:], storages)):
+            return cached
+        if not all(tensor.is_contiguous() for tensor in storages):
+            return None
+        batch, heads = storages[0].shape[:2]
+        self._targets = tuple(tensor.view(batch, heads, 1, -1) for tensor in storages) + storages
+        return self._targets
+
     def _fine_index_of_slot(self, slot: int, device) -> torch.Tensor:
         """(sum_{l>=2} r_l,): the elements of the flat fine storage a token at slot ``slot`` writes (dim j of level
         l: ``o_l + j W_l + slot % b_l``), from host integers."""
@@ -456,6 +492,7 @@ class MLRKeyCacheLayer(MLRCacheLayerMixin, DynamicLayer):
         return needed + max(MIN_GROWTH, needed // 32)
 
     def _allocate(self, like_keys, like_values, capacity: int) -> None:
+        self._targets = None
         batch, heads = like_keys.shape[:2]
         self._storage = (like_keys.new_zeros(batch, heads, capacity, self.geometry.ranks[0]),
                          like_values.new_zeros(batch, heads, capacity, like_values.shape[-1]))
@@ -541,6 +578,7 @@ class MLRKeyCacheLayer(MLRCacheLayerMixin, DynamicLayer):
         return self.get_seq_length() + query_length, 0
 
     def _apply_storage(self, fn) -> None:
+        self._targets = None
         self._storage = tuple(fn(tensor) for tensor in self._storage)
         self._fine = fn(self._fine)
         self.rings = self._fine_views(self._fine, self.capacity)
@@ -588,6 +626,7 @@ class MLRStaticKeyCacheLayer(MLRCacheLayerMixin, StaticLayer):
         return self.max_cache_len
 
     def _allocate(self, like_keys, like_values, capacity: int) -> None:
+        self._targets = None
         batch, heads = like_keys.shape[:2]
         self.keys = like_keys.new_zeros(batch, heads, capacity, self.geometry.ranks[0])
         self.values = like_values.new_zeros(batch, heads, capacity, like_values.shape[-1])
@@ -632,6 +671,7 @@ class MLRStaticKeyCacheLayer(MLRCacheLayerMixin, StaticLayer):
         return self.cumulative_length if self.is_initialized else 0
 
     def _apply_storage(self, fn) -> None:
+        self._targets = None
         self.keys, self.values, self._fine = fn(self.keys), fn(self.values), fn(self._fine)
         self.rings = self._fine_views(self._fine, self.max_cache_len)
 
