@@ -16,8 +16,8 @@ import hf_structattn
 
 from hf_structattn.modeling.structattn_cache import MLRKeyCacheLayer, MLRStaticKeyCacheLayer
 from hf_structattn.modeling.structattn_geometry import MLRGeometry
-from hf_structattn.modeling.structattn_mlr_decode import (DecodeReadPlan, mlr_cached_attention, mlr_decode_in_step,
-                                                          plan_decode_lane)
+from hf_structattn.modeling.structattn_lane import MAX_RUNS, lane_runs, mlr_lane_attention, plan_step_lanes
+from hf_structattn.modeling.structattn_mlr_decode import DecodeReadPlan, mlr_cached_attention
 from hf_structattn.modeling.structattn_plan import STEP_KEY, build_step
 from hf_structattn.modeling.structattn_prepare import key_cache_bytes
 from hf_structattn.modeling.structattn_reference import mlr_attention_reference
@@ -159,33 +159,42 @@ def test_decode_step_over_the_slots_in_use_with_host_positions_equals_the_refere
             assert (plan.additive_mask is None) == (pads == (0, 0, 0))  # every row holds every slot
 
 
-def _lane_step(layer, keys, values, positions, valid, query, geometry):
-    """What the ``"mlr"`` function runs for an eager decode step of rows in step: the step plan, ``update``, the
-    forward's ``DecodeLane``, the layer's write and the op. query (B, Hq, 1, r). Returns (output (B, 1, Hq, dv) or
-    None when the lane does not apply, step)."""
-    step = build_step(cache=Cache(layers=[layer]), positions=positions, valid=valid, batch=keys.shape[0],
-                      length=1, device=keys.device, geometries=(tuple(geometry.block_sizes),))
+def _lane_step(layer, keys, values, positions, query, geometry):
+    """What the ``"mlr"`` function runs for a forward of rows in step: the step plan, ``update``, the forward's
+    ``StepLane``s (one per run inside a block), each run's write and read. keys, values (B, Hk, c, ·); query
+    (B, Hq, c, r). Returns (output (B, c, Hq, dv), or None when the lane does not apply; step)."""
+    step = build_step(cache=Cache(layers=[layer]), positions=positions, valid=None, batch=keys.shape[0],
+                      length=keys.shape[2], device=keys.device, geometries=(tuple(geometry.block_sizes),))
     level_keys, level_values = layer.update(keys, values, kwargs={STEP_KEY: step})
     needed = step.facts.newest - layer.base + 1
     if not isinstance(layer, MLRStaticKeyCacheLayer):
-        needed = max(needed, step.facts.tokens_before + 1)
-    lane = plan_decode_lane(geometry, step, layer.base, layer.capacity, layer.ring_widths, values.shape[-1], needed,
+        needed = max(needed, step.facts.tokens_before + keys.shape[2])
+    lanes = plan_step_lanes(geometry, step, layer.base, layer.capacity, layer.ring_widths, values.shape[-1], needed,
                             query.dtype, query.device, geometry.level_scales)
-    storages = None if lane is None else layer.write_in_step(level_keys, level_values, lane)
-    if storages is None:
+    if lanes is None:
         return None, step
-    return mlr_decode_in_step(query, *storages, lane), step
+    outputs, start = [], 0
+    for lane in lanes:
+        run = slice(start, start + lane.tokens)
+        storages = layer.write_in_step(level_keys[:, :, run], level_values[:, :, run], lane)
+        if storages is None:
+            assert start == 0
+            return None, step
+        outputs.append(mlr_lane_attention(query[:, :, run], *storages, lane))
+        start += lane.tokens
+    return torch.cat(outputs, dim=1), step
 
 
 @pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("average_levels", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_decode_lane_writes_what_store_writes_and_reads_the_reference(static, average_levels, dtype):
-    """The eager decode lane (rows in step: three ``index_copy_`` writes, strided reads of the whole storage) against
-    the general path on a twin layer (the same slots, rings and positions) and the reference, every step across
-    every block boundary, two query heads per cached head; without padding and with left padding (rows in step,
-    later first positions: the lane keeps a mask), and rows at one offset (``base`` > 0). float64 exactly, float32
-    within rounding."""
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_lane_writes_what_store_writes_and_reads_the_reference(static, average_levels, dtype, tokens):
+    """The eager lane of rows in step (writes from host integers, strided reads of the whole storage) against the
+    general path on a twin layer (the same slots, rings and positions) and the reference: one token or chunks of
+    three (runs split where a block ends) at every position across every block boundary, two query heads per
+    cached head; without padding, with left padding (rows in step, later first positions: the lane keeps a mask),
+    and rows at an offset (``base`` > 0). float64 exactly, float32 within rounding."""
     geometry = _geometry(average_levels)
     tolerance = EXACT if dtype == torch.float64 else dict(atol=2e-6, rtol=2e-5)
     for pads, offset in (((0, 0, 0), 0), ((0, 2, 4), 0), ((0, 0, 0), 17)):
@@ -195,57 +204,107 @@ def test_decode_lane_writes_what_store_writes_and_reads_the_reference(static, av
         for layer in (lane_layer, general):
             _write(layer, k[:, :, :9], v[:, :, :9], positions[:, :9], valid[:, :9])
         taken = 0
-        for index in range(9, 40):
-            token = slice(index, index + 1)
-            query = q[:, :, :, index].reshape(3, 4, 1, 8)  # query head h * 2 + g reads cached head h
-            got, step = _lane_step(lane_layer, k[:, :, token], v[:, :, token], positions[:, token], valid[:, token],
-                                   query, geometry)
+        for index in range(9, 39, tokens):
+            chunk = slice(index, index + tokens)
+            query = q[:, :, :, chunk].reshape(3, 4, tokens, 8)  # query head h * 2 + g reads cached head h
+            got, step = _lane_step(lane_layer, k[:, :, chunk], v[:, :, chunk], positions[:, chunk], query, geometry)
             if got is None:  # a dynamic layer that must grow takes the general path for this step
                 assert not static
-                written = _write(lane_layer, k[:, :, token], v[:, :, token], positions[:, token], valid[:, token])
-                got = _attend(q[:, :, :, index], written, geometry).reshape(3, 1, 4, 5)
+                written = _write(lane_layer, k[:, :, chunk], v[:, :, chunk], positions[:, chunk], valid[:, chunk])
+                got = _attend(q[:, :, :, chunk].reshape(3, 2, 2 * tokens, 8), written, geometry)
+                got = got.reshape(3, 4, tokens, 5).transpose(1, 2)
             else:
                 taken += 1
-            _write(general, k[:, :, token], v[:, :, token], positions[:, token], valid[:, token])
-            expected = _reference_rows(q.double(), k.double(), v.double(), positions, valid, geometry, index)
-            torch.testing.assert_close(got.double(), expected.reshape(3, 1, 4, 5), **tolerance,
-                                       msg=f"step {index}, pads {pads}, offset {offset}")
+            _write(general, k[:, :, chunk], v[:, :, chunk], positions[:, chunk], valid[:, chunk])
+            for i in range(tokens):
+                expected = _reference_rows(q.double(), k.double(), v.double(), positions, valid, geometry, index + i)
+                torch.testing.assert_close(got[:, i].double(), expected.reshape(3, 4, 5), **tolerance,
+                                           msg=f"token {index + i}, pads {pads}, offset {offset}")
             assert lane_layer.get_seq_length() == general.get_seq_length()
-        assert taken >= 28
-        for got, expected in ((lane_layer.keys_storage(), general.keys_storage()),
-                              (lane_layer.values_storage(), general.values_storage()),
+        assert taken >= 28 // tokens
+        used = 39 + offset - lane_layer.base
+        for got, expected in ((lane_layer.keys_storage()[:, :, :used], general.keys_storage()[:, :, :used]),
+                              (lane_layer.values_storage()[:, :, :used], general.values_storage()[:, :, :used]),
                               (lane_layer.fine_storage, general.fine_storage),
                               (lane_layer.last_positions, general.last_positions),
                               (lane_layer.first_positions, general.first_positions)):
             torch.testing.assert_close(got, expected, atol=0, rtol=0)
 
 
-def test_decode_lane_is_declined_where_the_general_path_is_needed():
-    """Rows at different newest positions, a layer that keeps a rollback log (speculative decoding) and a layer of
-    another capacity get no lane write (nothing is written), so that the general path runs."""
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("draft", [1, 3, 7])
+def test_lane_writes_while_recording_crop_back_exactly(static, draft):
+    """Speculative decoding over lanes: verification chunks of ``draft`` tokens written by the lane while the cache
+    records, then cropped back by 0..draft-1 tokens (the restore from host positions, one indexed assignment),
+    leave the state a layer that only ever wrote the accepted tokens holds -- slots, rings and positions -- and the
+    next chunk's outputs equal the reference, across block boundaries (blocks of 16, 8 and 4)."""
+    geometry = _geometry(average_levels=True)
+    q, k, v, positions, valid = _rows(length=64, pads=(0, 0, 0), offsets=(0, 0, 0))
+    speculative, plain = _layer(static, geometry, capacity=80), _layer(static, geometry, capacity=80)
+    for layer in (speculative, plain):
+        if not static:
+            layer.reserve(80)  # generate's exact allocation: the lane never waits for growth here
+        _write(layer, k[:, :, :5], v[:, :, :5], positions[:, :5], valid[:, :5])
+    speculative.activate_past_recording()
+    generator = torch.Generator().manual_seed(draft)
+    index = 5
+    while index + draft <= 60:
+        chunk = slice(index, index + draft)
+        query = q[:, :, :, chunk].reshape(3, 4, draft, 8)
+        got, _ = _lane_step(speculative, k[:, :, chunk], v[:, :, chunk], positions[:, chunk], query, geometry)
+        assert got is not None
+        for i in range(draft):
+            expected = _reference_rows(q, k, v, positions, valid, geometry, index + i)
+            torch.testing.assert_close(got[:, i], expected.reshape(3, 4, 5), **EXACT, msg=f"token {index + i}")
+        accepted = int(torch.randint(1, draft + 1, (1,), generator=generator))
+        speculative.crop(accepted - draft)
+        # what the rejected tokens' rows would hold had they never been written: the accepted ones only
+        _write(plain, k[:, :, index:index + accepted], v[:, :, index:index + accepted],
+               positions[:, index:index + accepted], valid[:, index:index + accepted])
+        used = index + accepted
+        assert torch.equal(speculative.last_positions, plain.last_positions)
+        torch.testing.assert_close(speculative.keys_storage()[:, :, :used], plain.keys_storage()[:, :, :used],
+                                   atol=0, rtol=0)
+        for ring_got, ring_expected, size in zip(speculative.rings, plain.rings, geometry.block_sizes):
+            block = (used - 1) // size * size  # the entries of the newest position's block that are held
+            held = (used - 1) % size + 1
+            torch.testing.assert_close(ring_got[:, :, :held], ring_expected[:, :, :held], atol=0, rtol=0,
+                                       msg=f"level of block {size} at {used} (block {block})")
+        index += accepted
+
+
+def test_lane_is_declined_where_the_general_path_is_needed():
+    """Rows at different newest positions, half precision (the softmax runs wider) and a layer of another capacity
+    get no lane write (nothing is written), so that the general path runs; a chunk crossing more block boundaries
+    than ``MAX_RUNS`` takes the general chunk op."""
     geometry = _geometry()
     q, k, v, positions, valid = _rows(pads=(0, 0, 0), offsets=(0, 0, 3))
     layer = _layer(True, geometry)
     _write(layer, k[:, :, :9], v[:, :, :9], positions[:, :9], valid[:, :9])
     token = slice(9, 10)
-    got, step = _lane_step(layer, k[:, :, token], v[:, :, token], positions[:, token], valid[:, token],
+    got, step = _lane_step(layer, k[:, :, token], v[:, :, token], positions[:, token],
                            q[:, :, :, 9].reshape(3, 4, 1, 8), geometry)
     assert got is None and step.facts.shared_newest is None
     q, k, v, positions, valid = _rows(pads=(0, 0, 0), offsets=(0, 0, 0))
-    for make in (lambda: _layer(True, geometry), lambda: _layer(True, geometry, capacity=50)):
-        layer = make()
-        _write(layer, k[:, :, :9], v[:, :, :9], positions[:, :9], valid[:, :9])
-        before = layer.keys_storage().clone()
-        step = build_step(cache=Cache(layers=[layer]), positions=positions[:, token], valid=None, batch=3, length=1,
-                          device=k.device, geometries=(tuple(geometry.block_sizes),))
-        lane = plan_decode_lane(geometry, step, layer.base, 48, layer.ring_widths, 5, 10, torch.float64, k.device,
-                                geometry.level_scales)
-        assert lane is not None
-        if layer.capacity == 48:
-            layer.record_past = True
-        keys, values = layer.update(k[:, :, token], v[:, :, token], kwargs={STEP_KEY: step})
-        assert layer.write_in_step(keys, values, lane) is None
-        assert torch.equal(layer.keys_storage(), before)
+    layer = _layer(True, geometry)
+    _write(layer, k[:, :, :9], v[:, :, :9], positions[:, :9], valid[:, :9])
+    step = build_step(cache=Cache(layers=[layer]), positions=positions[:, token], valid=None, batch=3, length=1,
+                      device=k.device, geometries=(tuple(geometry.block_sizes),))
+    assert plan_step_lanes(geometry, step, layer.base, 48, layer.ring_widths, 5, 10, torch.bfloat16, k.device,
+                           geometry.level_scales) is None
+    lanes = plan_step_lanes(geometry, step, layer.base, 50, layer.ring_widths, 5, 10, torch.float64, k.device,
+                            geometry.level_scales)
+    before = layer.keys_storage().clone()
+    keys, values = layer.update(k[:, :, token], v[:, :, token], kwargs={STEP_KEY: step})
+    assert layer.write_in_step(keys, values, lanes[0]) is None  # planned for 50 slots, the layer has 48
+    assert torch.equal(layer.keys_storage(), before)
+    runs = lane_runs(geometry, first=9, tokens=4 * (MAX_RUNS + 1))
+    assert len(runs) > MAX_RUNS and sum(length for _, length in runs) == 4 * (MAX_RUNS + 1)
+    assert all(start // 4 == (start + length - 1) // 4 for start, length in runs)  # each run inside one block
+    step = build_step(cache=Cache(layers=[layer]), positions=torch.arange(9, 29).expand(3, 20), valid=None, batch=3,
+                      length=20, device=k.device, geometries=(tuple(geometry.block_sizes),))
+    assert plan_step_lanes(geometry, step, layer.base, 48, layer.ring_widths, 5, 29, torch.float64, k.device,
+                           geometry.level_scales) is None
 
 
 class _OpCounter(TorchDispatchMode):

@@ -55,7 +55,8 @@ from .structattn_install import (  # noqa: F401  (the installation API, re-expor
     mlr_implementation,
 )
 from .structattn_mlr import PositionLayout, mlr_attention
-from .structattn_mlr_decode import mlr_attention_full_keys, mlr_cached_attention, mlr_decode_in_step, plan_decode_lane
+from .structattn_lane import mlr_lane_attention, plan_step_lanes
+from .structattn_mlr_decode import mlr_attention_full_keys, mlr_cached_attention
 from .structattn_ops import eager_attention_forward, fused_attention
 from .structattn_plan import STEP_KEY, continue_runs
 
@@ -444,39 +445,47 @@ def _layout(step) -> Optional[PositionLayout]:
     return PositionLayout(facts.contiguous, facts.uniform_offset, facts.lowest, facts.highest)
 
 
-def _decode_in_step(query, key, value, attention_mask, layer, step, geometry, scales):
-    """The eager decode step of rows in step (``DecodeLane``): the layer writes the token and the op reads, with the
-    lane made once per forward for the layers of one geometry. None (nothing written) when the step, the mask or the
-    layer needs the general path."""
+def _in_step(query, key, value, attention_mask, layer, step, geometry, scales):
+    """A forward whose rows are in step (``structattn_lane``): the layer writes each lane's tokens and the op reads,
+    the lanes made once per forward for the layers of one geometry. Returns the (B, c, Hq, dv) output, or None
+    (nothing written) when the step, the mask or the layer needs the general path."""
     if step.facts is None or step.facts.shared_newest is None or query.requires_grad or key.requires_grad or \
             value.requires_grad or not (step.standard_masks or attention_mask is None or attention_mask.dim() != 4) \
             or not layer.is_initialized:
         return None
     capacity, base = layer.capacity, layer.base
-    memo_key = ("decode lane", id(geometry), scales, capacity, base, value.shape[-1], query.dtype,
-                isinstance(layer, MLRStaticKeyCacheLayer))
-    lane = step.memo.get(memo_key, _MISSING)
-    if lane is _MISSING:
+    static = isinstance(layer, MLRStaticKeyCacheLayer)
+    memo_key = ("lanes", id(geometry), scales, capacity, base, value.shape[-1], query.dtype, static)
+    lanes = step.memo.get(memo_key, _MISSING)
+    if lanes is _MISSING:
         needed = step.facts.shared_newest - base + 1
-        if not isinstance(layer, MLRStaticKeyCacheLayer):  # a dynamic layer exposes the tokens seen too
-            needed = max(needed, step.facts.tokens_before + 1)
-        lane = step.memo[memo_key] = plan_decode_lane(geometry, step, base, capacity, layer.ring_widths,
+        if not static:  # a dynamic layer exposes the tokens seen too
+            needed = max(needed, step.facts.tokens_before + query.shape[2])
+        lanes = step.memo[memo_key] = plan_step_lanes(geometry, step, base, capacity, layer.ring_widths,
                                                       value.shape[-1], needed, query.dtype, query.device, scales)
-    if lane is None:
-        return None
-    storages = layer.write_in_step(key, value, lane)
-    if storages is None:
+    if lanes is None:
         return None
     query, _ = _reorder(query, None, geometry)
-    return mlr_decode_in_step(query, *storages, lane)
+    if len(lanes) == 1:
+        storages = layer.write_in_step(key, value, lanes[0])
+        return None if storages is None else mlr_lane_attention(query, *storages, lanes[0])
+    outputs, start = [], 0
+    for lane in lanes:  # a chunk across a block boundary: its runs one after the other
+        run = slice(start, start + lane.tokens)
+        storages = layer.write_in_step(key[:, :, run], value[:, :, run], lane)
+        if storages is None:  # the first run decides (every run fits the same layer)
+            return None
+        outputs.append(mlr_lane_attention(query[:, :, run], *storages, lane))
+        start += lane.tokens
+    return torch.cat(outputs, dim=1)
 
 
 def _over_mlr_cache(module, query, key, value, attention_mask, layer, step, geometry, scales, bias, causal, eager):
     """An MLR cache layer: store the chunk (``key``, ``value``: what ``update`` returned, level-order keys), then
     attend over the layer's view -- the cache when it held tokens before, else only the chunk (prefill)."""
     length = query.shape[2]
-    if length == 1 and not eager and bias is None and step.position_bias is None:
-        out = _decode_in_step(query, key, value, attention_mask, layer, step, geometry, scales)
+    if not eager and bias is None and step.position_bias is None:
+        out = _in_step(query, key, value, attention_mask, layer, step, geometry, scales)
         if out is not None:
             return out, None
     view = layer.store(key, value, step)

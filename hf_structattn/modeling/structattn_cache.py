@@ -310,26 +310,40 @@ class MLRCacheLayerMixin(RollbackMixin):
         self._advance(1, facts.newest - self.base + 1)
 
     def write_in_step(self, keys: torch.Tensor, values: torch.Tensor, lane) -> Optional[tuple]:
-        """Write one token per row on a ``DecodeLane`` (rows in step, eager) by three ``index_copy_`` into flat views
-        of the storages; returns the whole storages (keys (B, H, S, r_1), values (B, H, S, dv), fine (B, H, F)) for
-        ``mlr_decode_in_step``, or None, writing nothing, when the lane does not fit this layer (another capacity or
-        base, a rollback log to keep, storage of another dtype or not contiguous). keys: (B, H, 1, r) level order;
-        values: (B, H, 1, dv)."""
-        if lane.capacity != self.capacity or lane.base != self.base or self._record_past:
+        """Write a ``StepLane``'s c tokens per row (rows in step, eager; one token: three ``index_copy_`` into flat
+        views of the storages; several: narrowed copies and one indexed assignment of the ring elements), logging
+        what the ring write replaces while recording. Returns the whole storages (keys (B, H, C, r_1), values (B, H,
+        C, dv), fine (B, H, F)) for ``mlr_lane_attention``, or None, writing nothing, when the lane does not fit this
+        layer (another capacity or base, storage of another dtype or not contiguous). keys: (B, H, c, r) level
+        order; values: (B, H, c, dv)."""
+        if lane.capacity != self.capacity or lane.base != self.base:
             return None
         targets = self._token_targets()
         if targets is None or targets[0].dtype != keys.dtype:
             return None
-        if lane.key_split is not None:
-            first, finer = keys.split_with_sizes(lane.key_split, -1)
-            targets[2].index_copy_(3, lane.fine_index, finer)
+        flat_keys, flat_values, flat_fine, key_storage, value_storage, fine_storage = targets
+        first, finer = keys.split_with_sizes(lane.key_split, -1) if lane.key_split is not None else (keys, None)
+        single = lane.tokens == 1
+        if self._record_past:
+            if finer is None:
+                replaced = keys.new_zeros(*keys.shape[:3], 0)
+            else:
+                replaced = flat_fine.index_select(3, lane.fine_index) if single else \
+                    fine_storage[:, :, lane.fine_index]
+            self.rollback_log.append(replaced, None, None, self.rollback_window, True, lane.positions)
+        if single:
+            flat_keys.index_copy_(3, lane.key_index, first)
+            flat_values.index_copy_(3, lane.value_index, values)
+            if finer is not None:
+                flat_fine.index_copy_(3, lane.fine_index, finer)
         else:
-            first = keys
-        targets[0].index_copy_(3, lane.key_index, first)
-        targets[1].index_copy_(3, lane.value_index, values)
-        self.last_positions.fill_(lane.newest)
-        self._advance(1, lane.slots)
-        return targets[3:]
+            key_storage.narrow(2, lane.first_slot, lane.tokens).copy_(first)
+            value_storage.narrow(2, lane.first_slot, lane.tokens).copy_(values)
+            if finer is not None:
+                fine_storage[:, :, lane.fine_index] = finer
+        self.last_positions.fill_(lane.positions[-1])
+        self._advance(lane.tokens, lane.slots)
+        return key_storage, value_storage, fine_storage
 
     def _token_targets(self) -> Optional[tuple]:
         """(keys, values, fine as (B, H, 1, ·) flat views, then the storages themselves), made again when a storage

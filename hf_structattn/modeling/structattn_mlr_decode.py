@@ -357,117 +357,6 @@ def _shared_groups(geometry: MLRGeometry, ring_widths: Sequence[int], starts: Se
 
 
 @dataclass(frozen=True)
-class DecodeLane:
-    """An eager decode step whose rows are in step (every row real, continuing its newest position, all at the same
-    newest position: ``StepFacts.shared_newest``), for the layers of one geometry, capacity and base in a forward:
-    the host integers and small tensors that let a layer write its token and read its scores in ~20 ops
-    (``MLRCacheLayerMixin.write_in_step``, ``mlr_decode_in_step``), with no per-layer planning.
-
-    capacity, base: of the layers it serves; slot: the new token's slot; slots: C = slot + 1, the slots read;
-    key_split: [r_1, sum_{l>=2} r_l] (None without finer levels); key_index (r_1,), value_index (dv,), fine_index
-    (sum_{l>=2} r_l,): the elements the token writes in the layer's flat (B, H, 1, ·) views of its keys, values and
-    ring storage; query_scale: (r,) the level scales when not folded into ``multiplier``, else None; query_split:
-    the query dims of level 1 and of each group of ``groups`` (``_shared_groups``); multiplier: (1, 1, C) scale /
-    the number of levels a slot shares with the query (average_levels) or None; additive: (B, 1, 1, C) 0 on a row's
-    slots and the dtype's lowest value before its first position, or None (every row holds every slot)."""
-
-    capacity: int
-    base: int
-    slot: int
-    slots: int
-    newest: int
-    key_split: Optional[list]
-    key_index: torch.Tensor
-    value_index: torch.Tensor
-    fine_index: Optional[torch.Tensor]
-    query_scale: Optional[torch.Tensor]
-    query_split: list
-    groups: tuple
-    multiplier: Optional[torch.Tensor]
-    additive: Optional[torch.Tensor]
-
-
-def plan_decode_lane(geometry: MLRGeometry, step, base: int, capacity: int, ring_widths: tuple, value_width: int,
-                     needed: int, dtype: torch.dtype, device, scales: Sequence[float]) -> Optional[DecodeLane]:
-    """The ``DecodeLane`` of an eager one-token step over layers of ``capacity`` slots from position ``base`` (ring
-    widths ``ring_widths``, values ``value_width`` wide, queries and storage in ``dtype``), or None when the step's
-    rows are not in step, the softmax runs in a wider dtype than the queries, or the layers must grow first
-    (``needed``: the slots the layers must hold after the write)."""
-    facts = step.facts
-    if facts is None or facts.shared_newest is None or softmax_dtype(dtype) != dtype or needed > capacity:
-        return None
-    newest = facts.shared_newest
-    slot = newest - base
-    slots = slot + 1
-    first_rank = geometry.ranks[0]
-    fine_ranks = sum(geometry.ranks[1:])
-    key_index = torch.arange(slot * first_rank, slots * first_rank, device=device)
-    value_index = torch.arange(slot * value_width, slots * value_width, device=device)
-    fine_index = None
-    if geometry.block_sizes:
-        elements, offset = [], 0  # dim j of level l: o_l + j W_l + slot % b_l (dim-major rings)
-        for rank, width, size in zip(geometry.ranks[1:], ring_widths, geometry.block_sizes):
-            elements += [offset + j * width + slot % size for j in range(rank)]
-            offset += width * rank
-        fine_index = torch.tensor(elements, dtype=torch.long, device=device)
-    starts = [max((newest // size) * size - base, 0) for size in geometry.block_sizes]
-    groups = tuple(_shared_groups(geometry, ring_widths, starts, slots))
-    scaled = geometry.average_levels and len(set(scales)) == 1
-    query_scale = None if scaled else geometry.scale_vector(scales, dtype, device)
-    multiplier = None
-    if geometry.average_levels:
-        multiplier = _shared_inverse_depth(starts, geometry.block_sizes, slots, dtype, device,
-                                           scales[0] if scaled else 1.0)[1]
-    additive = None
-    if facts.latest_first > base:  # a row starts after slot 0 (left padding): its earlier slots are masked
-        slot_positions = torch.arange(slots, device=device) + base
-        additive = torch.zeros(step.first_before.shape[0], 1, 1, slots, dtype=dtype, device=device).masked_fill(
-            (slot_positions < step.first_before[:, None])[:, None, None, :], torch.finfo(dtype).min)
-    return DecodeLane(capacity, base, slot, slots, newest, [first_rank, fine_ranks] if fine_ranks else None,
-                      key_index, value_index, fine_index, query_scale,
-                      [first_rank] + [group[3] for group in groups], groups, multiplier, additive)
-
-
-def mlr_decode_in_step(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, fine: torch.Tensor,
-                       lane: DecodeLane) -> torch.Tensor:
-    """MLR attention of one new token per row against the cache layer whose whole (contiguous) storages are
-    ``keys`` (B, Hk, S, r_1), ``values`` (B, Hk, S, dv) and ``fine`` (B, Hk, F), the token already written, on the
-    ``DecodeLane`` (rows in step). query: (B, Hq, 1, r) in level order. Returns the (B, 1, Hq, dv) output.
-
-    The same sum as ``mlr_decode_step``'s shared-start formulation, as few eager ops as it takes: level-1 scores by
-    one ``bmm`` over strided views of the storages (no narrowing), each group of finer levels by one in-place
-    ``baddbmm_`` onto its block's slots, the inverse depth (and the scale) and the padding mask in one op, softmax,
-    one ``bmm`` with the values."""
-    batch, heads, capacity, first_rank = keys.shape
-    flat, slots, width = batch * heads, lane.slots, values.shape[-1]
-    q_heads = query.shape[1]
-    if lane.query_scale is not None:
-        query = query * lane.query_scale
-    pieces = query.reshape(flat, q_heads // heads, query.shape[-1]).split_with_sizes(lane.query_split, dim=2)
-    scores = torch.bmm(pieces[0], keys.as_strided((flat, first_rank, slots), (capacity * first_rank, 1, first_rank),
-                                                  keys.storage_offset()))
-    elements = fine.shape[-1]
-    fine_offset = fine.storage_offset()
-    targets = {}
-    for (start, used, _, dims, offset, ring_width), level_query in zip(lane.groups, pieces[1:]):
-        ring = fine.as_strided((flat, dims, used), (elements, ring_width, 1), fine_offset + offset)
-        target = targets.get((start, used))
-        if target is None:
-            target = targets[start, used] = scores.narrow(2, start, used)
-        target.baddbmm_(level_query, ring)
-    if lane.additive is not None:
-        rows = scores.shape[1]
-        scores = scores.view(batch, heads, rows, slots)
-        scores = (torch.addcmul(lane.additive, scores, lane.multiplier) if lane.multiplier is not None
-                  else scores + lane.additive).view(flat, rows, slots)
-    elif lane.multiplier is not None:
-        scores.mul_(lane.multiplier)
-    output = torch.bmm(torch.softmax(scores, dim=-1),
-                       values.as_strided((flat, slots, width), (capacity * width, width, 1), values.storage_offset()))
-    return output.view(batch, 1, q_heads, width)
-
-
-@dataclass(frozen=True)
 class ChunkReadPlan:
     """What a chunk's scores need besides q, k and the storage (positions only), for every layer of one geometry in a
     forward. The finer levels' key sources, in the order ``mlr_cached_chunk`` concatenates their scores: every
@@ -656,6 +545,5 @@ def mlr_attention_full_keys(query: torch.Tensor, keys: torch.Tensor, values: tor
     return (output, probabilities) if return_weights else output
 
 
-__all__ = ["ChunkReadPlan", "DecodeLane", "DecodeReadPlan", "mlr_attention_full_keys", "mlr_cached_attention",
-           "mlr_cached_chunk", "mlr_decode_in_step", "mlr_decode_step", "plan_chunk_read", "plan_decode_lane",
-           "plan_decode_read"]
+__all__ = ["ChunkReadPlan", "DecodeReadPlan", "mlr_attention_full_keys", "mlr_cached_attention", "mlr_cached_chunk",
+           "mlr_decode_step", "plan_chunk_read", "plan_decode_read"]

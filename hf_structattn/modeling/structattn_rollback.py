@@ -12,7 +12,7 @@ a position and a flag per row, grown outside compiled code when a longer window 
 context length.
 """
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -27,6 +27,7 @@ class RollbackLog:
         self.buffers = None
         self.count = 0
         self.real = []  # per logged token, whether the write that logged it had no padding (host facts), oldest first
+        self.host = []  # per logged token, its position when every row's is the same and known on the host, else None
 
     def tensors(self) -> tuple:
         return self.buffers or ()
@@ -39,16 +40,24 @@ class RollbackLog:
                             like.new_zeros(batch, heads, tokens, fine_width))
         self.count = 0
         self.real = []
+        self.host = []
 
-    def append(self, old_fine: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
-               window: Optional[int], all_real: bool = False) -> None:
+    def append(self, old_fine: torch.Tensor, positions: Optional[torch.Tensor], valid: Optional[torch.Tensor],
+               window: Optional[int], all_real: bool = False, host_positions: Optional[Sequence[int]] = None) -> None:
         """Log one write of c tokens (old_fine (B, H, c, F), positions / valid (B, c); ``all_real``: the write had no
-        padding, known on the host); with a ``window`` only the last ``window`` logged tokens are kept."""
-        chunk = positions.shape[1]
-        self.real = (self.real[:self.count] + [all_real] * chunk)[-(window or chunk + self.count):]
+        padding, known on the host); with a ``window`` only the last ``window`` logged tokens are kept.
+        ``host_positions``: the c positions of a write whose rows are in step (``structattn_lane``), given instead
+        of ``positions`` and ``valid`` (every token real), which are then written only when a crop needs them."""
+        chunk = old_fine.shape[2]
+        keep_last = -(window or chunk + self.count)
+        self.real = (self.real[:self.count] + [all_real] * chunk)[keep_last:]
+        hosts = list(host_positions) if host_positions is not None else [None] * chunk
+        self.host = (self.host[:self.count] + hosts)[keep_last:]
         if window is not None and self.count + chunk > window and not torch.compiler.is_compiling():
             if chunk >= window:  # only the chunk's last ``window`` tokens can be rolled back
-                old_fine, positions, valid = old_fine[:, :, -window:], positions[:, -window:], valid[:, -window:]
+                old_fine = old_fine[:, :, -window:]
+                if host_positions is None:
+                    positions, valid = positions[:, -window:], valid[:, -window:]
                 self.count, chunk = 0, window
             else:  # forget the oldest logged writes
                 keep = window - chunk
@@ -65,13 +74,16 @@ class RollbackLog:
             kept = [tensor.narrow(2 if tensor.dim() == 4 else 1, 0, self.count) for tensor in self.buffers]
             count, batch, heads, width = self.count, *self.buffers[2].shape[:2], self.buffers[2].shape[-1]
             self.buffers = None
+            real, host = self.real, self.host
             self.start(batch, heads, width, max(2 * capacity, count + chunk), kept[2])
+            self.real, self.host = real, host
             for old, new in zip(kept, self.buffers):
                 new.narrow(2 if new.dim() == 4 else 1, 0, count).copy_(old)
             self.count = count
         valid_log, position_log, fine_log = self.buffers
-        valid_log.narrow(1, self.count, chunk).copy_(valid)
-        position_log.narrow(1, self.count, chunk).copy_(positions)
+        if host_positions is None:
+            valid_log.narrow(1, self.count, chunk).copy_(valid)
+            position_log.narrow(1, self.count, chunk).copy_(positions)
         fine_log.narrow(2, self.count, chunk).copy_(old_fine)
         self.count += chunk
 
@@ -79,8 +91,18 @@ class RollbackLog:
         """(valid, positions, old fine entries) of the last ``tokens`` logged tokens, oldest first."""
         valid_log, position_log, fine_log = self.buffers
         start = self.count - tokens
+        for index, position in enumerate(self.host[len(self.host) - tokens:]):
+            if position is not None:  # a write of rows in step logged its positions on the host only
+                valid_log[:, start + index] = True
+                position_log[:, start + index] = position
         return valid_log.narrow(1, start, tokens), position_log.narrow(1, start, tokens), \
             fine_log.narrow(2, start, tokens)
+
+    def host_positions(self, tokens: int) -> Optional[list]:
+        """The positions of the last ``tokens`` logged tokens when writes of rows in step logged all of them (every
+        row's, every token real), else None."""
+        positions = self.host[len(self.host) - tokens:] if tokens <= len(self.host) else [None]
+        return None if any(position is None for position in positions) else positions
 
     @property
     def tokens(self) -> int:
@@ -93,6 +115,7 @@ class RollbackLog:
     def clear(self) -> None:
         self.count = 0
         self.real = []
+        self.host = []
 
     def apply(self, fn) -> None:
         """Apply a per-row function (beam reordering, batch selection) to the logged rows."""
@@ -150,8 +173,32 @@ class RollbackMixin:
             raise ValueError(f"crop(-{count}): only the {logged} tokens written since the last crop can be rolled "
                              f"back (finer levels keep only the current block's keys)")
         if count:
-            self._restore(*self.rollback_log.last(count), all_real=self.rollback_log.all_real(count))
+            hosts = self.rollback_log.host_positions(count)
+            if hosts is not None and self.geometry.block_sizes and count <= min(self.geometry.block_sizes):
+                self._restore_in_step(self.rollback_log.buffers[2].narrow(2, self.rollback_log.count - count, count),
+                                      hosts)
+            else:
+                self._restore(*self.rollback_log.last(count), all_real=self.rollback_log.all_real(count))
         self.rollback_log.clear()
+
+    def _restore_in_step(self, old_fine: torch.Tensor, positions: list) -> None:
+        """Undo the writes of n tokens of rows in step (``structattn_lane``): old_fine (B, H, n, sum r_l) what each
+        replaced; ``positions`` their (every row's) positions on the host, consecutive. No more of them than the
+        finest block, so they hit distinct entries of every ring: one indexed assignment of the ring elements from
+        host integers. Every row held tokens before them (the lane writes continuing rows only), so none is
+        emptied and the rows' first positions stand."""
+        geometry, widths, base = self.geometry, self.ring_widths, self.base
+        elements = []
+        for position in positions:
+            row, offset = [], 0
+            for rank, width, size in zip(geometry.ranks[1:], widths, geometry.block_sizes):
+                row += [offset + j * width + (position - base) % size for j in range(rank)]
+                offset += width * rank
+            elements.append(row)
+        fine = self.fine_storage
+        fine[:, :, torch.tensor(elements, dtype=torch.long, device=fine.device)] = old_fine
+        self.last_positions.fill_(positions[0] - 1)
+        self._rewind(len(positions))
 
     def _restore(self, valid: torch.Tensor, positions: torch.Tensor, old_fine: torch.Tensor,
                  all_real: bool = False) -> None:

@@ -1,0 +1,187 @@
+"""The eager lane of the hierarchical cache: a forward whose rows are **in step** (every new token real, every row
+continuing its newest cached position, all rows at the same positions: ``StepFacts.shared_newest``), which is what
+greedy and sampled decoding, and the verification chunks of speculative decoding, run at batch 1 or on unpadded
+batches.
+
+There, where each token goes is known on the host, for every layer of a geometry alike: the forward's ``StepLane``
+(made once, memoised on the step) holds the slots, the ring elements, the query split, the level groups and the
+mask as host integers and small tensors, and a layer's attention is ~20 eager ops: the cache layer writes the chunk
+into its storages (``MLRCacheLayerMixin.write_in_step``: ``index_copy_`` into flat views for one token, narrowed
+copies and one indexed assignment for several, logging what the write replaces while speculative decoding records),
+then ``mlr_lane_attention`` reads strided views of the whole storages: level-1 scores by one ``bmm``, each group of
+finer levels by one in-place ``baddbmm_`` onto its block's slots, the inverse depth and the mask in one op, softmax,
+one ``bmm`` with the values. The chunk's tokens must share their block at every level (then the rings, after the
+write, hold exactly the slots of that block up to the newest token); a chunk that crosses a block boundary is split
+there into lanes run one after the other. Everything else (padding inside the chunk, rows at different positions,
+half precision, a caller's mask, a bias, gradients, tracing) takes the general path of ``structattn_cache`` /
+``structattn_mlr_decode``, against which the lane is tested.
+"""
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from .structattn_geometry import MLRGeometry, softmax_dtype
+from .structattn_mlr_decode import _shared_groups, _shared_inverse_depth
+
+
+MAX_RUNS = 4  # a chunk split into more runs than this (block boundaries) takes the general path
+
+
+@dataclass(frozen=True)
+class StepLane:
+    """A run of c tokens of a forward whose rows are in step, all in the same block at every level, for the layers
+    of one geometry, capacity and base.
+
+    capacity, base: of the layers it serves; first_slot: the slot of the first token; tokens: c; slots: S =
+    first_slot + c, the slots read; positions: the tokens' positions (every row's); key_split: [r_1, sum_{l>=2} r_l]
+    (None without finer levels); key_index (r_1,), value_index (dv,): the elements one token (c = 1) writes in the
+    layer's flat (B, H, 1, ·) views of its keys and values; fine_index: (c, sum_{l>=2} r_l) the elements of the flat
+    ring storage token i's finer dims go to ((sum_{l>=2} r_l,) when c = 1), or None; query_scale: (r,) the level scales when not folded into
+    ``multiplier``, else None; query_split: the query dims of level 1 and of each group of ``groups``
+    (``_shared_groups``: levels whose blocks start at the same slot with rings as wide); multiplier: (1, 1, S)
+    scale / the number of levels a slot shares with the tokens (average_levels) or None; additive: 0 where a token
+    may attend and the dtype's lowest value elsewhere (slots before a row's first position, and after the token
+    when c > 1): (B, 1, 1, S) when c = 1, (B | 1, 1, 1, c, S) when c > 1; None when everything may be attended."""
+
+    capacity: int
+    base: int
+    first_slot: int
+    tokens: int
+    slots: int
+    positions: tuple
+    key_split: Optional[list]
+    key_index: Optional[torch.Tensor]
+    value_index: Optional[torch.Tensor]
+    fine_index: Optional[torch.Tensor]
+    query_scale: Optional[torch.Tensor]
+    query_split: list
+    groups: tuple
+    multiplier: Optional[torch.Tensor]
+    additive: Optional[torch.Tensor]
+
+
+def lane_runs(geometry: MLRGeometry, first: int, tokens: int) -> list:
+    """The chunk of ``tokens`` tokens from position ``first`` as runs (first position, length) that each stay in
+    one block at every level (split where any level's block ends)."""
+    cuts = {first + tokens}
+    for size in geometry.block_sizes:
+        boundary = (first // size + 1) * size
+        while boundary < first + tokens:
+            cuts.add(boundary)
+            boundary += size
+    runs, start = [], first
+    for cut in sorted(cuts):
+        runs.append((start, cut - start))
+        start = cut
+    return runs
+
+
+def plan_step_lanes(geometry: MLRGeometry, step, base: int, capacity: int, ring_widths: tuple, value_width: int,
+                    needed: int, dtype: torch.dtype, device, scales: Sequence[float]) -> Optional[tuple]:
+    """The ``StepLane``s of an eager forward of c tokens per row (one per run of ``lane_runs``) over layers of
+    ``capacity`` slots from position ``base`` (ring widths ``ring_widths``, values ``value_width`` wide, queries and
+    storage in ``dtype``), or None when the rows are not in step, the softmax runs in a wider dtype than the
+    queries, or the layers must grow first (``needed``: the slots they must hold after the write)."""
+    facts = step.facts
+    if facts is None or facts.shared_newest is None or softmax_dtype(dtype) != dtype or needed > capacity:
+        return None
+    tokens = step.positions.shape[1]
+    runs = lane_runs(geometry, tokens=tokens, first=facts.shared_newest - tokens + 1)
+    if len(runs) > MAX_RUNS:  # a long chunk (chunked prefill): the general chunk op reads it in one pass
+        return None
+    return tuple(_plan_run(geometry, facts, step.first_before, base, capacity, ring_widths, value_width, dtype,
+                           device, scales, start, length) for start, length in runs)
+
+
+def _plan_run(geometry, facts, first_before, base, capacity, ring_widths, value_width, dtype, device, scales,
+              first: int, tokens: int) -> StepLane:
+    newest = first + tokens - 1
+    first_slot = first - base
+    slots = first_slot + tokens
+    first_rank = geometry.ranks[0]
+    fine_ranks = sum(geometry.ranks[1:])
+    key_index = value_index = None
+    if tokens == 1:
+        key_index = torch.arange(first_slot * first_rank, slots * first_rank, device=device)
+        value_index = torch.arange(first_slot * value_width, slots * value_width, device=device)
+    fine_index = None
+    if geometry.block_sizes:
+        rows = []
+        for slot in range(first_slot, slots):  # dim j of level l: o_l + j W_l + slot % b_l (dim-major rings)
+            elements, offset = [], 0
+            for rank, width, size in zip(geometry.ranks[1:], ring_widths, geometry.block_sizes):
+                elements += [offset + j * width + slot % size for j in range(rank)]
+                offset += width * rank
+            rows.append(elements)
+        fine_index = torch.tensor(rows[0] if tokens == 1 else rows, dtype=torch.long, device=device)
+    starts = [max((newest // size) * size - base, 0) for size in geometry.block_sizes]
+    groups = tuple(_shared_groups(geometry, ring_widths, starts, slots))
+    scaled = geometry.average_levels and len(set(scales)) == 1
+    query_scale = None if scaled else geometry.scale_vector(scales, dtype, device)
+    multiplier = None
+    if geometry.average_levels:
+        multiplier = _shared_inverse_depth(starts, geometry.block_sizes, slots, dtype, device,
+                                           scales[0] if scaled else 1.0)[1]
+    additive = None
+    lowest = torch.finfo(dtype).min
+    if facts.latest_first > base:  # a row starts after slot 0 (left padding): its earlier slots are masked
+        slot_positions = torch.arange(slots, device=device) + base
+        additive = torch.zeros(first_before.shape[0], 1, 1, slots, dtype=dtype, device=device).masked_fill(
+            (slot_positions < first_before[:, None])[:, None, None, :], lowest)
+    if tokens > 1:  # token i attends to the slots up to its own (B | 1, 1, 1, c, S)
+        future = torch.arange(slots, device=device) > torch.arange(first_slot, slots, device=device)[:, None]
+        causal = torch.zeros(tokens, slots, dtype=dtype, device=device).masked_fill(future, lowest)
+        additive = causal[None, None, None] if additive is None else \
+            torch.minimum(additive[:, :, :, None, :], causal[None, None, None])
+    return StepLane(capacity, base, first_slot, tokens, slots, tuple(range(first, newest + 1)),
+                    [first_rank, fine_ranks] if fine_ranks else None, key_index, value_index, fine_index,
+                    query_scale, [first_rank] + [group[3] for group in groups], groups, multiplier, additive)
+
+
+def mlr_lane_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, fine: torch.Tensor,
+                       lane: StepLane) -> torch.Tensor:
+    """MLR attention of a lane's c tokens per row against the cache layer whose whole (contiguous) storages are
+    ``keys`` (B, Hk, C, r_1), ``values`` (B, Hk, C, dv) and ``fine`` (B, Hk, F), the tokens already written.
+    query: (B, Hq, c, r) in level order. Returns the (B, c, Hq, dv) output (contiguous).
+
+    The sum of ``mlr_decode_step``'s shared-start formulation in as few eager ops as it takes: level-1 scores by one
+    ``bmm`` over a strided view of the storage (no narrowing), each group of finer levels by one in-place
+    ``baddbmm_`` of its ring onto its block's slots (after the write a ring holds the block's slots up to the newest
+    token; a token's later slots are masked), the inverse depth and the mask in one op, softmax, one ``bmm`` with a
+    strided view of the values."""
+    batch, heads, capacity, first_rank = keys.shape
+    flat, slots, width, tokens = batch * heads, lane.slots, values.shape[-1], lane.tokens
+    q_heads = query.shape[1]
+    rows = q_heads // heads * tokens  # per cached head: its query heads' tokens, head-major
+    if lane.query_scale is not None:
+        query = query * lane.query_scale
+    pieces = query.reshape(flat, rows, query.shape[-1]).split_with_sizes(lane.query_split, dim=2)
+    scores = torch.bmm(pieces[0], keys.as_strided((flat, first_rank, slots), (capacity * first_rank, 1, first_rank),
+                                                  keys.storage_offset()))
+    elements = fine.shape[-1]
+    fine_offset = fine.storage_offset()
+    targets = {}
+    for (start, used, _, dims, offset, ring_width), level_query in zip(lane.groups, pieces[1:]):
+        ring = fine.as_strided((flat, dims, used), (elements, ring_width, 1), fine_offset + offset)
+        target = targets.get((start, used))
+        if target is None:
+            target = targets[start, used] = scores.narrow(2, start, used)
+        target.baddbmm_(level_query, ring)
+    if lane.additive is not None:
+        shaped = scores.view(batch, heads, rows, slots) if tokens == 1 else \
+            scores.view(batch, heads, rows // tokens, tokens, slots)
+        shaped = torch.addcmul(lane.additive, shaped, lane.multiplier) if lane.multiplier is not None \
+            else shaped + lane.additive
+        scores = shaped.view(flat, rows, slots)
+    elif lane.multiplier is not None:
+        scores.mul_(lane.multiplier)
+    output = torch.bmm(torch.softmax(scores, dim=-1),
+                       values.as_strided((flat, slots, width), (capacity * width, width, 1), values.storage_offset()))
+    if tokens == 1:
+        return output.view(batch, 1, q_heads, width)
+    return output.view(batch, q_heads, tokens, width).transpose(1, 2).contiguous()
+
+
+__all__ = ["MAX_RUNS", "StepLane", "lane_runs", "mlr_lane_attention", "plan_step_lanes"]
