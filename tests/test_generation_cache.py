@@ -273,10 +273,10 @@ def test_lane_writes_while_recording_crop_back_exactly(static, draft):
         index += accepted
 
 
-def test_lane_is_declined_where_the_general_path_is_needed():
-    """Rows at different newest positions, half precision (the softmax runs wider) and a layer of another capacity
-    get no lane write (nothing is written), so that the general path runs; a chunk crossing more block boundaries
-    than ``MAX_RUNS`` takes the general chunk op."""
+def test_lane_refusals_leave_the_step_to_the_general_path():
+    """Rows at different newest positions and a layer of another capacity get no lane write (nothing is written),
+    so that the general path runs; a half-precision step gets lanes its op does not read (the softmax runs wider);
+    a chunk crossing more block boundaries than ``MAX_RUNS`` takes the general chunk op."""
     geometry = _geometry()
     q, k, v, positions, valid = _rows(pads=(0, 0, 0), offsets=(0, 0, 3))
     layer = _layer(True, geometry)
@@ -290,8 +290,8 @@ def test_lane_is_declined_where_the_general_path_is_needed():
     _write(layer, k[:, :, :9], v[:, :, :9], positions[:, :9], valid[:, :9])
     step = build_step(cache=Cache(layers=[layer]), positions=positions[:, token], valid=None, batch=3, length=1,
                       device=k.device, geometries=(tuple(geometry.block_sizes),))
-    assert plan_step_lanes(geometry, step, layer.base, 48, layer.ring_widths, 5, 10, torch.bfloat16, k.device,
-                           geometry.level_scales) is None
+    assert not plan_step_lanes(geometry, step, layer.base, 48, layer.ring_widths, 5, 10, torch.bfloat16, k.device,
+                               geometry.level_scales)[0].readable
     lanes = plan_step_lanes(geometry, step, layer.base, 50, layer.ring_widths, 5, 10, torch.float64, k.device,
                             geometry.level_scales)
     before = layer.keys_storage().clone()
@@ -319,12 +319,15 @@ class _OpCounter(TorchDispatchMode):
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 @pytest.mark.parametrize("static", [False, True])
-def test_model_decode_steps_of_rows_in_step_take_the_decode_lane(family, static):
+@pytest.mark.parametrize("read", ["lane", "maps", "grad"])
+def test_model_decode_steps_of_rows_in_step_take_the_lane(family, static, read):
     """A model's eager decode step of rows in step (batch 3, no padding) writes each MLR layer's token with three
-    ``index_copy_`` and none of the general path's copies or indexed assignments, and its logits equal the uncached
-    forward's (float64). Block boundaries are crossed on the way (10 steps over blocks of 4 and 8)."""
+    ``index_copy_`` and none of the general path's copies or indexed assignments -- also when the general op reads
+    it (``output_attentions`` of the eager implementation, or gradients enabled) -- and its logits equal the
+    uncached forward's (float64). Block boundaries are crossed on the way (10 steps over blocks of 4 and 8)."""
+    eager = dict(attn_implementation="mlr_eager" if family == "llama" else "eager") if read == "maps" else {}
     if family == "gpt2":
-        model = tiny_lm("mlr", n_layer=3).double()
+        model = tiny_lm("mlr", n_layer=3, **eager).double()
         layers = 3
     else:
         config = transformers.LlamaConfig(vocab_size=61, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
@@ -332,19 +335,25 @@ def test_model_decode_steps_of_rows_in_step_take_the_decode_lane(family, static)
         torch.manual_seed(0)
         model = hf_structattn.patch(transformers.LlamaForCausalLM(config).double().eval(), mlr_ranks=[8, 4, 4],
                                     mlr_block_sizes=[8, 4])
+        if eager:
+            model.set_attn_implementation(eager["attn_implementation"])
         layers = 2
     ids = torch.randint(2, 61, (3, 18), generator=torch.Generator().manual_seed(5))
     cache = transformers.StaticCache(config=model.config, max_cache_len=24) if static else \
         transformers.DynamicCache(config=model.config)
     with torch.no_grad():
         model(ids[:, :8], cache=cache)
-        for index in range(8, 18):
-            with _OpCounter() as counter:
-                logits = model(ids[:, index:index + 1], cache=cache).logits[:, -1]
-            assert counter.ops["index_copy_"] == 3 * layers, (index, counter.ops)
-            assert not any(counter.ops[name] for name in ("copy_", "index_put_", "scatter_add_", "narrow_copy"))
+    for index in range(8, 18):
+        with torch.set_grad_enabled(read == "grad"), _OpCounter() as counter:
+            out = model(ids[:, index:index + 1], cache=cache, output_attentions=read == "maps")
+        assert counter.ops["index_copy_"] == 3 * layers, (index, counter.ops)
+        assert not any(counter.ops[name] for name in ("copy_", "index_put_", "scatter_add_", "narrow_copy"))
+        if read == "maps":
+            width = 24 if static else index + 1  # a static cache's maps span its slots, as transformers' do
+            assert all(maps.shape[-1] == width for maps in out.attentions)
+        with torch.no_grad():
             expected = model(ids[:, :index + 1], use_cache=False).logits[:, -1]
-            torch.testing.assert_close(logits, expected, **EXACT, msg=f"step {index}")
+        torch.testing.assert_close(out.logits[:, -1].detach(), expected, **EXACT, msg=f"step {index}")
 
 
 @pytest.mark.parametrize("static", [False, True])

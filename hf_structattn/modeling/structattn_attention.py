@@ -445,32 +445,36 @@ def _layout(step) -> Optional[PositionLayout]:
     return PositionLayout(facts.contiguous, facts.uniform_offset, facts.lowest, facts.highest)
 
 
-def _in_step(query, key, value, attention_mask, layer, step, geometry, scales):
-    """A forward whose rows are in step (``structattn_lane``): the layer writes each lane's tokens and the op reads,
-    the lanes made once per forward for the layers of one geometry. Returns the (B, c, Hq, dv) output, or None
-    (nothing written) when the step, the mask or the layer needs the general path."""
-    if step.facts is None or step.facts.shared_newest is None or query.requires_grad or key.requires_grad or \
-            value.requires_grad or not (step.standard_masks or attention_mask is None or attention_mask.dim() != 4) \
-            or not layer.is_initialized:
+def _step_lanes(query, key, value, layer, step, geometry, scales, readable: bool):
+    """The forward's ``StepLane``s for ``layer`` when its rows are in step (``structattn_lane``; made once per forward
+    for the layers of one geometry, after growing a dynamic layer that needs more slots), or None: the general path
+    writes. ``readable``: the lane's op may read (else only a one-token write takes the lane)."""
+    facts = step.facts
+    if facts is None or facts.shared_newest is None or not layer.is_initialized or \
+            (query.shape[2] > 1 and not readable):
         return None
-    capacity, base = layer.capacity, layer.base
     static = isinstance(layer, MLRStaticKeyCacheLayer)
-    memo_key = ("lanes", id(geometry), scales, capacity, base, value.shape[-1], query.dtype, static)
+    needed = facts.shared_newest - layer.base + 1
+    if not static:  # a dynamic layer exposes the tokens seen too
+        needed = max(needed, facts.tokens_before + query.shape[2])
+    if needed > layer.capacity:
+        layer.ensure_slots(needed, key, value)
+    memo_key = ("lanes", id(geometry), scales, layer.capacity, layer.base, value.shape[-1], query.dtype, static)
     lanes = step.memo.get(memo_key, _MISSING)
     if lanes is _MISSING:
-        needed = step.facts.shared_newest - base + 1
-        if not static:  # a dynamic layer exposes the tokens seen too
-            needed = max(needed, step.facts.tokens_before + query.shape[2])
-        lanes = step.memo[memo_key] = plan_step_lanes(geometry, step, base, capacity, layer.ring_widths,
+        lanes = step.memo[memo_key] = plan_step_lanes(geometry, step, layer.base, layer.capacity, layer.ring_widths,
                                                       value.shape[-1], needed, query.dtype, query.device, scales)
-    if lanes is None:
-        return None
-    query, _ = _reorder(query, None, geometry)
+    return lanes
+
+
+def _lane_attention(query, key, value, layer, lanes):
+    """Write and read each lane (a chunk across a block boundary: its runs one after the other). query (B, Hq, c, r)
+    level order. Returns (B, c, Hq, dv), or None (nothing written) when the lanes do not fit the layer."""
     if len(lanes) == 1:
         storages = layer.write_in_step(key, value, lanes[0])
         return None if storages is None else mlr_lane_attention(query, *storages, lanes[0])
     outputs, start = [], 0
-    for lane in lanes:  # a chunk across a block boundary: its runs one after the other
+    for lane in lanes:
         run = slice(start, start + lane.tokens)
         storages = layer.write_in_step(key[:, :, run], value[:, :, run], lane)
         if storages is None:  # the first run decides (every run fits the same layer)
@@ -482,16 +486,25 @@ def _in_step(query, key, value, attention_mask, layer, step, geometry, scales):
 
 def _over_mlr_cache(module, query, key, value, attention_mask, layer, step, geometry, scales, bias, causal, eager):
     """An MLR cache layer: store the chunk (``key``, ``value``: what ``update`` returned, level-order keys), then
-    attend over the layer's view -- the cache when it held tokens before, else only the chunk (prefill)."""
+    attend over the layer's view -- the cache when it held tokens before, else only the chunk (prefill). Rows in step
+    take the lane (``structattn_lane``): its write, and its op where nothing asks for more (maps, a bias, a caller's
+    mask, gradients, a half-precision softmax); a token it wrote is otherwise read by the general op."""
     length = query.shape[2]
-    if not eager and bias is None and step.position_bias is None:
-        out = _in_step(query, key, value, attention_mask, layer, step, geometry, scales)
-        if out is not None:
-            return out, None
-    view = layer.store(key, value, step)
-    query, _ = _reorder(query, None, geometry)
     if step.position_bias is not None:  # T5: the bias over every token index, made once per forward by the model
         bias = step.position_bias
+    readable = not eager and bias is None and not (query.requires_grad or key.requires_grad or value.requires_grad) \
+        and (step.standard_masks or attention_mask is None or attention_mask.dim() != 4)
+    lanes = _step_lanes(query, key, value, layer, step, geometry, scales, readable)
+    query, _ = _reorder(query, None, geometry)
+    view = None
+    if lanes is not None and readable and lanes[0].readable:
+        out = _lane_attention(query, key, value, layer, lanes)
+        if out is not None:
+            return out, None
+    elif lanes is not None and length == 1 and layer.write_in_step(key, value, lanes[0]) is not None:
+        view = layer.view_for(step.facts)
+    if view is None:
+        view = layer.store(key, value, step)
     if view.held:
         return _cached(query, key, view, step, geometry, scales, bias, attention_mask, eager)
     if bias is not None and bias.shape[-1] > length:  # T5's bias over a static cache's slots: the chunk's first

@@ -242,7 +242,7 @@ class MLRCacheLayerMixin(RollbackMixin):
                 needed = max(needed, facts.tokens_before + chunk)
             if needed > self.capacity:
                 self._ensure_capacity(needed, keys_in, values_in)
-        if chunk == 1 and facts is not None and facts.continuing and not self.record_past:
+        if chunk == 1 and facts is not None and facts.continuing and not self.record_past:  # rows not in step
             last_before = None
             self._write_decode(keys_in, values_in, step, facts)
             replaced = None
@@ -251,6 +251,14 @@ class MLRCacheLayerMixin(RollbackMixin):
             last_before = plan.last_before
             replaced = self._write_chunk(keys_in, values_in, step, plan, keep_replaced=chunk > 1 and held)
         return self._view(facts, last_before, replaced, held)
+
+    def ensure_slots(self, slots: int, like_keys: torch.Tensor, like_values: torch.Tensor) -> None:
+        """Hold at least ``slots`` slots from ``base`` (a dynamic layer grows; a static one refuses in one line)."""
+        self._ensure_capacity(slots, like_keys, like_values)
+
+    def view_for(self, facts) -> MLRCacheView:
+        """What the queries of a forward read after ``write_in_step`` wrote its one token per row (eager)."""
+        return self._view(facts, None, None, True)
 
     def _view(self, facts, last_before, replaced, held: bool) -> MLRCacheView:
         keys, values = self.keys_storage(), self.values_storage()
@@ -277,36 +285,19 @@ class MLRCacheLayerMixin(RollbackMixin):
             self._start_log()
 
     def _write_decode(self, keys, values, step: MLRStep, facts) -> None:
-        """One real token per row continuing the row (an eager decode step): every row's token into one slot by
-        narrowed copies and one ``index_copy_`` of the fine dims, or (rows at different positions) indexed
-        assignments."""
-        geometry = self.geometry
-        rank = geometry.ranks[0]
-        if facts.shared_newest is not None:
-            slot = facts.shared_newest - self.base
-            if geometry.block_sizes:  # one split of the key into its level-1 and finer dims (fewer ops per layer)
-                first, finer = keys.split_with_sizes([rank, keys.shape[-1] - rank], -1)
-            else:
-                first, finer = keys, None
-            self.keys_storage().narrow(2, slot, 1).copy_(first)
-            self.values_storage().narrow(2, slot, 1).copy_(values)
-            if finer is not None:
-                key = ("decode element", id(geometry), self.ring_widths, slot)
-                index = step.memo.get(key)
-                if index is None:
-                    index = step.memo[key] = self._fine_index_of_slot(slot, keys.device)
-                self._fine.index_copy_(2, index, finer.select(2, 0))
-            self.last_positions.fill_(facts.shared_newest)
-        else:
-            position = step.positions[:, 0]
-            rows, index = step.memoised(("decode rows", id(geometry), self.ring_widths, self.base),
-                                        lambda: self._row_decode_index(position))
-            slot = position - self.base
-            self.keys_storage()[rows, :, slot] = keys[:, :, 0, :rank]
-            self.values_storage()[rows, :, slot] = values[:, :, 0]
-            if geometry.block_sizes:  # (B, sum r_l, H): advanced indices before the sliced head axis come first
-                self._fine[rows[:, None], :, index] = keys[:, :, 0, rank:].transpose(1, 2)
-            self.last_positions.copy_(position)
+        """One real token per row continuing the row, rows at different positions (left-padded batches; rows in step
+        take ``write_in_step``): indexed assignments at the rows' slots and ring elements (index memoised on the
+        step)."""
+        rank = self.geometry.ranks[0]
+        position = step.positions[:, 0]
+        rows, index = step.memoised(("decode rows", id(self.geometry), self.ring_widths, self.base),
+                                    lambda: self._row_decode_index(position))
+        slot = position - self.base
+        self.keys_storage()[rows, :, slot] = keys[:, :, 0, :rank]
+        self.values_storage()[rows, :, slot] = values[:, :, 0]
+        if self.geometry.block_sizes:  # (B, sum r_l, H): advanced indices before the sliced head axis come first
+            self._fine[rows[:, None], :, index] = keys[:, :, 0, rank:].transpose(1, 2)
+        self.last_positions.copy_(position)
         self._advance(1, facts.newest - self.base + 1)
 
     def write_in_step(self, keys: torch.Tensor, values: torch.Tensor, lane) -> Optional[tuple]:
@@ -322,6 +313,8 @@ class MLRCacheLayerMixin(RollbackMixin):
         if targets is None or targets[0].dtype != keys.dtype:
             return None
         flat_keys, flat_values, flat_fine, key_storage, value_storage, fine_storage = targets
+        if keys.requires_grad or values.requires_grad:  # the cache holds detached states (as ``store``)
+            keys, values = keys.detach(), values.detach()
         first, finer = keys.split_with_sizes(lane.key_split, -1) if lane.key_split is not None else (keys, None)
         single = lane.tokens == 1
         if self._record_past:
@@ -357,15 +350,6 @@ class MLRCacheLayerMixin(RollbackMixin):
         batch, heads = storages[0].shape[:2]
         self._targets = tuple(tensor.view(batch, heads, 1, -1) for tensor in storages) + storages
         return self._targets
-
-    def _fine_index_of_slot(self, slot: int, device) -> torch.Tensor:
-        """(sum_{l>=2} r_l,): the elements of the flat fine storage a token at slot ``slot`` writes (dim j of level
-        l: ``o_l + j W_l + slot % b_l``), from host integers."""
-        elements, offset = [], 0
-        for rank, width, size in zip(self.geometry.ranks[1:], self.ring_widths, self.geometry.block_sizes):
-            elements += [offset + j * width + slot % size for j in range(rank)]
-            offset += width * rank
-        return torch.tensor(elements, dtype=torch.long, device=device)
 
     def _row_decode_index(self, position: torch.Tensor) -> tuple:
         layout = self.geometry.fine_layout(self.ring_widths, position.device)

@@ -43,7 +43,9 @@ class StepLane:
     (``_shared_groups``: levels whose blocks start at the same slot with rings as wide); multiplier: (1, 1, S)
     scale / the number of levels a slot shares with the tokens (average_levels) or None; additive: 0 where a token
     may attend and the dtype's lowest value elsewhere (slots before a row's first position, and after the token
-    when c > 1): (B, 1, 1, S) when c = 1, (B | 1, 1, 1, c, S) when c > 1; None when everything may be attended."""
+    when c > 1): (B, 1, 1, S) when c = 1, (B | 1, 1, 1, c, S) when c > 1; None when everything may be attended;
+    readable: ``mlr_lane_attention`` may read (the softmax runs in the queries' dtype; a half-precision step only
+    writes by the lane and is read by the general op)."""
 
     capacity: int
     base: int
@@ -60,6 +62,7 @@ class StepLane:
     groups: tuple
     multiplier: Optional[torch.Tensor]
     additive: Optional[torch.Tensor]
+    readable: bool = True
 
 
 def lane_runs(geometry: MLRGeometry, first: int, tokens: int) -> list:
@@ -82,10 +85,10 @@ def plan_step_lanes(geometry: MLRGeometry, step, base: int, capacity: int, ring_
                     needed: int, dtype: torch.dtype, device, scales: Sequence[float]) -> Optional[tuple]:
     """The ``StepLane``s of an eager forward of c tokens per row (one per run of ``lane_runs``) over layers of
     ``capacity`` slots from position ``base`` (ring widths ``ring_widths``, values ``value_width`` wide, queries and
-    storage in ``dtype``), or None when the rows are not in step, the softmax runs in a wider dtype than the
-    queries, or the layers must grow first (``needed``: the slots they must hold after the write)."""
+    storage in ``dtype``), or None when the rows are not in step or the layers must grow first (``needed``: the
+    slots they must hold after the write)."""
     facts = step.facts
-    if facts is None or facts.shared_newest is None or softmax_dtype(dtype) != dtype or needed > capacity:
+    if facts is None or facts.shared_newest is None or needed > capacity:
         return None
     tokens = step.positions.shape[1]
     runs = lane_runs(geometry, tokens=tokens, first=facts.shared_newest - tokens + 1)
@@ -137,7 +140,8 @@ def _plan_run(geometry, facts, first_before, base, capacity, ring_widths, value_
             torch.minimum(additive[:, :, :, None, :], causal[None, None, None])
     return StepLane(capacity, base, first_slot, tokens, slots, tuple(range(first, newest + 1)),
                     [first_rank, fine_ranks] if fine_ranks else None, key_index, value_index, fine_index,
-                    query_scale, [first_rank] + [group[3] for group in groups], groups, multiplier, additive)
+                    query_scale, [first_rank] + [group[3] for group in groups], groups, multiplier, additive,
+                    softmax_dtype(dtype) == dtype)
 
 
 def mlr_lane_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, fine: torch.Tensor,
