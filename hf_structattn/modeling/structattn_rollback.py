@@ -19,6 +19,9 @@ import torch
 from .structattn_plan import NO_POSITION
 
 
+_RESTORE_INDEX = [None, None]  # (key, (n, sum r_l) ring elements) of the last ``_restore_in_step``
+
+
 class RollbackLog:
     """Fixed buffers holding what the last writes replaced: valid (B, n) bool, positions (B, n) int64 and the old
     fine entries (B, H, n, sum_{l>=2} r_l), ``count`` tokens of them in use (oldest first)."""
@@ -187,16 +190,18 @@ class RollbackMixin:
         finest block, so they hit distinct entries of every ring: one indexed assignment of the ring elements from
         host integers. Every row held tokens before them (the lane writes continuing rows only), so none is
         emptied and the rows' first positions stand."""
-        geometry, widths, base = self.geometry, self.ring_widths, self.base
-        elements = []
-        for position in positions:
-            row, offset = [], 0
-            for rank, width, size in zip(geometry.ranks[1:], widths, geometry.block_sizes):
-                row += [offset + j * width + (position - base) % size for j in range(rank)]
-                offset += width * rank
-            elements.append(row)
-        fine = self.fine_storage
-        fine[:, :, torch.tensor(elements, dtype=torch.long, device=fine.device)] = old_fine
+        geometry, widths, base, fine = self.geometry, self.ring_widths, self.base, self.fine_storage
+        key = (tuple(positions), widths, base, geometry, fine.device)
+        if _RESTORE_INDEX[0] != key:  # every layer of a crop restores the same elements: made once per crop
+            elements = []
+            for position in positions:
+                row, offset = [], 0
+                for rank, width, size in zip(geometry.ranks[1:], widths, geometry.block_sizes):
+                    row += [offset + j * width + (position - base) % size for j in range(rank)]
+                    offset += width * rank
+                elements.append(row)
+            _RESTORE_INDEX[:] = [key, torch.tensor(elements, dtype=torch.long, device=fine.device)]
+        fine[:, :, _RESTORE_INDEX[1]] = old_fine
         self.last_positions.fill_(positions[0] - 1)
         self._rewind(len(positions))
 
