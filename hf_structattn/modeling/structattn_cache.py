@@ -1,6 +1,7 @@
-"""The hierarchical MLR key cache: storage and its two write paths. The attention over it lives in
-``structattn_mlr_decode``; rollback for speculative decoding in ``structattn_rollback``; how a cache gets its MLR
-layers in ``structattn_prepare``.
+"""The hierarchical MLR key cache: storage and its two write paths -- host-addressed writes of rows in step
+(``write_in_step``, on a ``structattn_lane.StepLane``) and indexed assignments of everything else (``store``). The
+attention over it lives in ``structattn_lane`` and ``structattn_mlr_decode``; rollback for speculative decoding in
+``structattn_rollback``; how a cache gets its MLR layers in ``structattn_prepare``.
 
 An MLR cache layer holds, per batch row and KV head:
 
@@ -17,10 +18,11 @@ Key entries held per (row, head): ``S r_1 + sum_l min(b_l, S) r_l`` for S slots 
 
 The data flow of one forward: the model builds the step plan (``structattn_plan.MLRStep``); an attention module
 calls ``cache.update(k, v, layer_idx, kwargs=kwargs)``, which for an MLR layer only puts the chunk's keys in level
-order and stores nothing; the ``"mlr"`` attention function then calls ``layer.store(keys, values, step)``, which
-writes the chunk by the plan and returns an ``MLRCacheView`` (frozen, read-only: storages, ring widths, base,
-positions, and for a chunk of several tokens the ring entries its writes replaced), which the op reads. Nothing is
-kept on the layer between the two calls.
+order and stores nothing; the ``"mlr"`` attention function then calls ``layer.write_in_step(keys, values, lane)``
+(rows in step: returns the storages the lane's op reads) or ``layer.store(keys, values, step)``, which writes the
+chunk by the plan and returns an ``MLRCacheView`` (frozen, read-only: storages, ring widths, base, positions, and for
+a chunk of several tokens the ring entries its writes replaced), which the general op reads. Nothing is kept on the
+layer between the two calls.
 
 A layer is built without geometry (``DynamicCache(config=...)`` and ``StaticCache`` construct registered layer types
 with no arguments) and behaves as transformers' ``DynamicLayer`` / ``StaticLayer`` until a model ``bind``s it to
@@ -341,10 +343,11 @@ class MLRCacheLayerMixin(RollbackMixin):
     def _token_targets(self) -> Optional[tuple]:
         """(keys, values, fine as (B, H, 1, ·) flat views, then the storages themselves), made again when a storage
         was replaced (growth, reordering, offloading); None when a storage is not contiguous."""
-        storages = (self.keys_storage(), self.values_storage(), self._fine)
+        keys, values, fine = self.keys_storage(), self.values_storage(), self._fine
         cached = self._targets
-        if cached is not None and all(old is new for old, new in zip(cached[3:], storages)):
+        if cached is not None and cached[3] is keys and cached[4] is values and cached[5] is fine:
             return cached
+        storages = (keys, values, fine)
         if not all(tensor.is_contiguous() for tensor in storages):
             return None
         batch, heads = storages[0].shape[:2]
