@@ -7,9 +7,10 @@ Exactness (float64, tiny random models of ``hf_structattn.decoder_patching.TINY_
 vs the uncached forward, and of left-padded rows vs the rows alone; key-cache ratio from
 ``hf_structattn.flops.decoder_cache_report`` at 49 tokens.
 
-Speed (float32, one thread, ``time.thread_time``, variants interleaved in one process): prefill ms per prompt
-token and decode ms per generated token (``model(token, cache=...)``, the step generate runs), with the bytes of
-keys the cache holds after the prompt (measured from the cache object, and the formula).
+Speed (float32, one thread, ``time.thread_time``, variants interleaved in one process, decode steps one by one):
+prefill ms per prompt token and decode ms per generated token (``model(token, cache=...)``, the step generate runs)
+with the ratio to stock taken within each step, and the bytes of keys the cache holds after the prompt (measured
+from the cache object, and the formula).
 
     python benchmarks/bench_decoder_patching.py --output /tmp/decoder_patching.md
     python benchmarks/bench_decoder_patching.py --skip_exactness --compiled --prompts 512 2048 --steps 24
@@ -75,24 +76,33 @@ def new_cache(model):
 
 @torch.no_grad()
 def speed(models: dict, prompt: int, steps: int, repeats: int) -> dict:
+    """Per model: (prefill ms per prompt token, decode ms per step, key bytes held after the prompt, decode time / the
+    first model's within each step, median). Each repeat prefills a fresh cache per model, then runs ``steps`` decode
+    steps with the models interleaved step by step (the order flips every step): a busy moment of the shared machine
+    slows both alike, and the ratio is taken within each step."""
     torch.manual_seed(0)
     ids = torch.randint(0, 1000, (1, prompt))
     token = torch.randint(0, 1000, (1, 1))
+    names = list(models)
     prefill = {name: [] for name in models}
     decode = {name: [] for name in models}
     held = {}
     for _ in range(repeats):
-        for name, model in models.items():  # interleaved: the machine is shared
-            cache = new_cache(model)
+        caches = {}
+        for name, model in models.items():
+            cache = caches[name] = new_cache(model)
             start = time.thread_time()
             model(ids, cache=cache, use_cache=True, logits_to_keep=1)
             prefill[name].append((time.thread_time() - start) / prompt)
             held[name] = key_bytes(cache)
-            start = time.thread_time()
-            for _ in range(steps):
-                model(token, cache=cache, use_cache=True)
-            decode[name].append((time.thread_time() - start) / steps)
-    return {name: (1e3 * statistics.median(prefill[name]), 1e3 * statistics.median(decode[name]), held[name])
+        for step in range(steps):
+            for name in (names if step % 2 == 0 else names[::-1]):
+                start = time.thread_time()
+                models[name](token, cache=caches[name], use_cache=True)
+                decode[name].append(time.thread_time() - start)
+    baseline = decode[names[0]]
+    return {name: (1e3 * statistics.median(prefill[name]), 1e3 * statistics.median(decode[name]), held[name],
+                   statistics.median([mine / base for mine, base in zip(decode[name], baseline)]))
             for name in models}
 
 
@@ -146,14 +156,16 @@ def main():
     lines += [f"## Speed: Llama, {args.layers} layers, hidden {args.hidden_size}, {args.heads} heads x {head_dim} "
               f"({args.kv_heads} KV heads), float32, batch 1; MLR ranks {args.mlr_ranks}, blocks "
               f"{args.mlr_block_sizes}\n",
-              "| prompt | model | prefill ms/token | decode ms/token | key cache bytes held | key cache formula |",
-              "|---|---|---|---|---|---|"]
+              "| prompt | model | prefill ms/token | decode ms/token | decode / stock (per step, median) | key cache "
+              "bytes held | key cache formula |",
+              "|---|---|---|---|---|---|---|"]
     for prompt in args.prompts:
         results = speed({"stock sdpa": stock, "MLR": mlr}, prompt, args.steps, args.repeats)
         formula = decoder_cache_report(mlr.config, prompt, dtype_bytes=4)
-        for name, (prefill_ms, decode_ms, held) in results.items():
+        for name, (prefill_ms, decode_ms, held, ratio) in results.items():
             expected = formula["dense_key_cache_bytes"] if name == "stock sdpa" else formula["key_cache_bytes"]
-            lines.append(f"| {prompt} | {name} | {prefill_ms:.3f} | {decode_ms:.2f} | {held} | {expected} |")
+            lines.append(f"| {prompt} | {name} | {prefill_ms:.3f} | {decode_ms:.2f} | {ratio:.2f}x | {held} | "
+                         f"{expected} |")
             print(lines[-1], flush=True)
     if args.compiled:
         lines += ["", "## Compiled decode: `cache_implementation=\"static\"` + `torch.compile(model.forward)`, "

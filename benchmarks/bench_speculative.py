@@ -7,9 +7,10 @@ that the continuation repeats much of the prompt (what prompt lookup exploits; 2
 
 Models: ``OUT/clm_dense_stdlib`` and ``OUT/clm_mlr_stdlib`` of ``bash scripts/run.sh`` (OUT=outputs by default),
 loaded with this package's classes. For each model, ``model.generate`` greedy with and without
-``prompt_lookup_num_tokens``; rounds interleave the four variants; one thread, CPU time of the thread
-(``time.thread_time``); the median over rounds with its min-max. The speculative tokens are checked to equal the
-greedy ones. Accepted / drafted counts come from a forward hook that sees each forward's input length: a forward
+``prompt_lookup_num_tokens``; rounds interleave the four variants (the order flips every round); one thread, CPU
+time of the thread (``time.thread_time``); tokens/s as the median over rounds with its min-max, and the speed-up of
+prompt lookup taken within each round (greedy and prompt lookup of a model ran side by side), its median [min-max].
+The speculative tokens are checked to equal the greedy ones. Accepted / drafted counts come from a forward hook that sees each forward's input length: a forward
 after the first feeds the last accepted token plus the draft, so drafted = input length - 1 and accepted = tokens
 the forward advanced the sequence by, minus one.
 
@@ -99,8 +100,8 @@ def main(argv=None) -> int:
     with torch.no_grad():
         for kind, model in models.items():  # warm-up, untimed
             model.generate(ids, **common)
-        for _ in range(args.rounds):
-            for kind, draft in variants:
+        for round_index in range(args.rounds):
+            for kind, draft in (variants if round_index % 2 == 0 else variants[::-1]):  # order flips every round
                 extra = {} if draft is None else {"prompt_lookup_num_tokens": draft}
                 counters[kind].reset()
                 start = time.thread_time()
@@ -116,10 +117,13 @@ def main(argv=None) -> int:
     print(header_line(f"float32, batch 1, greedy, {ids.shape[1]}-token prompt, {args.new_tokens} new tokens, "
                       f"prompt_lookup_num_tokens={args.draft}, {args.rounds} interleaved rounds, thread clock"))
     print()
-    print("| model | decoding | tokens/CPU-s (median [min-max]) | speed-up | drafted | accepted | acceptance |")
+    print("| model | decoding | tokens/CPU-s (median [min-max]) | speed-up (median [min-max] over rounds) | drafted "
+          "| accepted | acceptance |")
     print("|---|---|---:|---:|---:|---:|---:|")
+    speedups = {}
     for kind in models:
-        base = statistics.median(times[(kind, None)])
+        # the speed-up is taken within each round (greedy and prompt lookup ran side by side), then its median
+        speedups[kind] = [greedy / lookup for greedy, lookup in zip(times[(kind, None)], times[(kind, args.draft)])]
         for draft in (None, args.draft):
             spans = times[(kind, draft)]
             rates = [args.new_tokens / span for span in spans]
@@ -128,10 +132,15 @@ def main(argv=None) -> int:
                 extra = "| greedy | {:,.0f} [{:,.0f}-{:,.0f}] | 1.00x | - | - | - |".format(median, min(rates), max(rates))
             else:
                 drafted, accepted = counts[kind]
-                extra = "| prompt lookup | {:,.0f} [{:,.0f}-{:,.0f}] | {:.2f}x | {} | {} | {:.0%} |".format(
-                    median, min(rates), max(rates), base / statistics.median(spans), drafted, accepted,
-                    accepted / drafted if drafted else 0.0)
+                ratios = speedups[kind]
+                extra = "| prompt lookup | {:,.0f} [{:,.0f}-{:,.0f}] | {:.2f}x [{:.2f}-{:.2f}] | {} | {} | {:.0%} |".format(
+                    median, min(rates), max(rates), statistics.median(ratios), min(ratios), max(ratios), drafted,
+                    accepted, accepted / drafted if drafted else 0.0)
             print(f"| {kind} {extra}")
+    print()
+    relative = [mlr / dense for mlr, dense in zip(speedups["mlr"], speedups["dense"])]
+    print(f"MLR's speed-up / dense's, per round: median {statistics.median(relative):.2f} "
+          f"[{min(relative):.2f}-{max(relative):.2f}]")
     print()
     print(f"prompt: {prompt_text!r}")
     print(f"MLR continuation: {tokenizer.decode(outputs[('mlr', None)][0, ids.shape[1]:])!r}")

@@ -317,7 +317,7 @@ class _OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", ["gpt2", "gpt2_averaged", "llama"])
 @pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("read", ["lane", "maps", "grad"])
 def test_model_decode_steps_of_rows_in_step_take_the_lane(family, static, read):
@@ -326,8 +326,8 @@ def test_model_decode_steps_of_rows_in_step_take_the_lane(family, static, read):
     it (``output_attentions`` of the eager implementation, or gradients enabled) -- and its logits equal the
     uncached forward's (float64). Block boundaries are crossed on the way (10 steps over blocks of 4 and 8)."""
     eager = dict(attn_implementation="mlr_eager" if family == "llama" else "eager") if read == "maps" else {}
-    if family == "gpt2":
-        model = tiny_lm("mlr", n_layer=3, **eager).double()
+    if family.startswith("gpt2"):  # levels summed (scales applied by the matmuls), or averaged (one multiplier)
+        model = tiny_lm("mlr" if family == "gpt2" else "mlr_avg_mup", n_layer=3, **eager).double()
         layers = 3
     else:
         config = transformers.LlamaConfig(vocab_size=61, hidden_size=64, intermediate_size=64, num_hidden_layers=2,

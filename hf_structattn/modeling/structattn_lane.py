@@ -45,7 +45,9 @@ class StepLane:
     may attend and the dtype's lowest value elsewhere (slots before a row's first position, and after the token
     when c > 1): (B, 1, 1, S) when c = 1, (B | 1, 1, 1, c, S) when c > 1; None when everything may be attended;
     readable: ``mlr_lane_attention`` may read (the softmax runs in the queries' dtype; a half-precision step only
-    writes by the lane and is read by the general op)."""
+    writes by the lane and is read by the general op); alphas: the scale of the level-1 product and of each group's
+    (levels not averaged, one scale per group), applied by the matmuls, else None; zero: a 0-d zero, the ignored
+    input of the scaled level-1 product."""
 
     capacity: int
     base: int
@@ -63,6 +65,8 @@ class StepLane:
     multiplier: Optional[torch.Tensor]
     additive: Optional[torch.Tensor]
     readable: bool = True
+    alphas: Optional[tuple] = None
+    zero: Optional[torch.Tensor] = None
 
 
 def lane_runs(geometry: MLRGeometry, first: int, tokens: int) -> list:
@@ -122,7 +126,14 @@ def _plan_run(geometry, facts, first_before, base, capacity, ring_widths, value_
     starts = [max((newest // size) * size - base, 0) for size in geometry.block_sizes]
     groups = tuple(_shared_groups(geometry, ring_widths, starts, slots))
     scaled = geometry.average_levels and len(set(scales)) == 1
-    query_scale = None if scaled else geometry.scale_vector(scales, dtype, device)
+    query_scale = alphas = None
+    level_of_dim = [level for level, rank in enumerate(geometry.ranks) for _ in range(rank)]
+    group_scales = [{scales[level] for level in level_of_dim[group[2]:group[2] + group[3]]} for group in groups]
+    if not scaled and not geometry.average_levels and all(len(group) == 1 for group in group_scales):
+        # each product scaled by its levels' scale (``alpha`` of the matmul): no scaled copy of the query
+        alphas = (float(scales[0]),) + tuple(float(group.pop()) for group in group_scales)
+    elif not scaled:
+        query_scale = geometry.scale_vector(scales, dtype, device)
     multiplier = None
     if geometry.average_levels:
         multiplier = _shared_inverse_depth(starts, geometry.block_sizes, slots, dtype, device,
@@ -141,7 +152,7 @@ def _plan_run(geometry, facts, first_before, base, capacity, ring_widths, value_
     return StepLane(capacity, base, first_slot, tokens, slots, tuple(range(first, newest + 1)),
                     [first_rank, fine_ranks] if fine_ranks else None, key_index, value_index, fine_index,
                     query_scale, [first_rank] + [group[3] for group in groups], groups, multiplier, additive,
-                    softmax_dtype(dtype) == dtype)
+                    softmax_dtype(dtype) == dtype, alphas, torch.zeros((), dtype=dtype, device=device))
 
 
 def mlr_lane_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, fine: torch.Tensor,
@@ -162,17 +173,23 @@ def mlr_lane_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Te
     if lane.query_scale is not None:
         query = query * lane.query_scale
     pieces = query.reshape(flat, rows, query.shape[-1]).split_with_sizes(lane.query_split, dim=2)
-    scores = torch.bmm(pieces[0], keys.as_strided((flat, first_rank, slots), (capacity * first_rank, 1, first_rank),
-                                                  keys.storage_offset()))
+    first_keys = keys.as_strided((flat, first_rank, slots), (capacity * first_rank, 1, first_rank),
+                                 keys.storage_offset())
+    alphas = lane.alphas
+    scores = torch.bmm(pieces[0], first_keys) if alphas is None else \
+        torch.baddbmm(lane.zero, pieces[0], first_keys, beta=0, alpha=alphas[0])
     elements = fine.shape[-1]
     fine_offset = fine.storage_offset()
     targets = {}
-    for (start, used, _, dims, offset, ring_width), level_query in zip(lane.groups, pieces[1:]):
+    for index, ((start, used, _, dims, offset, ring_width), level_query) in enumerate(zip(lane.groups, pieces[1:])):
         ring = fine.as_strided((flat, dims, used), (elements, ring_width, 1), fine_offset + offset)
         target = targets.get((start, used))
         if target is None:
             target = targets[start, used] = scores.narrow(2, start, used)
-        target.baddbmm_(level_query, ring)
+        if alphas is None:
+            target.baddbmm_(level_query, ring)
+        else:
+            target.baddbmm_(level_query, ring, alpha=alphas[index + 1])
     if lane.additive is not None:
         shaped = scores.view(batch, heads, rows, slots) if tokens == 1 else \
             scores.view(batch, heads, rows // tokens, tokens, slots)
