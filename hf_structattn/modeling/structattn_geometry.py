@@ -405,6 +405,15 @@ class MLRGeometry:
         return slots * self.ranks[0] + sum(min(size, slots) * rank
                                            for size, rank in zip(self.block_sizes, self.ranks[1:]))
 
+    def fine_elements(self, ring_widths: Sequence[int], slot: int) -> list:
+        """The elements of the flat ring storage (``fine_layout``) a token at slot ``slot`` writes, as host integers:
+        dim j of level l goes to ``o_l + j W_l + slot % b_l``."""
+        elements, offset = [], 0
+        for rank, width, size in zip(self.ranks[1:], ring_widths, self.block_sizes):
+            elements += [offset + j * width + slot % size for j in range(rank)]
+            offset += width * rank
+        return elements
+
     def fine_layout(self, ring_widths: Sequence[int], device) -> dict:
         """What indexing the flat storage of the finer levels' rings needs (ring l: ``ring_widths[l]`` entries of
         ``r_l`` dims, after the rings before it, dim-major: element ``o_l + j W_l + e`` is dim j of entry e, so that

@@ -115,13 +115,7 @@ def _plan_run(geometry, facts, first_before, base, capacity, ring_widths, value_
         value_index = torch.arange(first_slot * value_width, slots * value_width, device=device)
     fine_index = None
     if geometry.block_sizes:
-        rows = []
-        for slot in range(first_slot, slots):  # dim j of level l: o_l + j W_l + slot % b_l (dim-major rings)
-            elements, offset = [], 0
-            for rank, width, size in zip(geometry.ranks[1:], ring_widths, geometry.block_sizes):
-                elements += [offset + j * width + slot % size for j in range(rank)]
-                offset += width * rank
-            rows.append(elements)
+        rows = [geometry.fine_elements(ring_widths, slot) for slot in range(first_slot, slots)]
         fine_index = torch.tensor(rows[0] if tokens == 1 else rows, dtype=torch.long, device=device)
     starts = [max((newest // size) * size - base, 0) for size in geometry.block_sizes]
     groups = tuple(_shared_groups(geometry, ring_widths, starts, slots))

@@ -55,9 +55,7 @@ class DecodeReadPlan:
     (B, 1, 1, C) 1 / the number of levels a slot shares with the query (average_levels) or None; additive_mask:
     (B, 1, 1, C) 0 on the row's slots first..newest and the dtype's lowest value elsewhere, or None when every row
     holds every slot; scaled: the level scales (all equal) are folded into ``inverse_depth``, so the queries are not
-    scaled (one op less per layer); split_sizes: the query dims of level 1 and of each group of ``shared_groups``
-    (one ``split_with_sizes`` per layer); flat_multiplier: ``inverse_depth`` as (1, 1, C), which the 3-D scores of a
-    shared-start step are multiplied by in place (None without ``inverse_depth``)."""
+    scaled (one op less per layer)."""
 
     work: torch.dtype
     entries: int
@@ -67,8 +65,6 @@ class DecodeReadPlan:
     inverse_depth: Optional[torch.Tensor]
     additive_mask: Optional[torch.Tensor]
     scaled: bool = False
-    split_sizes: Optional[list] = None
-    flat_multiplier: Optional[torch.Tensor] = None
 
 
 def plan_decode_read(geometry: MLRGeometry, view, slots: int, work: torch.dtype, facts=None,
@@ -83,7 +79,7 @@ def plan_decode_read(geometry: MLRGeometry, view, slots: int, work: torch.dtype,
     constants = geometry.fine_layout(ring_widths, device)
     entries = constants["entries"]
     compiling = facts is None
-    shared_groups = entry_slots = current_block = inverse_depth = shared_starts = flat_multiplier = None
+    shared_groups = entry_slots = current_block = inverse_depth = shared_starts = None
     every_slot_allowed = False
     scaled = geometry.average_levels and len(set(scales)) == 1
     if not compiling:
@@ -107,7 +103,7 @@ def plan_decode_read(geometry: MLRGeometry, view, slots: int, work: torch.dtype,
         current_block = ((slot_index >= starts[..., None]) & (slot_index < ends[..., None]))[:, :, None, None, :]
     if geometry.average_levels and shared_starts is not None:
         # every row's blocks start at the same slots (host integers): a few in-place adds per forward
-        inverse_depth, flat_multiplier = _shared_inverse_depth(shared_starts, geometry.block_sizes, slots, work,
+        inverse_depth, _ = _shared_inverse_depth(shared_starts, geometry.block_sizes, slots, work,
                                                                device, scales[0] if scaled else 1.0)
     elif geometry.average_levels:
         sizes = constants["sizes"]
@@ -122,9 +118,7 @@ def plan_decode_read(geometry: MLRGeometry, view, slots: int, work: torch.dtype,
         allowed = (slot_positions >= first_positions[:, None]) & (slot_positions <= new_positions[:, None])
         additive = torch.zeros(allowed.shape, dtype=work, device=device).masked_fill(~allowed, torch.finfo(work).min)
         additive = additive[:, None, None, :]
-    split_sizes = None if shared_groups is None else [geometry.ranks[0]] + [group[3] for group in shared_groups]
-    return DecodeReadPlan(work, entries, shared_groups, entry_slots, current_block, inverse_depth, additive, scaled,
-                          split_sizes, flat_multiplier)
+    return DecodeReadPlan(work, entries, shared_groups, entry_slots, current_block, inverse_depth, additive, scaled)
 
 
 _INVERSE_DEPTHS: dict = {}  # (starts, dtype, device, scale) -> (1, 1, 1, S) inverse depths over S >= the slots read
@@ -181,10 +175,6 @@ def mlr_decode_step(query: torch.Tensor, view, plan: DecodeReadPlan, geometry: M
     that entries past the last slot land outside)."""
     keys, values, fine, ring_widths = view.keys, view.values, view.fine, view.ring_widths
     work = plan.work
-    if plan.shared_groups is not None and bias is None and not return_weights and query.dtype == work and \
-            not torch.compiler.is_compiling():
-        # the common eager step (rows in step): 3-D products throughout, scores scaled in place
-        return _shared_start_step(query, keys, values, fine, plan, geometry, scales)
     batch, heads, rows, _ = query.shape
     slots = keys.shape[2]
     if not plan.scaled:
@@ -279,41 +269,17 @@ def _compiled_scores(query: torch.Tensor, keys: torch.Tensor, fine: torch.Tensor
         batch, heads, rows, slots)
 
 
-def _shared_start_step(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, fine: torch.Tensor,
-                       plan: DecodeReadPlan, geometry: MLRGeometry, scales: Sequence[float]) -> torch.Tensor:
-    """``mlr_decode_step`` when every row's blocks start at the same slots, the query is in the working dtype and
-    neither a bias nor the weights are asked for: the scores of ``_shared_start_scores`` stay (B Hk, g, C), are
-    scaled (in place) and masked, and meet the values in one 3-D ``bmm``. Returns (B, Hk, g, dv)."""
-    if not plan.scaled:
-        query = query * geometry.scale_vector(scales, query.dtype, query.device)
-    batch, heads, rows, _ = query.shape
-    slots = keys.shape[2]
-    flat = batch * heads
-    scores = _shared_start_scores(query, keys, fine, plan.shared_groups, plan.split_sizes, flat=True)
-    if plan.flat_multiplier is not None and plan.additive_mask is not None:
-        scores = torch.addcmul(plan.additive_mask, scores.view(batch, heads, rows, slots),
-                               plan.inverse_depth).view(flat, rows, slots)
-    elif plan.flat_multiplier is not None:
-        scores.mul_(plan.flat_multiplier)
-    elif plan.additive_mask is not None:
-        scores = (scores.view(batch, heads, rows, slots) + plan.additive_mask).view(flat, rows, slots)
-    output = torch.bmm(torch.softmax(scores, dim=-1), values.reshape(flat, slots, values.shape[-1]))
-    return output.view(batch, heads, rows, -1)
-
-
-def _shared_start_scores(query: torch.Tensor, keys: torch.Tensor, fine: torch.Tensor, groups: Sequence[tuple],
-                         split_sizes: Optional[list] = None, flat: bool = False) -> torch.Tensor:
+def _shared_start_scores(query: torch.Tensor, keys: torch.Tensor, fine: torch.Tensor,
+                         groups: Sequence[tuple]) -> torch.Tensor:
     """(B, Hk, g, C) scores when every row's current level-l block starts at the same slot (query already scaled,
     in the working dtype): level 1 by one bmm over every slot, each group of finer levels by one in-place
     ``baddbmm_`` of its query dims (g, dims) and its dim-major ring rows (dims, used entries) onto the block's slots.
     ``groups``: (start slot, used entries, first query dim, dims, storage offset, ring width) from ``_plan_decode``
     (levels whose blocks start at the same slot with rings as wide are one group: their dims are adjacent rows of the
-    storage and their entries land on the same slots). ``split_sizes``: the plan's query dims of level 1 and of each
-    group; ``flat``: return (B Hk, g, C)."""
+    storage and their entries land on the same slots)."""
     batch, heads, rows, width = query.shape
     slots, first_rank = keys.shape[2], keys.shape[3]
-    if split_sizes is None:
-        split_sizes = [first_rank] + [group[3] for group in groups]
+    split_sizes = [first_rank] + [group[3] for group in groups]
     # every eager op costs microseconds of dispatch, which a decode step of ~7 levels feels: the query is split once,
     # each ring is one strided view, and groups over the same slots share one slice of the scores
     pieces = query.reshape(batch * heads, rows, width).split_with_sizes(split_sizes, dim=2)
@@ -336,7 +302,7 @@ def _shared_start_scores(query: torch.Tensor, keys: torch.Tensor, fine: torch.Te
         if target is None:
             target = targets[start, used] = scores.narrow(2, start, used)
         target.baddbmm_(level_query, ring)
-    return scores if flat else scores.view(batch, heads, rows, slots)
+    return scores.view(batch, heads, rows, slots)
 
 
 def _shared_groups(geometry: MLRGeometry, ring_widths: Sequence[int], starts: Sequence[int], slots: int) -> list:

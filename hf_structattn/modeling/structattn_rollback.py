@@ -193,13 +193,7 @@ class RollbackMixin:
         geometry, widths, base, fine = self.geometry, self.ring_widths, self.base, self.fine_storage
         key = (tuple(positions), widths, base, geometry, fine.device)
         if _RESTORE_INDEX[0] != key:  # every layer of a crop restores the same elements: made once per crop
-            elements = []
-            for position in positions:
-                row, offset = [], 0
-                for rank, width, size in zip(geometry.ranks[1:], widths, geometry.block_sizes):
-                    row += [offset + j * width + (position - base) % size for j in range(rank)]
-                    offset += width * rank
-                elements.append(row)
+            elements = [geometry.fine_elements(widths, position - base) for position in positions]
             _RESTORE_INDEX[:] = [key, torch.tensor(elements, dtype=torch.long, device=fine.device)]
         fine[:, :, _RESTORE_INDEX[1]] = old_fine
         self.last_positions.fill_(positions[0] - 1)
