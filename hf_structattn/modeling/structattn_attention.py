@@ -546,7 +546,41 @@ def _module_flag(module, name: str, default=True):
 _MISSING = object()
 
 
+_LANE_REFUSED_KWARGS = UNSUPPORTED_KWARGS + ("softcap", "sliding_window", "position_bias")
+
+
+def _in_step_lane(module, query, key, value, attention_mask, scaling, dropout, kwargs, step):
+    """The lane's whole path (``structattn_lane``: its write and its read) for a forward whose rows are in step over
+    an MLR cache layer and that asks for nothing else: the output (B, c, Hq, dv), or None, with nothing written,
+    wherever anything else holds (the general path of ``_forward`` then decides from the start, checks and errors
+    included). The decode step generate runs, in as few Python steps as it takes."""
+    facts = step.facts
+    if facts is None or facts.shared_newest is None or step.position_bias is not None or \
+            (dropout and module.training) or query.requires_grad or key.requires_grad or value.requires_grad or \
+            not (step.standard_masks or attention_mask is None or attention_mask.dim() != 4):
+        return None
+    for name in _LANE_REFUSED_KWARGS:
+        if kwargs.get(name) is not None:
+            return None
+    geometry = mlr_geometry_of(module)
+    if geometry is None or not (_module_flag(module, "is_decoder") and _module_flag(module, "is_causal")) or \
+            torch.is_autocast_enabled(query.device.type):
+        return None
+    layer = step.layer(_module_flag(module, "layer_idx", None))
+    if not isinstance(layer, MLR_CACHE_LAYERS) or not layer.is_bound:
+        return None
+    lanes = _step_lanes(query, key, value, layer, step, geometry, geometry.scales(scaling), True)
+    if lanes is None or not lanes[0].readable:
+        return None
+    return _lane_attention(_reorder(query, None, geometry)[0], key, value, layer, lanes)
+
+
 def _forward(module, query, key, value, attention_mask, scaling, dropout, eager, kwargs):
+    step = kwargs.get(STEP_KEY)
+    if step is not None and not eager:
+        out = _in_step_lane(module, query, key, value, attention_mask, scaling, dropout, kwargs, step)
+        if out is not None:
+            return out, None
     geometry = _layer_geometry(module)
     if geometry is None:
         return _dense_fallback(module, query, key, value, attention_mask, scaling, dropout, eager, kwargs)

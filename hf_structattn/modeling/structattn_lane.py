@@ -102,8 +102,120 @@ def plan_step_lanes(geometry: MLRGeometry, step, base: int, capacity: int, ring_
                            device, scales, start, length) for start, length in runs)
 
 
+@dataclass(frozen=True)
+class _DecodeTemplate:
+    """What the one-token lanes of the slots of one finest block share (every level's block start is the same for
+    them): made once per block, so that a decode step's plan is a few views and host integers.
+
+    geometry: the geometry it serves (the memo is keyed by its id); lowest, highest: the slots it serves; key_range
+    (capacity r_1,), value_range (capacity dv,): every element of the flat key / value view, narrowed per slot;
+    fine_rows: (highest - lowest, sum_{l>=2} r_l) the ring elements of each slot (None without finer levels);
+    group_meta: per group (start slot, width, first query dim, dims, storage offset); multiplier_span: (1, 1,
+    highest) the inverse depths (average_levels) or None; the rest as ``StepLane``."""
+
+    geometry: MLRGeometry
+    lowest: int
+    highest: int
+    key_range: torch.Tensor
+    value_range: torch.Tensor
+    fine_rows: Optional[torch.Tensor]
+    group_meta: tuple
+    multiplier_span: Optional[torch.Tensor]
+    key_split: Optional[list]
+    query_scale: Optional[torch.Tensor]
+    query_split: list
+    alphas: Optional[tuple]
+    readable: bool
+    zero: torch.Tensor
+
+
+_DECODE_TEMPLATES: dict = {}  # (id(geometry), base, capacity, ring widths, value width, dtype, device, scales,
+# block starts) -> _DecodeTemplate; bounded like _INVERSE_DEPTHS (a few blocks in flight)
+
+
+def _decode_template(geometry, base, capacity, ring_widths, value_width, dtype, device, scales,
+                     starts: tuple) -> _DecodeTemplate:
+    key = (id(geometry), base, capacity, ring_widths, value_width, dtype, device, scales, starts)
+    template = _DECODE_TEMPLATES.get(key)
+    if template is not None and template.geometry is geometry:
+        return template
+    if len(_DECODE_TEMPLATES) >= 32:
+        _DECODE_TEMPLATES.clear()
+    lowest = max(starts, default=0)
+    highest = min([capacity] + [start + size for start, size in zip(starts, geometry.block_sizes)])
+    first_rank, fine_ranks = geometry.ranks[0], sum(geometry.ranks[1:])
+    fine_rows = None
+    if geometry.block_sizes:
+        fine_rows = torch.tensor([geometry.fine_elements(ring_widths, row) for row in range(lowest, highest)],
+                                 dtype=torch.long, device=device)
+    # the groups of the block's last slot: levels merge by (start, ring width), which the slot does not change
+    groups = _shared_groups(geometry, ring_widths, starts, highest)
+    alphas, query_scale = _level_scaling(geometry, groups, scales, dtype, device)
+    multiplier = None
+    if geometry.average_levels:
+        scaled = len(set(scales)) == 1
+        multiplier = _shared_inverse_depth(starts, geometry.block_sizes, highest, dtype, device,
+                                           scales[0] if scaled else 1.0)[1]
+    template = _DECODE_TEMPLATES[key] = _DecodeTemplate(
+        geometry, lowest, highest, _arange(capacity * first_rank, device), _arange(capacity * value_width, device),
+        fine_rows, tuple((start, width, dim, dims, offset) for start, _, dim, dims, offset, width in groups),
+        multiplier, [first_rank, fine_ranks] if fine_ranks else None, query_scale,
+        [first_rank] + [group[3] for group in groups], alphas, softmax_dtype(dtype) == dtype,
+        torch.zeros((), dtype=dtype, device=device))
+    return template
+
+
+_ARANGES: dict = {}  # (length, device) -> arange; narrowed into per-slot element indices
+
+
+def _arange(length: int, device) -> torch.Tensor:
+    key = (length, str(device))
+    found = _ARANGES.get(key)
+    if found is None:
+        if len(_ARANGES) >= 16:
+            _ARANGES.clear()
+        found = _ARANGES[key] = torch.arange(length, device=device)
+    return found
+
+
+def _level_scaling(geometry: MLRGeometry, groups, scales, dtype, device) -> tuple:
+    """(alphas, query_scale) of ``StepLane`` for these groups: the matmuls' scales when every group has one scale
+    (levels summed), else the per-dim query scale when the levels' scales differ (else both None: the scale is in
+    the multiplier). A ``bmm`` and a multiply by the inverse depths take less time than the matmuls' own
+    ``beta`` / ``alpha`` averaging (measured: ``baddbmm`` with ``beta`` != 1 takes another path)."""
+    scaled = geometry.average_levels and len(set(scales)) == 1
+    level_of_dim = [level for level, rank in enumerate(geometry.ranks) for _ in range(rank)]
+    group_scales = [{scales[level] for level in level_of_dim[group[2]:group[2] + group[3]]} for group in groups]
+    if not scaled and not geometry.average_levels and all(len(group) == 1 for group in group_scales):
+        # each product scaled by its levels' scale (``alpha`` of the matmul): no scaled copy of the query
+        return (float(scales[0]),) + tuple(float(group.pop()) for group in group_scales), None
+    if not scaled:
+        return None, geometry.scale_vector(scales, dtype, device)
+    return None, None
+
+
+def _decode_lane(geometry, base, capacity, ring_widths, value_width, dtype, device, scales, position: int) -> StepLane:
+    """The one-token lane of ``position`` with no row starting after slot 0: views of its block's template."""
+    starts = tuple(max((position // size) * size - base, 0) for size in geometry.block_sizes)
+    slot = position - base
+    template = _decode_template(geometry, base, capacity, ring_widths, value_width, dtype, device, scales, starts)
+    slots = slot + 1
+    first_rank = geometry.ranks[0]
+    groups = tuple((min(start, slots), max(0, min(width, slots - start)), dim, dims, offset, width)
+                   for start, width, dim, dims, offset in template.group_meta)
+    return StepLane(capacity, base, slot, 1, slots, (position,), template.key_split,
+                    template.key_range.narrow(0, slot * first_rank, first_rank),
+                    template.value_range.narrow(0, slot * value_width, value_width),
+                    None if template.fine_rows is None else template.fine_rows[slot - template.lowest],
+                    template.query_scale, template.query_split, groups,
+                    None if template.multiplier_span is None else template.multiplier_span.narrow(2, 0, slots),
+                    None, template.readable, template.alphas, template.zero)
+
+
 def _plan_run(geometry, facts, first_before, base, capacity, ring_widths, value_width, dtype, device, scales,
               first: int, tokens: int) -> StepLane:
+    if tokens == 1 and facts.latest_first <= base:
+        return _decode_lane(geometry, base, capacity, ring_widths, value_width, dtype, device, scales, first)
     newest = first + tokens - 1
     first_slot = first - base
     slots = first_slot + tokens
@@ -120,14 +232,7 @@ def _plan_run(geometry, facts, first_before, base, capacity, ring_widths, value_
     starts = [max((newest // size) * size - base, 0) for size in geometry.block_sizes]
     groups = tuple(_shared_groups(geometry, ring_widths, starts, slots))
     scaled = geometry.average_levels and len(set(scales)) == 1
-    query_scale = alphas = None
-    level_of_dim = [level for level, rank in enumerate(geometry.ranks) for _ in range(rank)]
-    group_scales = [{scales[level] for level in level_of_dim[group[2]:group[2] + group[3]]} for group in groups]
-    if not scaled and not geometry.average_levels and all(len(group) == 1 for group in group_scales):
-        # each product scaled by its levels' scale (``alpha`` of the matmul): no scaled copy of the query
-        alphas = (float(scales[0]),) + tuple(float(group.pop()) for group in group_scales)
-    elif not scaled:
-        query_scale = geometry.scale_vector(scales, dtype, device)
+    alphas, query_scale = _level_scaling(geometry, groups, scales, dtype, device)
     multiplier = None
     if geometry.average_levels:
         multiplier = _shared_inverse_depth(starts, geometry.block_sizes, slots, dtype, device,
