@@ -16,7 +16,8 @@ import hf_structattn
 
 from hf_structattn.modeling.structattn_cache import MLRKeyCacheLayer, MLRStaticKeyCacheLayer
 from hf_structattn.modeling.structattn_geometry import MLRGeometry
-from hf_structattn.modeling.structattn_lane import MAX_RUNS, lane_runs, mlr_lane_attention, plan_step_lanes
+from hf_structattn.modeling.structattn_lane import (MAX_RUNS, TEMPLATE_SLOTS, lane_runs, mlr_lane_attention,
+                                                    plan_step_lanes)
 from hf_structattn.modeling.structattn_mlr_decode import DecodeReadPlan, mlr_cached_attention
 from hf_structattn.modeling.structattn_plan import STEP_KEY, build_step
 from hf_structattn.modeling.structattn_prepare import key_cache_bytes
@@ -231,6 +232,34 @@ def test_lane_writes_what_store_writes_and_reads_the_reference(static, average_l
             torch.testing.assert_close(got, expected, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("average_levels", [False, True])
+def test_one_token_lanes_over_blocks_wider_than_a_template_window_equal_the_reference(average_levels):
+    """A decode step's lane is made from a template of ``TEMPLATE_SLOTS`` slots of the query's finest block: with
+    finest blocks of 2.5 windows (160 slots: two templates and a part per block) every step from slot 1 to 330 --
+    across template windows, the finer block boundary at 160 and the coarser one at 320 -- equals the reference in
+    float64, and writes exactly what the general path writes on a twin layer (slots, rings, positions)."""
+    geometry = MLRGeometry.build([4, 2, 2], [320, 160], [0.5, 0.7, 0.9], average_levels=average_levels)
+    assert geometry.block_sizes[-1] > 2 * TEMPLATE_SLOTS
+    q, k, v, positions, valid = _rows(batch=1, length=331, pads=(0,), offsets=(0,))
+    lane_layer, general = _layer(True, geometry, capacity=336), _layer(True, geometry, capacity=336)
+    for layer in (lane_layer, general):
+        _write(layer, k[:, :, :1], v[:, :, :1], positions[:, :1], valid[:, :1])
+    for index in range(1, 331):
+        got, _ = _lane_step(lane_layer, k[:, :, index:index + 1], v[:, :, index:index + 1],
+                            positions[:, index:index + 1], q[:, :, :, index].reshape(1, 4, 1, 8), geometry)
+        assert got is not None, f"step {index} left the lane"
+        _write(general, k[:, :, index:index + 1], v[:, :, index:index + 1], positions[:, index:index + 1],
+               valid[:, index:index + 1])
+        if index % 7 == 0 or index in (63, 64, 65, 127, 128, 159, 160, 161, 319, 320, 321, 330):
+            expected = _reference_rows(q, k, v, positions, valid, geometry, index)
+            torch.testing.assert_close(got[:, 0], expected.reshape(1, 4, 5), **EXACT, msg=f"step {index}")
+    for got, expected in ((lane_layer.keys_storage(), general.keys_storage()),
+                          (lane_layer.values_storage(), general.values_storage()),
+                          (lane_layer.fine_storage, general.fine_storage),
+                          (lane_layer.last_positions, general.last_positions)):
+        torch.testing.assert_close(got, expected, atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("draft", [1, 3, 7])
 def test_lane_writes_while_recording_crop_back_exactly(static, draft):
@@ -354,6 +383,23 @@ def test_model_decode_steps_of_rows_in_step_take_the_lane(family, static, read):
         with torch.no_grad():
             expected = model(ids[:, :index + 1], use_cache=False).logits[:, -1]
         torch.testing.assert_close(out.logits[:, -1].detach(), expected, **EXACT, msg=f"step {index}")
+
+
+@pytest.mark.parametrize("argument, message", [
+    ({"softcap": 30.0}, "soft-capping"), ({"cu_seq_lens_q": torch.tensor([0, 1])}, "packed sequences"),
+    ({"sliding_window": 4}, "sliding-window layer")])
+def test_decode_steps_of_rows_in_step_still_refuse_what_mlr_refuses(argument, message):
+    """The attention function tries the lane first for rows in step; an argument MLR refuses still fails there with
+    its error (the lane leaves such a step to the general path, which checks it), and the cache is left as it was."""
+    model = tiny_lm("mlr", n_layer=2).double()
+    ids = torch.randint(2, 61, (1, 9), generator=torch.Generator().manual_seed(3))
+    cache = transformers.DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids[:, :8], cache=cache)
+        with pytest.raises(ValueError, match=message):
+            model(ids[:, 8:], cache=cache, **argument)
+        assert cache.get_seq_length() == 8
+        torch.testing.assert_close(model(ids[:, 8:], cache=cache).logits[:, -1], model(ids).logits[:, -1], **EXACT)
 
 
 @pytest.mark.parametrize("static", [False, True])

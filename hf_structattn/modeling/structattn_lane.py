@@ -102,16 +102,21 @@ def plan_step_lanes(geometry: MLRGeometry, step, base: int, capacity: int, ring_
                            device, scales, start, length) for start, length in runs)
 
 
+TEMPLATE_SLOTS = 64  # the slots one decode template serves (its index tensors stay a few KiB)
+
+
 @dataclass(frozen=True)
 class _DecodeTemplate:
-    """What the one-token lanes of the slots of one finest block share (every level's block start is the same for
-    them): made once per block, so that a decode step's plan is a few views and host integers.
+    """What the one-token lanes of up to ``TEMPLATE_SLOTS`` consecutive slots of one finest block share (every
+    level's block start is the same for them): made once per window, so that a decode step's plan is a few views and
+    host integers.
 
-    geometry: the geometry it serves (the memo is keyed by its id); lowest, highest: the slots it serves; key_range
-    (capacity r_1,), value_range (capacity dv,): every element of the flat key / value view, narrowed per slot;
-    fine_rows: (highest - lowest, sum_{l>=2} r_l) the ring elements of each slot (None without finer levels);
-    group_meta: per group (start slot, width, first query dim, dims, storage offset); multiplier_span: (1, 1,
-    highest) the inverse depths (average_levels) or None; the rest as ``StepLane``."""
+    geometry: the geometry it serves (the memo is keyed by its id); lowest, highest: the slots it serves;
+    key_range ((highest - lowest) r_1,), value_range ((highest - lowest) dv,): the elements of those slots in the
+    flat key / value views, narrowed per slot; fine_rows: (highest - lowest, sum_{l>=2} r_l) the ring elements of
+    each slot (None without finer levels); group_meta: per group (start slot, width, first query dim, dims, storage
+    offset); multiplier_span: (1, 1, highest) the inverse depths (average_levels) or None; the rest as
+    ``StepLane``."""
 
     geometry: MLRGeometry
     lowest: int
@@ -130,25 +135,27 @@ class _DecodeTemplate:
 
 
 _DECODE_TEMPLATES: dict = {}  # (id(geometry), base, capacity, ring widths, value width, dtype, device, scales,
-# block starts) -> _DecodeTemplate; bounded like _INVERSE_DEPTHS (a few blocks in flight)
+# block starts, first slot) -> _DecodeTemplate; a few windows in flight (one per geometry of a model)
 
 
-def _decode_template(geometry, base, capacity, ring_widths, value_width, dtype, device, scales,
-                     starts: tuple) -> _DecodeTemplate:
-    key = (id(geometry), base, capacity, ring_widths, value_width, dtype, device, scales, starts)
+def _decode_template(geometry, base, capacity, ring_widths, value_width, dtype, device, scales, starts: tuple,
+                     slot: int) -> _DecodeTemplate:
+    finest = max(starts, default=0)
+    lowest = finest + (slot - finest) // TEMPLATE_SLOTS * TEMPLATE_SLOTS
+    key = (id(geometry), base, capacity, ring_widths, value_width, dtype, device, scales, starts, lowest)
     template = _DECODE_TEMPLATES.get(key)
     if template is not None and template.geometry is geometry:
         return template
-    if len(_DECODE_TEMPLATES) >= 32:
+    if len(_DECODE_TEMPLATES) >= 8:
         _DECODE_TEMPLATES.clear()
-    lowest = max(starts, default=0)
-    highest = min([capacity] + [start + size for start, size in zip(starts, geometry.block_sizes)])
+    highest = min([capacity, lowest + TEMPLATE_SLOTS] +
+                  [start + size for start, size in zip(starts, geometry.block_sizes)])
     first_rank, fine_ranks = geometry.ranks[0], sum(geometry.ranks[1:])
     fine_rows = None
     if geometry.block_sizes:
         fine_rows = torch.tensor([geometry.fine_elements(ring_widths, row) for row in range(lowest, highest)],
                                  dtype=torch.long, device=device)
-    # the groups of the block's last slot: levels merge by (start, ring width), which the slot does not change
+    # the groups of the window's last slot: levels merge by (start, ring width), which the slot does not change
     groups = _shared_groups(geometry, ring_widths, starts, highest)
     alphas, query_scale = _level_scaling(geometry, groups, scales, dtype, device)
     multiplier = None
@@ -157,25 +164,12 @@ def _decode_template(geometry, base, capacity, ring_widths, value_width, dtype, 
         multiplier = _shared_inverse_depth(starts, geometry.block_sizes, highest, dtype, device,
                                            scales[0] if scaled else 1.0)[1]
     template = _DECODE_TEMPLATES[key] = _DecodeTemplate(
-        geometry, lowest, highest, _arange(capacity * first_rank, device), _arange(capacity * value_width, device),
-        fine_rows, tuple((start, width, dim, dims, offset) for start, _, dim, dims, offset, width in groups),
-        multiplier, [first_rank, fine_ranks] if fine_ranks else None, query_scale,
-        [first_rank] + [group[3] for group in groups], alphas, softmax_dtype(dtype) == dtype,
-        torch.zeros((), dtype=dtype, device=device))
+        geometry, lowest, highest, torch.arange(lowest * first_rank, highest * first_rank, device=device),
+        torch.arange(lowest * value_width, highest * value_width, device=device), fine_rows,
+        tuple((start, width, dim, dims, offset) for start, _, dim, dims, offset, width in groups), multiplier,
+        [first_rank, fine_ranks] if fine_ranks else None, query_scale, [first_rank] + [group[3] for group in groups],
+        alphas, softmax_dtype(dtype) == dtype, torch.zeros((), dtype=dtype, device=device))
     return template
-
-
-_ARANGES: dict = {}  # (length, device) -> arange; narrowed into per-slot element indices
-
-
-def _arange(length: int, device) -> torch.Tensor:
-    key = (length, str(device))
-    found = _ARANGES.get(key)
-    if found is None:
-        if len(_ARANGES) >= 16:
-            _ARANGES.clear()
-        found = _ARANGES[key] = torch.arange(length, device=device)
-    return found
 
 
 def _level_scaling(geometry: MLRGeometry, groups, scales, dtype, device) -> tuple:
@@ -198,15 +192,16 @@ def _decode_lane(geometry, base, capacity, ring_widths, value_width, dtype, devi
     """The one-token lane of ``position`` with no row starting after slot 0: views of its block's template."""
     starts = tuple(max((position // size) * size - base, 0) for size in geometry.block_sizes)
     slot = position - base
-    template = _decode_template(geometry, base, capacity, ring_widths, value_width, dtype, device, scales, starts)
-    slots = slot + 1
+    template = _decode_template(geometry, base, capacity, ring_widths, value_width, dtype, device, scales, starts,
+                                slot)
+    slots, row = slot + 1, slot - template.lowest
     first_rank = geometry.ranks[0]
     groups = tuple((min(start, slots), max(0, min(width, slots - start)), dim, dims, offset, width)
                    for start, width, dim, dims, offset in template.group_meta)
     return StepLane(capacity, base, slot, 1, slots, (position,), template.key_split,
-                    template.key_range.narrow(0, slot * first_rank, first_rank),
-                    template.value_range.narrow(0, slot * value_width, value_width),
-                    None if template.fine_rows is None else template.fine_rows[slot - template.lowest],
+                    template.key_range.narrow(0, row * first_rank, first_rank),
+                    template.value_range.narrow(0, row * value_width, value_width),
+                    None if template.fine_rows is None else template.fine_rows[row],
                     template.query_scale, template.query_split, groups,
                     None if template.multiplier_span is None else template.multiplier_span.narrow(2, 0, slots),
                     None, template.readable, template.alphas, template.zero)
@@ -304,4 +299,4 @@ def mlr_lane_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Te
     return output.view(batch, q_heads, tokens, width).transpose(1, 2).contiguous()
 
 
-__all__ = ["MAX_RUNS", "StepLane", "lane_runs", "mlr_lane_attention", "plan_step_lanes"]
+__all__ = ["MAX_RUNS", "StepLane", "TEMPLATE_SLOTS", "lane_runs", "mlr_lane_attention", "plan_step_lanes"]
