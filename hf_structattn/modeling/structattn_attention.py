@@ -55,7 +55,7 @@ from .structattn_install import (  # noqa: F401  (the installation API, re-expor
     mlr_implementation,
 )
 from .structattn_mlr import PositionLayout, mlr_attention
-from .structattn_lane import mlr_lane_attention, plan_step_lanes
+from .structattn_lane import lane_attention, step_lanes
 from .structattn_mlr_decode import mlr_attention_full_keys, mlr_cached_attention
 from .structattn_ops import eager_attention_forward, fused_attention
 from .structattn_plan import STEP_KEY, continue_runs
@@ -445,45 +445,6 @@ def _layout(step) -> Optional[PositionLayout]:
     return PositionLayout(facts.contiguous, facts.uniform_offset, facts.lowest, facts.highest)
 
 
-def _step_lanes(query, key, value, layer, step, geometry, scales, readable: bool):
-    """The forward's ``StepLane``s for ``layer`` when its rows are in step (``structattn_lane``; made once per forward
-    for the layers of one geometry, after growing a dynamic layer that needs more slots), or None: the general path
-    writes. ``readable``: the lane's op may read (else only a one-token write takes the lane)."""
-    facts = step.facts
-    if facts is None or facts.shared_newest is None or not layer.is_initialized or \
-            (query.shape[2] > 1 and not readable):
-        return None
-    static = isinstance(layer, MLRStaticKeyCacheLayer)
-    needed = facts.shared_newest - layer.base + 1
-    if not static:  # a dynamic layer exposes the tokens seen too
-        needed = max(needed, facts.tokens_before + query.shape[2])
-    if needed > layer.capacity:
-        layer.ensure_slots(needed, key, value)
-    memo_key = ("lanes", id(geometry), scales, layer.capacity, layer.base, value.shape[-1], query.dtype, static)
-    lanes = step.memo.get(memo_key, _MISSING)
-    if lanes is _MISSING:
-        lanes = step.memo[memo_key] = plan_step_lanes(geometry, step, layer.base, layer.capacity, layer.ring_widths,
-                                                      value.shape[-1], needed, query.dtype, query.device, scales)
-    return lanes
-
-
-def _lane_attention(query, key, value, layer, lanes):
-    """Write and read each lane (a chunk across a block boundary: its runs one after the other). query (B, Hq, c, r)
-    level order. Returns (B, c, Hq, dv), or None (nothing written) when the lanes do not fit the layer."""
-    if len(lanes) == 1:
-        storages = layer.write_in_step(key, value, lanes[0])
-        return None if storages is None else mlr_lane_attention(query, *storages, lanes[0])
-    outputs, start = [], 0
-    for lane in lanes:
-        run = slice(start, start + lane.tokens)
-        storages = layer.write_in_step(key[:, :, run], value[:, :, run], lane)
-        if storages is None:  # the first run decides (every run fits the same layer)
-            return None
-        outputs.append(mlr_lane_attention(query[:, :, run], *storages, lane))
-        start += lane.tokens
-    return torch.cat(outputs, dim=1)
-
-
 def _over_mlr_cache(module, query, key, value, attention_mask, layer, step, geometry, scales, bias, causal, eager):
     """An MLR cache layer: store the chunk (``key``, ``value``: what ``update`` returned, level-order keys), then
     attend over the layer's view -- the cache when it held tokens before, else only the chunk (prefill). Rows in step
@@ -494,11 +455,11 @@ def _over_mlr_cache(module, query, key, value, attention_mask, layer, step, geom
         bias = step.position_bias
     readable = not eager and bias is None and not (query.requires_grad or key.requires_grad or value.requires_grad) \
         and (step.standard_masks or attention_mask is None or attention_mask.dim() != 4)
-    lanes = _step_lanes(query, key, value, layer, step, geometry, scales, readable)
+    lanes = step_lanes(query, key, value, layer, step, geometry, scales, readable)
     query, _ = _reorder(query, None, geometry)
     view = None
     if lanes is not None and readable and lanes[0].readable:
-        out = _lane_attention(query, key, value, layer, lanes)
+        out = lane_attention(query, key, value, layer, lanes)
         if out is not None:
             return out, None
     elif lanes is not None and length == 1 and layer.write_in_step(key, value, lanes[0]) is not None:
@@ -569,10 +530,10 @@ def _in_step_lane(module, query, key, value, attention_mask, scaling, dropout, k
     layer = step.layer(_module_flag(module, "layer_idx", None))
     if not isinstance(layer, MLR_CACHE_LAYERS) or not layer.is_bound:
         return None
-    lanes = _step_lanes(query, key, value, layer, step, geometry, geometry.scales(scaling), True)
+    lanes = step_lanes(query, key, value, layer, step, geometry, geometry.scales(scaling), True)
     if lanes is None or not lanes[0].readable:
         return None
-    return _lane_attention(_reorder(query, None, geometry)[0], key, value, layer, lanes)
+    return lane_attention(_reorder(query, None, geometry)[0], key, value, layer, lanes)
 
 
 def _forward(module, query, key, value, attention_mask, scaling, dropout, eager, kwargs):

@@ -22,6 +22,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from .structattn_cache import MLRStaticKeyCacheLayer
 from .structattn_geometry import MLRGeometry, softmax_dtype
 from .structattn_mlr_decode import _shared_groups, _shared_inverse_depth
 
@@ -299,4 +300,48 @@ def mlr_lane_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Te
     return output.view(batch, q_heads, tokens, width).transpose(1, 2).contiguous()
 
 
-__all__ = ["MAX_RUNS", "StepLane", "TEMPLATE_SLOTS", "lane_runs", "mlr_lane_attention", "plan_step_lanes"]
+_MISSING = object()
+
+
+def step_lanes(query, key, value, layer, step, geometry, scales, readable: bool):
+    """The forward's ``StepLane``s for the cache layer ``layer`` when its rows are in step (made once per forward
+    for the layers of one geometry, after growing a dynamic layer that needs more slots), or None: the general path
+    writes. ``readable``: the lane's op may read (else only a one-token write takes the lane)."""
+    facts = step.facts
+    if facts is None or facts.shared_newest is None or not layer.is_initialized or \
+            (query.shape[2] > 1 and not readable):
+        return None
+    static = isinstance(layer, MLRStaticKeyCacheLayer)
+    needed = facts.shared_newest - layer.base + 1
+    if not static:  # a dynamic layer exposes the tokens seen too
+        needed = max(needed, facts.tokens_before + query.shape[2])
+    if needed > layer.capacity:
+        layer.ensure_slots(needed, key, value)
+    memo_key = ("lanes", id(geometry), scales, layer.capacity, layer.base, value.shape[-1], query.dtype, static)
+    lanes = step.memo.get(memo_key, _MISSING)
+    if lanes is _MISSING:
+        lanes = step.memo[memo_key] = plan_step_lanes(geometry, step, layer.base, layer.capacity, layer.ring_widths,
+                                                      value.shape[-1], needed, query.dtype, query.device, scales)
+    return lanes
+
+
+def lane_attention(query, key, value, layer, lanes):
+    """Write and read each lane (a chunk across a block boundary: its runs one after the other). query (B, Hq, c, r)
+    level order. Returns (B, c, Hq, dv), or None (nothing written) when the lanes do not fit the layer."""
+    if len(lanes) == 1:
+        storages = layer.write_in_step(key, value, lanes[0])
+        return None if storages is None else mlr_lane_attention(query, *storages, lanes[0])
+    outputs, start = [], 0
+    for lane in lanes:
+        run = slice(start, start + lane.tokens)
+        storages = layer.write_in_step(key[:, :, run], value[:, :, run], lane)
+        if storages is None:  # the first run decides (every run fits the same layer)
+            return None
+        outputs.append(mlr_lane_attention(query[:, :, run], *storages, lane))
+        start += lane.tokens
+    return torch.cat(outputs, dim=1)
+
+
+
+__all__ = ["MAX_RUNS", "StepLane", "TEMPLATE_SLOTS", "lane_attention", "lane_runs", "mlr_lane_attention",
+           "plan_step_lanes", "step_lanes"]
