@@ -233,26 +233,31 @@ def test_lane_writes_what_store_writes_and_reads_the_reference(static, average_l
 
 
 @pytest.mark.parametrize("average_levels", [False, True])
-def test_one_token_lanes_over_blocks_wider_than_a_template_window_equal_the_reference(average_levels):
-    """A decode step's lane is made from a template of ``TEMPLATE_SLOTS`` slots of the query's finest block: with
-    finest blocks of 2.5 windows (160 slots: two templates and a part per block) every step from slot 1 to 330 --
-    across template windows, the finer block boundary at 160 and the coarser one at 320 -- equals the reference in
-    float64, and writes exactly what the general path writes on a twin layer (slots, rings, positions)."""
+@pytest.mark.parametrize("tokens", [1, 7])
+def test_lanes_over_blocks_wider_than_a_template_window_equal_the_reference(average_levels, tokens):
+    """A lane is made from a template of ``TEMPLATE_SLOTS`` slots of its run's finest block (or one starting at the
+    run, when the run crosses the window's end): with finest blocks of 2.5 windows (160 slots) every step from slot
+    1 to 330, one token or chunks of 7 (runs split where a block ends) -- across template windows, the finer block
+    boundary at 160 and the coarser one at 320 -- equals the reference in float64, and writes exactly what the
+    general path writes on a twin layer (slots, rings, positions)."""
     geometry = MLRGeometry.build([4, 2, 2], [320, 160], [0.5, 0.7, 0.9], average_levels=average_levels)
     assert geometry.block_sizes[-1] > 2 * TEMPLATE_SLOTS
     q, k, v, positions, valid = _rows(batch=1, length=331, pads=(0,), offsets=(0,))
     lane_layer, general = _layer(True, geometry, capacity=336), _layer(True, geometry, capacity=336)
     for layer in (lane_layer, general):
         _write(layer, k[:, :, :1], v[:, :, :1], positions[:, :1], valid[:, :1])
-    for index in range(1, 331):
-        got, _ = _lane_step(lane_layer, k[:, :, index:index + 1], v[:, :, index:index + 1],
-                            positions[:, index:index + 1], q[:, :, :, index].reshape(1, 4, 1, 8), geometry)
+    checked = (63, 64, 65, 127, 128, 159, 160, 161, 319, 320, 321, 330)
+    for index in range(1, 331, tokens):
+        chunk = slice(index, min(index + tokens, 331))
+        count = chunk.stop - chunk.start
+        got, _ = _lane_step(lane_layer, k[:, :, chunk], v[:, :, chunk], positions[:, chunk],
+                            q[:, :, :, chunk].reshape(1, 4, count, 8), geometry)
         assert got is not None, f"step {index} left the lane"
-        _write(general, k[:, :, index:index + 1], v[:, :, index:index + 1], positions[:, index:index + 1],
-               valid[:, index:index + 1])
-        if index % 7 == 0 or index in (63, 64, 65, 127, 128, 159, 160, 161, 319, 320, 321, 330):
-            expected = _reference_rows(q, k, v, positions, valid, geometry, index)
-            torch.testing.assert_close(got[:, 0], expected.reshape(1, 4, 5), **EXACT, msg=f"step {index}")
+        _write(general, k[:, :, chunk], v[:, :, chunk], positions[:, chunk], valid[:, chunk])
+        for i in range(count):
+            if (index + i) % 7 == 0 or index + i in checked:
+                expected = _reference_rows(q, k, v, positions, valid, geometry, index + i)
+                torch.testing.assert_close(got[:, i], expected.reshape(1, 4, 5), **EXACT, msg=f"token {index + i}")
     for got, expected in ((lane_layer.keys_storage(), general.keys_storage()),
                           (lane_layer.values_storage(), general.values_storage()),
                           (lane_layer.fine_storage, general.fine_storage),

@@ -103,14 +103,14 @@ def plan_step_lanes(geometry: MLRGeometry, step, base: int, capacity: int, ring_
                            device, scales, start, length) for start, length in runs)
 
 
-TEMPLATE_SLOTS = 64  # the slots one decode template serves (its index tensors stay a few KiB)
+TEMPLATE_SLOTS = 64  # the slots one lane template serves (its index tensors stay a few KiB)
 
 
 @dataclass(frozen=True)
-class _DecodeTemplate:
-    """What the one-token lanes of up to ``TEMPLATE_SLOTS`` consecutive slots of one finest block share (every
-    level's block start is the same for them): made once per window, so that a decode step's plan is a few views and
-    host integers.
+class _LaneTemplate:
+    """What the lanes of up to ``TEMPLATE_SLOTS`` consecutive slots of one finest block share (every level's block
+    start is the same for them): made once per window, so that a step's plan is a few views and host integers (and
+    the masks of a chunk or of left padding).
 
     geometry: the geometry it serves (the memo is keyed by its id); lowest, highest: the slots it serves;
     key_range ((highest - lowest) r_1,), value_range ((highest - lowest) dv,): the elements of those slots in the
@@ -135,22 +135,27 @@ class _DecodeTemplate:
     zero: torch.Tensor
 
 
-_DECODE_TEMPLATES: dict = {}  # (id(geometry), base, capacity, ring widths, value width, dtype, device, scales,
-# block starts, first slot) -> _DecodeTemplate; a few windows in flight (one per geometry of a model)
+_LANE_TEMPLATES: dict = {}  # (id(geometry), base, capacity, ring widths, value width, dtype, device, scales,
+# block starts, first slot) -> _LaneTemplate; a few windows in flight (one per geometry of a model)
 
 
-def _decode_template(geometry, base, capacity, ring_widths, value_width, dtype, device, scales, starts: tuple,
-                     slot: int) -> _DecodeTemplate:
+def _template(geometry, base, capacity, ring_widths, value_width, dtype, device, scales, starts: tuple,
+              first_slot: int, tokens: int) -> _LaneTemplate:
+    """The template whose window holds the run's slots ``first_slot`` .. ``first_slot + tokens - 1`` (all in one
+    block at every level: the blocks that start at ``starts``): the aligned window of ``TEMPLATE_SLOTS`` slots of
+    the finest block, or one starting at the run when the run crosses that window's end."""
     finest = max(starts, default=0)
-    lowest = finest + (slot - finest) // TEMPLATE_SLOTS * TEMPLATE_SLOTS
+    block_end = min([capacity] + [start + size for start, size in zip(starts, geometry.block_sizes)])
+    lowest = finest + (first_slot - finest) // TEMPLATE_SLOTS * TEMPLATE_SLOTS
+    if first_slot + tokens > lowest + TEMPLATE_SLOTS:
+        lowest = first_slot
     key = (id(geometry), base, capacity, ring_widths, value_width, dtype, device, scales, starts, lowest)
-    template = _DECODE_TEMPLATES.get(key)
+    template = _LANE_TEMPLATES.get(key)
     if template is not None and template.geometry is geometry:
         return template
-    if len(_DECODE_TEMPLATES) >= 8:
-        _DECODE_TEMPLATES.clear()
-    highest = min([capacity, lowest + TEMPLATE_SLOTS] +
-                  [start + size for start, size in zip(starts, geometry.block_sizes)])
+    if len(_LANE_TEMPLATES) >= 8:
+        _LANE_TEMPLATES.clear()
+    highest = min(block_end, lowest + max(TEMPLATE_SLOTS, tokens))
     first_rank, fine_ranks = geometry.ranks[0], sum(geometry.ranks[1:])
     fine_rows = None
     if geometry.block_sizes:
@@ -164,7 +169,7 @@ def _decode_template(geometry, base, capacity, ring_widths, value_width, dtype, 
         scaled = len(set(scales)) == 1
         multiplier = _shared_inverse_depth(starts, geometry.block_sizes, highest, dtype, device,
                                            scales[0] if scaled else 1.0)[1]
-    template = _DECODE_TEMPLATES[key] = _DecodeTemplate(
+    template = _LANE_TEMPLATES[key] = _LaneTemplate(
         geometry, lowest, highest, torch.arange(lowest * first_rank, highest * first_rank, device=device),
         torch.arange(lowest * value_width, highest * value_width, device=device), fine_rows,
         tuple((start, width, dim, dims, offset) for start, _, dim, dims, offset, width in groups), multiplier,
@@ -189,50 +194,25 @@ def _level_scaling(geometry: MLRGeometry, groups, scales, dtype, device) -> tupl
     return None, None
 
 
-def _decode_lane(geometry, base, capacity, ring_widths, value_width, dtype, device, scales, position: int) -> StepLane:
-    """The one-token lane of ``position`` with no row starting after slot 0: views of its block's template."""
-    starts = tuple(max((position // size) * size - base, 0) for size in geometry.block_sizes)
-    slot = position - base
-    template = _decode_template(geometry, base, capacity, ring_widths, value_width, dtype, device, scales, starts,
-                                slot)
-    slots, row = slot + 1, slot - template.lowest
-    first_rank = geometry.ranks[0]
-    groups = tuple((min(start, slots), max(0, min(width, slots - start)), dim, dims, offset, width)
-                   for start, width, dim, dims, offset in template.group_meta)
-    return StepLane(capacity, base, slot, 1, slots, (position,), template.key_split,
-                    template.key_range.narrow(0, row * first_rank, first_rank),
-                    template.value_range.narrow(0, row * value_width, value_width),
-                    None if template.fine_rows is None else template.fine_rows[row],
-                    template.query_scale, template.query_split, groups,
-                    None if template.multiplier_span is None else template.multiplier_span.narrow(2, 0, slots),
-                    None, template.readable, template.alphas, template.zero)
-
-
 def _plan_run(geometry, facts, first_before, base, capacity, ring_widths, value_width, dtype, device, scales,
               first: int, tokens: int) -> StepLane:
-    if tokens == 1 and facts.latest_first <= base:
-        return _decode_lane(geometry, base, capacity, ring_widths, value_width, dtype, device, scales, first)
+    """The lane of the run of ``tokens`` positions from ``first``: views of its template, and the masks the run
+    needs (left padding, the chunk's own causal mask) made here."""
     newest = first + tokens - 1
     first_slot = first - base
     slots = first_slot + tokens
-    first_rank = geometry.ranks[0]
-    fine_ranks = sum(geometry.ranks[1:])
-    key_index = value_index = None
+    starts = tuple(max((newest // size) * size - base, 0) for size in geometry.block_sizes)
+    template = _template(geometry, base, capacity, ring_widths, value_width, dtype, device, scales, starts,
+                         first_slot, tokens)
+    row = first_slot - template.lowest
+    key_index = value_index = fine_index = None
     if tokens == 1:
-        key_index = torch.arange(first_slot * first_rank, slots * first_rank, device=device)
-        value_index = torch.arange(first_slot * value_width, slots * value_width, device=device)
-    fine_index = None
-    if geometry.block_sizes:
-        rows = [geometry.fine_elements(ring_widths, slot) for slot in range(first_slot, slots)]
-        fine_index = torch.tensor(rows[0] if tokens == 1 else rows, dtype=torch.long, device=device)
-    starts = [max((newest // size) * size - base, 0) for size in geometry.block_sizes]
-    groups = tuple(_shared_groups(geometry, ring_widths, starts, slots))
-    scaled = geometry.average_levels and len(set(scales)) == 1
-    alphas, query_scale = _level_scaling(geometry, groups, scales, dtype, device)
-    multiplier = None
-    if geometry.average_levels:
-        multiplier = _shared_inverse_depth(starts, geometry.block_sizes, slots, dtype, device,
-                                           scales[0] if scaled else 1.0)[1]
+        key_index = template.key_range.narrow(0, row * geometry.ranks[0], geometry.ranks[0])
+        value_index = template.value_range.narrow(0, row * value_width, value_width)
+    if template.fine_rows is not None:
+        fine_index = template.fine_rows[row] if tokens == 1 else template.fine_rows.narrow(0, row, tokens)
+    groups = tuple((min(start, slots), max(0, min(width, slots - start)), dim, dims, offset, width)
+                   for start, width, dim, dims, offset in template.group_meta)
     additive = None
     lowest = torch.finfo(dtype).min
     if facts.latest_first > base:  # a row starts after slot 0 (left padding): its earlier slots are masked
@@ -244,10 +224,10 @@ def _plan_run(geometry, facts, first_before, base, capacity, ring_widths, value_
         causal = torch.zeros(tokens, slots, dtype=dtype, device=device).masked_fill(future, lowest)
         additive = causal[None, None, None] if additive is None else \
             torch.minimum(additive[:, :, :, None, :], causal[None, None, None])
-    return StepLane(capacity, base, first_slot, tokens, slots, tuple(range(first, newest + 1)),
-                    [first_rank, fine_ranks] if fine_ranks else None, key_index, value_index, fine_index,
-                    query_scale, [first_rank] + [group[3] for group in groups], groups, multiplier, additive,
-                    softmax_dtype(dtype) == dtype, alphas, torch.zeros((), dtype=dtype, device=device))
+    return StepLane(capacity, base, first_slot, tokens, slots, tuple(range(first, newest + 1)), template.key_split,
+                    key_index, value_index, fine_index, template.query_scale, template.query_split, groups,
+                    None if template.multiplier_span is None else template.multiplier_span.narrow(2, 0, slots),
+                    additive, template.readable, template.alphas, template.zero)
 
 
 def mlr_lane_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, fine: torch.Tensor,
