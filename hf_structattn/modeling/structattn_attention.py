@@ -448,21 +448,16 @@ def _layout(step) -> Optional[PositionLayout]:
 def _over_mlr_cache(module, query, key, value, attention_mask, layer, step, geometry, scales, bias, causal, eager):
     """An MLR cache layer: store the chunk (``key``, ``value``: what ``update`` returned, level-order keys), then
     attend over the layer's view -- the cache when it held tokens before, else only the chunk (prefill). Rows in step
-    take the lane (``structattn_lane``): its write, and its op where nothing asks for more (maps, a bias, a caller's
-    mask, gradients, a half-precision softmax); a token it wrote is otherwise read by the general op."""
+    that the lane could read took ``_in_step_lane`` before this; a one-token step of rows in step that asks for more
+    (maps, a bias, a caller's mask, gradients, a half-precision softmax) is still written by the lane and read here
+    by the general op."""
     length = query.shape[2]
     if step.position_bias is not None:  # T5: the bias over every token index, made once per forward by the model
         bias = step.position_bias
-    readable = not eager and bias is None and not (query.requires_grad or key.requires_grad or value.requires_grad) \
-        and (step.standard_masks or attention_mask is None or attention_mask.dim() != 4)
-    lanes = step_lanes(query, key, value, layer, step, geometry, scales, readable)
+    lanes = step_lanes(query, key, value, layer, step, geometry, scales, False)
     query, _ = _reorder(query, None, geometry)
     view = None
-    if lanes is not None and readable and lanes[0].readable:
-        out = lane_attention(query, key, value, layer, lanes)
-        if out is not None:
-            return out, None
-    elif lanes is not None and length == 1 and layer.write_in_step(key, value, lanes[0]) is not None:
+    if lanes is not None and length == 1 and layer.write_in_step(key, value, lanes[0]) is not None:
         view = layer.view_for(step.facts)
     if view is None:
         view = layer.store(key, value, step)
