@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from .modeling.structattn_attention import mlr_geometry_of
-from .modeling.structattn_geometry import depth_scale_vector
+from .modeling.structattn_mlr_levels import depth_scale_vector
 
 
 @dataclass

@@ -34,7 +34,7 @@ from .structattn_geometry import (
     SLIDING_ATTENTION,
     check_positions,
 )
-from .structattn_plan import STEP_KEY
+from .structattn_step import STEP_KEY
 from .structattn_prepare import prepare_step
 from .structattn_ops import eager_attention_forward
 from .structattn_pretrained import StructAttnPreTrainedMixin

@@ -30,7 +30,7 @@ from transformers.models.t5.modeling_t5 import (
 
 from .configuration_structattn_t5 import StructAttnT5Config
 from .structattn_attention import install_mlr_attention, mlr_geometry_of
-from .structattn_plan import STEP_KEY
+from .structattn_step import STEP_KEY
 from .structattn_prepare import forward_with_step, prepare_step
 from .structattn_geometry import keep_mask, mask_value, softmax_dtype
 from .structattn_ops import fused_attention

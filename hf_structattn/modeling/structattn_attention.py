@@ -21,7 +21,7 @@ Inputs the functions read besides q, k, v: the attention mask transformers built
 4-D causal or bidirectional keep/additive mask, a 2-D key mask, or None), ``position_ids`` (B, T) when the model
 passes them (T5 does not: positions then count the real tokens of each row, ``cumsum(mask) - 1``), T5's
 ``position_bias`` (added in every level), and the ``MLRStep`` that the model forward puts in the kwargs
-(``structattn_plan.STEP_KEY``): the self-attention cache, the new tokens' positions and padding and the host facts
+(``structattn_step.STEP_KEY``): the self-attention cache, the new tokens' positions and padding and the host facts
 every layer shares, so that no layer reads anything back from the device.
 
 Over an MLR cache layer the flow is explicit: ``cache.update`` returned the chunk's keys in level order (it stores
@@ -38,9 +38,9 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .structattn_cache import MLR_CACHE_LAYERS, MLRStaticKeyCacheLayer
+from .structattn_cache import MLRCacheView
 from .structattn_decoder_spec import stock_layer_geometry
-from .structattn_geometry import MLRGeometry, mask_value, softmax_dtype
+from .structattn_geometry import MLRGeometry, mask_allowed, mask_value, softmax_dtype
 from .structattn_install import (  # noqa: F401  (the installation API, re-exported: where every family finds it)
     BILINEAR_ATTENTION,
     BILINEAR_EAGER_ATTENTION,
@@ -55,10 +55,10 @@ from .structattn_install import (  # noqa: F401  (the installation API, re-expor
     mlr_implementation,
 )
 from .structattn_mlr import PositionLayout, mlr_attention
-from .structattn_lane import lane_attention, step_lanes
-from .structattn_mlr_decode import mlr_attention_full_keys, mlr_cached_attention
+from .structattn_mlr_cached import mlr_cached_attention
+from .structattn_mlr_math import mlr_attention_full_keys
 from .structattn_ops import eager_attention_forward, fused_attention
-from .structattn_plan import STEP_KEY, continue_runs
+from .structattn_step import STEP_KEY, continue_runs
 
 UNSUPPORTED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
@@ -91,8 +91,8 @@ def key_validity(attention_mask: Optional[torch.Tensor], batch: int, key_length:
     """(B, K) bool padding flags of the keys (True = real) from the mask transformers built, or None (no padding).
 
     A 4-D mask's last query row allows every real key (a causal mask's last query is the newest position, and a
-    bidirectional mask's rows are all alike); a 2-D mask is a key keep-mask; additive float masks count entries
-    above half the dtype's lowest value as allowed."""
+    bidirectional mask's rows are all alike); a 2-D mask is a key keep-mask; a float 4-D mask is additive
+    (``mask_allowed``)."""
     if attention_mask is None:
         return None
     if attention_mask.dim() == 4:
@@ -102,25 +102,13 @@ def key_validity(attention_mask: Optional[torch.Tensor], batch: int, key_length:
     else:
         raise ValueError(f"MLR attention got a {attention_mask.dim()}-D attention mask of shape "
                          f"{tuple(attention_mask.shape)}; it reads a (B, K) key mask or transformers' 4-D mask")
-    if row.dtype != torch.bool:
-        row = row > torch.finfo(row.dtype).min / 2 if row.is_floating_point() else row != 0
-    return row[:, -key_length:].expand(batch, key_length)
+    return mask_allowed(row)[:, -key_length:].expand(batch, key_length)
 
 
 MASK_REFUSED = ("MLR attention got a 4-D attention mask that allows keys the MLR key cache does not hold ({what}); "
                 "with a cache a 4-D mask is applied over the cached real tokens of each row at or before each query "
                 "(rows padded on the left), so it may not allow padding, future keys or empty slots: pass "
                 "use_cache=False to apply it over every key")
-
-
-def _allowed(attention_mask: torch.Tensor) -> torch.Tensor:
-    """The bool (True = attend) form of a 4-D mask: bool as is, additive float masks allow entries above half the
-    dtype's lowest value, integer masks their non-zero entries."""
-    if attention_mask.dtype == torch.bool:
-        return attention_mask
-    if attention_mask.is_floating_point():
-        return attention_mask > torch.finfo(attention_mask.dtype).min / 2
-    return attention_mask != 0
 
 
 def _is_standard_mask(attention_mask: Optional[torch.Tensor], valid: Optional[torch.Tensor], causal: bool,
@@ -133,7 +121,7 @@ def _is_standard_mask(attention_mask: Optional[torch.Tensor], valid: Optional[to
             attention_mask.shape[-2] != query_length:
         return True
     key_length = attention_mask.shape[-1]
-    allowed = _allowed(attention_mask)
+    allowed = mask_allowed(attention_mask)
     expected = valid[:, None, None, :] if valid is not None else torch.ones(
         1, 1, 1, key_length, dtype=torch.bool, device=attention_mask.device)
     if causal:
@@ -191,7 +179,7 @@ def _checked_positions(positions: torch.Tensor, valid: Optional[torch.Tensor]) -
     a reset means packed sequences, which MLR's causal-by-position attention would mix across sequence boundaries
     (refused). A run of real tokens after padding that does not continue the row (transformers' positions for the
     tokens generated after a right-padded prompt repeat the prompt's last ones) continues right after the row's
-    previous real token, as the MLR cache places it (``structattn_plan.build_step``, which warns), so that
+    previous real token, as the MLR cache places it (``structattn_step.build_step``, which warns), so that
     uncached and cached generation agree; the model's position embeddings still see the given positions."""
     if positions.shape[1] < 2 or torch.compiler.is_compiling():
         return positions
@@ -351,13 +339,15 @@ def _slot_mask(attention_mask: torch.Tensor, view, step, slots: int) -> Optional
     A mask that allows a key the cache does not hold (a padding token, which is never stored, a future key, an
     empty slot) for a real query is refused. Computed once per forward (the layers of one geometry hold the same
     positions; the comparison reads back from the device: only for a caller's own 4-D mask)."""
-    key = ("slot mask", id(attention_mask), view.base, slots)
-    mask = step.memoised(key, lambda: _make_slot_mask(attention_mask, view, step, slots))
+    key = ("slot mask", id(attention_mask), view.layout.base, slots)
+    mask = step.mask_checks.get(key)
+    if mask is None:
+        mask = step.mask_checks[key] = _make_slot_mask(attention_mask, view, step, slots)
     return mask if isinstance(mask, torch.Tensor) else None
 
 
 def _make_slot_mask(attention_mask, view, step, slots: int):
-    allowed = _allowed(attention_mask)
+    allowed = mask_allowed(attention_mask)
     positions, valid = step.positions, step.real()
     batch, chunk = positions.shape
     if allowed.shape[-2] != chunk:
@@ -365,12 +355,13 @@ def _make_slot_mask(attention_mask, view, step, slots: int):
                                                   f"tokens"))
     key_length = allowed.shape[-1]
     allowed = allowed[:, :1].expand(batch, 1, chunk, key_length)
-    shift = _token_shift(positions, valid, view.tokens, view.base)
+    base = view.layout.base
+    shift = _token_shift(positions, valid, view.tokens, base)
     column = torch.arange(slots, device=allowed.device) + shift[:, None]  # (B, S): the token held in slot s
     inside = (column >= 0) & (column < key_length)
     index = column.clamp(min=0, max=key_length - 1)[:, None, None, :].expand(batch, 1, chunk, slots)
     gathered = allowed.gather(-1, index) & inside[:, None, None, :]
-    slot_positions = torch.arange(slots, device=allowed.device) + view.base
+    slot_positions = torch.arange(slots, device=allowed.device) + base
     held = (slot_positions >= view.first_positions[:, None, None]) & \
         (slot_positions <= positions[:, :, None])  # (B, c, S): written, real, not in the future
     held = held[:, None]
@@ -382,60 +373,102 @@ def _make_slot_mask(attention_mask, view, step, slots: int):
     return False if bool(((gathered == held) | ~real).all()) else gathered & held
 
 
-def _cached(query, chunk_keys, view, step, geometry, scales, bias, attention_mask, eager):
-    """Queries of the tokens ``view``'s layer just stored, against everything it holds. query (B, Hq, c, r) level
-    order; chunk_keys (B, Hk, c, r) level order. Returns (output (B, c, Hq, dv) contiguous, as attention functions
-    return it; probabilities in token order or None). Unless the step's masks are standard, a 4-D
-    ``attention_mask`` is compared with the causal + padding mask of what the cache holds and, where it differs,
-    applied over the slots (``_slot_mask``)."""
-    batch, q_heads, chunk, width = query.shape
-    kv_heads = view.keys.shape[1]
+def _read_cache(module, query, view: MLRCacheView, attention_mask, geometry, scales, bias, dropout, eager):
+    """The queries of the tokens ``update`` just wrote against everything the layer holds (``view``): query
+    (B, Hq, c, r) in the module's dim order. Returns (output (B, c, Hq, dv) contiguous, probabilities in token order
+    or None). A layer that held nothing before attends over the chunk alone (the uncached op). Unless the step's
+    masks are standard, a caller's 4-D ``attention_mask`` is compared with the causal + padding mask of what the
+    cache holds and, where it differs, applied over the slots (``_slot_mask``)."""
+    plan = view.plan
+    step = plan.step
+    length = query.shape[2]
+    if step.position_bias is not None:  # T5: the bias over every token index, made once per forward by the model
+        bias = step.position_bias
+    query, _ = _reorder(query, None, geometry)
+    dropout = float(dropout) if eager and module.training else 0.0
+    if not view.held:
+        return _prefill(module, query, view, attention_mask, plan, geometry, scales, bias, dropout, eager)
+    batch, q_heads = query.shape[:2]
+    kv_heads = view.key_storage.shape[1]
     groups = q_heads // kv_heads
-    slots = view.keys.shape[2]
-    rows = query.reshape(batch, kv_heads, groups * chunk, width)  # group-major: row g*c + i
+    slots = view.layout.slots
     custom = not step.standard_masks and attention_mask is not None and attention_mask.dim() == 4 and \
         not torch.compiler.is_compiling()
     slot_bias = None
     if bias is not None:
-        shift = _token_shift(step.positions, step.real(), view.tokens, view.base)
+        shift = _token_shift(step.positions, step.real(), view.tokens, view.layout.base)
         slot_bias = _slot_bias(bias, shift, slots)
         if slot_bias.shape[-1] < slots:
             slot_bias = F.pad(slot_bias, (0, slots - slot_bias.shape[-1]))
     mask = _slot_mask(attention_mask, view, step, slots) if custom else None
     if mask is not None:
-        additive = _additive(mask, softmax_dtype(rows.dtype)).repeat(1, 1, groups, 1)  # rows are group-major
+        additive = _additive(mask, softmax_dtype(query.dtype)).repeat(1, 1, groups, 1)  # rows are group-major
         slot_bias = additive if slot_bias is None else slot_bias + additive
-    out = mlr_cached_attention(rows, chunk_keys, view, step, geometry, scales, bias=slot_bias, return_weights=eager)
-    out, weights = out if eager else (out, None)
-    if chunk == 1:  # (B, Hk, g, dv) holds the heads of the one new token in order: the (B, 1, Hq, dv) output
-        out = out.reshape(batch, 1, q_heads, -1)
-    else:
-        out = out.reshape(batch, q_heads, chunk, -1).transpose(1, 2).contiguous()
+    out, weights = mlr_cached_attention(query, view, plan, scales, bias=slot_bias, return_weights=eager,
+                                        dropout=dropout)
     if weights is not None:
         tokens = view.tokens
         key_length = attention_mask.shape[-1] if attention_mask is not None else int(tokens)
-        weights = weights.reshape(batch, q_heads, chunk, slots)
+        weights = weights.reshape(batch, q_heads, length, slots)
         if mask is not None:  # the caller's mask: token k of a row sits in slot k - shift
-            shift = _token_shift(step.positions, step.real(), tokens, view.base)
+            shift = _token_shift(step.positions, step.real(), tokens, view.layout.base)
             column = torch.arange(key_length, device=weights.device) - shift[:, None]
             inside = (column >= 0) & (column < slots)
-            index = column.clamp(min=0, max=slots - 1)[:, None, None, :].expand(batch, q_heads, chunk, key_length)
+            index = column.clamp(min=0, max=slots - 1)[:, None, None, :].expand(batch, q_heads, length, key_length)
             weights = (weights.gather(-1, index) * inside[:, None, None, :]).to(query.dtype)
         else:
             valid_keys = key_validity(attention_mask, batch, key_length)
-            weights = _token_weights(weights, valid_keys, view.first_positions, view.base, key_length).to(query.dtype)
+            weights = _token_weights(weights, valid_keys, view.first_positions, view.layout.base,
+                                     key_length).to(query.dtype)
     return out, weights
+
+
+def _prefill(module, query, view: MLRCacheView, attention_mask, plan, geometry, scales, bias, dropout, eager):
+    """The first chunk a layer holds: it attends over its own keys (``view.chunk_keys`` / ``chunk_values``) with
+    the uncached op."""
+    step = plan.step
+    length = query.shape[2]
+    key, value = view.chunk_keys, view.chunk_values
+    if bias is not None and bias.shape[-1] > length:  # T5's bias over a static cache's slots: the chunk's first
+        bias = bias[..., :length]
+    batch = query.shape[0]
+    valid = step.valid
+    allowed = None
+    if not step.standard_masks and attention_mask is not None and attention_mask.dim() == 4 and \
+            not _standard(step, attention_mask, key_validity(attention_mask, batch, attention_mask.shape[-1]),
+                          True, length, 0):
+        # the caller's 4-D mask over the chunk's own keys (a static cache's empty slots after them)
+        allowed = mask_allowed(attention_mask)
+        if bool((allowed[..., length:].any(-1) & step.real()[:, None, :]).any()):
+            raise ValueError(MASK_REFUSED.format(what="an empty slot of the static cache"))
+        allowed = allowed[..., :length]
+    facts = step.facts
+    if facts is not None and facts.all_real:
+        valid = None
+    elif facts is None and valid is not None and not torch.compiler.is_compiling() and bool(valid.all()):
+        valid = None
+    out, weights = _uncached(module, query, key, value, geometry, scales, step.positions, valid, bias, True, eager,
+                             dropout, allowed=allowed, layout=_layout(step))
+    capacity = view.key_storage.shape[2]
+    if weights is not None and isinstance(view.tokens, torch.Tensor) and capacity > length:
+        # as transformers' static layers: a prefill's maps span the cache's slots (the chunk's tokens first)
+        weights = F.pad(weights, (0, capacity - weights.shape[-1]))
+    return out.transpose(1, 2).contiguous(), weights
 
 
 def _standard(step, attention_mask, valid, causal: bool, length: int, offset: int) -> bool:
     """``_is_standard_mask`` once per forward and mask (the comparison reads back from the device: only for a
-    caller's own 4-D mask), or without a step plan per call."""
+    caller's own 4-D mask), or without a step per call."""
     if step is None:
         return _is_standard_mask(attention_mask, valid, causal, length, query_offset=offset)
     if step.standard_masks or attention_mask is None or attention_mask.dim() != 4:
         return True
-    return step.memoised(("standard mask", id(attention_mask), causal, length, offset),
-                         lambda: _is_standard_mask(attention_mask, valid, causal, length, query_offset=offset))
+    key = ("standard mask", id(attention_mask), causal, length, offset)
+    standard = step.mask_checks.get(key)
+    if standard is None:
+        standard = step.mask_checks[key] = _is_standard_mask(attention_mask, valid, causal, length,
+                                                             query_offset=offset)
+    return standard
 
 
 def _layout(step) -> Optional[PositionLayout]:
@@ -445,118 +478,28 @@ def _layout(step) -> Optional[PositionLayout]:
     return PositionLayout(facts.contiguous, facts.uniform_offset, facts.lowest, facts.highest)
 
 
-def _over_mlr_cache(module, query, key, value, attention_mask, layer, step, geometry, scales, bias, causal, eager):
-    """An MLR cache layer: store the chunk (``key``, ``value``: what ``update`` returned, level-order keys), then
-    attend over the layer's view -- the cache when it held tokens before, else only the chunk (prefill). Rows in step
-    that the lane could read took ``_in_step_lane`` before this; a one-token step of rows in step that asks for more
-    (maps, a bias, a caller's mask, gradients, a half-precision softmax) is still written by the lane and read here
-    by the general op."""
-    length = query.shape[2]
-    if step.position_bias is not None:  # T5: the bias over every token index, made once per forward by the model
-        bias = step.position_bias
-    lanes = step_lanes(query, key, value, layer, step, geometry, scales, False)
-    query, _ = _reorder(query, None, geometry)
-    view = None
-    if lanes is not None and length == 1 and layer.write_in_step(key, value, lanes[0]) is not None:
-        view = layer.view_for(step.facts)
-    if view is None:
-        view = layer.store(key, value, step)
-    if view.held:
-        return _cached(query, key, view, step, geometry, scales, bias, attention_mask, eager)
-    if bias is not None and bias.shape[-1] > length:  # T5's bias over a static cache's slots: the chunk's first
-        bias = bias[..., :length]
-    batch = query.shape[0]
-    valid = step.valid
-    allowed = None
-    if not step.standard_masks and attention_mask is not None and attention_mask.dim() == 4 and \
-            not _standard(step, attention_mask, key_validity(attention_mask, batch, attention_mask.shape[-1]),
-                          causal, length, 0):
-        # the caller's 4-D mask over the chunk's own keys (a static cache's empty slots after them)
-        allowed = _allowed(attention_mask)
-        if bool((allowed[..., length:].any(-1) & step.real()[:, None, :]).any()):
-            raise ValueError(MASK_REFUSED.format(what="an empty slot of the static cache"))
-        allowed = allowed[..., :length]
-    facts = step.facts
-    if facts is not None and facts.all_real:
-        valid = None
-    elif facts is None and valid is not None and not torch.compiler.is_compiling() and bool(valid.all()):
-        valid = None
-    out, weights = _uncached(module, query, key, value, geometry, scales, step.positions, valid, bias, causal, eager,
-                             allowed=allowed, layout=_layout(step))
-    if weights is not None and isinstance(layer, MLRStaticKeyCacheLayer) and layer.max_cache_len > length:
-        # as transformers' static layers: a prefill's maps span the cache's slots (the chunk's tokens first)
-        weights = F.pad(weights, (0, layer.max_cache_len - weights.shape[-1]))
-    return out.transpose(1, 2).contiguous(), weights
-
-
-def _module_flag(module, name: str, default=True):
-    """``getattr(module, name, default)`` without ``nn.Module.__getattr__``'s failed lookup when neither the
-    instance nor its class has the attribute (GPT-2's attention has no ``is_decoder``: microseconds per layer)."""
-    value = module.__dict__.get(name, _MISSING)
-    if value is not _MISSING:
-        return value
-    return getattr(module, name, default) if hasattr(type(module), name) or name in module._modules or \
-        name in module._parameters or name in module._buffers else default
-
-
-_MISSING = object()
-
-
-_LANE_REFUSED_KWARGS = UNSUPPORTED_KWARGS + ("softcap", "sliding_window", "position_bias")
-
-
-def _in_step_lane(module, query, key, value, attention_mask, scaling, dropout, kwargs, step):
-    """The lane's whole path (``structattn_lane``: its write and its read) for a forward whose rows are in step over
-    an MLR cache layer and that asks for nothing else: the output (B, c, Hq, dv), or None, with nothing written,
-    wherever anything else holds (the general path of ``_forward`` then decides from the start, checks and errors
-    included). The decode step generate runs, in as few Python steps as it takes."""
-    facts = step.facts
-    if facts is None or facts.shared_newest is None or step.position_bias is not None or \
-            (dropout and module.training) or query.requires_grad or key.requires_grad or value.requires_grad or \
-            not (step.standard_masks or attention_mask is None or attention_mask.dim() != 4):
-        return None
-    for name in _LANE_REFUSED_KWARGS:
-        if kwargs.get(name) is not None:
-            return None
-    geometry = mlr_geometry_of(module)
-    if geometry is None or not (_module_flag(module, "is_decoder") and _module_flag(module, "is_causal")) or \
-            torch.is_autocast_enabled(query.device.type):
-        return None
-    layer = step.layer(_module_flag(module, "layer_idx", None))
-    if not isinstance(layer, MLR_CACHE_LAYERS) or not layer.is_bound:
-        return None
-    lanes = step_lanes(query, key, value, layer, step, geometry, geometry.scales(scaling), True)
-    if lanes is None or not lanes[0].readable:
-        return None
-    return lane_attention(_reorder(query, None, geometry)[0], key, value, layer, lanes)
-
-
 def _forward(module, query, key, value, attention_mask, scaling, dropout, eager, kwargs):
-    step = kwargs.get(STEP_KEY)
-    if step is not None and not eager:
-        out = _in_step_lane(module, query, key, value, attention_mask, scaling, dropout, kwargs, step)
-        if out is not None:
-            return out, None
     geometry = _layer_geometry(module)
     if geometry is None:
         return _dense_fallback(module, query, key, value, attention_mask, scaling, dropout, eager, kwargs)
-    _check_kwargs(module, kwargs, dropout, eager)
+    _check_kwargs(module, kwargs, dropout, eager)  # the one gate: what MLR attention refuses, whatever the path
+    scales = geometry.scales(scaling)
+    bias = kwargs.get("position_bias")
+    over_cache = isinstance(value, MLRCacheView)  # an MLR cache layer's ``update`` wrote the chunk
     device_type = query.device.type
     if torch.is_autocast_enabled(device_type):
         # as SDPA under autocast: RoPE hands float32 q/k next to a half-precision v; compute in the autocast dtype
         dtype = torch.get_autocast_dtype(device_type)
-        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
-    scales = geometry.scales(scaling)
+        query, key = query.to(dtype), key.to(dtype)
+        value = value if over_cache else value.to(dtype)
+    if over_cache:
+        return _read_cache(module, query, value, attention_mask, geometry, scales, bias, dropout, eager)
     causal = bool(getattr(module, "is_causal", True))
-    bias = kwargs.get("position_bias")
     batch, _, length, _ = query.shape
     step = kwargs.get(STEP_KEY)
-    if not (_module_flag(module, "is_decoder") and causal):
-        step = None  # the plan describes the decoder's self-attention tokens, not T5's encoder or cross-attention
+    if not (getattr(module, "is_decoder", True) and causal):
+        step = None  # the step describes the decoder's self-attention tokens, not T5's encoder or cross-attention
     layer = step.layer(getattr(module, "layer_idx", None)) if step is not None else None
-    if isinstance(layer, MLR_CACHE_LAYERS) and layer.is_bound:
-        return _over_mlr_cache(module, query, key, value, attention_mask, layer, step, geometry, scales, bias, causal,
-                               eager)
     # no cache, or an ordinary transformers cache layer: full-width keys in token order; a static layer's buffer holds
     # the written tokens first, then empty slots
     key_length = key.shape[2]
@@ -576,7 +519,7 @@ def _forward(module, query, key, value, attention_mask, scaling, dropout, eager,
     if not _standard(step, attention_mask, valid_keys, causal, length, written - length):
         # the caller's own 4-D mask (a window, a bidirectional or block overlay, a hidden pair): applied as given,
         # blocks from the positions; a token is real iff it may see itself
-        allowed = _allowed(attention_mask)
+        allowed = mask_allowed(attention_mask)
         own = _own_key_allowed(allowed, written - length).expand(batch, length)
         valid_keys = own if key_length == length else None
     query, key = _reorder(query, key, geometry)

@@ -1,7 +1,4 @@
-"""The hierarchical MLR key cache: storage and its two write paths -- host-addressed writes of rows in step
-(``write_in_step``, on a ``structattn_lane.StepLane``) and indexed assignments of everything else (``store``). The
-attention over it lives in ``structattn_lane`` and ``structattn_mlr_decode``; rollback for speculative decoding in
-``structattn_rollback``; how a cache gets its MLR layers in ``structattn_prepare``.
+"""The hierarchical MLR key cache: its storage, and ``update``, the one write.
 
 An MLR cache layer holds, per batch row and KV head:
 
@@ -16,13 +13,12 @@ An MLR cache layer holds, per batch row and KV head:
 
 Key entries held per (row, head): ``S r_1 + sum_l min(b_l, S) r_l`` for S slots (``MLRGeometry.key_cache_elements``).
 
-The data flow of one forward: the model builds the step plan (``structattn_plan.MLRStep``); an attention module
-calls ``cache.update(k, v, layer_idx, kwargs=kwargs)``, which for an MLR layer only puts the chunk's keys in level
-order and stores nothing; the ``"mlr"`` attention function then calls ``layer.write_in_step(keys, values, lane)``
-(rows in step: returns the storages the lane's op reads) or ``layer.store(keys, values, step)``, which writes the
-chunk by the plan and returns an ``MLRCacheView`` (frozen, read-only: storages, ring widths, base, positions, and for
-a chunk of several tokens the ring entries its writes replaced), which the general op reads. Nothing is kept on the
-layer between the two calls.
+One forward: the model makes the step (``structattn_step.MLRStep``); an attention module calls ``cache.update(k, v,
+layer_idx, kwargs=kwargs)``, which writes the chunk by the forward's plan of the layer's geometry
+(``structattn_mlr_plan``: host-addressed copies for rows in step, indexed assignments otherwise) and returns the
+chunk's keys in level order and an ``MLRCacheView`` in place of the values; the ``"mlr"`` attention function reads
+the view with ``structattn_mlr_cached.mlr_cached_attention``. Rollback for speculative decoding is
+``structattn_rollback``; how a cache gets its MLR layers, ``structattn_prepare``.
 
 A layer is built without geometry (``DynamicCache(config=...)`` and ``StaticCache`` construct registered layer types
 with no arguments) and behaves as transformers' ``DynamicLayer`` / ``StaticLayer`` until a model ``bind``s it to
@@ -37,37 +33,41 @@ import torch
 from transformers.cache_utils import DynamicLayer, StaticLayer
 
 from .structattn_geometry import MLRGeometry
-from .structattn_plan import NO_POSITION, STEP_KEY, ChunkWritePlan, MLRStep, plan_chunk_write
+from .structattn_mlr_plan import CacheLayout, MLRPlan, mlr_plan
 from .structattn_rollback import RollbackLog, RollbackMixin
+from .structattn_step import NO_POSITION, STEP_KEY, MLRStep
 
 _WARNED_WITHOUT_KWARGS = set()
 MIN_GROWTH = 16  # dynamic layers grow by max(MIN_GROWTH, S/32) slots when no length was reserved
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class MLRCacheView:
-    """What an MLR cache layer holds for one forward's queries, after the chunk was written (read-only).
+    """What ``update`` returns in place of the values: everything an MLR cache layer holds for one forward's queries,
+    after the chunk was written (read-only).
 
-    keys: (B, Hk, S, r_1) level-1 slots; values: (B, Hk, S, dv) -- the slots up to the newest position in an eager
-    forward (a narrowed view), the whole storage while tracing; fine: (B, Hk, F) the flat ring storage (ring l,
-    ``ring_widths[l]`` entries of ``r_l`` dims after the rings before it, dim-major); base: position of slot 0;
-    first_positions, last_positions: (B,) each row's first / newest real position after the chunk; last_before:
-    (B,) the newest real position before the chunk (chunks of several tokens); replaced: (B, Hk, c, F) per new token
-    the ring entries of its own position as they were before the chunk (chunks of several tokens with a past, whose
-    writes may overwrite entries their earlier queries read), else None; held: the layer held tokens before the
-    chunk; tokens: tokens held after the chunk (transformers' sequence length, padding included)."""
+    key_storage: (B, Hk, C, r_1) level-1 slots; value_storage: (B, Hk, C, dv); fine: (B, Hk, F) the flat ring
+    storage (``MLRGeometry.fine_layout``); contiguous: the three storages are (the in-step read views them with
+    strides of its own); chunk_keys: (B, Hk, c, r) the chunk's keys in level order (with their autograd history);
+    chunk_values: (B, Hk, c, dv) its values; replaced: (B, Hk, c, F) per new token the ring entries of its own
+    position as they were before the chunk (chunks of several tokens), else None; held: the layer held tokens
+    before the chunk (else the chunk attends only to itself); tokens: tokens held after the chunk (transformers'
+    sequence length, padding included); first_positions, last_positions: (B,) the rows' spans after the chunk;
+    layout: the forward's ``CacheLayout`` of this layer's storage; plan: the forward's ``MLRPlan`` of its geometry."""
 
-    keys: torch.Tensor
-    values: torch.Tensor
+    key_storage: torch.Tensor
+    value_storage: torch.Tensor
     fine: torch.Tensor
-    ring_widths: tuple
-    base: int
-    first_positions: torch.Tensor
-    last_positions: torch.Tensor
-    last_before: Optional[torch.Tensor]
+    contiguous: bool
+    chunk_keys: torch.Tensor
+    chunk_values: torch.Tensor
     replaced: Optional[torch.Tensor]
     held: bool
     tokens: object
+    first_positions: torch.Tensor
+    last_positions: torch.Tensor
+    layout: CacheLayout
+    plan: MLRPlan
 
 
 class MLRCacheLayerMixin(RollbackMixin):
@@ -75,7 +75,7 @@ class MLRCacheLayerMixin(RollbackMixin):
     ``_allocate(like_keys, like_values, capacity)``, ``_ensure_capacity(slots, like_keys, like_values)``,
     ``capacity``, ``keys_storage()`` / ``values_storage()``, ``_advance(chunk, newest_slot)`` and ``_rewind``."""
 
-    holds_mlr_positions = True  # what ``structattn_plan`` looks for (the rows' positions every MLR layer holds)
+    holds_mlr_positions = True  # what ``structattn_step`` looks for (the rows' positions every MLR layer holds)
     geometry: Optional[MLRGeometry] = None
 
     def _init_state(self) -> None:
@@ -83,8 +83,8 @@ class MLRCacheLayerMixin(RollbackMixin):
         self.base = None
         self.first_positions = self.last_positions = None
         self._fine = None
+        self._contiguous = True  # the storages are contiguous (made so by every allocation and row operation)
         self._widths_at = None  # (capacity, geometry, ring widths) of the last ``_ring_widths`` call
-        self._targets = None  # ``_token_targets``
         self.rings = []
         self._record_past = False
         self.rollback_log = RollbackLog()
@@ -95,7 +95,11 @@ class MLRCacheLayerMixin(RollbackMixin):
         if self.geometry == geometry:
             return
         if self.get_seq_length() > 0:
-            raise ValueError("an MLR cache layer can only be bound to its geometry before its first write")
+            held = "no MLR keys" if self.geometry is None else \
+                f"MLR keys of ranks {list(self.geometry.ranks)}, blocks {list(self.geometry.block_sizes)}"
+            raise ValueError(f"this cache layer holds {held}; the model's layer is MLR with ranks "
+                             f"{list(geometry.ranks)}, blocks {list(geometry.block_sizes)}: a cache is read only by "
+                             f"a model of the geometry that wrote it (start from a new cache)")
         if self.is_initialized:  # early_initialization allocated plain buffers: drop them
             self._drop_storage()
         self.geometry = geometry
@@ -187,11 +191,12 @@ class MLRCacheLayerMixin(RollbackMixin):
             return 0
         return self.keys.shape[0] * self.keys.shape[1] * self.key_cache_elements() * self.keys.element_size()
 
-    # ------------------------------------------------------------------ the Cache contract
+    # ------------------------------------------------------------------ the Cache contract: the one write
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """An MLR layer stores nothing here: returns the chunk's keys in level order (B, H, c, r) and its values
-        (B, H, c, dv), which the ``"mlr"`` attention function hands to ``store`` with the step plan
-        (``kwargs["kwargs"][STEP_KEY]``, transformers' convention). An unbound layer is transformers' plain layer."""
+        """Write a chunk of c tokens and return what its queries read: key_states (B, H, c, r), value_states
+        (B, H, c, dv) -> (the chunk's keys in level order (B, H, c, r), ``MLRCacheView``). The step is in the
+        attention call's kwargs (``kwargs["kwargs"][STEP_KEY]``, transformers' convention). The layer holds detached
+        states written in place. An unbound layer is transformers' plain layer."""
         step = _step_of(args, kwargs)
         if self.is_bound and step is None and not self.is_initialized:
             # the attention module calls cache.update without its kwargs (GPT-NeoX, Falcon, ...): the layer cannot
@@ -207,212 +212,133 @@ class MLRCacheLayerMixin(RollbackMixin):
         if step is None:
             raise ValueError("the MLR key cache needs the attention call's kwargs (cache.update(k, v, layer_idx, "
                              "kwargs=kwargs)) to place the new tokens")
-        width = key_states.shape[-1]
-        if width != self.geometry.head_dim:
-            raise ValueError(f"MLR cache layer: key width {width} differs from sum(mlr_ranks)="
-                             f"{self.geometry.head_dim}")
-        order = self.geometry.dim_order_index(key_states.device)
-        if order is not None:
-            key_states = key_states.index_select(-1, order)
-        return key_states, value_states
-
-    def store(self, keys: torch.Tensor, values: torch.Tensor, step: MLRStep) -> MLRCacheView:
-        """Write a chunk of c tokens by the step plan and return what the chunk's queries read. keys: (B, H, c, r) in
-        level order (what ``update`` returned); values: (B, H, c, dv). The cache holds detached states written in
-        place (the queries' own keys reach the attention through ``keys``)."""
-        batch, heads, chunk, _ = keys.shape
-        facts = step.facts
+        geometry = self.geometry
+        if key_states.shape[-1] != geometry.head_dim:
+            raise ValueError(f"MLR cache layer: key width {key_states.shape[-1]} differs from sum(mlr_ranks)="
+                             f"{geometry.head_dim}")
+        batch, chunk = key_states.shape[0], key_states.shape[2]
         if step.positions is None or step.positions.shape != (batch, chunk):
-            raise ValueError(f"the step plan has positions of shape "
+            raise ValueError(f"the step has positions of shape "
                              f"{None if step.positions is None else tuple(step.positions.shape)} for a chunk of "
                              f"{chunk} tokens in {batch} rows")
-        if not self.is_initialized:
-            self._lazy_init(keys, values, step)
+        order = geometry.dim_order_index(key_states.device)
+        keys = key_states if order is None else key_states.index_select(-1, order)
+        plan = mlr_plan(step, geometry)
         if torch.is_grad_enabled():  # (entering no_grad costs an eager decode step microseconds per layer)
             with torch.no_grad():
-                return self._store(keys, values, step, chunk)
-        return self._store(keys, values, step, chunk)
-
-    def _store(self, keys: torch.Tensor, values: torch.Tensor, step: MLRStep, chunk: int) -> MLRCacheView:
+                layout, replaced = self._write(keys.detach(), value_states.detach(), plan)
+        else:
+            layout, replaced = self._write(keys, value_states, plan)
         facts = step.facts
-        held = facts.held if facts is not None else True
-        keys_in = keys.detach() if keys.requires_grad else keys
-        values_in = values.detach() if values.requires_grad else values
+        return keys, MLRCacheView(self.keys_storage(), self.values_storage(), self._fine, self._contiguous, keys,
+                                  value_states, replaced, True if facts is None else facts.held,
+                                  self.cumulative_length, self.first_positions, self.last_positions, layout, plan)
+
+    def _write(self, keys: torch.Tensor, values: torch.Tensor, plan: MLRPlan) -> tuple:
+        """Write the chunk by ``plan``: (the layout, the replaced ring entries or None)."""
+        facts = plan.step.facts
+        if not self.is_initialized:
+            self._lazy_init(keys, values, facts)
+        elif self.base is None:  # a static layer after ``reset``: placed afresh
+            self.base = self._base_for(facts)
         if facts is not None:  # the slots in use, and (dynamic) at least the tokens seen: ``keys`` exposes them
             needed = max(facts.newest - self.base + 1, 1)
             if not isinstance(self, StaticLayer):
-                needed = max(needed, facts.tokens_before + chunk)
+                needed = max(needed, facts.tokens_before + plan.chunk)
             if needed > self.capacity:
-                self._ensure_capacity(needed, keys_in, values_in)
-        if chunk == 1 and facts is not None and facts.continuing and not self.record_past:  # rows not in step
-            last_before = None
-            self._write_decode(keys_in, values_in, step, facts)
-            replaced = None
+                self._ensure_capacity(needed, keys, values)
+        layout = plan.layout(self, keys.dtype)
+        if plan.host_write:
+            replaced = self._write_in_step(keys, values, plan, layout)
         else:
-            plan = self._write_plan(step)
-            last_before = plan.last_before
-            replaced = self._write_chunk(keys_in, values_in, step, plan, keep_replaced=chunk > 1 and held)
-        return self._view(facts, last_before, replaced, held)
+            replaced = self._write_chunk(keys, values, plan, layout)
+        self._advance(plan.chunk, None if facts is None else facts.newest - self.base + 1)
+        return layout, replaced
 
-    def ensure_slots(self, slots: int, like_keys: torch.Tensor, like_values: torch.Tensor) -> None:
-        """Hold at least ``slots`` slots from ``base`` (a dynamic layer grows; a static one refuses in one line)."""
-        self._ensure_capacity(slots, like_keys, like_values)
-
-    def view_for(self, facts) -> MLRCacheView:
-        """What the queries of a forward read after ``write_in_step`` wrote its one token per row (eager)."""
-        return self._view(facts, None, None, True)
-
-    def _view(self, facts, last_before, replaced, held: bool) -> MLRCacheView:
-        keys, values = self.keys_storage(), self.values_storage()
-        if facts is not None:  # eager: the slots up to the newest position (a narrowed view the matmuls read)
-            slots = max(facts.newest - self.base + 1, 1)
-            keys, values = keys.narrow(2, 0, slots), values.narrow(2, 0, slots)
-        return MLRCacheView(keys, values, self._fine, self.ring_widths, self.base, self.first_positions,
-                            self.last_positions, last_before, replaced, held, self.cumulative_length)
-
-    # ------------------------------------------------------------------ writes
-    def _lazy_init(self, keys, values, step: MLRStep) -> None:
-        """First write: fix ``base`` from the lowest real position (0 while tracing), allocate, start the spans."""
-        batch = keys.shape[0]
-        facts = step.facts
+    def _base_for(self, facts) -> int:
+        """``base`` for a first write: the lowest real new position rounded down to the alignment (0 while
+        tracing)."""
         lowest = 0 if facts is None or facts.lowest == NO_POSITION else facts.lowest
-        self.base = lowest // self.alignment * self.alignment
+        return lowest // self.alignment * self.alignment
+
+    def _lazy_init(self, keys, values, facts) -> None:
+        """First write: fix ``base``, allocate, start the spans."""
+        batch = keys.shape[0]
+        self.base = self._base_for(facts)
         self.device = keys.device
         self.first_positions = torch.full((batch,), NO_POSITION, dtype=torch.long, device=keys.device)
         self.last_positions = torch.full((batch,), -1, dtype=torch.long, device=keys.device)
-        newest = max(facts.newest, lowest) if facts is not None else 0
+        newest = max(facts.newest, self.base) if facts is not None else 0
         self._allocate(keys, values, self._initial_capacity(newest - self.base + 1))
         self.is_initialized = True
         if self.record_past:
             self._start_log()
 
-    def _write_decode(self, keys, values, step: MLRStep, facts) -> None:
-        """One real token per row continuing the row, rows at different positions (left-padded batches; rows in step
-        take ``write_in_step``): indexed assignments at the rows' slots and ring elements (index memoised on the
-        step)."""
-        rank = self.geometry.ranks[0]
-        position = step.positions[:, 0]
-        rows, index = step.memoised(("decode rows", id(self.geometry), self.ring_widths, self.base),
-                                    lambda: self._row_decode_index(position))
-        slot = position - self.base
-        self.keys_storage()[rows, :, slot] = keys[:, :, 0, :rank]
-        self.values_storage()[rows, :, slot] = values[:, :, 0]
-        if self.geometry.block_sizes:  # (B, sum r_l, H): advanced indices before the sliced head axis come first
-            self._fine[rows[:, None], :, index] = keys[:, :, 0, rank:].transpose(1, 2)
-        self.last_positions.copy_(position)
-        self._advance(1, facts.newest - self.base + 1)
-
-    def write_in_step(self, keys: torch.Tensor, values: torch.Tensor, lane) -> Optional[tuple]:
-        """Write a ``StepLane``'s c tokens per row (rows in step, eager; one token: three ``index_copy_`` into flat
-        views of the storages; several: narrowed copies and one indexed assignment of the ring elements), logging
-        what the ring write replaces while recording. Returns the whole storages (keys (B, H, C, r_1), values (B, H,
-        C, dv), fine (B, H, F)) for ``mlr_lane_attention``, or None, writing nothing, when the lane does not fit this
-        layer (another capacity or base, storage of another dtype or not contiguous). keys: (B, H, c, r) level
-        order; values: (B, H, c, dv)."""
-        if lane.capacity != self.capacity or lane.base != self.base:
-            return None
-        targets = self._token_targets()
-        if targets is None or targets[0].dtype != keys.dtype:
-            return None
-        flat_keys, flat_values, flat_fine, key_storage, value_storage, fine_storage = targets
-        if keys.requires_grad or values.requires_grad:  # the cache holds detached states (as ``store``)
-            keys, values = keys.detach(), values.detach()
-        first, finer = keys.split_with_sizes(lane.key_split, -1) if lane.key_split is not None else (keys, None)
-        single = lane.tokens == 1
+    def _write_in_step(self, keys, values, plan: MLRPlan, layout: CacheLayout) -> Optional[torch.Tensor]:
+        """Rows in step (``MLRPlan.host_write``): the chunk's slots and ring elements are host integers of the layout;
+        narrowed copies of keys and values, one ``index_copy_`` of the finer dims. Returns the replaced ring entries
+        (B, H, c, F) of a chunk of several tokens (the general read needs them), else None."""
+        chunk, rank, fine = plan.chunk, self.geometry.ranks[0], self._fine
+        batch, heads = keys.shape[:2]
+        finer = keys[..., rank:] if self.geometry.block_sizes else None
+        replaced = None
+        if finer is not None and (chunk > 1 or self._record_past):
+            replaced = fine.index_select(2, layout.fine_index).view(batch, heads, chunk, -1)
         if self._record_past:
-            if finer is None:
-                replaced = keys.new_zeros(*keys.shape[:3], 0)
-            else:
-                replaced = flat_fine.index_select(3, lane.fine_index) if single else \
-                    fine_storage[:, :, lane.fine_index]
-            self.rollback_log.append(replaced, None, None, self.rollback_window, True, lane.positions)
-        if single:
-            flat_keys.index_copy_(3, lane.key_index, first)
-            flat_values.index_copy_(3, lane.value_index, values)
-            if finer is not None:
-                flat_fine.index_copy_(3, lane.fine_index, finer)
-        else:
-            key_storage.narrow(2, lane.first_slot, lane.tokens).copy_(first)
-            value_storage.narrow(2, lane.first_slot, lane.tokens).copy_(values)
-            if finer is not None:
-                fine_storage[:, :, lane.fine_index] = finer
-        self.last_positions.fill_(lane.positions[-1])
-        self._advance(lane.tokens, lane.slots)
-        return key_storage, value_storage, fine_storage
+            self.rollback_log.append(replaced if replaced is not None else keys.new_zeros(batch, heads, chunk, 0),
+                                     plan.step.positions, plan.real, self.rollback_window)
+        self.keys_storage().narrow(2, layout.first_slot, chunk).copy_(keys[..., :rank])
+        self.values_storage().narrow(2, layout.first_slot, chunk).copy_(values)
+        if finer is not None:
+            fine.index_copy_(2, layout.fine_index, finer.reshape(batch, heads, -1).to(fine.dtype))
+        self.last_positions.fill_(plan.first + chunk - 1)
+        return replaced if chunk > 1 else None
 
-    def _token_targets(self) -> Optional[tuple]:
-        """(keys, values, fine as (B, H, 1, ·) flat views, then the storages themselves), made again when a storage
-        was replaced (growth, reordering, offloading); None when a storage is not contiguous."""
-        keys, values, fine = self.keys_storage(), self.values_storage(), self._fine
-        cached = self._targets
-        if cached is not None and cached[3] is keys and cached[4] is values and cached[5] is fine:
-            return cached
-        storages = (keys, values, fine)
-        if not all(tensor.is_contiguous() for tensor in storages):
-            return None
-        batch, heads = storages[0].shape[:2]
-        self._targets = tuple(tensor.view(batch, heads, 1, -1) for tensor in storages) + storages
-        return self._targets
-
-    def _row_decode_index(self, position: torch.Tensor) -> tuple:
-        layout = self.geometry.fine_layout(self.ring_widths, position.device)
-        slot = position - self.base
-        return torch.arange(position.shape[0], device=position.device), \
-            layout["element offset"] + slot[:, None] % layout["element block"]
-
-    def _write_plan(self, step: MLRStep) -> ChunkWritePlan:
-        geometry = self.geometry
-        key = ("chunk write", id(geometry), self.base, self.capacity)
-        return step.memoised(key, lambda: plan_chunk_write(step, geometry, self.base, self.capacity, self.ring_widths,
-                                                           self.last_positions, self.first_positions,
-                                                           self.record_past))
-
-    def _write_chunk(self, keys, values, step: MLRStep, plan: ChunkWritePlan, keep_replaced: bool):
-        """Write every real token of a chunk into its slot and ring entries (padding is not stored: see
-        ``ChunkWritePlan``) with indexed assignments, which need no host reads and keep fixed shapes (what a traced
-        step runs too). Returns, when ``keep_replaced``, the ring entries of each token's own position as they were
-        before the chunk (B, H, c, F)."""
+    def _write_chunk(self, keys, values, plan: MLRPlan, layout: CacheLayout) -> Optional[torch.Tensor]:
+        """Every real token of a chunk into its slot and ring entries (padding is not stored: see ``ChunkWrite``)
+        with indexed assignments, which need no host reads and keep fixed shapes (what a traced step runs). Returns
+        the ring entries of each token's own position as they were before the chunk (B, H, c, F) for a chunk of
+        several tokens into a layer that held tokens, else None."""
+        write = layout.chunk_write
         batch, heads, chunk, _ = keys.shape
         rank = self.geometry.ranks[0]
-        rows = plan.rows
+        rows = write.rows
+        held = plan.step.facts is None or plan.step.facts.held
         replaced = None
-        if plan.own_element is not None and (keep_replaced or self.record_past):
-            flat = plan.own_element.reshape(batch, 1, -1).expand(batch, heads, plan.own_element[0].numel())
+        if write.own_element is not None and ((chunk > 1 and held) or self.record_past):
+            flat = write.own_element.reshape(batch, 1, -1).expand(batch, heads, write.own_element[0].numel())
             replaced = self._fine.gather(2, flat).view(batch, heads, chunk, -1)
         if self.record_past:
             fine = keys[..., rank:]
-            if plan.log_source is not None:
-                source = plan.log_source.clamp(min=0)[:, None].expand(batch, heads, chunk, fine.shape[-1])
+            if write.log_source is not None:
+                source = write.log_source.clamp(min=0)[:, None].expand(batch, heads, chunk, fine.shape[-1])
                 earlier = fine.gather(2, source)
-                logged = torch.where((plan.log_source >= 0)[:, None], earlier, replaced)
+                logged = torch.where((write.log_source >= 0)[:, None], earlier, replaced)
             elif replaced is not None:  # a chunk shorter than every block: no token overwrites another's entry
                 logged = replaced
             else:
                 logged = keys.new_zeros(batch, heads, chunk, 0)
-            self.rollback_log.append(logged, step.positions, step.real(), self.rollback_window,
-                                     step.facts is not None and step.facts.all_real)
-        new_keys = keys[..., :rank].transpose(1, 2) if plan.column is None else keys[rows, :, plan.column, :rank]
-        new_values = values.transpose(1, 2) if plan.column is None else values[rows, :, plan.column]
-        if plan.keep is not None:  # rows without a real token write back what their slots hold
-            keep = plan.keep[:, None, None, None]
-            new_keys = torch.where(keep, self.keys_storage()[rows, :, plan.slot], new_keys)
-            new_values = torch.where(keep, self.values_storage()[rows, :, plan.slot], new_values)
-        self.keys_storage()[rows, :, plan.slot] = new_keys  # (B, c, H, r_1): advanced indices come first
-        self.values_storage()[rows, :, plan.slot] = new_values
-        if plan.fine_element is not None:
+            self.rollback_log.append(logged, plan.step.positions, plan.real, self.rollback_window)
+        new_keys = keys[..., :rank].transpose(1, 2) if write.column is None else keys[rows, :, write.column, :rank]
+        new_values = values.transpose(1, 2) if write.column is None else values[rows, :, write.column]
+        if write.keep is not None:  # rows without a real token write back what their slots hold
+            keep = write.keep[:, None, None, None]
+            new_keys = torch.where(keep, self.keys_storage()[rows, :, write.slot], new_keys)
+            new_values = torch.where(keep, self.values_storage()[rows, :, write.slot], new_values)
+        self.keys_storage()[rows, :, write.slot] = new_keys  # (B, c, H, r_1): advanced indices come first
+        self.values_storage()[rows, :, write.slot] = new_values
+        if write.fine_element is not None:
             fine = keys[..., rank:]  # (B, H, c, F)
-            if plan.fine_column is not None:
-                fine = fine.gather(2, plan.fine_column[:, None].expand(batch, heads, chunk, fine.shape[-1]))
+            if write.fine_column is not None:
+                fine = fine.gather(2, write.fine_column[:, None].expand(batch, heads, chunk, fine.shape[-1]))
             fine = fine.permute(0, 2, 3, 1)  # (B, c, F, H)
-            if plan.keep is not None:
-                fine = torch.where(plan.keep[:, None, None, None], self._fine[rows[:, :, None], :, plan.fine_element],
-                                   fine)
-            self._fine[rows[:, :, None], :, plan.fine_element] = fine
-        self.last_positions.copy_(plan.last_after)
-        self.first_positions.copy_(plan.first_after)
-        facts = step.facts
-        self._advance(chunk, None if facts is None else facts.newest - self.base + 1)
-        return replaced if keep_replaced else None
+            if write.keep is not None:
+                fine = torch.where(write.keep[:, None, None, None],
+                                   self._fine[rows[:, :, None], :, write.fine_element], fine)
+            self._fine[rows[:, :, None], :, write.fine_element] = fine
+        self.last_positions.copy_(write.last_after)
+        self.first_positions.copy_(write.first_after)
+        return replaced if chunk > 1 and held else None
 
     # ------------------------------------------------------------------ batch operations (beam search etc.)
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -493,7 +419,6 @@ class MLRKeyCacheLayer(MLRCacheLayerMixin, DynamicLayer):
         return needed + max(MIN_GROWTH, needed // 32)
 
     def _allocate(self, like_keys, like_values, capacity: int) -> None:
-        self._targets = None
         batch, heads = like_keys.shape[:2]
         self._storage = (like_keys.new_zeros(batch, heads, capacity, self.geometry.ranks[0]),
                          like_values.new_zeros(batch, heads, capacity, like_values.shape[-1]))
@@ -579,10 +504,10 @@ class MLRKeyCacheLayer(MLRCacheLayerMixin, DynamicLayer):
         return self.get_seq_length() + query_length, 0
 
     def _apply_storage(self, fn) -> None:
-        self._targets = None
         self._storage = tuple(fn(tensor) for tensor in self._storage)
         self._fine = fn(self._fine)
         self.rings = self._fine_views(self._fine, self.capacity)
+        self._contiguous = all(tensor.is_contiguous() for tensor in self._storage + (self._fine,))
 
     def reset(self) -> None:
         if not self.is_bound:
@@ -627,7 +552,6 @@ class MLRStaticKeyCacheLayer(MLRCacheLayerMixin, StaticLayer):
         return self.max_cache_len
 
     def _allocate(self, like_keys, like_values, capacity: int) -> None:
-        self._targets = None
         batch, heads = like_keys.shape[:2]
         self.keys = like_keys.new_zeros(batch, heads, capacity, self.geometry.ranks[0])
         self.values = like_values.new_zeros(batch, heads, capacity, like_values.shape[-1])
@@ -672,9 +596,9 @@ class MLRStaticKeyCacheLayer(MLRCacheLayerMixin, StaticLayer):
         return self.cumulative_length if self.is_initialized else 0
 
     def _apply_storage(self, fn) -> None:
-        self._targets = None
         self.keys, self.values, self._fine = fn(self.keys), fn(self.values), fn(self._fine)
         self.rings = self._fine_views(self._fine, self.max_cache_len)
+        self._contiguous = all(tensor.is_contiguous() for tensor in (self.keys, self.values, self._fine))
 
     def reset(self) -> None:
         if not self.is_bound:
@@ -684,6 +608,7 @@ class MLRStaticKeyCacheLayer(MLRCacheLayerMixin, StaticLayer):
                 tensor.zero_()
             self.first_positions.fill_(NO_POSITION)
             self.last_positions.fill_(-1)
+            self.base = None  # placed afresh by the next write (its positions may start lower or higher)
         self.cumulative_length.zero_()
         self.rollback_log.clear()
 

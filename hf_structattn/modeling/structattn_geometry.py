@@ -31,17 +31,15 @@ def mask_value(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).min / 2
 
 
-_SOFTMAX_DTYPES: dict = {}
+_SOFTMAX_DTYPES = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float32,
+                   torch.float64: torch.float64}  # a constant table: ``torch.promote_types`` is a dispatched op
 
 
 def softmax_dtype(dtype: torch.dtype) -> torch.dtype:
     """Working dtype of a softmax over scores of ``dtype``: at least float32 (fp16/bf16 scores are upcast), and
-    float64 stays float64 so float64 paths are exact to ~1e-12. (Memoised: ``torch.promote_types`` is a dispatched
-    op, which an eager decode step would pay for in every layer.)"""
+    float64 stays float64 so float64 paths are exact to ~1e-12."""
     work = _SOFTMAX_DTYPES.get(dtype)
-    if work is None:
-        work = _SOFTMAX_DTYPES[dtype] = torch.promote_types(dtype, torch.float32)
-    return work
+    return work if work is not None else torch.promote_types(dtype, torch.float32)
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, same_length: bool = True) -> None:
@@ -86,6 +84,31 @@ def keep_mask(attention_mask: Optional[torch.Tensor], batch: int, length: int, d
                              f"mask holding {value}: additive masks (0 = attend, -inf = masked) are not accepted; "
                              f"pass (mask == 0) instead")
     return attention_mask.to(device=device).bool().expand(batch, length)
+
+
+MASKED_AT_MOST = -1e4  # an additive (float) mask entry at or below this is "masked": its weight underflows to 0
+
+
+def mask_allowed(mask: torch.Tensor) -> torch.Tensor:
+    """The one mask rule: the bool form (True = attend) of any attention mask. bool: as is; integer: non-zero
+    entries (a keep-mask); floating: an additive mask, 0 = attend (``check_additive_mask`` refuses any other value
+    than 0 and values at or below ``MASKED_AT_MOST``: -inf, the dtype's lowest value, -1e4, -1e9, ...)."""
+    if mask.dtype == torch.bool:
+        return mask
+    return mask == 0 if mask.is_floating_point() else mask != 0
+
+
+def check_additive_mask(mask: torch.Tensor, name: str = "attention_mask") -> None:
+    """Refuse a float mask holding a score bias (a value other than 0 and at most ``MASKED_AT_MOST``): MLR attention
+    applies masks by which pairs attend, so a bias would be dropped silently. One host read (eager only)."""
+    if torch.compiler.is_compiling() or not mask.is_floating_point():
+        return
+    bias = (mask != 0) & (mask > MASKED_AT_MOST)
+    if bool(bias.any()):
+        value = float(mask[bias].flatten()[0])
+        raise ValueError(f"{name} is a float (additive) mask holding {value}: MLR attention reads a float mask as 0 = "
+                         f"attend and <= {MASKED_AT_MOST:g} (e.g. -inf or the dtype's lowest value) = masked; pass "
+                         f"additive score biases as a bias, or a bool mask (True = attend)")
 
 
 def check_positions(positions: Optional[torch.Tensor], batch: int, length: int, device=None,
@@ -238,39 +261,6 @@ def resolve_level_scales(ranks: Sequence[int], scales: Union[None, str, float, S
     return [float(value) for value in values]
 
 
-def level_prefix_widths(ranks: Sequence[int]) -> list[int]:
-    """``c_d = r_1 + ... + r_d`` for d = 1..L."""
-    widths, total = [], 0
-    for rank in ranks:
-        total += rank
-        widths.append(total)
-    return widths
-
-
-def depth_scale_vector(ranks: Sequence[int], level_scales: Sequence[float], depth: int, average_levels: bool,
-                       dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Multiplier per head dim for a pair of the given depth: ``alpha_l`` on the dims of levels <= depth
-    (divided by ``depth`` when averaging over shared levels), 0 beyond. Shape (r,)."""
-    parts = []
-    for level, (rank, scale) in enumerate(zip(ranks, level_scales), start=1):
-        value = (scale / depth if average_levels else scale) if level <= depth else 0.0
-        parts.append(torch.full((rank,), value, dtype=dtype, device=device))
-    return torch.cat(parts)
-
-
-def pair_depth(query_positions: torch.Tensor, key_positions: torch.Tensor, block_sizes: Sequence[int]) -> torch.Tensor:
-    """Number of levels shared by every (query, key) pair.
-
-    query_positions: (B, Tq), key_positions: (B, Tk) -> (B, Tq, Tk) int64 in 1..L.
-    """
-    depth = torch.ones(query_positions.shape[0], query_positions.shape[1], key_positions.shape[1],
-                       dtype=torch.long, device=query_positions.device)
-    for size in block_sizes:
-        same = (query_positions[:, :, None] // size) == (key_positions[:, None, :] // size)
-        depth = depth + same.long()
-    return depth
-
-
 # The per-layer attention kinds of every family, in transformers' ``layer_types`` vocabulary where one exists.
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -303,7 +293,7 @@ class TensorMemo:
     constants). The tables are per level or per head dim, never per cache slot, so the memo stays a few hundred bytes
     whatever the caches hold (``hf_structattn.cache_memory.allocated_cache_bytes`` counts it)."""
 
-    def __init__(self, capacity: int = 8):
+    def __init__(self, capacity: int = 16):
         self.capacity = capacity
         self.entries = {}
 
@@ -319,8 +309,9 @@ class TensorMemo:
         value = make()
         if not _is_traced(value):
             self.entries[key] = value
-            while len(self.entries) > self.capacity:
-                del self.entries[next(iter(self.entries))]
+            # (safe when two threads share the geometry: ``list`` of a dict and ``pop`` are atomic)
+            for old in list(self.entries)[:-self.capacity]:
+                self.entries.pop(old, None)
         return value
 
     def __len__(self) -> int:

@@ -17,7 +17,8 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from .structattn_geometry import depth_scale_vector, level_prefix_widths, mask_value, softmax_dtype
+from .structattn_geometry import mask_value, softmax_dtype
+from .structattn_mlr_levels import depth_scale_vector, level_multipliers, level_prefix_widths
 
 _cpu_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _cpu_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -166,7 +167,7 @@ def _own_scale(level_scales: Sequence[float], depth: int, num_levels: int, avera
     """The multiplier of every head dim in a group of ``depth`` shared levels, when it is one non-zero number."""
     if depth < num_levels:  # the dims of the unshared levels are zeroed
         return None
-    values = {scale / depth if average_levels else scale for scale in level_scales}
+    values = set(level_multipliers(level_scales, depth, average_levels))
     value = values.pop() if len(values) == 1 else 0.0
     return float(value) if value != 0.0 else None
 

@@ -5,9 +5,13 @@ The global dims go in one matmul and finer levels are added on the diagonal bloc
 score assembly, so it runs on any device and differentiates an additive bias (T5's learned relative bias).
 """
 
-import torch
+from typing import Optional, Sequence
 
-from .structattn_geometry import depth_scale_vector, level_prefix_widths, mask_value, softmax_dtype
+import torch
+import torch.nn.functional as F
+
+from .structattn_geometry import MLRGeometry, mask_value, softmax_dtype
+from .structattn_mlr_levels import depth_scale_vector, depth_weight, level_prefix_widths
 
 class _BlockScores(torch.autograd.Function):
     """Materialised MLR scores ``S = q_g k_g^T + sum_l blockdiag_l(q_l k_l^T)``.
@@ -110,7 +114,7 @@ def mlr_attention_math(q, k, v, key_valid, bias, ranks, block_sizes, first_depth
         for level in range(first_depth + 1, num_levels + 1):
             block = block_sizes[level - 2]
             depth += (positions[:, None] // block == positions[None, :] // block).to(q.dtype)
-        scores = scores / depth
+        scores = scores * depth_weight(depth, average_levels)
     if bias is not None:
         scores = scores + bias
     masked = None
@@ -122,3 +126,48 @@ def mlr_attention_math(q, k, v, key_valid, bias, ranks, block_sizes, first_depth
     if masked is not None:
         scores = scores.masked_fill(masked, mask_value(scores.dtype))
     return torch.softmax(scores, dim=-1, dtype=softmax_dtype(scores.dtype)).to(v.dtype) @ v
+
+
+def _masked_softmax(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim of ``scores`` (working dtype) with disallowed entries at the dtype's lowest value
+    (finite: a row with nothing allowed gives a uniform, finite result)."""
+    return torch.softmax(scores.masked_fill(~allowed, torch.finfo(scores.dtype).min), dim=-1)
+
+
+def mlr_attention_full_keys(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *,
+                            geometry: MLRGeometry, scales: Sequence[float], query_positions: torch.Tensor,
+                            key_positions: torch.Tensor, key_valid: torch.Tensor, causal: bool = True,
+                            bias: Optional[torch.Tensor] = None, return_weights: bool = False, dropout: float = 0.0):
+    """Materialised MLR attention over full-width keys: what an ordinary transformers cache holds, the attention maps
+    of ``"mlr_eager"`` and a traced prefill (the op layer's one materialised MLR).
+
+    query: (B, Hk, n, r) level order; keys: (B, Hk, K, r) level order; values: (B, Hk, K, dv); query_positions
+    (B, n); key_positions, key_valid (B, K); bias broadcastable to (B, Hk, n, K); dropout: probability of dropping a
+    weight (training). Returns (B, Hk, n, dv) [, probabilities (after dropout)]."""
+    work = softmax_dtype(query.dtype)
+    query = query * geometry.scale_vector(scales, query.dtype, query.device)
+    scores, depth, start = None, None, 0
+    for level, rank in enumerate(geometry.ranks):
+        level_scores = (query[..., start:start + rank] @ keys[..., start:start + rank].transpose(-1, -2)).to(work)
+        start += rank
+        if level == 0:
+            scores = level_scores
+            continue
+        size = geometry.block_sizes[level - 1]
+        same = ((query_positions[:, :, None] // size) == (key_positions[:, None, :] // size))[:, None]
+        scores = scores + level_scores * same
+        depth = same.to(work) if depth is None else depth + same
+    if depth is not None:
+        scores = scores * depth_weight(1 + depth, geometry.average_levels)
+    if bias is not None:
+        scores = scores + bias.to(work)
+    allowed = key_valid[:, None, None, :]
+    if causal:
+        allowed = allowed & (key_positions[:, None, None, :] <= query_positions[:, None, :, None])
+    probabilities = _masked_softmax(scores, allowed)
+    if dropout:
+        probabilities = F.dropout(probabilities, p=dropout, training=True)
+    output = probabilities.to(values.dtype) @ values
+    return (output, probabilities) if return_weights else output
+
+

@@ -3,17 +3,16 @@
 (``prepare_step``), shared by the GPT-2 family's forward, T5 and patched decoders (``forward_with_step`` wraps a
 transformers forward with a family's preparation)."""
 
-import dataclasses
 import inspect
 from typing import Callable, Optional
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer, EncoderDecoderCache, StaticLayer
-from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils.deprecation import deprecate_kwarg
 
 from .structattn_cache import MLR_CACHE_LAYERS, MLRKeyCacheLayer, MLRStaticKeyCacheLayer
-from .structattn_plan import STEP_KEY, MLRStep, build_step, plain_step
+from .structattn_geometry import check_additive_mask, mask_allowed
+from .structattn_step import STEP_KEY, MLRStep, build_step, plain_step
 
 
 def self_attention_cache(cache: Optional[Cache]) -> Optional[Cache]:
@@ -84,8 +83,8 @@ def prepare_structattn_cache(cache: Optional[Cache], geometries: dict, *, reserv
             continue
         layer = target.layers[layer_idx]
         if isinstance(layer, MLR_CACHE_LAYERS):
-            if not layer.is_bound and layer.get_seq_length() == 0:
-                layer.bind(geometry)
+            if layer.geometry != geometry and (layer.is_bound or layer.get_seq_length() == 0):
+                layer.bind(geometry)  # refuses a layer written with another geometry
         else:
             recording = bool(getattr(layer, "record_past", False))
             if type(layer) is DynamicLayer and layer.get_seq_length() == 0:
@@ -123,9 +122,7 @@ def new_token_validity(mask: Optional[torch.Tensor], past, length: int) -> Optio
         return None
     rows = torch.arange(length, device=mask.device)
     own = mask[:, 0][:, rows, (rows + past).clamp(max=mask.shape[-1] - 1)]  # (a short mask is refused after the read)
-    if own.dtype == torch.bool:
-        return own
-    return own > torch.finfo(own.dtype).min / 2 if own.is_floating_point() else own != 0
+    return mask_allowed(own)
 
 
 def _check_mask_length(mask: torch.Tensor, batch: int, length: int, past: Optional[int]) -> None:
@@ -139,19 +136,6 @@ def _check_mask_length(mask: torch.Tensor, batch: int, length: int, past: Option
     if mask.dim() == 4 and mask.shape[-1] < covered:
         raise ValueError(f"a 4-D attention_mask must have shape ({batch}, 1, {length}, >= {covered}) (batch, 1, new "
                          f"tokens, cached + new tokens), got {tuple(mask.shape)}")
-
-
-def _checkpointed_layers(model) -> frozenset:
-    """Indices of the attention layers whose cache transformers' activation checkpointing drops in this forward
-    (``GradientCheckpointingLayer`` passes such a layer ``cache=None`` in training with gradients)."""
-    if not (model.training and torch.is_grad_enabled()):
-        return frozenset()
-    indices = set()
-    for module in model.modules():
-        if isinstance(module, GradientCheckpointingLayer) and module.gradient_checkpointing and \
-                not module._can_checkpoint_with_cache:
-            indices.update(sub.layer_idx for sub in module.modules() if isinstance(getattr(sub, "layer_idx", None), int))
-    return frozenset(indices)
 
 
 def prepare_step(model, *, cache: Optional[Cache], batch: int, length: int, device,
@@ -191,6 +175,7 @@ def prepare_step(model, *, cache: Optional[Cache], batch: int, length: int, devi
         if attention_mask.dtype != torch.bool:
             checked = attention_mask
     elif attention_mask is not None and attention_mask.dim() == 4:
+        check_additive_mask(attention_mask)
         valid = new_token_validity(attention_mask, past, length)
         valid = None if valid is None else valid.expand(batch, length)
         standard = False
@@ -198,17 +183,14 @@ def prepare_step(model, *, cache: Optional[Cache], batch: int, length: int, devi
         step = plain_step(cache=target, positions=positions, valid=valid, batch=batch, length=length, device=device,
                           key_mask=key_mask, standard_masks=standard, checked_mask=checked, past=past,
                           max_positions=max_positions)
-        if attention_mask is not None and isinstance(past, torch.Tensor) and step.memo.get("tokens") is not None:
-            _check_mask_length(attention_mask, batch, length, step.memo["tokens"])
+        if attention_mask is not None and isinstance(past, torch.Tensor) and step.tokens is not None:
+            _check_mask_length(attention_mask, batch, length, step.tokens)
         return step
     geometries = tuple(sorted({tuple(geometry.block_sizes) for geometry in layer_geometries.values()}))
     step = build_step(cache=target, positions=positions, valid=valid, batch=batch, length=length, device=device,
                       key_mask=key_mask, standard_masks=standard, checked_mask=checked,
                       embedding_positions=positions if max_positions is not None else None,
                       max_positions=max_positions, geometries=geometries)
-    dropped = _checkpointed_layers(model)
-    if dropped:
-        step = dataclasses.replace(step, uncached_layers=dropped)
     if step.facts is not None and attention_mask is not None and isinstance(past, torch.Tensor):
         _check_mask_length(attention_mask, batch, length, step.facts.tokens_before)
     return step

@@ -14,11 +14,11 @@ from .structattn_geometry import (
     check_qkv,
     keep_mask,
     mask_value,
-    pair_depth,
     resolve_level_scales,
     softmax_dtype,
     validate_mlr_geometry,
 )
+from .structattn_mlr_levels import depth_weight, pair_depth
 
 
 def _positions_or_arange(positions: Optional[torch.Tensor], batch: int, length: int, device,
@@ -86,9 +86,7 @@ def mlr_scores_reference(q: torch.Tensor, k: torch.Tensor, *, ranks: Sequence[in
         level_scores = q[..., start:start + rank] @ k[..., start:start + rank].transpose(-1, -2)
         scores = scores + scale * level_scores * (depth >= level)
         start += rank
-    if average_levels:
-        scores = scores / depth
-    return scores
+    return scores * depth_weight(depth.to(scores.dtype), average_levels)
 
 
 def mlr_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ranks: Sequence[int],

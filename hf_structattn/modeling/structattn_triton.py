@@ -110,7 +110,7 @@ if TRITON_AVAILABLE:
             same = (offs_m // size)[:, None] == (offs_n // size)[None, :]
             s += tl.where(same, part, 0.0)
             dep += same.to(tl.float32)
-        if AVERAGE:
+        if AVERAGE:  # the level rule of structattn_mlr_levels.depth_weight, in Triton (forward and both backwards)
             s = s / dep
         if HAS_BIAS:
             bias = tl.load(bias_base + offs_m[:, None] * stride_bias_m + offs_n[None, :] * stride_bias_n,

@@ -1,4 +1,4 @@
-"""The step plan: what one model forward tells its MLR layers, built once before the layers run.
+"""The step: what one model forward tells its MLR layers, built once before the layers run.
 
 ``build_step`` (called by every family's forward through ``structattn_prepare.prepare_step``) turns the forward's
 inputs into an ``MLRStep``: the MLR positions (B, c) and padding flags of the new tokens, the self-attention cache,
@@ -9,11 +9,11 @@ holding values other than 0 and 1, positions past a learned position table) runs
 device in **one** batched host read per forward; the layers read nothing back. While torch.compile or torch.export
 traces, nothing is read (``facts`` is None) and the layers take their fixed-shape paths.
 
-Per-geometry plans (where a chunk writes, how a decode step reads, the canonical layout of the uncached op) are
-typed objects made from the step by the cache and op modules and memoised on it (``MLRStep.memoised``), so the
-layers of one geometry share them.
+What the MLR cache layers of one geometry write and read in this forward is that geometry's ``MLRPlan``
+(``structattn_mlr_plan``), made from the step by the first of them and kept on it (``MLRStep.plans``).
 """
 
+import dataclasses
 import warnings
 from dataclasses import dataclass, field
 from typing import Optional
@@ -69,11 +69,12 @@ class MLRStep:
     tracing; standard_masks: every 4-D mask the model built is transformers' causal + padding mask (no caller 4-D
     mask); key_mask: the caller's 2-D keep-mask over cached and new tokens, or None; position_bias: T5's relative
     bias of the decoder self-attention over token indices (1, H, c, K) when its MLR layers read a cache (T5 sizes
-    the bias by the key length ``cache.update`` returns, which for an MLR layer is the chunk's); uncached_layers: the
-    indices of the layers that get no cache in this forward (transformers' activation checkpointing drops it);
+    the bias by the key length ``cache.update`` returns, which for an MLR layer is the chunk's);
     last_before, first_before: (B,) the rows' newest / first real position the MLR layers hold before the forward
     (-1 / ``NO_POSITION`` for a row without one, and for every row of a traced program fed from position 0 again), or
-    None without an MLR layer."""
+    None without an MLR layer; tokens: the cached tokens read back by ``plain_step`` (a static cache's length);
+    plans: {MLRGeometry: MLRPlan} of this forward (``structattn_mlr_plan.mlr_plan``); mask_checks: what a caller's
+    4-D mask was found to be, per mask and query layout (read back once per forward, not per layer)."""
 
     cache: Optional[object]
     positions: Optional[torch.Tensor]
@@ -82,16 +83,17 @@ class MLRStep:
     standard_masks: bool = True
     key_mask: Optional[torch.Tensor] = None
     position_bias: Optional[torch.Tensor] = None
-    uncached_layers: frozenset = frozenset()
     last_before: Optional[torch.Tensor] = None
     first_before: Optional[torch.Tensor] = None
-    memo: dict = field(default_factory=dict, compare=False, repr=False)
+    tokens: Optional[int] = None
+    plans: dict = field(default_factory=dict, compare=False, repr=False)
+    mask_checks: dict = field(default_factory=dict, compare=False, repr=False)
 
     def layer(self, layer_idx: Optional[int]):
-        """The cache layer of ``layer_idx``, or None (no cache, or a layer whose cache activation checkpointing
-        drops: ``uncached_layers``)."""
+        """The cache layer of ``layer_idx`` or None: what an ordinary (full-keys) cache layer holds is read by its
+        length only."""
         cache = self.cache
-        if cache is None or layer_idx is None or layer_idx >= len(cache.layers) or layer_idx in self.uncached_layers:
+        if cache is None or layer_idx is None or layer_idx >= len(cache.layers):
             return None
         return cache.layers[layer_idx]
 
@@ -99,16 +101,7 @@ class MLRStep:
         """(B, c) bool padding flags (all True without padding)."""
         if self.valid is not None:
             return self.valid
-        return self.memoised(("all real",), lambda: torch.ones(self.positions.shape, dtype=torch.bool,
-                                                               device=self.positions.device))
-
-    def memoised(self, key, make):
-        """The per-forward plan under ``key`` (a tuple naming a kind and the geometry), made once by ``make()`` and
-        shared by the layers of this forward."""
-        value = self.memo.get(key)
-        if value is None:
-            value = self.memo[key] = make()
-        return value
+        return torch.ones(self.positions.shape, dtype=torch.bool, device=self.positions.device)
 
 
 def mlr_position_layer(cache) -> Optional[object]:
@@ -223,7 +216,7 @@ def plain_step(*, cache, positions: Optional[torch.Tensor], valid: Optional[torc
     """The step of a forward whose cache no MLR layer reads (a dense model of the family, a T5 without MLR decoder
     self-attention): no facts, only the input checks of ``build_step`` that concern every model (non-negative
     positions below a learned position table, a 0/1 mask; the cached length of a static cache is left in
-    ``memo["tokens"]`` for the mask's length check), with at most one host read."""
+    ``tokens`` for the mask's length check), with at most one host read."""
     if positions is not None:
         positions = positions.to(device=device, dtype=torch.long).expand(batch, length)
     step = MLRStep(cache, positions, valid, None, standard_masks, key_mask)
@@ -246,7 +239,7 @@ def plain_step(*, cache, positions: Optional[torch.Tensor], valid: Optional[torc
         bad_mask, values = bool(values[0]), values[1:]
     _refuse_bad_inputs(checked_mask is not None and bad_mask, low, high, max_positions)
     if isinstance(past, torch.Tensor):
-        step.memo["tokens"] = values[0]
+        return dataclasses.replace(step, tokens=values[0])
     return step
 
 
@@ -456,106 +449,5 @@ def continue_runs(positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return fixed
 
 
-@dataclass(frozen=True)
-class ChunkWritePlan:
-    """Where a chunk's tokens go, for every MLR layer of one geometry in one forward (positions only).
-
-    Every token writes: a real token its own key, a padding token the row's newest real token of the chunk again
-    (so writes to one slot or entry always agree, whatever order the backend applies them in); a row without a real
-    token writes back what the slot holds (``keep``). rows: (B, 1); slot, column: (B, c) the slot each token writes
-    and the chunk column whose key / value it writes; fine_element, fine_column: (B, c, F) the same per fine dim (an
-    element of the flat ring storage; a ring entry gets the newest real position of the chunk that maps to it);
-    own_element: (B, c, F) each token's own ring entries (what it replaces); keep: (B,) rows without a real token
-    (None: every row has one); last_after, first_after: (B,) the rows' spans after the chunk; last_before: (B,);
-    log_source: (B, c, F) for the rollback log, the chunk column whose earlier write an entry holds just before a
-    token's write, or -1 (the entry's value before the chunk)."""
-
-    rows: torch.Tensor
-    slot: torch.Tensor
-    column: Optional[torch.Tensor]
-    fine_element: Optional[torch.Tensor]
-    fine_column: Optional[torch.Tensor]
-    own_element: Optional[torch.Tensor]
-    keep: Optional[torch.Tensor]
-    last_after: torch.Tensor
-    first_after: torch.Tensor
-    last_before: torch.Tensor
-    log_source: Optional[torch.Tensor]
-
-
-
-def plan_chunk_write(step: MLRStep, geometry, base: int, capacity: int, ring_widths: tuple, last_positions,
-                     first_positions, record: bool) -> ChunkWritePlan:
-    """The ``ChunkWritePlan`` of the step's chunk for the MLR cache layers of ``geometry`` (slot ``p - base`` for
-    position ``p``, rings of ``ring_widths`` entries, ``capacity`` slots) holding the rows' spans ``last_positions``
-    / ``first_positions`` (B,) before the chunk; ``record``: the layers log what they overwrite (rollback)."""
-    positions, valid = step.positions, step.valid
-    batch, chunk = positions.shape
-    device = positions.device
-    index = torch.arange(chunk, device=device)
-    rows = torch.arange(batch, device=device)[:, None]
-    if valid is None:
-        start, count = positions[:, 0], None
-        last_new = positions[:, -1]
-        rank = index.expand(batch, chunk)
-        writer = positions
-        order = None
-    else:
-        rank = valid.long().cumsum(-1) - 1
-        count = valid.long().sum(-1)
-        # the chunk column of a row's k-th real token (real positions of a row are consecutive)
-        order = torch.argsort(torch.where(valid, index, index + chunk), dim=-1, stable=True)
-        start = torch.where(valid, positions - rank, NO_POSITION).amin(-1)
-        last_new = start + count - 1
-        writer = torch.where(valid, positions, last_new[:, None])
-
-    def column_of(target):
-        if order is None:
-            return (target - start[:, None]).clamp(min=0, max=chunk - 1)
-        return order.gather(-1, (target - start[:, None]).clamp(min=0, max=chunk - 1))
-
-    slot = (writer - base).clamp(min=0, max=capacity - 1)
-    column = None if valid is None else column_of(writer)
-    fine_element = fine_column = own_element = log_source = None
-    if geometry.block_sizes:
-        layout = geometry.fine_layout(ring_widths, device)
-        dims_block = layout["element block"]  # (F,) b_l of each fine dim
-        if chunk == 1 or (valid is None and chunk <= min(geometry.block_sizes)):
-            fine_writer = writer[:, :, None]  # no two real tokens of the chunk share an entry
-            fine_column = None if column is None else column[:, :, None].expand(batch, chunk, dims_block.shape[0])
-        else:
-            # a ring entry gets the newest real position of the chunk that maps to it
-            fine_writer = writer[:, :, None] + ((last_new[:, None, None] - writer[:, :, None]) // dims_block) * \
-                dims_block
-            fine_column = column_of(fine_writer.reshape(batch, -1)).view(batch, chunk, -1)
-        entry = ((fine_writer - base) % dims_block)
-        fine_element = layout["element offset"] + entry.clamp(max=capacity - 1)
-        own_entry = ((positions[:, :, None] - base).clamp(min=0) % dims_block).clamp(max=capacity - 1)
-        own_element = layout["element offset"] + own_entry
-        if record and chunk > min(geometry.block_sizes):  # (shorter chunks never overwrite their own entries)
-            # the rollback log keeps, per token, what its entry holds just before its write: the chunk's own real
-            # token one block earlier when there is one, else the value before the chunk (-1)
-            source_rank = rank[:, :, None] - dims_block
-            from_chunk = (source_rank >= 0) if valid is None else (source_rank >= 0) & valid[:, :, None]
-            source = column_of((start[:, None, None] + source_rank.clamp(min=0)).reshape(batch, -1)).view(
-                batch, chunk, -1)
-            log_source = torch.where(from_chunk, source, -1)
-    keep = None if valid is None else count == 0
-    if valid is None:
-        newest, oldest = last_new, start
-    else:
-        newest = torch.where(count > 0, last_new, -1)
-        oldest = torch.where(count > 0, start, NO_POSITION)
-    # the rows' spans before the chunk as the step sees them (a traced program fed from position 0 again starts
-    # them afresh)
-    # (a copy: the layers' own positions are overwritten by the writes, and the chunk's reads need the old ones)
-    last_before = (last_positions if step.last_before is None else step.last_before).clone()
-    first_before = first_positions if step.first_before is None else step.first_before
-    last_after = torch.maximum(last_before, newest)
-    first_after = torch.minimum(first_before, oldest)
-    return ChunkWritePlan(rows, slot, column, fine_element, fine_column, own_element, keep, last_after,
-                          first_after, last_before, log_source)
-
-
-__all__ = ["ChunkWritePlan", "MLRStep", "NO_POSITION", "STEP_KEY", "StepFacts", "build_step", "continue_runs", "mlr_position_layer", "plain_step",
-           "plan_chunk_write"]
+__all__ = ["MLRStep", "NO_POSITION", "STEP_KEY", "StepFacts", "build_step", "continue_runs", "mlr_position_layer",
+           "plain_step"]

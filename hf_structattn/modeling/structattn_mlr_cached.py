@@ -1,0 +1,197 @@
+"""Cached MLR attention: the queries of one forward against the hierarchical key cache, after the cache layer's
+``update`` wrote their tokens. One entry, ``mlr_cached_attention(query, view, plan)``; three formulations of the same
+sum, picked in one place (``_formulation``):
+
+* ``in_step`` -- rows in step, the chunk inside one block at every level (``MLRPlan.in_step``: greedy and sampled
+  decoding, speculative verification chunks that stay in a block), eager, nothing else asked: level-1 scores by one
+  ``bmm`` over a strided view of the whole key storage, each group of finer levels by one in-place ``baddbmm_`` of
+  its ring onto its block's slots (after the write a ring holds exactly that block's slots up to the newest token),
+  the level weights and the mask in one op, softmax, one ``bmm`` with the values. The fewest eager ops.
+* ``traced`` -- one token per row while torch.compile / torch.export traces: each level's entry scores are tiled
+  over the slot axis (slot ``s`` of a block holds entry ``s % b_l``) and kept where the slot is in the row's current
+  block: affine indices and no scatter, which inductor fuses into one pass of vector loads.
+* ``general`` -- everything else (rows at different positions or padded, chunks that cross a block, half precision,
+  a bias, a caller's mask, attention maps, gradients, dropout, traced chunks): level-1 scores over every slot, and
+  for all finer levels at once the scores of their key sources (ring entries of the block of each row's newest
+  cached position, the entries the chunk's writes replaced, the chunk's own keys), weighted by whether they share
+  the query's block and added onto their slots by one ``scatter_add_``.
+
+Per-pair level weights come from ``structattn_mlr_levels`` (through the read plans); the executable spec is
+``structattn_reference.mlr_attention_reference``, against which every formulation is tested
+(tests/test_mlr_cached.py).
+"""
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .structattn_geometry import softmax_dtype
+
+
+def _formulation(query: torch.Tensor, view, plan, bias, return_weights: bool, dropout: float) -> str:
+    """The one place that picks how a cached read is computed."""
+    if plan.traced:
+        return "traced" if plan.chunk == 1 and bias is None and not return_weights and not dropout else "general"
+    if plan.in_step and view.contiguous and bias is None and not return_weights and not dropout and \
+            not query.requires_grad and softmax_dtype(query.dtype) == query.dtype:
+        return "in_step"
+    return "general"
+
+
+def mlr_cached_attention(query: torch.Tensor, view, plan, scales: tuple, *, bias: Optional[torch.Tensor] = None,
+                         return_weights: bool = False, dropout: float = 0.0):
+    """MLR attention of a forward's queries against everything ``view``'s layer holds after its write.
+
+    query: (B, Hq, c, r) in level order; view: the layer's ``MLRCacheView`` (what ``update`` returned); plan: the
+    forward's ``MLRPlan`` of the layer's geometry; scales: the level scales; bias: additive, broadcastable to
+    (B, Hk, n, S) in slot order (n = g c query rows per cached head, group-major); dropout: probability of dropping a
+    weight (training). Returns the output (B, c, Hq, dv) (contiguous) and the probabilities (B, Hk, n, S) in slot
+    order when ``return_weights``, else None."""
+    formulation = _formulation(query, view, plan, bias, return_weights, dropout)
+    batch, q_heads, chunk, width = query.shape
+    kv_heads = view.key_storage.shape[1]
+    read = view.layout.read(formulation, q_heads // kv_heads, scales)
+    if formulation == "in_step":
+        out, weights = _in_step(query, view, read), None
+    else:
+        rows = query.reshape(batch, kv_heads, q_heads // kv_heads * chunk, width)  # group-major: row g c + i
+        if formulation == "traced":
+            out, weights = _traced(rows, view, read, plan.geometry, scales), None
+        else:
+            out, weights = _general(rows, view, read, plan.geometry, scales, bias, return_weights, dropout)
+    if chunk == 1:  # (B, Hk, g, dv) holds the heads of the one new token in order
+        return out.reshape(batch, 1, q_heads, -1), weights
+    return out.reshape(batch, q_heads, chunk, -1).transpose(1, 2).contiguous(), weights
+
+
+def _in_step(query: torch.Tensor, view, read) -> torch.Tensor:
+    """(B, Hk, g c, dv) from whole (contiguous) storages read through strided views (no narrowing)."""
+    keys, values, fine = view.key_storage, view.value_storage, view.fine
+    batch, heads, capacity, first_rank = keys.shape
+    flat, slots, width = batch * heads, read.slots, values.shape[-1]
+    rows = query.shape[1] // heads * query.shape[2]
+    if read.query_scale is not None:
+        query = query * read.query_scale
+    pieces = query.reshape(flat, rows, query.shape[-1]).split_with_sizes(read.query_split, dim=2)
+    first_keys = keys.as_strided((flat, first_rank, slots), (capacity * first_rank, 1, first_rank),
+                                 keys.storage_offset())
+    alphas = read.alphas
+    scores = torch.bmm(pieces[0], first_keys) if alphas is None else \
+        torch.baddbmm(read.zero, pieces[0], first_keys, beta=0, alpha=alphas[0])
+    elements, fine_offset = fine.shape[-1], fine.storage_offset()
+    targets = {}
+    for index, ((start, used, _, dims, offset, ring_width), level_query) in enumerate(zip(read.groups, pieces[1:])):
+        ring = fine.as_strided((flat, dims, used), (elements, ring_width, 1), fine_offset + offset)
+        target = targets.get((start, used))
+        if target is None:  # groups over the same slots share one slice of the scores
+            target = targets[start, used] = scores.narrow(2, start, used)
+        if alphas is None:
+            target.baddbmm_(level_query, ring)
+        else:
+            target.baddbmm_(level_query, ring, alpha=alphas[index + 1])
+    if read.additive is not None:
+        tokens = read.additive.shape[-2] if read.additive.dim() == 5 else 1
+        shaped = scores.view(batch, heads, rows, slots) if tokens == 1 else \
+            scores.view(batch, heads, rows // tokens, tokens, slots)
+        shaped = torch.addcmul(read.additive, shaped, read.multiplier) if read.multiplier is not None \
+            else shaped + read.additive
+        scores = shaped.view(flat, rows, slots)
+    elif read.multiplier is not None:
+        scores.mul_(read.multiplier)
+    values_read = values.as_strided((flat, slots, width), (capacity * width, width, 1), values.storage_offset())
+    return torch.bmm(torch.softmax(scores, dim=-1), values_read).view(batch, heads, rows, width)
+
+
+def _read_slots(view, slots: int) -> tuple:
+    """(keys (B, Hk, S, r_1), values (B, Hk, S, dv)): the slots a read covers (the whole storage while tracing)."""
+    keys, values = view.key_storage, view.value_storage
+    if slots != keys.shape[2]:
+        keys, values = keys.narrow(2, 0, slots), values.narrow(2, 0, slots)
+    return keys, values
+
+
+def _general(rows: torch.Tensor, view, read, geometry, scales: tuple, bias, return_weights: bool, dropout: float):
+    """rows (B, Hk, n, r) -> (B, Hk, n, dv) [, probabilities (B, Hk, n, S)]."""
+    work = read.work
+    slots = read.additive.shape[-1]
+    keys, values = _read_slots(view, slots)
+    batch, heads, count, width = rows.shape
+    flat = batch * heads
+    # 3-D products throughout: a 4-D matmul costs a handful of expand / view calls each
+    query = (rows * geometry.scale_vector(scales, rows.dtype, rows.device)).reshape(flat, count, width)
+    level_queries = query.split(list(geometry.ranks), dim=-1)
+    first_rank = geometry.ranks[0]
+    scores = torch.bmm(level_queries[0], keys.reshape(flat, slots, first_rank).transpose(1, 2)).to(work)
+    if read.target is not None:
+        own_keys = view.chunk_keys[..., first_rank:]
+        if view.replaced is not None:
+            own_keys = torch.cat([view.replaced.to(own_keys.dtype), own_keys], dim=2)  # (B, Hk, 2c, F)
+        own_keys = own_keys.reshape(flat, own_keys.shape[2], -1).transpose(1, 2)  # (B Hk, F, sources)
+        fine = view.fine.reshape(flat, -1)
+        ring_scores, own_scores, offset = [], [], 0
+        for level_query, level_keys, rank, ring_width in zip(level_queries[1:],
+                                                             own_keys.split(list(geometry.ranks[1:]), 1),
+                                                             geometry.ranks[1:], view.layout.ring_widths):
+            ring = fine[:, offset:offset + ring_width * rank].view(flat, rank, ring_width)
+            ring_scores.append(torch.bmm(level_query, ring.to(level_query.dtype)))
+            own_scores.append(torch.bmm(level_query, level_keys.to(level_query.dtype)))
+            offset += ring_width * rank
+        level_scores = torch.cat(ring_scores + own_scores, dim=-1).to(work).view(batch, heads, count, -1) * \
+            read.weight
+        scores.view(batch, heads, count, slots).scatter_add_(
+            -1, read.target[:, None, None, :].expand(batch, heads, count, -1), level_scores)
+    scores = scores.view(batch, heads, count, slots)
+    if read.multiplier is not None:
+        scores = scores * read.multiplier
+    scores = scores + read.additive
+    if bias is not None:
+        scores = scores + bias.to(work)
+    probabilities = torch.softmax(scores, dim=-1)
+    if dropout:
+        probabilities = F.dropout(probabilities, p=dropout, training=True)
+    output = torch.bmm(probabilities.to(values.dtype).reshape(flat, count, slots),
+                       values.reshape(flat, slots, values.shape[-1])).view(batch, heads, count, -1)
+    return output, (probabilities if return_weights else None)
+
+
+def _traced(rows: torch.Tensor, view, read, geometry, scales: tuple) -> torch.Tensor:
+    """rows (B, Hk, g, r), one token per row, traced -> (B, Hk, g, dv)."""
+    work = read.work
+    keys, values, fine, ring_widths = view.key_storage, view.value_storage, view.fine, view.layout.ring_widths
+    batch, heads, count, _ = rows.shape
+    slots, first_rank = keys.shape[2], geometry.ranks[0]
+    if not read.scaled:
+        rows = rows * geometry.scale_vector(scales, rows.dtype, rows.device)
+    fine_scores, offset = None, 0
+    for level, (level_query, rank, width, size) in enumerate(zip(
+            rows[..., first_rank:].split(list(geometry.ranks[1:]), dim=-1), geometry.ranks[1:], ring_widths,
+            geometry.block_sizes)):
+        ring = fine[..., offset:offset + width * rank].view(batch, heads, rank, width)
+        offset += width * rank
+        entry_scores = (level_query @ ring).to(work)  # (B, Hk, g, W_l)
+        if size <= slots:  # W_l = b_l: one copy of the entries per block
+            tiles = -(-slots // size)
+            entry_scores = entry_scores[..., None, :].expand(batch, heads, count, tiles, size).reshape(
+                batch, heads, count, tiles * size)
+        kept = torch.where(read.current_block[:, level], entry_scores[..., :slots], 0.0)
+        fine_scores = kept if fine_scores is None else fine_scores + kept
+    first_query = rows[..., :first_rank].reshape(batch * heads, count, first_rank)
+    first_keys = keys.reshape(batch * heads, slots, first_rank).transpose(1, 2)
+    if rows.dtype != work:  # low precision: the product in the query dtype, accumulated in the working dtype
+        first_scores = torch.bmm(first_query, first_keys).to(work).view(batch, heads, count, slots)
+        scores = first_scores if fine_scores is None else fine_scores + first_scores
+    else:
+        # inductor would lower a one-row ``bmm`` to a slower loop of its own; ``baddbmm`` stays a library call
+        base = fine_scores if fine_scores is not None else rows.new_zeros(batch, heads, count, slots)
+        scores = torch.baddbmm(base.reshape(batch * heads, count, slots), first_query, first_keys).view(
+            batch, heads, count, slots)
+    scores = scores * read.multiplier + read.additive if read.multiplier is not None else scores + read.additive
+    weights = torch.softmax(scores, dim=-1).to(values.dtype).reshape(batch * heads, count, slots)
+    values = values.reshape(batch * heads, slots, values.shape[-1])
+    # (a baddbmm onto zeros for the same reason as above)
+    output = torch.baddbmm(weights.new_zeros(batch * heads, count, values.shape[-1]), weights, values)
+    return output.view(batch, heads, count, -1)
+
+
+__all__ = ["mlr_cached_attention"]
