@@ -537,13 +537,13 @@ def test_gpt2_config_does_not_inherit_token_ids_outside_its_vocabulary(recwarn):
 
 
 def test_right_padded_generate_warns_once_and_continues_the_rows(recwarn):
-    from hf_structattn.modeling import structattn_plan
+    from hf_structattn.modeling import structattn_step
 
     model = tiny_lm("mlr").double()
     ids = _ids(2, 10, vocab=61)
     mask = torch.ones_like(ids)
     mask[1, 7:] = 0  # right padding
-    structattn_plan._WARNED_BEHIND.clear()
+    structattn_step._WARNED_BEHIND.clear()
     out = model.generate(ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False,
                          pad_token_id=1)
     model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=1)

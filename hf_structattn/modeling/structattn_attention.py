@@ -58,9 +58,7 @@ from .structattn_mlr import PositionLayout, mlr_attention
 from .structattn_mlr_cached import mlr_cached_attention
 from .structattn_mlr_math import mlr_attention_full_keys
 from .structattn_ops import eager_attention_forward, fused_attention
-from .structattn_step import STEP_KEY, continue_runs
-
-UNSUPPORTED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+from .structattn_step import STEP_KEY, continue_runs, refuse_unsupported_arguments
 
 _warned = set()
 
@@ -218,16 +216,7 @@ def _key_positions(query_positions: torch.Tensor, valid_queries: Optional[torch.
 
 
 def _check_kwargs(module, kwargs: dict, dropout: float, eager: bool) -> None:
-    for name in UNSUPPORTED_KWARGS:
-        if kwargs.get(name) is not None:
-            raise ValueError(f"{name} was passed: packed sequences (varlen / padding-free batches) are not "
-                             f"supported by MLR attention")
-    if kwargs.get("softcap") is not None:
-        raise ValueError(f"softcap={kwargs['softcap']}: attention logit soft-capping is not supported by MLR")
-    if kwargs.get("sliding_window") is not None:
-        raise ValueError(f"layer {getattr(module, 'layer_idx', '?')} is a sliding-window layer (window "
-                         f"{kwargs['sliding_window']}); MLR replaces it only when patched with "
-                         f"sliding_window_layers='replace'")
+    refuse_unsupported_arguments(kwargs, getattr(module, "layer_idx", None))
     if dropout and module.training and not eager:
         _warn_once("dropout", f"attention dropout (p={dropout}) is applied by MLR attention layers only with "
                               f"attn_implementation='eager' (the fused kernels do not drop weights)")

@@ -35,7 +35,7 @@ from transformers.cache_utils import DynamicLayer, StaticLayer
 from .structattn_geometry import MLRGeometry
 from .structattn_mlr_plan import CacheLayout, MLRPlan, mlr_plan
 from .structattn_rollback import RollbackLog, RollbackMixin
-from .structattn_step import NO_POSITION, STEP_KEY, MLRStep
+from .structattn_step import NO_POSITION, STEP_KEY, MLRStep, refuse_unsupported_arguments
 
 _WARNED_WITHOUT_KWARGS = set()
 MIN_GROWTH = 16  # dynamic layers grow by max(MIN_GROWTH, S/32) slots when no length was reserved
@@ -376,13 +376,18 @@ class MLRCacheLayerMixin(RollbackMixin):
 
 def _step_of(args, kwargs) -> Optional[MLRStep]:
     """The ``MLRStep`` in the attention call's kwargs handed to ``update`` (``kwargs=kwargs`` in transformers'
-    attention modules; a positional dict too)."""
+    attention modules; a positional dict too), after refusing what MLR attention refuses there."""
     call = kwargs.get("kwargs")
     if call is None and args and isinstance(args[0], dict):
         call = args[0]
     if call is None:
         call = kwargs.get("cache_kwargs")
-    return call.get(STEP_KEY) if isinstance(call, dict) else None
+    if not isinstance(call, dict):
+        return None
+    step = call.get(STEP_KEY)
+    if step is not None:
+        refuse_unsupported_arguments(call)
+    return step
 
 
 class MLRKeyCacheLayer(MLRCacheLayerMixin, DynamicLayer):

@@ -104,6 +104,25 @@ class MLRStep:
         return torch.ones(self.positions.shape, dtype=torch.bool, device=self.positions.device)
 
 
+UNSUPPORTED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+def refuse_unsupported_arguments(kwargs: dict, layer_idx=None) -> None:
+    """What MLR attention refuses in an attention call's keyword arguments, with a one-line error: packed sequences,
+    logit soft-capping, a sliding window. Checked by the ``"mlr"`` functions and, before it writes, by an MLR cache
+    layer's ``update`` (so that a refused call leaves the cache as it was)."""
+    for name in UNSUPPORTED_KWARGS:
+        if kwargs.get(name) is not None:
+            raise ValueError(f"{name} was passed: packed sequences (varlen / padding-free batches) are not "
+                             f"supported by MLR attention")
+    if kwargs.get("softcap") is not None:
+        raise ValueError(f"softcap={kwargs['softcap']}: attention logit soft-capping is not supported by MLR")
+    if kwargs.get("sliding_window") is not None:
+        raise ValueError(f"layer {'?' if layer_idx is None else layer_idx} is a sliding-window layer (window "
+                         f"{kwargs['sliding_window']}); MLR replaces it only when patched with "
+                         f"sliding_window_layers='replace'")
+
+
 def mlr_position_layer(cache) -> Optional[object]:
     """An MLR cache layer of ``cache`` that was written (every MLR layer holds the same rows at the same positions),
     or None."""
@@ -449,5 +468,5 @@ def continue_runs(positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return fixed
 
 
-__all__ = ["MLRStep", "NO_POSITION", "STEP_KEY", "StepFacts", "build_step", "continue_runs", "mlr_position_layer",
+__all__ = ["MLRStep", "NO_POSITION", "STEP_KEY", "StepFacts", "UNSUPPORTED_KWARGS", "refuse_unsupported_arguments", "build_step", "continue_runs", "mlr_position_layer",
            "plain_step"]
