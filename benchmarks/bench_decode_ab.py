@@ -30,6 +30,7 @@ import time
 
 import torch
 import transformers.cache_utils as cache_utils
+import yaml
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -68,13 +69,27 @@ def old_mlr_model(package: str, new_model):
     except ImportError:
         attention.MLR_ATTENTION = package
     ALL_ATTENTION_FUNCTIONS.register(package, attention.mlr_attention_forward)
-    shape = dict(GPT2_SHAPE, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=1,
-                 pad_token_id=1)
-    config = configuration.StructAttnGPT2Config(**shape, attention="mlr", mlr_ranks=MLR_RANKS,
-                                                mlr_block_sizes=new_model.config.mlr_block_sizes)
+    fields = {name: getattr(new_model.config, name) for name in MODEL_FIELDS if hasattr(new_model.config, name)}
+    config = configuration.StructAttnGPT2Config(**fields)
     model = modeling.StructAttnGPT2LMHeadModel(config).eval()
     model.load_state_dict(new_model.state_dict())
     return model, importlib.import_module(f"{package}.structattn_cache")
+
+
+MODEL_FIELDS = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "resid_pdrop", "embd_pdrop", "attn_pdrop",
+                "bos_token_id", "eos_token_id", "pad_token_id", "attention", "mlr_ranks", "mlr_block_sizes",
+                "mlr_average_levels", "mlr_scaling", "qk_layernorm")
+
+
+def model_shape(name: str) -> dict:
+    """The models' fields: ``gpt2-6x512`` (bench_generation's table) or ``main-job`` (the README main job's model,
+    configs/clm_mlr_stdlib.yaml)."""
+    if name == "gpt2-6x512":
+        return {}
+    with open(os.path.join(REPOSITORY, "configs", "clm_mlr_stdlib.yaml")) as handle:
+        fields = yaml.safe_load(handle)["model"]
+    fields.pop("attention")
+    return fields
 
 
 def use_cache_layers(module) -> None:
@@ -92,6 +107,9 @@ def parse_args(argv=None):
     parser.add_argument("--mode", choices=["eager", "compiled"], default="eager",
                         help="eager: dynamic caches as generate builds them; compiled: static caches, each model's "
                              "forward compiled with torch.compile (inductor)")
+    parser.add_argument("--model", choices=["gpt2-6x512", "main-job"], default="gpt2-6x512",
+                        help="gpt2-6x512: 6 layers, n_embd 512, ranks 32|8|6|4|4|4|4|2; main-job: the README main "
+                             "job's model (configs/clm_mlr_stdlib.yaml)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--steps", type=int, default=150)
@@ -101,8 +119,9 @@ def parse_args(argv=None):
     for name in ("batch", "prompt", "steps", "warmup"):
         if getattr(args, name) < (0 if name == "warmup" else 1):
             parser.error(f"--{name} must be positive, got {getattr(args, name)}")
-    if args.prompt + args.warmup + args.steps + 1 > GPT2_SHAPE["n_positions"]:
-        parser.error(f"--prompt {args.prompt} + warmup + steps exceeds n_positions={GPT2_SHAPE['n_positions']}")
+    limit = model_shape(args.model).get("n_positions", GPT2_SHAPE["n_positions"])
+    if args.prompt + args.warmup + args.steps + 1 > limit:
+        parser.error(f"--prompt {args.prompt} + warmup + steps exceeds n_positions={limit}")
     return args
 
 
@@ -135,7 +154,9 @@ def _compare(args) -> dict:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as folder:
         package, _ = payload_at(args.against, folder)
-        models = gpt2_models()
+        shape = model_shape(args.model)
+        models = gpt2_models(**shape)
+        vocab = shape.get("vocab_size", GPT2_SHAPE["vocab_size"])
         old_model, old_cache = old_mlr_model(package, models["MLR"])
         # importing the old payload registered its functions under the shared names: the new ones again
         ALL_ATTENTION_FUNCTIONS.register(new_attention.MLR_ATTENTION, new_attention.mlr_attention_forward)
@@ -143,8 +164,8 @@ def _compare(args) -> dict:
         variants = {"dense": (models["dense"], new_cache), "old": (old_model, old_cache),
                     "new": (models["MLR"], new_cache)}
         torch.manual_seed(1)
-        ids = torch.randint(2, GPT2_SHAPE["vocab_size"] - 1, (args.batch, args.prompt))
-        token = torch.randint(2, GPT2_SHAPE["vocab_size"] - 1, (args.batch, 1))
+        ids = torch.randint(2, vocab - 1, (args.batch, args.prompt))
+        token = torch.randint(2, vocab - 1, (args.batch, 1))
         new_tokens = args.warmup + args.steps + 1
         state = {}
         for name, (model, cache_module) in variants.items():
@@ -175,7 +196,7 @@ def _compare(args) -> dict:
     medians = {name: statistics.median(entry["times"]) * 1e3 for name, entry in state.items()}
     ratios = {f"{a} / {b}": statistics.median(x / y for x, y in zip(state[a]["times"], state[b]["times"]))
               for a, b in (("new", "old"), ("new", "dense"), ("old", "dense"))}
-    print(f"{args.mode}, batch {args.batch}, prompt {args.prompt}, {args.steps} steps, old = {args.against}: "
+    print(f"{args.model}, {args.mode}, batch {args.batch}, prompt {args.prompt}, {args.steps} steps, old = {args.against}: "
           + ", ".join(f"{name} {value:.2f} ms" for name, value in medians.items()) + "; "
           + ", ".join(f"{name} {value:.3f}" for name, value in ratios.items())
           + f"; max |logits new - old| at the first step {difference:.2e}")

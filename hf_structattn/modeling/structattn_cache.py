@@ -41,7 +41,7 @@ _WARNED_WITHOUT_KWARGS = set()
 MIN_GROWTH = 16  # dynamic layers grow by max(MIN_GROWTH, S/32) slots when no length was reserved
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class MLRCacheView:
     """What ``update`` returns in place of the values: everything an MLR cache layer holds for one forward's queries,
     after the chunk was written (read-only).
@@ -84,6 +84,7 @@ class MLRCacheLayerMixin(RollbackMixin):
         self.first_positions = self.last_positions = None
         self._fine = None
         self._contiguous = True  # the storages are contiguous (made so by every allocation and row operation)
+        self._flat = None  # (storages, their flat views): ``_flat_views``
         self._widths_at = None  # (capacity, geometry, ring widths) of the last ``_ring_widths`` call
         self.rings = []
         self._record_past = False
@@ -276,23 +277,43 @@ class MLRCacheLayerMixin(RollbackMixin):
 
     def _write_in_step(self, keys, values, plan: MLRPlan, layout: CacheLayout) -> Optional[torch.Tensor]:
         """Rows in step (``MLRPlan.host_write``): the chunk's slots and ring elements are host integers of the layout;
-        narrowed copies of keys and values, one ``index_copy_`` of the finer dims. Returns the replaced ring entries
+        one ``index_copy_`` per storage into its flat (B, H, 1, ·) view. Returns the replaced ring entries
         (B, H, c, F) of a chunk of several tokens (the general read needs them), else None."""
-        chunk, rank, fine = plan.chunk, self.geometry.ranks[0], self._fine
+        chunk, rank = plan.chunk, self.geometry.ranks[0]
         batch, heads = keys.shape[:2]
-        finer = keys[..., rank:] if self.geometry.block_sizes else None
+        flat_keys, flat_values, flat_fine = self._flat_views()
+        if layout.fine_index is not None:
+            first, finer = keys.split_with_sizes((rank, keys.shape[-1] - rank), -1)
+        else:
+            first, finer = keys, None
         replaced = None
         if finer is not None and (chunk > 1 or self._record_past):
-            replaced = fine.index_select(2, layout.fine_index).view(batch, heads, chunk, -1)
+            replaced = flat_fine.index_select(3, layout.fine_index).view(batch, heads, chunk, -1)
         if self._record_past:
             self.rollback_log.append(replaced if replaced is not None else keys.new_zeros(batch, heads, chunk, 0),
                                      plan.step.positions, plan.real, self.rollback_window)
-        self.keys_storage().narrow(2, layout.first_slot, chunk).copy_(keys[..., :rank])
-        self.values_storage().narrow(2, layout.first_slot, chunk).copy_(values)
+        if chunk > 1:  # token-major rows of the flat views
+            first, values = first.reshape(batch, heads, 1, -1), values.reshape(batch, heads, 1, -1)
+            finer = None if finer is None else finer.reshape(batch, heads, 1, -1)
+        flat_keys.index_copy_(3, layout.key_index, first)
+        flat_values.index_copy_(3, layout.value_index, values)
         if finer is not None:
-            fine.index_copy_(2, layout.fine_index, finer.reshape(batch, heads, -1).to(fine.dtype))
+            flat_fine.index_copy_(3, layout.fine_index, finer)
         self.last_positions.fill_(plan.first + chunk - 1)
         return replaced if chunk > 1 else None
+
+    def _flat_views(self) -> tuple:
+        """(keys, values, fine) storages as (B, H, 1, ·) flat views (made again when a storage was replaced: growth,
+        reordering, offloading). The storages are contiguous (every allocation and row operation makes them so)."""
+        keys, values, fine = self.keys_storage(), self.values_storage(), self._fine
+        cached = self._flat
+        if cached is not None and cached[0] is keys and cached[1] is values and cached[2] is fine:
+            return cached[3]
+        storages = (keys, values, fine)
+        batch, heads = storages[0].shape[:2]
+        views = tuple(tensor.reshape(batch, heads, 1, -1) for tensor in storages)
+        self._flat = storages + (views,)
+        return views
 
     def _write_chunk(self, keys, values, plan: MLRPlan, layout: CacheLayout) -> Optional[torch.Tensor]:
         """Every real token of a chunk into its slot and ring entries (padding is not stored: see ``ChunkWrite``)

@@ -12,6 +12,7 @@ Conventions (paper §3.4):
     a prefix, so a depth-d pair scores with the first ``r_1 + ... + r_d`` dims.
 """
 
+import dataclasses
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -282,6 +283,8 @@ def _is_traced(value) -> bool:
     a fake or functional tensor, or any tensor made inside a compiled region."""
     if torch.compiler.is_compiling():
         return True
+    if dataclasses.is_dataclass(value):
+        value = tuple(getattr(value, item.name) for item in dataclasses.fields(value))
     values = value.values() if isinstance(value, dict) else value if isinstance(value, (tuple, list)) else (value,)
     return any(isinstance(item, torch.Tensor) and (type(item) is not torch.Tensor or item.is_meta) for item in values)
 

@@ -33,10 +33,11 @@ MAX_LAYOUTS = 4  # storage shapes one plan serves (a model's MLR layers share on
 
 
 def mlr_plan(step: MLRStep, geometry: MLRGeometry) -> "MLRPlan":
-    """The step's plan for the MLR cache layers of ``geometry`` (made by the first of them)."""
-    plan = step.plans.get(geometry)
+    """The step's plan for the MLR cache layers of ``geometry`` (made by the first of them; keyed by the geometry
+    object, which a model's layers share and which outlives the step)."""
+    plan = step.plans.get(id(geometry))
     if plan is None:
-        plan = step.plans[geometry] = MLRPlan(step, geometry)
+        plan = step.plans[id(geometry)] = MLRPlan(step, geometry)
     return plan
 
 
@@ -57,12 +58,30 @@ class MLRPlan:
         self.host_write = newest is not None and (not sizes or chunk <= min(sizes))
         self.first = newest - chunk + 1 if self.host_write else None
         self.in_step = self.host_write and all(self.first // size == newest // size for size in sizes)
-        self.real = step.real()
-        # the rows' spans before the forward (copies: the layers' own positions, which the step refers to, change
-        # with the first write, and every later layer's read needs the old ones)
-        self.last_before = None if step.last_before is None else step.last_before.clone()
-        self.first_before = None if step.first_before is None else step.first_before.clone()
+        self._real = step.valid
+        # the rows' spans before the forward: the step refers to the layers' own positions, which the first write
+        # changes, and every later layer's read needs the old ones. A host write moves no row's first position, and
+        # every row's newest was ``first - 1`` (made when a read asks); any other write works on copies
+        self._last_before = None
+        self.first_before = step.first_before
+        if not self.host_write:
+            self._last_before = None if step.last_before is None else step.last_before.clone()
+            self.first_before = None if step.first_before is None else step.first_before.clone()
         self._layouts = {}
+
+    @property
+    def real(self) -> torch.Tensor:
+        """(B, c) bool padding flags (all True without padding)."""
+        if self._real is None:
+            self._real = self.step.real()
+        return self._real
+
+    @property
+    def last_before(self) -> Optional[torch.Tensor]:
+        """(B,) the rows' newest real position before the forward."""
+        if self._last_before is None and self.host_write:
+            self._last_before = torch.full_like(self.first_before, self.first - 1)
+        return self._last_before
 
     def layout(self, layer, dtype: torch.dtype) -> "CacheLayout":
         """The ``CacheLayout`` of ``layer``'s storage (base, capacity, ring widths) for keys of ``dtype``."""
@@ -79,8 +98,8 @@ class CacheLayout:
     """What the writes and reads of one forward need over MLR cache layers of one storage shape.
 
     base, capacity, ring_widths: of the layers; slots: the slots a read covers (eager: up to the newest position;
-    traced: the whole storage); first_slot, fine_index ((c F,) ring elements of the chunk's tokens, token-major): the
-    host write; chunk_write: the general write (``ChunkWrite``, None for a host write); reads: the reads made so
+    traced: the whole storage); first_slot, key_index ((c r_1,)), value_index ((c dv,)), fine_index ((c F,)): the host
+    write's slot and elements of the storages' flat views, token-major; chunk_write: the general write (``ChunkWrite``, None for a host write); reads: the reads made so
     far, by (formulation, query rows per cached head, level scales)."""
 
     def __init__(self, plan: MLRPlan, layer, dtype: torch.dtype):
@@ -91,12 +110,20 @@ class CacheLayout:
         self.device = device = layer.fine_storage.device
         facts = step.facts
         self.slots = self.capacity if facts is None else min(max(facts.newest - self.base + 1, 1), self.capacity)
-        self.first_slot = self.fine_index = self.chunk_write = None
+        self.first_slot = self.key_index = self.value_index = self.fine_index = self.chunk_write = None
         if plan.host_write:
-            self.first_slot = plan.first - self.base
-            elements = [element for slot in range(self.first_slot, self.first_slot + plan.chunk)
-                        for element in geometry.fine_elements(self.ring_widths, slot)]
-            self.fine_index = torch.tensor(elements, dtype=torch.long, device=device)
+            first_slot, chunk = plan.first - self.base, plan.chunk
+            self.first_slot = first_slot
+            # the elements of the (B, H, 1, ·) flat views of the storages that the chunk's tokens write, token-major:
+            # a few ops on small tables of the geometry (the tables do not depend on the slot)
+            rank, width = geometry.ranks[0], layer.values_storage().shape[-1]
+            self.key_index = _counting(geometry, chunk * rank, device) + first_slot * rank
+            self.value_index = _counting(geometry, chunk * width, device) + first_slot * width
+            if geometry.block_sizes:
+                fine = geometry.fine_layout(self.ring_widths, device)  # element of dim f: o_f + slot % b_f
+                slots = first_slot if chunk == 1 else _counting(geometry, chunk, device)[:, None] + first_slot
+                self.fine_index = (torch.remainder(slots, fine["element block"]) +
+                                   fine["element offset"]).reshape(-1)
         else:
             self.chunk_write = plan_chunk_write(plan, self.base, self.capacity, self.ring_widths, layer.record_past)
         self.reads = {}
@@ -113,6 +140,11 @@ class CacheLayout:
 
 
 # ------------------------------------------------------------------------------------------- writes
+
+
+def _counting(geometry: MLRGeometry, count: int, device) -> torch.Tensor:
+    """(count,) 0, 1, ..., count - 1 (in the geometry's bounded memo)."""
+    return geometry.tensors.get(("counting", count, device), lambda: torch.arange(count, device=device))
 
 
 @dataclass(frozen=True)
@@ -294,7 +326,9 @@ def plan_in_step_read(layout: CacheLayout, groups: int, scales: tuple) -> InStep
     newest = plan.first + chunk - 1
     starts = tuple(max((newest // size) * size - base, 0) for size in geometry.block_sizes)
     level_groups = _shared_groups(geometry, layout.ring_widths, starts, slots)
-    alphas, query_scale = _level_scaling(geometry, level_groups, scales, dtype, device)
+    merged = tuple((group[2], group[3]) for group in level_groups)  # which levels share a product
+    alphas, query_scale = geometry.tensors.get(("level scaling", merged, scales, dtype, device),
+                                               lambda: _level_scaling(geometry, level_groups, scales, dtype, device))
     multiplier = None
     if geometry.average_levels:
         scale = scales[0] if len(set(scales)) == 1 else 1.0
