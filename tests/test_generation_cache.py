@@ -33,8 +33,8 @@ class _OpCounter(TorchDispatchMode):
 @pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("read", ["lane", "maps", "grad"])
 def test_model_decode_steps_of_rows_in_step_write_from_host_integers(family, static, read):
-    """A model's eager decode step of rows in step (batch 3, no padding) writes each MLR layer's token with two
-    narrowed copies and one ``index_copy_`` and none of the general write's indexed assignments -- also when the
+    """A model's eager decode step of rows in step (batch 3, no padding) writes each MLR layer's token with one
+    ``index_copy_`` per storage (keys, values, rings) and none of the general write's indexed assignments -- also when the
     general formulation reads it (``output_attentions`` of the eager implementation, or gradients enabled); the
     in-step read scatters nothing; its logits equal the uncached forward's (float64). Block boundaries are crossed
     on the way (10 steps over blocks of 4 and 8)."""
@@ -59,7 +59,7 @@ def test_model_decode_steps_of_rows_in_step_write_from_host_integers(family, sta
     for index in range(8, 18):
         with torch.set_grad_enabled(read == "grad"), _OpCounter() as counter:
             out = model(ids[:, index:index + 1], cache=cache, output_attentions=read == "maps")
-        assert counter.ops["index_copy_"] == layers, (index, counter.ops)
+        assert counter.ops["index_copy_"] == 3 * layers, (index, counter.ops)
         assert not any(counter.ops[name] for name in ("index_put_", "narrow_copy")), (index, counter.ops)
         assert read != "lane" or not counter.ops["scatter_add_"], (index, counter.ops)
         if read == "maps":
