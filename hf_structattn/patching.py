@@ -119,12 +119,12 @@ def _structattn_config(config_class, t5_config, fields: dict, provenance: dict):
     """``config_class`` (StructAttnT5Config or its Bolt subclass) from a T5Config's values plus the structured
     fields (raises ValueError naming the field on a bad spec, e.g. mlr_ranks that do not sum to d_kv)."""
     values = {k: v for k, v in t5_config.to_dict().items() if k not in _DROP_KEYS}
-    # T5Config derives these from feed_forward_proj; passing them back would be rejected as unknown
+    # T5Config derives these from feed_forward_proj (the patched config derives them again)
     for derived in ("dense_act_fn", "is_gated_act"):
         values.pop(derived, None)
     values.update(fields)
     values["structattn_patch"] = provenance
-    config = config_class(**values)
+    config = config_class.from_dict(values)  # keeps the source's own keys (chronos_config, n_positions, ...)
     # the attention implementation the model was built or loaded with (to_dict drops it): "eager" stays "eager",
     # so output_attentions keeps returning maps
     config._attn_implementation = t5_config._attn_implementation
