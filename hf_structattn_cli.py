@@ -5,9 +5,10 @@
 converts a T5, Chronos-T5, Chronos-Bolt or transformers decoder checkpoint (Llama, Qwen, Mistral, Gemma, Phi-3,
 GPT-2, ...: ``--layers``, ``--sliding-window-layers``) on disk (see ``hf_structattn.patch``), prints how far the
 outputs moved on synthetic inputs, and saves the result. The arguments are checked against SRC_DIR/config.json
-before any weight is loaded (the checks ``hf_structattn.patch`` makes). The save is atomic: everything is written into a hidden
-folder next to OUT_DIR that is renamed to OUT_DIR at the end, so a failure leaves no OUT_DIR. Bad arguments or
-an unusable SRC_DIR / OUT_DIR exit with code 2 and write nothing; a failure while writing exits with code 1.
+before any weight is loaded (the checks ``hf_structattn.patch`` makes). The save is atomic: everything is written
+into a hidden folder next to OUT_DIR that is renamed to OUT_DIR at the end, so a failure leaves no OUT_DIR. Bad
+arguments or an unusable SRC_DIR / OUT_DIR exit with code 2 and write nothing; a failure while writing exits with
+code 1.
 
 This module is the console script's entry point (argument parsing only). It lives outside the ``hf_structattn``
 package: importing any module of the package first runs the package's ``__init__``, which imports torch and

@@ -52,7 +52,8 @@ def test_an_unknown_keyword_without_a_close_field_lists_the_fields():
     StructAttnGPT2Config(**GPT2, attention="mlr", mlr_ranks=[8, 4, 2, 2], num_labels=3),
     StructAttnT5Config(**T5, encoder_attention="mlr", mlr_ranks=[4, 2, 2], feed_forward_proj="gated-gelu",
                        tie_word_embeddings=False),
-    StructAttnChronosBoltConfig(**T5, chronos_config={"context_length": 64}, chronos_pipeline_class="ChronosBoltPipeline"),
+    StructAttnChronosBoltConfig(**T5, chronos_config={"context_length": 64},
+                                chronos_pipeline_class="ChronosBoltPipeline"),
 ], ids=["gpt2", "t5", "bolt"])
 def test_a_config_is_rebuilt_from_its_own_to_dict(config):
     config.auto_map = {"AutoConfig": "x.Y"}  # what save_pretrained adds
