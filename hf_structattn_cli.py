@@ -4,9 +4,11 @@
 
 converts a T5, Chronos-T5, Chronos-Bolt or transformers decoder checkpoint (Llama, Qwen, Mistral, Gemma, Phi-3,
 GPT-2, ...: ``--layers``, ``--sliding-window-layers``) on disk (see ``hf_structattn.patch``), prints how far the
-outputs moved on synthetic inputs, and saves the result. The save is atomic: everything is written into a hidden
-folder next to OUT_DIR that is renamed to OUT_DIR at the end, so a failure leaves no OUT_DIR. Bad arguments or
-an unusable SRC_DIR / OUT_DIR exit with code 2 and write nothing; a failure while writing exits with code 1.
+outputs moved on synthetic inputs, and saves the result. The arguments are checked against SRC_DIR/config.json
+before any weight is loaded (the checks ``hf_structattn.patch`` makes). The save is atomic: everything is written
+into a hidden folder next to OUT_DIR that is renamed to OUT_DIR at the end, so a failure leaves no OUT_DIR. Bad
+arguments or an unusable SRC_DIR / OUT_DIR exit with code 2 and write nothing; a failure while writing exits with
+code 1.
 
 This module is the console script's entry point (argument parsing only). It lives outside the ``hf_structattn``
 package: importing any module of the package first runs the package's ``__init__``, which imports torch and
@@ -44,18 +46,23 @@ def build_parser() -> argparse.ArgumentParser:
     patch = commands.add_parser("patch", help="convert a T5 / Chronos-T5 / Chronos-Bolt / transformers decoder "
                                               "checkpoint to MLR attention", description=PATCH_DESCRIPTION,
                                 epilog=PATCH_EPILOG)
-    patch.add_argument("src_dir", help="the checkpoint folder to convert (config.json + weights)")
+    patch.add_argument("src_dir", help="the checkpoint folder to convert (config.json + weights); a Hub model is "
+                                       "downloaded first: hf download ORG/NAME --local-dir DIR")
     patch.add_argument("out_dir", help="created atomically; must not exist or be an empty directory")
     patch.add_argument("--attention", default="mlr", help="structured attention to install (mlr)")
-    patch.add_argument("--mlr-ranks", type=_int_list, help="per-level ranks summing to d_kv, e.g. 32,16,8,8")
+    patch.add_argument("--mlr-ranks", type=_int_list,
+                       help="per-level ranks summing to the head dim (T5: d_kv), e.g. 32,16,8,8")
     blocks = patch.add_mutually_exclusive_group()
     blocks.add_argument("--mlr-block-sizes", type=_int_list,
-                        help="block sizes of levels 2..L in tokens (Chronos-Bolt: patches), e.g. 256,128,64 "
-                             "(default: dyadic from --mlr-max-length; for Chronos from the context length)")
+                        help="block sizes of levels 2..L in tokens (Chronos-Bolt: patches), e.g. 256,128,64. "
+                             "Decoders: this or --mlr-max-length is required (never derived from the model's "
+                             "maximum length). T5: default dyadic from --mlr-max-length (512 when not given); "
+                             "Chronos: default dyadic from the context length")
     blocks.add_argument("--mlr-block-steps", type=_int_list,
                         help="Chronos only: block sizes of levels 2..L in time steps (Bolt: multiples of the patch "
                              "stride), e.g. 1024,256,64")
-    patch.add_argument("--mlr-max-length", type=int, help="length in tokens the default dyadic blocks derive from")
+    patch.add_argument("--mlr-max-length", type=int,
+                       help="the training length in tokens that dyadic blocks derive from (b_l = length / 2^(l-1))")
     patch.add_argument("--targets", default=None,
                        help=f"T5-family only: comma-separated roles among encoder_self, decoder_self (default "
                             f"{DEFAULT_TARGETS})")

@@ -30,8 +30,19 @@ class CliError(Exception):
         self.code = code
 
 
-def _checkpoint_kind(src: Path) -> str:
-    """"t5", "chronos_t5", "chronos_bolt" or "decoder" from SRC_DIR/config.json; CliError for anything else."""
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def _check_source_dir(src: Path) -> None:
+    if src.is_dir():
+        return
+    if not src.exists() and _HUB_ID.fullmatch(str(src)):
+        raise CliError(f"SRC_DIR {src} is not a directory; if it is a Hugging Face Hub model id, download it first "
+                       f"(hf download {src} --local-dir DIR) and pass DIR")
+    raise CliError(f"SRC_DIR {src} is not a directory")
+
+
+def _read_config(src: Path) -> dict:
     config_path = src / "config.json"
     if not config_path.is_file():
         raise CliError(f"{src}: no config.json (not a Hugging Face checkpoint directory)")
@@ -41,8 +52,16 @@ def _checkpoint_kind(src: Path) -> str:
         raise CliError(f"{config_path} is not valid JSON: {error}") from None
     if not isinstance(config, dict):
         raise CliError(f"{config_path} must hold a JSON object, got {type(config).__name__}")
+    return config
+
+
+def _check_weights(src: Path) -> None:
     if not any((src / name).is_file() for name in _SOURCE_WEIGHTS):
         raise CliError(f"{src}: no weights ({', '.join(_SOURCE_WEIGHTS)})")
+
+
+def _checkpoint_kind(src: Path, config: dict) -> str:
+    """"t5", "chronos_t5", "chronos_bolt" or "decoder" from SRC_DIR/config.json; CliError for anything else."""
     model_type = config.get("model_type")
     if model_type in _PATCHED_MODEL_TYPES:
         raise CliError(f"{src}: already a structured-attention checkpoint (model_type {model_type!r}); patch the "
@@ -189,14 +208,50 @@ def _load(kind: str, src: Path):
                       "prediction_length": chronos.prediction_length}
 
 
+def _check_arguments(kind: str, src: Path, config: dict, args, targets, fields: dict) -> None:
+    """The checks ``hf_structattn.patch`` makes, run on SRC_DIR/config.json before any weight is read (the same
+    functions ``patch`` calls): a decoder is built on the meta device from its config, a T5-family model is checked
+    on its ``T5Config`` and, for Chronos, its Chronos config."""
+    from transformers import AutoConfig, AutoModelForCausalLM, T5Config
+
+    from .patching import check_decoder_patch, check_t5_patch
+
+    try:
+        if kind == "decoder":
+            model_config = AutoConfig.from_pretrained(src)
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(model_config)
+        else:
+            model_config = T5Config.from_pretrained(src)
+            chronos = None
+            if kind == "chronos_t5":
+                from chronos import ChronosConfig
+
+                chronos = ChronosConfig(**config["chronos_config"])
+            elif kind == "chronos_bolt":
+                from chronos.chronos_bolt import ChronosBoltConfig
+
+                chronos = ChronosBoltConfig(**config["chronos_config"])
+    except Exception as error:  # strict-config validation, a malformed chronos_config, ...: all about SRC_DIR
+        raise CliError(f"{src}: cannot load the config of a {kind} checkpoint: {_one_line(error)}") from None
+    try:
+        if kind == "decoder":
+            check_decoder_patch(model, args.attention, args.init, **fields)
+        else:
+            check_t5_patch(model_config, kind, args.attention, targets, args.init, chronos=chronos,
+                           allow_identity=args.allow_identity, **fields)
+    except ValueError as error:
+        raise CliError(str(error)) from None
+
+
 def patch_command(args) -> int:
     import hf_structattn
 
     src, out = Path(args.src_dir), Path(args.out_dir)
-    if not src.is_dir():
-        raise CliError(f"SRC_DIR {src} is not a directory")
+    _check_source_dir(src)
     _check_out_dir(out)
-    kind = _checkpoint_kind(src)
+    config = _read_config(src)
+    kind = _checkpoint_kind(src, config)
     fields = {}
     for name in ("mlr_ranks", "mlr_block_sizes", "mlr_max_length", "mlr_block_steps", "layers",
                  "sliding_window_layers"):
@@ -214,6 +269,8 @@ def patch_command(args) -> int:
                            "(choose the attention roles with --targets)")
         targets = T5_TARGETS if args.targets is None else \
             tuple(t.strip() for t in args.targets.split(",") if t.strip())
+    _check_arguments(kind, src, config, args, targets, fields)
+    _check_weights(src)
 
     try:
         original, inputs = _load(kind, src)

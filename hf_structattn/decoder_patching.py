@@ -137,7 +137,29 @@ def find_rotary(model):
 def patch_decoder(model, attention: str = "mlr", *, mlr_ranks: Optional[Sequence[int]] = None, mlr_block_sizes=None,
                   mlr_max_length: Optional[int] = None, layers: Optional[Sequence[int]] = None, init: str = "split",
                   sliding_window_layers: str = "refuse", mlr_level_scales: Optional[Sequence[float]] = None):
-    """Return an MLR copy of a transformers decoder (``model`` is not modified); see the module docstring.
+    """Return an MLR copy of a transformers decoder (``model`` is not modified); see the module docstring and
+    ``plan_decoder_patch`` (which checks the arguments) for the arguments."""
+    new_config = plan_decoder_patch(model, attention, mlr_ranks=mlr_ranks, mlr_block_sizes=mlr_block_sizes,
+                                    mlr_max_length=mlr_max_length, layers=layers, init=init,
+                                    sliding_window_layers=sliding_window_layers, mlr_level_scales=mlr_level_scales)
+    return build_patched_decoder(model, new_config)
+
+
+def build_patched_decoder(model, new_config):
+    """The ``MLR<Arch>`` copy of ``model`` for a config returned by ``plan_decoder_patch(model, ...)``."""
+    model_class = mlr_model_class(type(model))
+    register_local(model_class)
+    return convert_model(model, model_class, new_config)
+
+
+def plan_decoder_patch(model, attention: str = "mlr", *, mlr_ranks: Optional[Sequence[int]] = None,
+                       mlr_block_sizes=None, mlr_max_length: Optional[int] = None,
+                       layers: Optional[Sequence[int]] = None, init: str = "split",
+                       sliding_window_layers: str = "refuse", mlr_level_scales: Optional[Sequence[float]] = None):
+    """Every check of ``patch_decoder`` and the ``MLR<Arch>Config`` it builds (ValueError naming the field
+    otherwise). Reads the model's config, class and module structure (its attention modules, its rotary
+    embedding) but no weight: ``hf-structattn patch`` runs it on a model built on the meta device from config.json
+    before loading any weight.
 
     Args:
         mlr_ranks: level ranks r_1..r_L summing to the head dim. For RoPE models every level boundary inside the
@@ -203,8 +225,7 @@ def patch_decoder(model, attention: str = "mlr", *, mlr_ranks: Optional[Sequence
     new_config.mlr_notice = LOAD_NOTICE.format(arch=type(model).__name__)
     new_config.architectures = [model_class.__name__]
     decoder_geometry(new_config)  # every field checked before anything is built
-    register_local(model_class)
-    return convert_model(model, model_class, new_config)
+    return new_config
 
 
 def _replace_sliding_layers(config, windowed: list) -> None:

@@ -119,12 +119,12 @@ def _structattn_config(config_class, t5_config, fields: dict, provenance: dict):
     """``config_class`` (StructAttnT5Config or its Bolt subclass) from a T5Config's values plus the structured
     fields (raises ValueError naming the field on a bad spec, e.g. mlr_ranks that do not sum to d_kv)."""
     values = {k: v for k, v in t5_config.to_dict().items() if k not in _DROP_KEYS}
-    # T5Config derives these from feed_forward_proj; passing them back would be rejected as unknown
+    # T5Config derives these from feed_forward_proj (the patched config derives them again)
     for derived in ("dense_act_fn", "is_gated_act"):
         values.pop(derived, None)
     values.update(fields)
     values["structattn_patch"] = provenance
-    config = config_class(**values)
+    config = config_class.from_dict(values)  # keeps the source's own keys (chronos_config, n_positions, ...)
     # the attention implementation the model was built or loaded with (to_dict drops it): "eager" stays "eager",
     # so output_attentions keeps returning maps
     config._attn_implementation = t5_config._attn_implementation
@@ -185,16 +185,24 @@ class _ChronosGeometry(NamedTuple):
     role_tokens: dict  # {role: longest sequence that role attends over, in tokens}
 
 
-def _chronos_geometry(obj, kind: str) -> Optional[_ChronosGeometry]:
-    """The geometry of a ``ChronosPipeline``, ``ChronosBoltPipeline`` or Bolt model; None for a plain T5."""
+def chronos_config_of(obj, kind: str):
+    """The Chronos config of a ``ChronosPipeline`` (its ``ChronosConfig``), a ``ChronosBoltPipeline`` or Bolt model
+    (its ``ChronosBoltConfig``); None for a plain T5."""
     if kind == "chronos_t5":
-        chronos = obj.model.config  # ChronosConfig: one token per time step, EOS appended to the context
+        return obj.model.config
+    if kind in ("chronos_bolt", "chronos_bolt_pipeline"):
+        return (obj.model if kind == "chronos_bolt_pipeline" else obj).chronos_config
+    return None
+
+
+def _chronos_geometry(chronos, kind: str) -> Optional[_ChronosGeometry]:
+    """The geometry of a Chronos model from its Chronos config (``chronos_config_of``); None for a plain T5."""
+    if kind == "chronos_t5":  # ChronosConfig: one token per time step, EOS appended to the context
         eos = int(chronos.use_eos_token and chronos.model_type == "seq2seq")
         # generate() feeds the start token and prediction_length - 1 sampled tokens to the decoder
         return _ChronosGeometry(1, chronos.context_length, {"encoder_self": chronos.context_length + eos,
                                                            "decoder_self": chronos.prediction_length})
     if kind in ("chronos_bolt", "chronos_bolt_pipeline"):
-        chronos = (obj.model if kind == "chronos_bolt_pipeline" else obj).chronos_config
         size, stride = chronos.input_patch_size, chronos.input_patch_stride
         padded = -(-chronos.context_length // size) * size  # Bolt left-pads the context to whole patches
         patches = (padded - size) // stride + 1
@@ -276,29 +284,16 @@ def patch(obj, attention: str = "mlr", targets: Sequence[str] = ("encoder_self",
         The same kind of object as ``obj``: a ``StructAttnT5ForConditionalGeneration`` for T5, a new
         ``ChronosPipeline`` / ``ChronosBoltPipeline`` or a ``StructAttnChronosBoltModelForForecasting``.
     """
-    from .decoder_patching import is_patchable_decoder, patch_decoder
+    from .decoder_patching import build_patched_decoder, is_patchable_decoder
 
     if is_patchable_decoder(obj):  # Llama, Qwen, Mistral, Gemma, Phi-3, GPT-2, ...: docs/patching.md
-        if mlr_block_steps is not None:
-            raise ValueError(_NO_TIME_AXIS)
-        decoder_keywords = [name for name in inspect.signature(patch_decoder).parameters
-                            if name not in ("model", "attention", "init")]
-        check_keywords(variant_fields, decoder_keywords, f"decoders ({type(obj).__name__})")
-        return patch_decoder(obj, attention, init=init, **variant_fields)
-    if init not in INITS:
-        raise ValueError(f"init={init!r} is not one of {INITS}")
-    fields = _structattn_fields(attention, targets, variant_fields)
+        new_config = check_decoder_patch(obj, attention, init, mlr_block_steps=mlr_block_steps, **variant_fields)
+        return build_patched_decoder(obj, new_config)
     kind, source = _kind_and_model(obj)
-    geometry = _chronos_geometry(obj, kind)
-    fields = _block_fields(geometry, fields, mlr_block_steps)
-    provenance = {"source": type(obj).__name__, "init": init}
-    if geometry is not None:
-        provenance["time_steps_per_token"] = geometry.steps_per_token
+    config = check_t5_patch(source.config, kind, attention, targets, init, chronos=chronos_config_of(obj, kind),
+                            source=type(obj).__name__, mlr_block_steps=mlr_block_steps,
+                            allow_identity=allow_identity, **variant_fields)
     bolt = kind in ("chronos_bolt", "chronos_bolt_pipeline")
-    config_class = StructAttnChronosBoltConfig if bolt else StructAttnT5Config
-    config = _structattn_config(config_class, source.config, fields, provenance)
-    if not allow_identity:
-        _refuse_identity(config, geometry, tuple(targets))
     if not bolt:
         inner = _convert(source, StructAttnT5ForConditionalGeneration, config, init)
         if kind == "t5":
@@ -307,6 +302,45 @@ def patch(obj, attention: str = "mlr", targets: Sequence[str] = ("encoder_self",
         return chronos_pipeline(tokenizer=obj.tokenizer, model=chronos_model(config=obj.model.config, model=inner))
     patched = _convert(source, bolt_model_class(), config, init)
     return _chronos_classes()[2](model=patched) if kind == "chronos_bolt_pipeline" else patched
+
+
+def check_decoder_patch(model, attention: str = "mlr", init: str = "split", *,
+                        mlr_block_steps: Optional[Sequence[int]] = None, **variant_fields):
+    """Every check ``patch`` makes for a transformers decoder, and the ``MLR<Arch>Config`` it builds. Reads no
+    weight: ``hf-structattn patch`` calls it on a model built on the meta device from SRC_DIR/config.json."""
+    from .decoder_patching import patch_decoder, plan_decoder_patch
+
+    if mlr_block_steps is not None:
+        raise ValueError(_NO_TIME_AXIS)
+    decoder_keywords = [name for name in inspect.signature(patch_decoder).parameters
+                        if name not in ("model", "attention", "init")]
+    check_keywords(variant_fields, decoder_keywords, f"decoders ({type(model).__name__})")
+    return plan_decoder_patch(model, attention, init=init, **variant_fields)
+
+
+def check_t5_patch(t5_config, kind: str, attention: str = "mlr",
+                   targets: Sequence[str] = ("encoder_self", "decoder_self"), init: str = "split", *, chronos=None,
+                   source: str = "T5ForConditionalGeneration", mlr_block_steps: Optional[Sequence[int]] = None,
+                   allow_identity: bool = False, **variant_fields):
+    """Every check ``patch`` makes for a T5-family model, on its configs alone, and the structured-attention
+    config it builds: ``t5_config`` (the model's ``T5Config``), ``kind`` ("t5", "chronos_t5", "chronos_bolt" or
+    "chronos_bolt_pipeline"), ``chronos`` (the Chronos config, ``chronos_config_of``; None for a plain T5),
+    ``source`` (the class name recorded as provenance). ``hf-structattn patch`` calls it with the configs read from
+    SRC_DIR/config.json before loading any weight."""
+    if init not in INITS:
+        raise ValueError(f"init={init!r} is not one of {INITS}")
+    fields = _structattn_fields(attention, targets, variant_fields)
+    geometry = _chronos_geometry(chronos, kind)
+    fields = _block_fields(geometry, fields, mlr_block_steps)
+    provenance = {"source": source, "init": init}
+    if geometry is not None:
+        provenance["time_steps_per_token"] = geometry.steps_per_token
+    bolt = kind in ("chronos_bolt", "chronos_bolt_pipeline")
+    config_class = StructAttnChronosBoltConfig if bolt else StructAttnT5Config
+    config = _structattn_config(config_class, t5_config, fields, provenance)
+    if not allow_identity:
+        _refuse_identity(config, geometry, tuple(targets))
+    return config
 
 
 def load_patched_chronos_bolt(path, **kwargs):

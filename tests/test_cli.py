@@ -250,3 +250,65 @@ def test_a_kill_9_leaves_a_partial_folder_that_the_next_run_removes(tmp_path, ca
     assert (out / "model.safetensors").is_file()
     assert not left[0].exists()
     assert live.is_dir() and other.is_dir() and lookalike.is_dir()
+
+
+def _break_weights(folder, how):
+    weights = folder / "model.safetensors"
+    if how == "missing":
+        weights.unlink()
+    else:
+        weights.write_bytes(b"not a safetensors file")
+
+
+@pytest.mark.parametrize("how", ["missing", "corrupt"])
+def test_arguments_are_checked_against_config_json_before_any_weight_is_read(tmp_path, capsys, how):
+    """A checkpoint whose weights cannot be read still gets the argument error: the arguments are checked on
+    config.json alone (the checks hf_structattn.patch makes), before the weights are looked for or loaded."""
+    from hf_structattn.decoder_patching import tiny_decoder
+
+    llama, t5 = tmp_path / "llama", tmp_path / "t5"
+    tiny_decoder("llama", vocab_size=64, dtype=torch.float32).save_pretrained(llama)  # head dim 16, RoPE
+    tiny_t5().save_pretrained(t5)  # d_kv 8
+    tiny_bolt(tmp_path / "bolt")  # context 64 steps in patches of 4: 16 patch tokens + [REG]
+    for folder in (llama, t5, tmp_path / "bolt"):
+        _break_weights(folder, how)
+    out = str(tmp_path / "out")
+    _expect_refusal(capsys, ["patch", str(llama), out, "--mlr-ranks", "8,4,4"],
+                    "mlr_block_sizes (b_2..b_L) or mlr_max_length", "required")
+    _expect_refusal(capsys, ["patch", str(llama), out, "--mlr-ranks", "8,4,2", "--mlr-block-sizes", "16,8"],
+                    "mlr_ranks=[8, 4, 2] sums to 14", "head dim is 16")
+    _expect_refusal(capsys, ["patch", str(llama), out, "--mlr-ranks", "9,7", "--mlr-block-sizes", "16"],
+                    "RoPE rotation pair")  # read from the rotary embedding of a model built without weights
+    _expect_refusal(capsys, ["patch", str(llama), out, "--mlr-ranks", "8,8", "--mlr-block-steps", "16"],
+                    "mlr_block_steps", "no time axis")
+    _expect_refusal(capsys, ["patch", str(t5), out, "--mlr-ranks", "4,2", "--mlr-block-sizes", "8"],
+                    "mlr_ranks")
+    _expect_refusal(capsys, ["patch", str(t5), out, "--mlr-ranks", "4,2,2", "--mlr-block-sizes", "8,4",
+                             "--targets", "cross"], "cross_attention='mlr'")
+    _expect_refusal(capsys, ["patch", str(tmp_path / "bolt"), out, "--mlr-ranks", "4,2,2", "--mlr-block-sizes",
+                             "64,32"], "[256, 128] time steps", "--allow-identity")
+    assert not (tmp_path / "out").exists()
+    # valid arguments: only now are the weights looked for, and their absence or corruption is what is reported
+    expected = "no weights" if how == "missing" else "cannot load as a decoder checkpoint"
+    _expect_refusal(capsys, ["patch", str(llama), out, "--mlr-ranks", "8,4,4", "--mlr-block-sizes", "16,8"],
+                    expected)
+
+
+def test_a_hub_id_is_answered_with_how_to_download_it(tmp_path, capsys):
+    _expect_refusal(capsys, ["patch", "google-t5/t5-small", str(tmp_path / "out"), *MLR_ARGS],
+                    "SRC_DIR google-t5/t5-small is not a directory", "Hub model id",
+                    "hf download google-t5/t5-small --local-dir DIR")
+    _expect_refusal(capsys, ["patch", str(tmp_path / "absent"), str(tmp_path / "out"), *MLR_ARGS],
+                    "is not a directory")
+    assert "hf download" not in capsys.readouterr().err  # an absolute path is no Hub id
+
+
+def test_patch_help_promises_no_default_block_size_for_decoders(capsys, monkeypatch):
+    from hf_structattn_cli import build_parser
+
+    monkeypatch.setenv("COLUMNS", "1000")  # argparse wraps at hyphens otherwise
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["patch", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "Decoders: this or --mlr-max-length is required" in text
+    assert "(default: dyadic from --mlr-max-length" not in text

@@ -6,6 +6,7 @@ from transformers import PreTrainedConfig
 # transformers' own re-export of huggingface_hub's `strict` keeps the payload's imports to torch/transformers
 from transformers.configuration_utils import strict
 
+from .configuration_structattn_keywords import ConfigKeywordsMixin, refuse_unknown_keywords
 from .structattn_bilinear import validate_bilinear_fields
 from .structattn_geometry import (
     ATTENTION_KINDS,
@@ -36,7 +37,7 @@ def check_attention_variant(value, field: str) -> None:
 
 @one_line_field_errors
 @strict
-class StructAttnGPT2Config(StructAttnConfigMixin, PreTrainedConfig):
+class StructAttnGPT2Config(ConfigKeywordsMixin, StructAttnConfigMixin, PreTrainedConfig):
     r"""GPT-2 architecture (same field names) whose attention is dense, MLR, bilinear MLR, bilinear BTT or SWA.
 
     Structured-attention fields:
@@ -74,6 +75,10 @@ class StructAttnGPT2Config(StructAttnConfigMixin, PreTrainedConfig):
             see T' + 1 keys, so their window T' is ``sliding_window = T' + 1``.
         attn_pdrop: attention-probability dropout (default 0; must be 0 when a layer is MLR).
         icl_input_dim: input dimension of the in-context regression head.
+
+    A keyword that is not a field (nor a key transformers itself reads) is refused with the field it resembles
+    (``mlr_rnaks`` -> did you mean 'mlr_ranks'); a config.json read by ``from_pretrained`` keeps such keys as
+    attributes, as transformers does (``configuration_structattn_keywords``).
     """
 
     model_type = "structattn_gpt2"
@@ -122,7 +127,10 @@ class StructAttnGPT2Config(StructAttnConfigMixin, PreTrainedConfig):
     sliding_window: Optional[int] = None
     icl_input_dim: Optional[int] = None
 
+    accepted_keywords = ("attention_layers",)  # the older name of layer_types, migrated below
+
     def __post_init__(self, **kwargs):
+        refuse_unknown_keywords(self, kwargs)
         legacy = kwargs.pop("attention_layers", None)  # configs saved before layer_types: short variant names
         if legacy is not None and self.layer_types is None:
             for variant in legacy:

@@ -6,6 +6,7 @@ from transformers import T5Config
 # transformers' own re-export of huggingface_hub's `strict` keeps the payload's imports to torch/transformers
 from transformers.configuration_utils import strict
 
+from .configuration_structattn_keywords import ConfigKeywordsMixin, refuse_unknown_keywords
 from .structattn_bilinear import validate_bilinear_fields
 from .structattn_geometry import (
     MLRGeometry,
@@ -28,7 +29,7 @@ T5_STRUCTATTN_FIELDS = ("encoder_attention", "decoder_attention", "cross_attenti
 
 @one_line_field_errors
 @strict
-class StructAttnT5Config(StructAttnConfigMixin, T5Config):
+class StructAttnT5Config(ConfigKeywordsMixin, StructAttnConfigMixin, T5Config):
     r"""T5 architecture (same fields as ``transformers.T5Config``) whose attention is chosen per role.
 
     Structured-attention fields:
@@ -47,7 +48,10 @@ class StructAttnT5Config(StructAttnConfigMixin, T5Config):
         btt_rank, btt_factors: BTT rank s and factors (a, b, c, d) with a*b = c*d = d_model (default balanced).
         structattn_patch: provenance written by ``hf_structattn.patch`` (source class, level-split init).
 
-    Unknown keys (e.g. Chronos' ``chronos_config``) are kept as attributes and survive save/load.
+    A keyword that is not a field (nor a key transformers itself reads, nor Chronos' ``chronos_config`` /
+    ``chronos_pipeline_class``) is refused with the field it resembles (``mlr_rnaks`` -> did you mean 'mlr_ranks');
+    a config.json read by ``from_pretrained`` (or another T5 checkpoint's config converted by ``patch``) keeps its
+    other keys as attributes, and they survive save/load (``configuration_structattn_keywords``).
     """
 
     model_type = "structattn_t5"
@@ -69,7 +73,12 @@ class StructAttnT5Config(StructAttnConfigMixin, T5Config):
     btt_factors: Optional[list[int]] = None
     structattn_patch: Optional[dict] = None
 
+    # T5Config reads tie_word_embeddings and writes the derived three; Chronos checkpoints carry the last two
+    accepted_keywords = ("tie_word_embeddings", "dense_act_fn", "is_gated_act", "scale_decoder_outputs",
+                         "chronos_config", "chronos_pipeline_class")
+
     def __post_init__(self, **kwargs):
+        refuse_unknown_keywords(self, kwargs)
         super().__post_init__(**kwargs)
         self._validate_structured_attention()  # a plain ValueError at construction
         announce_config(self)

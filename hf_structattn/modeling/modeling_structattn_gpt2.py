@@ -39,6 +39,7 @@ from .structattn_prepare import prepare_step
 from .structattn_ops import eager_attention_forward
 from .structattn_pretrained import StructAttnPreTrainedMixin
 from .structattn_qk import StructuredQueryKey, init_structured_query_key
+from .structattn_token_ids import vocabulary_error
 
 BILINEAR_KINDS = (BILINEAR_MLR_ATTENTION, BILINEAR_BTT_ATTENTION)
 
@@ -236,7 +237,10 @@ class StructAttnGPT2Model(StructAttnGPT2PreTrainedModel):
             raise ValueError(f"input_ids must be an integer tensor of shape (B, T), got {input_ids.dtype} "
                              f"{tuple(input_ids.shape)}")
         if inputs_embeds is None:
-            inputs_embeds = self.wte(input_ids)
+            try:
+                inputs_embeds = self.wte(input_ids)
+            except IndexError as error:  # an id outside the vocabulary (CPU): the ids are read only now
+                raise vocabulary_error(error, self.wte.num_embeddings, input_ids=input_ids)
         if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != self.embed_dim:
             raise ValueError(f"inputs_embeds must have shape (B, T, {self.embed_dim}), got {tuple(inputs_embeds.shape)}")
         batch, length = inputs_embeds.shape[:2]
@@ -269,7 +273,10 @@ class StructAttnGPT2Model(StructAttnGPT2PreTrainedModel):
             attention_mask = attention_mask.bool().expand(batch, -1)
         hidden_states = inputs_embeds + self.wpe(position_ids)
         if token_type_ids is not None:
-            hidden_states = hidden_states + self.wte(token_type_ids.view(-1, length))
+            try:
+                hidden_states = hidden_states + self.wte(token_type_ids.view(-1, length))
+            except IndexError as error:
+                raise vocabulary_error(error, self.wte.num_embeddings, token_type_ids=token_type_ids)
         hidden_states = self.drop(hidden_states)
 
         kinds = set(self.config.layer_types)

@@ -36,6 +36,7 @@ from .structattn_geometry import keep_mask, mask_value, softmax_dtype
 from .structattn_ops import fused_attention
 from .structattn_pretrained import StructAttnPreTrainedMixin
 from .structattn_qk import StructuredQueryKey, init_structured_query_key
+from .structattn_token_ids import naming_out_of_vocabulary_ids
 
 T5_AUTO_MAP = {
     "AutoConfig": "configuration_structattn_t5.StructAttnT5Config",
@@ -276,7 +277,7 @@ class StructAttnT5PreTrainedModel(StructAttnPreTrainedMixin, T5PreTrainedModel):
 class StructAttnT5Model(StructAttnT5PreTrainedModel, T5Model):
     """``transformers.T5Model`` with structured attention (same ``__init__``, forward, outputs and parameter names)."""
 
-    forward = forward_with_step(T5Model, _prepare)
+    forward = naming_out_of_vocabulary_ids(forward_with_step(T5Model, _prepare))
 
 
 class StructAttnT5ForConditionalGeneration(StructAttnT5PreTrainedModel, T5ForConditionalGeneration):
@@ -284,13 +285,14 @@ class StructAttnT5ForConditionalGeneration(StructAttnT5PreTrainedModel, T5ForCon
     (``EncoderDecoderCache(DynamicCache(config=...), ...)``, what ``generate`` and the decoder build) holds the
     hierarchical key cache in its MLR decoder self-attention layers."""
 
-    forward = forward_with_step(T5ForConditionalGeneration, _prepare)
+    forward = naming_out_of_vocabulary_ids(forward_with_step(T5ForConditionalGeneration, _prepare))
+    generate = naming_out_of_vocabulary_ids(T5ForConditionalGeneration.generate)  # it runs the encoder itself
 
 
 class StructAttnT5EncoderModel(StructAttnT5PreTrainedModel, T5EncoderModel):
     """``transformers.T5EncoderModel`` with structured encoder self-attention."""
 
-    forward = forward_with_step(T5EncoderModel, _prepare)
+    forward = naming_out_of_vocabulary_ids(forward_with_step(T5EncoderModel, _prepare))
 
 
 StructAttnT5Config.register_for_auto_class()

@@ -453,8 +453,13 @@ def _shared_blocks(geometries: tuple, newest: list) -> tuple:
 def _refuse_gap(row: int, last: int, positions, valid) -> None:
     real = positions[row] if valid is None else positions[row][valid[row]]
     raise ValueError(f"the MLR cache addresses slots by position: the real tokens of a row must have consecutive "
-                     f"increasing positions continuing the row (row {row}: newest cached position {last}, new real "
-                     f"positions {real.tolist()}); packed sequences and gaps are not supported with a cache")
+                     f"increasing positions continuing the row, and row {row} does not: the cache holds "
+                     f"{f'positions up to {last}' if last >= 0 else 'no position'}, this call feeds real tokens at "
+                     f"positions {real.tolist()[:8]}{' and more' if real.numel() > 8 else ''}. Positions the cache "
+                     f"already holds are fed again when generate() continues a cache that another generate() call "
+                     f"filled and transformers re-feeds the whole sequence (prompt lookup, assisted generation): "
+                     f"pass that call a fresh cache, or feed only the tokens after the cached ones. Positions that "
+                     f"skip ahead or restart (packed sequences) cannot use a cache")
 
 
 def continue_runs(positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
