@@ -173,3 +173,13 @@ def test_to_folder_refuses_a_non_empty_target_and_writes_nothing(finished_run, t
     err = capsys.readouterr().err
     assert "--to-folder" in err and "not empty" in err
     assert [p.name for p in target.iterdir()] == ["keep.txt"]
+
+
+def test_push_help_answers_without_importing_torch():
+    code = ("import sys, hf_structattn_cli\n"
+            "try:\n    hf_structattn_cli.main(['push', '--help'])\nexcept SystemExit as e:\n    assert e.code == 0\n"
+            "print('torch imported:', 'torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert "--dry-run" in result.stdout and "--to-folder" in result.stdout and "``" not in result.stdout
+    assert result.stdout.strip().endswith("torch imported: False")
