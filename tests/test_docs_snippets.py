@@ -2,7 +2,12 @@
 
 A document's ```python blocks run in order in one fresh interpreter (a later block may use what an earlier block of
 the same document defined, as a reader would), in an empty temporary folder, offline, with the checkout importable.
-A snippet that needs a model builds a tiny one locally; nothing is downloaded."""
+A snippet that needs a model builds a tiny one locally; nothing is downloaded. README.md and docs/models.md show what
+their commented prints print; docs/patching.md's table of cache bytes is what its snippet prints.
+
+docs/patching.md's real-checkpoint guide (the bash blocks after a ``<!-- tests/test_docs_snippets.py runs this block``
+comment) runs as written, except for the listed edits: the download becomes a tiny local model of the same head dim,
+and the fine-tuning a few short steps."""
 
 import os
 import re
@@ -41,6 +46,15 @@ def test_python_snippets_run_as_written(path, tmp_path):
     if path.name == "README.md":  # the README shows what it prints: each commented print's output appears as written
         for expected in PRINTED.findall(program):
             assert expected in result.stdout, (expected, result.stdout[-2000:])
+    if path.name == "models.md":  # so does models.md (its Trainer and export snippets)
+        for expected in PRINTED.findall(program):
+            assert expected in result.stdout, (expected, result.stdout[-2000:])
+    if path.name == "patching.md":  # the table of cache bytes on real checkpoints' shapes is what its snippet prints
+        document = path.read_text().replace("\\|", "|")
+        rows = [line for line in result.stdout.splitlines() if line.startswith("| ")]
+        assert len(rows) == 6, result.stdout[-2000:]
+        for row in rows:
+            assert row in document, f"{path.name} prints a table row it does not show: {row}"
 
 
 # ---------------------------------------------------------------- the real-checkpoint guide (docs/patching.md)
