@@ -4,8 +4,8 @@
 
     hf-structattn push OUTPUT_DIR --repo-id USER/NAME [--dry-run | --to-folder DIR]
 
-``patch`` converts a T5, Chronos-T5, Chronos-Bolt or transformers decoder checkpoint (Llama, Qwen, Mistral, Gemma, Phi-3,
-GPT-2, ...: ``--layers``, ``--sliding-window-layers``) on disk (see ``hf_structattn.patch``), prints how far the
+``patch`` converts a T5, Chronos-T5, Chronos-Bolt or transformers decoder checkpoint (Llama, Qwen, Mistral, Gemma,
+Phi-3, GPT-2, ...: ``--layers``, ``--sliding-window-layers``) on disk (see ``hf_structattn.patch``), prints how far the
 outputs moved on synthetic inputs, and saves the result. The save is atomic: everything is written into a hidden
 folder next to OUT_DIR that is renamed to OUT_DIR at the end, so a failure leaves no OUT_DIR. Bad arguments or
 an unusable SRC_DIR / OUT_DIR exit with code 2 and write nothing; a failure while writing exits with code 1.
