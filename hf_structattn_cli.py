@@ -2,13 +2,15 @@
 
     hf-structattn patch SRC_DIR OUT_DIR --attention mlr --mlr-ranks 32,16,8,8 --mlr-block-sizes 256,128,64 [--init svd]
 
-converts a T5, Chronos-T5, Chronos-Bolt or transformers decoder checkpoint (Llama, Qwen, Mistral, Gemma, Phi-3,
-GPT-2, ...: ``--layers``, ``--sliding-window-layers``) on disk (see ``hf_structattn.patch``), prints how far the
+    hf-structattn push OUTPUT_DIR --repo-id USER/NAME [--dry-run | --to-folder DIR]
+
+``patch`` converts a T5, Chronos-T5, Chronos-Bolt or transformers decoder checkpoint (Llama, Qwen, Mistral, Gemma,
+Phi-3, GPT-2, ...: ``--layers``, ``--sliding-window-layers``) on disk (see ``hf_structattn.patch``), prints how far the
 outputs moved on synthetic inputs, and saves the result. The arguments are checked against SRC_DIR/config.json
 before any weight is loaded (the checks ``hf_structattn.patch`` makes). The save is atomic: everything is written
 into a hidden folder next to OUT_DIR that is renamed to OUT_DIR at the end, so a failure leaves no OUT_DIR. Bad
 arguments or an unusable SRC_DIR / OUT_DIR exit with code 2 and write nothing; a failure while writing exits with
-code 1.
+code 1. ``push`` uploads a finished output folder to the Hub, or rehearses that offline (``hf_structattn.hub``).
 
 This module is the console script's entry point (argument parsing only). It lives outside the ``hf_structattn``
 package: importing any module of the package first runs the package's ``__init__``, which imports torch and
@@ -29,8 +31,8 @@ def _int_list(text: str) -> list[int]:
 
 DEFAULT_TARGETS = "encoder_self,decoder_self"
 # --help text is plain text (argparse prints it as is): no reST markup from the docstrings
-DESCRIPTION = ("hf-structattn: convert Hugging Face checkpoints to structured (MLR) attention. Run "
-               "'hf-structattn patch --help' for the options.")
+DESCRIPTION = ("hf-structattn: convert Hugging Face checkpoints to structured (MLR) attention, and publish "
+               "finished runs. Run 'hf-structattn patch --help' or 'hf-structattn push --help' for the options.")
 PATCH_DESCRIPTION = (
     "Convert the T5, Chronos-T5, Chronos-Bolt or transformers decoder checkpoint (Llama, Qwen, Mistral, Gemma, "
     "Phi-3, GPT-2, ...) in SRC_DIR to MLR attention, print how far its outputs moved on synthetic inputs, and save "
@@ -73,15 +75,42 @@ def build_parser() -> argparse.ArgumentParser:
                        help="decoders only: refuse (default) or replace sliding-window layers by global MLR layers")
     patch.add_argument("--allow-identity", action="store_true",
                        help="accept a patch that changes nothing (one level, or blocks covering the whole context)")
+    add_push_parser(commands)
     return parser
+
+
+# ---- hf-structattn push (kept apart from the patch command above) ----
+PUSH_DESCRIPTION = (
+    "Upload a finished output folder (a recipe run, or a checkpoint written by 'hf-structattn patch') to the Hub "
+    "with huggingface_hub's upload_folder, leaving out what a recipe's --push_to_hub leaves out (checkpoints/, "
+    "run_config.json, sources). Checks the token and creates the repository first. --dry-run prints the files it "
+    "would upload and uses no network; --to-folder DIR copies them into DIR instead, a local rehearsal of the "
+    "repository. Exit status 2: bad arguments, an unusable folder or Hub access refused, nothing uploaded; 1: the "
+    "upload failed.")
+PUSH_EPILOG = "example: hf-structattn push outputs/clm_mlr_stdlib --repo-id someone/gpt2-mlr-stdlib --dry-run"
+
+
+def add_push_parser(commands) -> None:
+    push = commands.add_parser("push", help="upload a finished output folder to the Hub (or rehearse it offline)",
+                               description=PUSH_DESCRIPTION, epilog=PUSH_EPILOG)
+    push.add_argument("output_dir", help="the finished run or checkpoint folder (config.json + weights)")
+    push.add_argument("--repo-id", help="Hub repository USER/NAME or ORG/NAME (created if missing); required except "
+                                        "with --to-folder")
+    push.add_argument("--private", action="store_true", help="create the repository as private")
+    push.add_argument("--commit-message", default="Upload model trained with hf_structattn")
+    rehearse = push.add_mutually_exclusive_group()
+    rehearse.add_argument("--dry-run", action="store_true",
+                          help="print the files that would be uploaded (with sizes) and exit; no network")
+    rehearse.add_argument("--to-folder", metavar="DIR",
+                          help="copy the files that would be uploaded into DIR (absent or empty) instead; no network")
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)  # argparse exits with code 2 on malformed arguments
-    from hf_structattn.cli import CliError, patch_command  # torch, transformers: only once a command runs
+    from hf_structattn.cli import CliError, patch_command, push_command  # torch, transformers: once a command runs
 
     try:
-        return patch_command(args)
+        return push_command(args) if args.command == "push" else patch_command(args)
     except CliError as error:
         print(f"hf-structattn: error: {error}", file=sys.stderr)
         return error.code

@@ -74,12 +74,14 @@ def start_decode(model, tokenizer):
 
 
 @torch.no_grad()
-def measure_decode(models: list, steps: int, rounds: int) -> tuple:
+def measure_decode(models: list, steps: int, rounds: int, progress=None) -> tuple:
     """Per model, the thread seconds of ``steps`` greedy decode steps (``model(token, cache=cache)``, the step
     generate runs, plus the argmax) in each timed round, after one warm-up round; in every round the models'
     steps alternate (the order flips every step), so a slow moment of the machine hits all of them alike.
-    Also returns each model's cache after the last round and the tokens it decoded."""
+    Also returns each model's cache after the last round and the tokens it decoded. ``progress(text)`` is called
+    after every round (wall seconds so far)."""
     seconds = [[] for _ in models]
+    wall_start = time.perf_counter()
     for round_index in range(rounds + 1):  # round 0 warms up
         states = [list(start_decode(model, tokenizer)) for model, tokenizer in models]
         decoded = [[token] for _, token in states]
@@ -95,6 +97,10 @@ def measure_decode(models: list, steps: int, rounds: int) -> tuple:
         if round_index:
             for index, total in enumerate(totals):
                 seconds[index].append(total)
+        if progress is not None:
+            what = "warm-up round" if round_index == 0 else f"round {round_index}/{rounds}"
+            progress(f"decode timing: {what} done ({steps} steps per model, "
+                     f"{time.perf_counter() - wall_start:.0f} s so far)")
     return seconds, [state[0] for state in states], [torch.cat(tokens, dim=1) for tokens in decoded]
 
 
@@ -231,7 +237,10 @@ def main(argv=None) -> str:
                      "bits_per_byte": metrics["eval_bits_per_byte"],
                      "train_tokens_per_second": metrics["train_tokens_per_cpu_second"]})
         models.append(load(path))
-    seconds, caches, decoded = measure_decode(models, args.decode_tokens, args.rounds)
+    print(f"decode timing: {', '.join(row['run'] for row in rows)}, {args.decode_tokens} greedy steps each, one "
+          f"warm-up and {args.rounds} timed rounds ...", flush=True)
+    seconds, caches, decoded = measure_decode(models, args.decode_tokens, args.rounds,
+                                              progress=lambda text: print(text, flush=True))
     for row, (model, tokenizer), run_seconds, cache, tokens in zip(rows, models, seconds, caches, decoded):
         check_same_as_generate(model, tokenizer, tokens)
         row["decode_seconds"] = run_seconds

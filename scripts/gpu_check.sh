@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU check in one command, on an offline CUDA machine, in under 8 minutes (setup included):
+# The GPU check in one command, on an offline CUDA machine, within a time budget of 480 s, setup included
+# (--total-budget; the parts share it out; not yet run on a GPU):
 #   bash scripts/gpu_check.sh [--out outputs/gpu_check.md] [--parts tests attention training decode icl]
 #                             [--budget-scale 1] [--total-budget 480]
 #   bash scripts/gpu_check.sh --rehearse      # the same on this CPU machine, against the GPU image's packages

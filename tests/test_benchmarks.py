@@ -295,7 +295,7 @@ def _fake_run(folder, attention, model, tokenizer, bits):
 
 
 @pytest.mark.filterwarnings("ignore")
-def test_compare_runs_table_and_plot(tmp_path):
+def test_compare_runs_table_and_plot(tmp_path, capsys):
     from hf_structattn.tokenization import build_byte_tokenizer
 
     tokenizer = build_byte_tokenizer()
@@ -310,6 +310,9 @@ def test_compare_runs_table_and_plot(tmp_path):
         runs.append(str(folder))
     plot = tmp_path / "plot" / "dense_vs_mlr.png"
     text = compare_runs.main([*runs, "--decode_tokens", "6", "--rounds", "2", "--plot", str(plot)])
+    progress = [line for line in capsys.readouterr().out.splitlines() if line.startswith("decode timing:")]
+    assert [line.split(" done")[0] for line in progress[1:]] == [  # one line per round, before the table
+        "decode timing: warm-up round", "decode timing: round 1/2", "decode timing: round 2/2"]
     assert plot.is_file() and plot.with_suffix(".md").read_text().strip() == text.strip()
     dense_row, mlr_row = [line for line in text.splitlines() if line.startswith("| clm_")]
     assert "1.00 [1.00-1.00]x" in dense_row  # every round's ratio of the baseline to itself

@@ -158,7 +158,7 @@ def test_flop_ratios_follow_the_papers_formula_at_large_t():
 
 CACHE = os.environ.get("HF_STRUCTATTN_CACHE") or os.path.join(
     os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "hf_structattn")
-WHEELS = os.path.join(CACHE, "gpu-wheels")  # scripts/setup.sh runs scripts/gpu_wheels.sh --dest here
+WHEELS = os.path.join(CACHE, "gpu-wheels")  # scripts/test.sh runs scripts/gpu_wheels.sh --dest here
 
 
 def _pinned_wheels() -> dict:
@@ -201,7 +201,7 @@ def test_what_the_gpu_image_misses_is_said_in_one_line():
 
 def test_offline_install_of_the_carried_wheels_and_an_import_of_the_plugin_from_them(tmp_path):
     wheels = gpu_env.wheels_in(WHEELS)
-    assert wheels, f"no wheels in {WHEELS}: run bash scripts/setup.sh (it runs scripts/gpu_wheels.sh --dest there)"
+    assert wheels, f"no wheels in {WHEELS}: run bash scripts/test.sh (it runs scripts/gpu_wheels.sh --dest there)"
     target = tmp_path / "site"
     result = _run(["bash", "scripts/offline_install.sh", WHEELS, str(target), sys.executable], timeout=300,
                   PIP_NO_INDEX="1", PIP_CONFIG_FILE=os.devnull, PIP_FIND_LINKS="", PIP_EXTRA_INDEX_URL="")

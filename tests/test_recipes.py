@@ -224,7 +224,8 @@ def test_resume_latest_of_a_finished_run_says_it_is_complete(interrupted_and_res
     captured = capsys.readouterr()
     lines = [line for line in captured.out.splitlines() if line.strip()]
     assert lines == [f"{recipe.script}: the run in {out} is already complete (checkpoint_1 is at step 4 of 4, final "
-                     f"metrics in {out / 'final_metrics.json'}); nothing to train"], captured.out
+                     f"metrics in {out / 'final_metrics.json'}); nothing to train. To upload it (again): "
+                     f"hf-structattn push {out} --repo-id USER/NAME"], captured.out
     after = {str(p.relative_to(out)): p.read_bytes() for p in out.rglob("*") if p.is_file()}
     assert after == before
 

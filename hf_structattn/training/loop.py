@@ -187,7 +187,7 @@ def prepare_output_dir(args: CommonArgs, recipe: str, state: PartialState) -> Op
         if checkpoint_state["step"] >= args.max_steps and finished.exists():
             raise RunComplete(f"the run in {out} is already complete ({checkpoint.name} is at step "
                               f"{checkpoint_state['step']} of {args.max_steps}, final metrics in {finished}); "
-                              "nothing to train")
+                              f"nothing to train. To upload it (again): hf-structattn push {out} --repo-id USER/NAME")
     elif entries and not args.overwrite_output_dir:
         shown = ", ".join(entries[:4]) + (", ..." if len(entries) > 4 else "")
         raise ConfigError(f"--output_dir {out} is not empty ({shown}): pass --overwrite_output_dir to delete it "

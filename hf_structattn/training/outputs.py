@@ -141,10 +141,11 @@ def _one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
-def check_hub_access(repo_id: str, private: bool = False) -> str:
+def check_hub_access(repo_id: str, private: bool = False, flag: str = "--push_to_hub") -> str:
     """Before any training: the token works (``whoami``) and the repository exists or can be created
     (``create_repo(exist_ok=True)``). Offline, unreachable, without a token, with a rejected token or without write
-    access this fails in seconds with a one-line :class:`ConfigError` that says which. Returns the repository id."""
+    access this fails in seconds with a one-line :class:`ConfigError` that says which (starting with ``flag``, the
+    option or command that asked). Returns the repository id."""
     from huggingface_hub import HfApi, constants
     from huggingface_hub.errors import HfHubHTTPError, LocalTokenNotFoundError, OfflineModeIsEnabled
 
@@ -152,28 +153,28 @@ def check_hub_access(repo_id: str, private: bool = False) -> str:
     try:
         user = api.whoami()
     except OfflineModeIsEnabled:
-        raise ConfigError("--push_to_hub: the Hub is unreachable in offline mode (HF_HUB_OFFLINE is set)") from None
+        raise ConfigError(f"{flag}: the Hub is unreachable in offline mode (HF_HUB_OFFLINE is set)") from None
     except LocalTokenNotFoundError:
-        raise ConfigError("--push_to_hub: no Hub token found; log in with `hf auth login` or set HF_TOKEN") from None
+        raise ConfigError(f"{flag}: no Hub token found; log in with `hf auth login` or set HF_TOKEN") from None
     except Exception as error:
         if is_network_error(error):
-            raise ConfigError(f"--push_to_hub: the Hub at {api.endpoint or constants.ENDPOINT} is unreachable "
+            raise ConfigError(f"{flag}: the Hub at {api.endpoint or constants.ENDPOINT} is unreachable "
                               f"({_one_line(error)}); check the network connection (or HF_ENDPOINT) and retry"
                               ) from None
         status = getattr(getattr(error, "response", None), "status_code", None)
         if isinstance(error, HfHubHTTPError) and status == 401:
-            raise ConfigError("--push_to_hub: the Hub rejected the token (401 Unauthorized); log in with `hf auth "
+            raise ConfigError(f"{flag}: the Hub rejected the token (401 Unauthorized); log in with `hf auth "
                               "login` or set a valid HF_TOKEN") from None
-        raise ConfigError(f"--push_to_hub: cannot authenticate with the Hub ({_one_line(error)})") from None
+        raise ConfigError(f"{flag}: cannot authenticate with the Hub ({_one_line(error)})") from None
     try:
         repo = api.create_repo(repo_id=repo_id, private=private, exist_ok=True, repo_type="model")
     except Exception as error:
         if is_network_error(error):
-            raise ConfigError(f"--push_to_hub: the Hub became unreachable while creating {repo_id} "
+            raise ConfigError(f"{flag}: the Hub became unreachable while creating {repo_id} "
                               f"({_one_line(error)})") from None
         if not isinstance(error, (HfHubHTTPError, OSError)):
             raise
-        raise ConfigError(f"--push_to_hub: cannot create or access {repo_id} as {user.get('name', '?')} "
+        raise ConfigError(f"{flag}: cannot create or access {repo_id} as {user.get('name', '?')} "
                           f"({str(error).splitlines()[0]})") from None
     return getattr(repo, "repo_id", repo_id)
 
@@ -191,7 +192,8 @@ def push_to_hub(output_dir: str | Path, repo_id: str, private: bool = False,
     except Exception as error:
         what = "the Hub is unreachable" if is_network_error(error) else "the Hub refused it"
         raise RunFailure(f"uploading {output_dir} to {repo_id} failed, {what} ({_one_line(error)}); the trained run "
-                         f"is complete on disk: upload it later with `hf upload {repo_id} {output_dir}`") from None
+                         f"is complete on disk: upload it again with `hf-structattn push {output_dir} --repo-id "
+                         f"{repo_id}`") from None
     return repo_id
 
 

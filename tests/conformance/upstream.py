@@ -10,7 +10,7 @@ They are imported as the package ``transformers_upstream_tests`` whose search pa
 ``upstream_support/``, which holds our own modules for the missing imports. Any failure (no network during the
 first run, a version not on PyPI) raises: the conformance tests fail loudly instead of being skipped.
 
-Run ``python tests/conformance/upstream.py`` to fetch (``scripts/setup.sh`` does).
+Run ``python tests/conformance/upstream.py`` to fetch (``scripts/test.sh`` does).
 """
 
 import importlib
