@@ -139,7 +139,7 @@ def test_levels_covering_the_whole_cache_merge_into_one_product(static, dtype, f
                       valid[:, index:index + 1])
         assert layer.ring_widths[0] == layer.ring_widths[1] == layer.keys_storage().shape[2]
         got = _attend(q[:, :, :, index:index + 1], view)[:, :, :, 0]
-        read = view.layout.read("in_step", 2, geometry.level_scales)
+        read = view.layout.read(("in_step", 2, geometry.level_scales))
         assert len(read.groups) == 2  # levels 2 and 3 in one product, level 4 on its own
         expected = _reference_rows(q.double(), k.double(), v.double(), positions, valid, geometry, index)
         torch.testing.assert_close(got.double(), expected, **tolerance, msg=f"step {index}")

@@ -58,7 +58,7 @@ from .structattn_mlr import PositionLayout, mlr_attention
 from .structattn_mlr_cached import mlr_cached_attention
 from .structattn_mlr_math import mlr_attention_full_keys
 from .structattn_ops import eager_attention_forward, fused_attention
-from .structattn_step import STEP_KEY, continue_runs, refuse_unsupported_arguments
+from .structattn_step import REFUSED_ARGUMENTS, STEP_KEY, continue_runs, refuse_unsupported_arguments
 
 _warned = set()
 
@@ -216,7 +216,8 @@ def _key_positions(query_positions: torch.Tensor, valid_queries: Optional[torch.
 
 
 def _check_kwargs(module, kwargs: dict, dropout: float, eager: bool) -> None:
-    refuse_unsupported_arguments(kwargs, getattr(module, "layer_idx", None))
+    if not REFUSED_ARGUMENTS.isdisjoint(kwargs):
+        refuse_unsupported_arguments(kwargs, getattr(module, "layer_idx", None))
     if dropout and module.training and not eager:
         _warn_once("dropout", f"attention dropout (p={dropout}) is applied by MLR attention layers only with "
                               f"attn_implementation='eager' (the fused kernels do not drop weights)")
@@ -362,7 +363,7 @@ def _make_slot_mask(attention_mask, view, step, slots: int):
     return False if bool(((gathered == held) | ~real).all()) else gathered & held
 
 
-def _read_cache(module, query, view: MLRCacheView, attention_mask, geometry, scales, bias, dropout, eager):
+def _read_cache(module, query, view: MLRCacheView, attention_mask, geometry, scaling, bias, dropout, eager):
     """The queries of the tokens ``update`` just wrote against everything the layer holds (``view``): query
     (B, Hq, c, r) in the module's dim order. Returns (output (B, c, Hq, dv) contiguous, probabilities in token order
     or None). A layer that held nothing before attends over the chunk alone (the uncached op). Unless the step's
@@ -373,8 +374,10 @@ def _read_cache(module, query, view: MLRCacheView, attention_mask, geometry, sca
     length = query.shape[2]
     if step.position_bias is not None:  # T5: the bias over every token index, made once per forward by the model
         bias = step.position_bias
-    query, _ = _reorder(query, None, geometry)
+    if plan.dim_order is not None:
+        query = query.index_select(-1, plan.dim_order)
     dropout = float(dropout) if eager and module.training else 0.0
+    scales = geometry.scales(scaling)
     if not view.held:
         return _prefill(module, query, view, attention_mask, plan, geometry, scales, bias, dropout, eager)
     batch, q_heads = query.shape[:2]
@@ -468,13 +471,15 @@ def _layout(step) -> Optional[PositionLayout]:
 
 
 def _forward(module, query, key, value, attention_mask, scaling, dropout, eager, kwargs):
-    geometry = _layer_geometry(module)
+    """The one gate: what MLR attention refuses (whatever the path), then which contract applies -- a cache layer's
+    view (``update`` wrote the chunk: read the cache), a layer without MLR geometry (plain attention), or keys in
+    token order (no cache, or an ordinary cache layer)."""
+    _check_kwargs(module, kwargs, dropout, eager)
+    over_cache = isinstance(value, MLRCacheView)
+    geometry = value.plan.geometry if over_cache else _layer_geometry(module)
     if geometry is None:
         return _dense_fallback(module, query, key, value, attention_mask, scaling, dropout, eager, kwargs)
-    _check_kwargs(module, kwargs, dropout, eager)  # the one gate: what MLR attention refuses, whatever the path
-    scales = geometry.scales(scaling)
     bias = kwargs.get("position_bias")
-    over_cache = isinstance(value, MLRCacheView)  # an MLR cache layer's ``update`` wrote the chunk
     device_type = query.device.type
     if torch.is_autocast_enabled(device_type):
         # as SDPA under autocast: RoPE hands float32 q/k next to a half-precision v; compute in the autocast dtype
@@ -482,7 +487,8 @@ def _forward(module, query, key, value, attention_mask, scaling, dropout, eager,
         query, key = query.to(dtype), key.to(dtype)
         value = value if over_cache else value.to(dtype)
     if over_cache:
-        return _read_cache(module, query, value, attention_mask, geometry, scales, bias, dropout, eager)
+        return _read_cache(module, query, value, attention_mask, geometry, scaling, bias, dropout, eager)
+    scales = geometry.scales(scaling)
     causal = bool(getattr(module, "is_causal", True))
     batch, _, length, _ = query.shape
     step = kwargs.get(STEP_KEY)

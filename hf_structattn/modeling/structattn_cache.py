@@ -35,7 +35,7 @@ from transformers.cache_utils import DynamicLayer, StaticLayer
 from .structattn_geometry import MLRGeometry
 from .structattn_mlr_plan import CacheLayout, MLRPlan, mlr_plan
 from .structattn_rollback import RollbackLog, RollbackMixin
-from .structattn_step import NO_POSITION, STEP_KEY, MLRStep, refuse_unsupported_arguments
+from .structattn_step import NO_POSITION, REFUSED_ARGUMENTS, STEP_KEY, MLRStep, refuse_unsupported_arguments
 
 _WARNED_WITHOUT_KWARGS = set()
 MIN_GROWTH = 16  # dynamic layers grow by max(MIN_GROWTH, S/32) slots when no length was reserved
@@ -76,6 +76,7 @@ class MLRCacheLayerMixin(RollbackMixin):
     ``capacity``, ``keys_storage()`` / ``values_storage()``, ``_advance(chunk, newest_slot)`` and ``_rewind``."""
 
     holds_mlr_positions = True  # what ``structattn_step`` looks for (the rows' positions every MLR layer holds)
+    is_static = False  # a fixed-shape layer (``MLRStaticKeyCacheLayer``)
     geometry: Optional[MLRGeometry] = None
 
     def _init_state(self) -> None:
@@ -199,7 +200,8 @@ class MLRCacheLayerMixin(RollbackMixin):
         attention call's kwargs (``kwargs["kwargs"][STEP_KEY]``, transformers' convention). The layer holds detached
         states written in place. An unbound layer is transformers' plain layer."""
         step = _step_of(args, kwargs)
-        if self.is_bound and step is None and not self.is_initialized:
+        geometry = self.geometry
+        if geometry is not None and step is None and not self.is_initialized:
             # the attention module calls cache.update without its kwargs (GPT-NeoX, Falcon, ...): the layer cannot
             # learn positions or padding, so it keeps full keys (exact, no saving)
             if type(self) not in _WARNED_WITHOUT_KWARGS:
@@ -207,13 +209,12 @@ class MLRCacheLayerMixin(RollbackMixin):
                 warnings.warn("an attention module calls cache.update without kwargs, so the MLR key cache cannot "
                               "see positions or padding: its layers keep full keys (exact, no memory saving)",
                               stacklevel=3)
-            self.geometry = None
-        if not self.is_bound:
+            self.geometry = geometry = None
+        if geometry is None:
             return super().update(key_states, value_states, *args, **kwargs)
         if step is None:
             raise ValueError("the MLR key cache needs the attention call's kwargs (cache.update(k, v, layer_idx, "
                              "kwargs=kwargs)) to place the new tokens")
-        geometry = self.geometry
         if key_states.shape[-1] != geometry.head_dim:
             raise ValueError(f"MLR cache layer: key width {key_states.shape[-1]} differs from sum(mlr_ranks)="
                              f"{geometry.head_dim}")
@@ -222,18 +223,18 @@ class MLRCacheLayerMixin(RollbackMixin):
             raise ValueError(f"the step has positions of shape "
                              f"{None if step.positions is None else tuple(step.positions.shape)} for a chunk of "
                              f"{chunk} tokens in {batch} rows")
-        order = geometry.dim_order_index(key_states.device)
-        keys = key_states if order is None else key_states.index_select(-1, order)
-        plan = mlr_plan(step, geometry)
+        plan = step.plans.get(id(geometry)) or mlr_plan(step, geometry)
+        keys = key_states if plan.dim_order is None else key_states.index_select(-1, plan.dim_order)
         if torch.is_grad_enabled():  # (entering no_grad costs an eager decode step microseconds per layer)
             with torch.no_grad():
                 layout, replaced = self._write(keys.detach(), value_states.detach(), plan)
         else:
             layout, replaced = self._write(keys, value_states, plan)
         facts = step.facts
-        return keys, MLRCacheView(self.keys_storage(), self.values_storage(), self._fine, self._contiguous, keys,
-                                  value_states, replaced, True if facts is None else facts.held,
-                                  self.cumulative_length, self.first_positions, self.last_positions, layout, plan)
+        key_storage, value_storage, fine = self._storages()
+        return keys, MLRCacheView(key_storage, value_storage, fine, self._contiguous, keys, value_states, replaced,
+                                  True if facts is None else facts.held, self.cumulative_length, self.first_positions,
+                                  self.last_positions, layout, plan)
 
     def _write(self, keys: torch.Tensor, values: torch.Tensor, plan: MLRPlan) -> tuple:
         """Write the chunk by ``plan``: (the layout, the replaced ring entries or None)."""
@@ -242,13 +243,16 @@ class MLRCacheLayerMixin(RollbackMixin):
             self._lazy_init(keys, values, facts)
         elif self.base is None:  # a static layer after ``reset``: placed afresh
             self.base = self._base_for(facts)
+        capacity = self.capacity
         if facts is not None:  # the slots in use, and (dynamic) at least the tokens seen: ``keys`` exposes them
             needed = max(facts.newest - self.base + 1, 1)
-            if not isinstance(self, StaticLayer):
+            if not self.is_static:
                 needed = max(needed, facts.tokens_before + plan.chunk)
-            if needed > self.capacity:
+            if needed > capacity:
                 self._ensure_capacity(needed, keys, values)
-        layout = plan.layout(self, keys.dtype)
+                capacity = self.capacity
+        key = (self.base, capacity, keys.dtype, self._record_past)  # what a layout depends on besides the plan
+        layout = plan.layouts.get(key) or plan.layout(self, key)
         if plan.host_write:
             replaced = self._write_in_step(keys, values, plan, layout)
         else:
@@ -303,17 +307,24 @@ class MLRCacheLayerMixin(RollbackMixin):
         return replaced if chunk > 1 else None
 
     def _flat_views(self) -> tuple:
-        """(keys, values, fine) storages as (B, H, 1, ·) flat views (made again when a storage was replaced: growth,
-        reordering, offloading). The storages are contiguous (every allocation and row operation makes them so)."""
-        keys, values, fine = self.keys_storage(), self.values_storage(), self._fine
+        """(keys, values, fine) storages as (B, H, 1, ·) flat views, made again when the storages were replaced
+        (growth, reordering, offloading: every one replaces all three, the ring storage included). The storages are
+        contiguous (every allocation and row operation makes them so)."""
         cached = self._flat
-        if cached is not None and cached[0] is keys and cached[1] is values and cached[2] is fine:
-            return cached[3]
-        storages = (keys, values, fine)
+        if cached is not None and cached[0] is self._fine:
+            return cached[2]
+        storages = self._storages()
         batch, heads = storages[0].shape[:2]
         views = tuple(tensor.reshape(batch, heads, 1, -1) for tensor in storages)
-        self._flat = storages + (views,)
+        self._flat = (self._fine, storages, views)
         return views
+
+    def _storages(self) -> tuple:
+        """(keys (B, H, C, r_1), values (B, H, C, dv), fine (B, H, F)): the whole storages."""
+        cached = self._flat
+        if cached is not None and cached[0] is self._fine:
+            return cached[1]
+        return self.keys_storage(), self.values_storage(), self._fine
 
     def _write_chunk(self, keys, values, plan: MLRPlan, layout: CacheLayout) -> Optional[torch.Tensor]:
         """Every real token of a chunk into its slot and ring entries (padding is not stored: see ``ChunkWrite``)
@@ -406,7 +417,7 @@ def _step_of(args, kwargs) -> Optional[MLRStep]:
     if not isinstance(call, dict):
         return None
     step = call.get(STEP_KEY)
-    if step is not None:
+    if step is not None and not REFUSED_ARGUMENTS.isdisjoint(call):
         refuse_unsupported_arguments(call)
     return step
 
@@ -553,6 +564,7 @@ class MLRStaticKeyCacheLayer(MLRCacheLayerMixin, StaticLayer):
     stay below ``base + max_cache_len``."""
 
     _layer_type = "mlr_attention"
+    is_static = True
 
     def __init__(self, max_cache_len: int, geometry: Optional[MLRGeometry] = None, rollback_tokens: int = 64,
                  **kwargs):

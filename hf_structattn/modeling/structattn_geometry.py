@@ -339,6 +339,12 @@ class MLRGeometry:
     average_levels: bool = False
     dim_order: Optional[tuple] = None
     tensors: TensorMemo = field(default_factory=TensorMemo, compare=False, hash=False, repr=False)
+    head_dim: int = field(init=False, compare=False, repr=False)  # sum(ranks): read by every layer of every step
+    num_levels: int = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "head_dim", sum(self.ranks))
+        object.__setattr__(self, "num_levels", len(self.ranks))
 
     @classmethod
     def build(cls, ranks, block_sizes, scales=None, *, head_dim: Optional[int] = None, average_levels: bool = False,
@@ -377,14 +383,6 @@ class MLRGeometry:
             if dim_order == tuple(range(sum(ranks))):
                 dim_order = None
         return cls(ranks, block_sizes, level_scales, bool(average_levels), dim_order)
-
-    @property
-    def head_dim(self) -> int:
-        return sum(self.ranks)
-
-    @property
-    def num_levels(self) -> int:
-        return len(self.ranks)
 
     def scales(self, module_scaling: Optional[float] = None) -> tuple:
         """The per-level multipliers, with ``module_scaling`` (default 1/sqrt(r)) standing in when not configured."""

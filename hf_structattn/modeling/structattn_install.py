@@ -39,7 +39,11 @@ class _LayerConfigView:
 
     @property
     def _attn_implementation(self) -> str:
-        return self.implementation(self._structattn_base._attn_implementation)
+        name = self._structattn_base._attn_implementation
+        mapped = self.__dict__.get("_structattn_mapped")  # (the model's name, this package's): every step asks
+        if mapped is None or mapped[0] != name:
+            mapped = self.__dict__["_structattn_mapped"] = (name, self.implementation(name))
+        return mapped[1]
 
     def __getattr__(self, name: str):
         # only called for names not found on the view itself

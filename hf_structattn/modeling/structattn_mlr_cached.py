@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .structattn_geometry import softmax_dtype
+SOFTMAX_DTYPES = (torch.float32, torch.float64)  # the dtypes whose softmax runs in their own dtype
 
 
 def _formulation(query: torch.Tensor, view, plan, bias, return_weights: bool, dropout: float) -> str:
@@ -34,7 +34,7 @@ def _formulation(query: torch.Tensor, view, plan, bias, return_weights: bool, dr
     if plan.traced:
         return "traced" if plan.chunk == 1 and bias is None and not return_weights and not dropout else "general"
     if plan.in_step and view.contiguous and bias is None and not return_weights and not dropout and \
-            not query.requires_grad and softmax_dtype(query.dtype) == query.dtype:
+            not query.requires_grad and query.dtype in SOFTMAX_DTYPES:
         return "in_step"
     return "general"
 
@@ -51,7 +51,8 @@ def mlr_cached_attention(query: torch.Tensor, view, plan, scales: tuple, *, bias
     formulation = _formulation(query, view, plan, bias, return_weights, dropout)
     batch, q_heads, chunk, width = query.shape
     kv_heads = view.key_storage.shape[1]
-    read = view.layout.read(formulation, q_heads // kv_heads, scales)
+    key = (formulation, q_heads // kv_heads, scales)
+    read = view.layout.reads.get(key) or view.layout.read(key)
     if formulation == "in_step":
         out, weights = _in_step(query, view, read), None
     else:

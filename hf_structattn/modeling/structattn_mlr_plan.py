@@ -59,6 +59,8 @@ class MLRPlan:
         self.first = newest - chunk + 1 if self.host_write else None
         self.in_step = self.host_write and all(self.first // size == newest // size for size in sizes)
         self._real = step.valid
+        device = step.positions.device
+        self.dim_order = geometry.dim_order_index(device)  # (r,) the head-dim permutation to level order, or None
         # the rows' spans before the forward: the step refers to the layers' own positions, which the first write
         # changes, and every later layer's read needs the old ones. A host write moves no row's first position, and
         # every row's newest was ``first - 1`` (made when a read asks); any other write works on copies
@@ -67,7 +69,7 @@ class MLRPlan:
         if not self.host_write:
             self._last_before = None if step.last_before is None else step.last_before.clone()
             self.first_before = None if step.first_before is None else step.first_before.clone()
-        self._layouts = {}
+        self.layouts = {}
 
     @property
     def real(self) -> torch.Tensor:
@@ -83,14 +85,15 @@ class MLRPlan:
             self._last_before = torch.full_like(self.first_before, self.first - 1)
         return self._last_before
 
-    def layout(self, layer, dtype: torch.dtype) -> "CacheLayout":
-        """The ``CacheLayout`` of ``layer``'s storage (base, capacity, ring widths) for keys of ``dtype``."""
-        key = (layer.base, layer.capacity, dtype, layer.record_past)
-        layout = self._layouts.get(key)
+    def layout(self, layer, key: tuple) -> "CacheLayout":
+        """The ``CacheLayout`` of ``layer``'s storage, made and kept under ``key`` = (base, capacity, key dtype,
+        the layer records for rollback) in ``layouts`` (which a layer reads first: a layout is made once per
+        forward and storage shape)."""
+        layout = self.layouts.get(key)
         if layout is None:
-            if len(self._layouts) >= MAX_LAYOUTS:
-                self._layouts.clear()
-            layout = self._layouts[key] = CacheLayout(self, layer, dtype)
+            if len(self.layouts) >= MAX_LAYOUTS:
+                self.layouts.clear()
+            layout = self.layouts[key] = CacheLayout(self, layer, key[2])
         return layout
 
 
@@ -128,14 +131,13 @@ class CacheLayout:
             self.chunk_write = plan_chunk_write(plan, self.base, self.capacity, self.ring_widths, layer.record_past)
         self.reads = {}
 
-    def read(self, formulation: str, groups: int, scales: tuple):
-        """The read plan of ``formulation`` ("in_step", "general", "traced") for ``groups`` query heads per cached
-        head and the level ``scales``, made once per forward and layout."""
-        key = (formulation, groups, scales)
+    def read(self, key: tuple):
+        """The read plan under ``key`` = (formulation: "in_step", "general" or "traced", query heads per cached head,
+        level scales), made once per forward and layout and kept in ``reads`` (which the op reads first)."""
         read = self.reads.get(key)
         if read is None:
             make = {"in_step": plan_in_step_read, "general": plan_general_read, "traced": plan_traced_read}
-            read = self.reads[key] = make[formulation](self, groups, scales)
+            read = self.reads[key] = make[key[0]](self, key[1], key[2])
         return read
 
 

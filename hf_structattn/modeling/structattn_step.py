@@ -105,14 +105,14 @@ class MLRStep:
 
 
 UNSUPPORTED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
-_REFUSED_NAMES = frozenset(UNSUPPORTED_KWARGS + ("softcap", "sliding_window"))
+REFUSED_ARGUMENTS = frozenset(UNSUPPORTED_KWARGS + ("softcap", "sliding_window"))
 
 
 def refuse_unsupported_arguments(kwargs: dict, layer_idx=None) -> None:
     """What MLR attention refuses in an attention call's keyword arguments, with a one-line error: packed sequences,
     logit soft-capping, a sliding window. Checked by the ``"mlr"`` functions and, before it writes, by an MLR cache
     layer's ``update`` (so that a refused call leaves the cache as it was)."""
-    if _REFUSED_NAMES.isdisjoint(kwargs):  # (every layer of every step asks: one set operation)
+    if REFUSED_ARGUMENTS.isdisjoint(kwargs):  # (every layer of every step asks: one set operation)
         return
     for name in UNSUPPORTED_KWARGS:
         if kwargs.get(name) is not None:
