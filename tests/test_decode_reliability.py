@@ -169,3 +169,25 @@ def test_cached_training_steps_under_eager_attention_apply_dropout():
     assert not torch.allclose(first, second)
     assert not torch.allclose(first, plain)
     torch.testing.assert_close(plain, _logits(model, ids)[:, 8:], **EXACT)
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_a_2d_mask_that_hides_a_cached_token_is_refused(chunk):
+    """A 2-D mask that hides a real token the cache already holds (the dense twin would apply it) is refused in one
+    line, on the decode step's path and on a chunk's; masks that hide only padding keep working (left padding)."""
+    model = tiny_lm("mlr").double()
+    ids = torch.randint(2, 61, (2, 12), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, :2] = 0  # left padding of row 1
+    cache = transformers.DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids[:, :8], attention_mask=mask, cache=cache)
+        hiding = torch.cat([mask, torch.ones(2, chunk, dtype=torch.long)], 1)
+        hiding[0, 4] = 0
+        with pytest.raises(ValueError, match=r"attention_mask hides a cached real token of row 0: the MLR cache holds "
+                                             r"its 8 real tokens, the mask keeps 7"):
+            model(ids[:, 8:8 + chunk], attention_mask=hiding, cache=cache)
+        keeping = torch.cat([mask, torch.ones(2, chunk, dtype=torch.long)], 1)
+        got = model(ids[:, 8:8 + chunk], attention_mask=keeping, cache=cache).logits
+        expected = model(ids[:, :8 + chunk], attention_mask=keeping).logits[:, 8:]
+    torch.testing.assert_close(got, expected, **EXACT)

@@ -189,7 +189,7 @@ def build_step(*, cache, positions: Optional[torch.Tensor], valid: Optional[torc
     if batch * length <= HOST_FACTS_ELEMENTS and last is not None and not tracing:
         # a decode step or a short chunk: the positions read back as they are, checked in Python (ops less per step)
         facts = _host_facts(positions, valid, last, first, tokens_before, checked_mask, max_positions, geometries,
-                            embedding_positions is not None)
+                            embedding_positions is not None, key_mask)
         if facts is not None:
             return MLRStep(cache, positions, valid, facts, standard_masks, key_mask, position_bias, last_before=last,
                            first_before=first)
@@ -208,7 +208,7 @@ def build_step(*, cache, positions: Optional[torch.Tensor], valid: Optional[torc
         return MLRStep(cache, positions, valid, None, standard_masks, key_mask, position_bias, last_before=last,
                        first_before=first)
     facts = _read_facts(positions, valid, last, first, shift, tokens_before, checked_mask, embedding_positions,
-                        max_positions, geometries)
+                        max_positions, geometries, key_mask)
     if isinstance(facts, torch.Tensor):  # uncached runs after padding that go behind the row: continued (rare)
         positions = facts
         facts = _read_facts(positions, valid, None, None, None, tokens_before, None, None, None, geometries)
@@ -266,7 +266,7 @@ def plain_step(*, cache, positions: Optional[torch.Tensor], valid: Optional[torc
 
 
 def _read_facts(positions, valid, last, first, shift, tokens_before, checked_mask, embedding_positions,
-                max_positions, geometries):
+                max_positions, geometries, key_mask=None):
     """Check the step's values and read its ``StepFacts`` back in one host read. Returns the facts, or (rare) the
     corrected positions of an uncached chunk whose real runs after padding go behind the row (to be read again).
     ``last`` / ``first`` (B,): the rows' newest / first cached real positions when the MLR cache is written (the
@@ -300,6 +300,8 @@ def _read_facts(positions, valid, last, first, shift, tokens_before, checked_mas
         broken = positions != start[:, None] + rank
         broken = (broken & valid).any(-1) if valid is not None else broken.any(-1)
         parts += [last, first, shift, broken]
+        kept = _kept_cached(key_mask, batch, length)
+        parts.append(kept if kept is not None else first)  # (without a mask: a placeholder of B values)
         flags = [zero, zero]
     else:
         steps = positions[:, 1:] - positions[:, :-1]
@@ -350,7 +352,9 @@ def _read_facts(positions, valid, last, first, shift, tokens_before, checked_mas
                          min(high_rows), None,
                          max(firsts), False, uniform, all(contiguous), high_rows[0],
                          _shared_blocks(geometries, high_rows) if all_real else ())
-    last_rows, first_rows, shifts, broken_rows = rows[4:]
+    last_rows, first_rows, shifts, broken_rows, kept_rows = rows[4:]
+    if key_mask is not None:
+        _refuse_hidden_cached_tokens(kept_rows, last_rows, first_rows)
     for row in range(batch):
         if broken_rows[row]:
             _refuse_gap(row, last_rows[row], positions, valid)
@@ -384,7 +388,7 @@ HOST_FACTS_ELEMENTS = 256  # steps of at most this many new tokens read their po
 
 
 def _host_facts(positions, valid, last, first, tokens_before, checked_mask, max_positions, geometries,
-                embedding: bool):
+                embedding: bool, key_mask=None):
     """``StepFacts`` of a short step (decode steps, speculative verification chunks: at most ``HOST_FACTS_ELEMENTS``
     new tokens) over MLR layers that are written, from the new tokens' positions and padding and the rows' newest and
     first cached positions read back as they are in one host read and checked in Python (fewer ops than reducing
@@ -399,7 +403,14 @@ def _host_facts(positions, valid, last, first, tokens_before, checked_mask, max_
         parts.append(_mask_check(checked_mask))
     if isinstance(tokens_before, torch.Tensor):
         parts.append(tokens_before.reshape(1).long().to(positions.device))
+    kept = _kept_cached(key_mask, batch, length)
+    if kept is not None:
+        parts.append(kept)
     values = torch.cat(parts).tolist()  # the one host read of the forward
+    if kept is not None:
+        _refuse_hidden_cached_tokens(values[-batch:], last_rows=values[batch * length:batch * length + batch],
+                                     first_rows=values[batch * length + batch:batch * length + 2 * batch])
+        values = values[:-batch]
     count = batch * length
     rows = [values[row * length:(row + 1) * length] for row in range(batch)]
     old, firsts, rest = values[count:count + batch], values[count + batch:count + 2 * batch], values[count + 2 * batch:]
@@ -448,6 +459,25 @@ def _shared_blocks(geometries: tuple, newest: list) -> tuple:
         if all(all(value // size == newest[0] // size for value in newest) for size in block_sizes):
             shared.append(tuple(block_sizes))
     return tuple(shared)
+
+
+def _kept_cached(key_mask: Optional[torch.Tensor], batch: int, length: int) -> Optional[torch.Tensor]:
+    """(B,) how many cached tokens the caller's 2-D keep-mask keeps per row (its columns before the new tokens), or
+    None without such a mask."""
+    if key_mask is None or key_mask.dim() != 2 or key_mask.shape[-1] <= length:
+        return None
+    return (key_mask[:, :-length] != 0).sum(-1).expand(batch)
+
+
+def _refuse_hidden_cached_tokens(kept_rows: list, last_rows: list, first_rows: list) -> None:
+    """A 2-D mask may hide padding, never a real token the cache already holds: the MLR cache keeps a row's real
+    tokens as one span and reads all of them (a later mask cannot take one back)."""
+    for row, (kept, last, first) in enumerate(zip(kept_rows, last_rows, first_rows)):
+        held = last - first + 1 if last >= 0 else 0
+        if kept < held:
+            raise ValueError(f"attention_mask hides a cached real token of row {row}: the MLR cache holds its "
+                             f"{held} real tokens, the mask keeps {kept} of the cached columns; a cached token cannot "
+                             f"be hidden afterwards (run the forward with use_cache=False, or start a new cache)")
 
 
 def _refuse_gap(row: int, last: int, positions, valid) -> None:
