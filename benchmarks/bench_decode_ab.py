@@ -35,7 +35,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_generation import GPT2_SHAPE, MLR_RANKS, gpt2_models, prefilled_cache  # noqa: E402
+from bench_generation import GPT2_SHAPE, gpt2_models, prefilled_cache  # noqa: E402
 
 import hf_structattn.modeling.structattn_attention as new_attention  # noqa: E402
 import hf_structattn.modeling.structattn_cache as new_cache  # noqa: E402

@@ -32,7 +32,7 @@ def _write(layer, keys, values, positions, valid, traced=False):
     """The model's flow for one chunk: the step (one host read), then ``update``, the one write, which returns the
     layer's view. ``traced``: the step as torch.compile sees it (no host facts: fixed shapes, the whole storage)."""
     step = build_step(cache=Cache(layers=[layer]), positions=positions, valid=valid, batch=keys.shape[0],
-                      length=keys.shape[2], device=keys.device, geometries=(tuple(layer.geometry.block_sizes),))
+                      length=keys.shape[2], device=keys.device)
     if traced:
         step = dataclasses.replace(step, facts=None)
     _, view = layer.update(keys, values, kwargs={STEP_KEY: step})

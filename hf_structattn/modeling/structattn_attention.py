@@ -24,9 +24,10 @@ passes them (T5 does not: positions then count the real tokens of each row, ``cu
 (``structattn_step.STEP_KEY``): the self-attention cache, the new tokens' positions and padding and the host facts
 every layer shares, so that no layer reads anything back from the device.
 
-Over an MLR cache layer the flow is explicit: ``cache.update`` returned the chunk's keys in level order (it stores
-nothing); ``layer.store(keys, values, step)`` writes them and returns the layer's read-only ``MLRCacheView``; one op,
-``structattn_mlr_decode.mlr_cached_attention(query, keys, view, step, geometry, scales, bias)``, reads it.
+Over an MLR cache layer the flow is explicit: ``cache.update`` wrote the chunk and returned its keys in level order
+and, in place of the values, the layer's read-only ``MLRCacheView``; ``_forward`` checks the call's contract in one
+place and reads the view once with ``structattn_mlr_cached.mlr_cached_attention(query, view, plan, scales)``. The
+attention functions never write a cache.
 """
 
 import warnings

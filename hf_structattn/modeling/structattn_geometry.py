@@ -16,7 +16,7 @@ import dataclasses
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import ClassVar, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 

@@ -186,11 +186,10 @@ def prepare_step(model, *, cache: Optional[Cache], batch: int, length: int, devi
         if attention_mask is not None and isinstance(past, torch.Tensor) and step.tokens is not None:
             _check_mask_length(attention_mask, batch, length, step.tokens)
         return step
-    geometries = tuple(sorted({tuple(geometry.block_sizes) for geometry in layer_geometries.values()}))
     step = build_step(cache=target, positions=positions, valid=valid, batch=batch, length=length, device=device,
                       key_mask=key_mask, standard_masks=standard, checked_mask=checked,
                       embedding_positions=positions if max_positions is not None else None,
-                      max_positions=max_positions, geometries=geometries)
+                      max_positions=max_positions)
     if step.facts is not None and attention_mask is not None and isinstance(past, torch.Tensor):
         _check_mask_length(attention_mask, batch, length, step.facts.tokens_before)
     return step

@@ -32,13 +32,11 @@ class StepFacts:
     tokens_before: tokens the cache held before (transformers' sequence length, padding included); held: the MLR
     layers held a token before (the chunk attends to the cache, else only to itself); all_real: no padding among the
     new tokens; lowest / highest: the lowest / highest real new position (``NO_POSITION`` / -1 when none); newest:
-    the newest real position of any row after the forward (-1: none); earliest_newest: the lowest over the rows of
-    their newest real position after the forward; shared_newest: that position when it is every
-    row's and every row's tokens are real and continue the row (else None); latest_first: the largest first real
-    position over the rows after the forward; continuing: every new token is real and every row continues its
-    newest cached position; uniform_offset: the offset ``position - index`` shared by every row's real tokens, or
-    None (the uncached op's layout); block_starts_shared: per geometry (by ``block_sizes``), whether every row's
-    newest position after the forward lies in the same block of every finer level."""
+    the newest real position of any row after the forward (-1: none); shared_newest: that position when it is every
+    row's and every row's tokens are real and continue the row (rows in step; else None); latest_first: the largest
+    first real position over the rows after the forward; uniform_offset: the offset ``position - index`` shared by
+    every row's real tokens, or None; contiguous: every row's real tokens have one offset (the uncached op's
+    layout)."""
 
     tokens_before: int
     held: bool
@@ -46,17 +44,10 @@ class StepFacts:
     lowest: int
     highest: int
     newest: int
-    earliest_newest: int
     shared_newest: Optional[int]
     latest_first: int
-    continuing: bool
     uniform_offset: Optional[int]
     contiguous: bool
-    row0_newest: int
-    block_starts_shared: tuple = ()
-
-    def shares_blocks(self, block_sizes: tuple) -> bool:
-        return block_sizes in self.block_starts_shared
 
 
 @dataclass(frozen=True)
@@ -149,7 +140,7 @@ def _right_padded(key_mask: Optional[torch.Tensor], chunk: int, batch: int, devi
 def build_step(*, cache, positions: Optional[torch.Tensor], valid: Optional[torch.Tensor], batch: int, length: int,
                device, key_mask: Optional[torch.Tensor] = None, standard_masks: bool = True,
                checked_mask: Optional[torch.Tensor] = None, embedding_positions: Optional[torch.Tensor] = None,
-               max_positions: Optional[tuple] = None, geometries: tuple = (),
+               max_positions: Optional[tuple] = None,
                position_bias: Optional[torch.Tensor] = None) -> MLRStep:
     """The ``MLRStep`` of one forward, its input values checked with one host read (none while tracing).
 
@@ -157,7 +148,6 @@ def build_step(*, cache, positions: Optional[torch.Tensor], valid: Optional[torc
     valid: (B, c) bool or None (all real); key_mask: the caller's 2-D keep-mask over cached + new tokens;
     checked_mask: a 2-D mask whose values must be 0 or 1 (a non-bool mask the caller gave); embedding_positions:
     the given position ids, checked against ``max_positions`` = (field name, limit) (learned position tables);
-    geometries: the block sizes of the model's MLR geometries (the decode read's shared-block test per geometry).
     Errors are one-line ``ValueError``s naming the argument."""
     tracing = torch.compiler.is_compiling()
     tokens_before = cache.get_seq_length() if cache is not None else 0
@@ -188,7 +178,7 @@ def build_step(*, cache, positions: Optional[torch.Tensor], valid: Optional[torc
     positions = positions.to(device=device, dtype=torch.long).expand(batch, length)
     if batch * length <= HOST_FACTS_ELEMENTS and last is not None and not tracing:
         # a decode step or a short chunk: the positions read back as they are, checked in Python (ops less per step)
-        facts = _host_facts(positions, valid, last, first, tokens_before, checked_mask, max_positions, geometries,
+        facts = _host_facts(positions, valid, last, first, tokens_before, checked_mask, max_positions,
                             embedding_positions is not None, key_mask)
         if facts is not None:
             return MLRStep(cache, positions, valid, facts, standard_masks, key_mask, position_bias, last_before=last,
@@ -208,10 +198,10 @@ def build_step(*, cache, positions: Optional[torch.Tensor], valid: Optional[torc
         return MLRStep(cache, positions, valid, None, standard_masks, key_mask, position_bias, last_before=last,
                        first_before=first)
     facts = _read_facts(positions, valid, last, first, shift, tokens_before, checked_mask, embedding_positions,
-                        max_positions, geometries, key_mask)
+                        max_positions, key_mask)
     if isinstance(facts, torch.Tensor):  # uncached runs after padding that go behind the row: continued (rare)
         positions = facts
-        facts = _read_facts(positions, valid, None, None, None, tokens_before, None, None, None, geometries)
+        facts = _read_facts(positions, valid, None, None, None, tokens_before, None, None, None)
     return MLRStep(cache, positions, valid, facts, standard_masks, key_mask, position_bias, last_before=last,
                    first_before=first)
 
@@ -266,7 +256,7 @@ def plain_step(*, cache, positions: Optional[torch.Tensor], valid: Optional[torc
 
 
 def _read_facts(positions, valid, last, first, shift, tokens_before, checked_mask, embedding_positions,
-                max_positions, geometries, key_mask=None):
+                max_positions, key_mask=None):
     """Check the step's values and read its ``StepFacts`` back in one host read. Returns the facts, or (rare) the
     corrected positions of an uncached chunk whose real runs after padding go behind the row (to be read again).
     ``last`` / ``first`` (B,): the rows' newest / first cached real positions when the MLR cache is written (the
@@ -348,10 +338,8 @@ def _read_facts(positions, valid, last, first, shift, tokens_before, checked_mas
         if behind_run:
             return continue_runs(positions, valid)
         firsts = [low if low != big else -1 for low in low_rows]
-        return StepFacts(tokens_before, bool(tokens_before), all_real, lowest, highest, max(high_rows),
-                         min(high_rows), None,
-                         max(firsts), False, uniform, all(contiguous), high_rows[0],
-                         _shared_blocks(geometries, high_rows) if all_real else ())
+        return StepFacts(tokens_before, bool(tokens_before), all_real, lowest, highest, max(high_rows), None,
+                         max(firsts), uniform, all(contiguous))
     last_rows, first_rows, shifts, broken_rows, kept_rows = rows[4:]
     if key_mask is not None:
         _refuse_hidden_cached_tokens(kept_rows, last_rows, first_rows)
@@ -370,9 +358,8 @@ def _read_facts(positions, valid, last, first, shift, tokens_before, checked_mas
     firsts = [min(old, new) for old, new in zip(first_rows, low_rows)]
     continuing = all_real and all(old >= 0 and low == old + 1 for old, low in zip(last_rows, low_rows))
     shared = newest[0] if continuing and all(value == newest[0] for value in newest) else None
-    return StepFacts(tokens_before, bool(tokens_before), all_real, lowest, highest, max(newest), min(newest), shared,
-                     max(firsts),
-                     continuing, uniform, all(contiguous), newest[0], _shared_blocks(geometries, newest))
+    return StepFacts(tokens_before, bool(tokens_before), all_real, lowest, highest, max(newest), shared, max(firsts),
+                     uniform, all(contiguous))
 
 
 def _mask_check(checked_mask: torch.Tensor) -> torch.Tensor:
@@ -387,8 +374,8 @@ def _mask_check(checked_mask: torch.Tensor) -> torch.Tensor:
 HOST_FACTS_ELEMENTS = 256  # steps of at most this many new tokens read their positions back as they are
 
 
-def _host_facts(positions, valid, last, first, tokens_before, checked_mask, max_positions, geometries,
-                embedding: bool, key_mask=None):
+def _host_facts(positions, valid, last, first, tokens_before, checked_mask, max_positions, embedding: bool,
+                key_mask=None):
     """``StepFacts`` of a short step (decode steps, speculative verification chunks: at most ``HOST_FACTS_ELEMENTS``
     new tokens) over MLR layers that are written, from the new tokens' positions and padding and the rows' newest and
     first cached positions read back as they are in one host read and checked in Python (fewer ops than reducing
@@ -448,17 +435,7 @@ def _host_facts(positions, valid, last, first, tokens_before, checked_mask, max_
     continuing = all_real and all(cached >= 0 for cached in old)
     shared = newest[0] if continuing and len(set(newest)) == 1 else None
     return StepFacts(tokens_before, bool(tokens_before), all_real, min(every, default=NO_POSITION),
-                     max(every, default=-1), max(newest), min(newest), shared, max(firsts), continuing, uniform,
-                     contiguous, newest[0], _shared_blocks(geometries, newest))
-
-
-def _shared_blocks(geometries: tuple, newest: list) -> tuple:
-    """The block sizes (per geometry) for which every row's newest position is in the same block of every level."""
-    shared = []
-    for block_sizes in geometries:
-        if all(all(value // size == newest[0] // size for value in newest) for size in block_sizes):
-            shared.append(tuple(block_sizes))
-    return tuple(shared)
+                     max(every, default=-1), max(newest), shared, max(firsts), uniform, contiguous)
 
 
 def _kept_cached(key_mask: Optional[torch.Tensor], batch: int, length: int) -> Optional[torch.Tensor]:
