@@ -70,10 +70,12 @@ from hf_structattn.training.icl import sample_prompts
 from icl_rank_arms import FAILED, LABELS, SOLVED, arms  # noqa: F401  (scripts/icl_rank_arms.py)
 
 EARLY_STOP = 0.05
-BATCH, EVAL_PROMPTS, LAYERS, CHECKPOINT_EVERY = 64, 1024, 6, 1000
-# d -> deciding steps: d = 4's 40k is 16x the 2,500 steps after which §1c's arms were still falling; d = 8 doubles
-# it (twice the points and dimensions to learn), to be revised by the d = 4 runs' solved-at steps
-DECIDING_STEPS = {4: 40_000, 8: 80_000}
+BATCH, EVAL_PROMPTS, LAYERS, CHECKPOINT_EVERY, EVAL_EVERY = 64, 1024, 6, 1000, 250
+RESULTS = Path("results/icl_rank")  # one small JSON per finished run, committed: results/icl_rank/d<d>/<run>.json
+# d -> deciding steps. d = 4: the two controls measured at lr 1e-3, seed 0 (40k-step schedule, CPU) froze below 0.05
+# at steps 13,000 and 13,500; 20,000 is that times 1.5 (the stated margin). d = 8 doubles it (twice the points and
+# dimensions to learn), to be revised by the d = 4 runs' solved-at steps.
+DECIDING_STEPS = {4: 20_000, 8: 40_000}
 DECIDING_LRS, DECIDING_SEEDS = [3e-4, 1e-3, 3e-3], [0, 1, 2]
 PILOT_ARMS, PILOT_LR, PILOT_SEED = ("ii_dense1", "v_dense3_rank"), 1e-3, 0
 TINY = dict(layers=2, steps=30, eval_every=10, eval_count=128)  # the pilot's CPU rehearsal
@@ -199,8 +201,10 @@ class ArmRunner:
     is for tests; ``layers`` / ``eval_count`` shrink the model and the evaluation for the CPU rehearsal."""
 
     def __init__(self, d: int, arm: str, lrs, seeds, steps: int, eval_every: int, root: Path, device: str = "cpu",
-                 dtype: torch.dtype = torch.float32, layers: int = LAYERS, eval_count: int = EVAL_PROMPTS):
+                 dtype: torch.dtype = torch.float32, layers: int = LAYERS, eval_count: int = EVAL_PROMPTS,
+                 results: Path | None = None):
         self.d, self.arm, self.steps, self.eval_every, self.root = d, arm, steps, eval_every, Path(root)
+        self.results = None if results is None else Path(results) / f"d{d}"
         self.runs = [(float(lr), int(seed)) for seed in seeds for lr in lrs]
         self.seeds = sorted({seed for _, seed in self.runs})
         self.device, self.layers = torch.device(device), layers
@@ -329,8 +333,13 @@ class ArmRunner:
                       "rank_init": json.loads((folder / "rank_init.json").read_text()),
                       "rank_final": rank_summary(self.stack.run_model(run), self.d, seed),
                       "wall_s": self.wall, "params": self.params, "batched_with": len(self.runs),
-                      "step_mode": self.stack.graph_status}
+                      "step_mode": self.stack.graph_status, "device": device_name(str(self.device))}
             atomic_write(folder / "result.json", json.dumps(result, indent=1))
+            if self.results is not None:  # the committed copy: the result and every evaluation, a few KB
+                self.results.mkdir(parents=True, exist_ok=True)
+                atomic_write(self.results / f"{run_name(self.arm, lr, seed)}.json",
+                             json.dumps({**result, "evals": [{k: (round(v, 6) if isinstance(v, float) else v)
+                                                              for k, v in e.items()} for e in evals]}))
             results.append(result)
         self.checkpoint.unlink(missing_ok=True)
         return results
@@ -344,7 +353,7 @@ def train_arm(args, arm: str) -> list[dict]:
         return [json.loads((root / run_name(arm, lr, seed) / "result.json").read_text())
                 for seed in args.seeds for lr in args.lrs]
     runner = ArmRunner(args.d, arm, args.lrs, args.seeds, args.steps, args.eval_every, root, args.device,
-                       layers=args.layers)
+                       layers=args.layers, results=args.results)
     while not runner.finished:
         runner.advance()
         if args.budget_s is not None and runner.wall - runner.wall_before > args.budget_s and not runner.finished:
@@ -377,7 +386,8 @@ def launch_all(args) -> None:
             arm = pending.pop(0)
             command = [sys.executable, __file__, "arm", "--d", str(args.d), "--out", args.out, "--arm", arm,
                        "--lrs", *map(str, args.lrs), "--seeds", *map(str, args.seeds), "--steps", str(args.steps),
-                       "--eval_every", str(args.eval_every), "--device", args.device, "--layers", str(args.layers)]
+                       "--eval_every", str(args.eval_every), "--device", args.device, "--layers", str(args.layers),
+                       "--results", args.results]
             log = (root / f"{arm}.log").open("a")
             running.append((subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT), arm))
             print(f"[{time.time() - t0:7.0f} s] start {arm} ({len(args.lrs) * len(args.seeds)} runs stacked)",
@@ -663,9 +673,11 @@ def main(argv=None) -> None:
     parser.add_argument("command", choices=["run", "arm", "pilot", "plan", "time", "describe", "report",
                                             "earlier-ranks"])
     parser.add_argument("--d", type=int, default=4, help="input dim, a multiple of 4")
-    parser.add_argument("--out", help="output folder (default: outputs/icl_rank_v3; pilot: outputs/icl_pilot)")
+    parser.add_argument("--out", help="output folder (default: outputs/icl_rank; pilot: outputs/icl_pilot)")
     parser.add_argument("--steps", type=int, help=f"training steps (default: the deciding budget, {DECIDING_STEPS})")
-    parser.add_argument("--eval_every", type=int, default=500)
+    parser.add_argument("--eval_every", type=int, default=EVAL_EVERY)
+    parser.add_argument("--results", default=str(RESULTS), help="run / arm: where each finished run's small JSON "
+                        "goes (<results>/d<d>/<run>.json)")
     parser.add_argument("--lrs", type=float, nargs="+", help=f"default {DECIDING_LRS}; pilot {PILOT_LR}")
     parser.add_argument("--seeds", type=int, nargs="+", help=f"default {DECIDING_SEEDS}; pilot {PILOT_SEED}")
     parser.add_argument("--layers", type=int, default=LAYERS, help="run / arm: transformer blocks (the design: 6)")
@@ -689,7 +701,7 @@ def main(argv=None) -> None:
         parser.error(f"--arms: unknown {', '.join(unknown)}; the arms are {', '.join(arm_names)}")
     args.arms = [arm for arm in arm_names if not args.arms or arm in args.arms]
     pilot_command = args.command == "pilot"
-    args.out = args.out or ("outputs/icl_pilot" if pilot_command else "outputs/icl_rank_v3")
+    args.out = args.out or ("outputs/icl_pilot" if pilot_command else "outputs/icl_rank")
     args.steps = args.steps if args.steps is not None else deciding_steps(args.d)
     args.lrs = args.lrs or ([PILOT_LR] if pilot_command else DECIDING_LRS)
     args.seeds = args.seeds or ([PILOT_SEED] if pilot_command else DECIDING_SEEDS)
