@@ -173,9 +173,10 @@ class StackedArm:
                 return False
         return True
 
-    def finish(self, extra: Optional[dict] = None) -> list[dict]:
-        """Write every run's ``result.json`` and remove the checkpoint."""
-        results = []
+    def finish(self, extra: Optional[dict] = None, results: Optional[Path] = None) -> list[dict]:
+        """Write every run's ``result.json`` (and, with ``results``, its small committed copy
+        ``results/<run>.json``, :func:`write_run_json`) and remove the checkpoint."""
+        out = []
         for run, folder in enumerate(self.folders()):
             lr, seed = self.runs[run]
             evals = [json.loads(line) for line in (folder / "progress.jsonl").read_text().splitlines() if line]
@@ -185,9 +186,11 @@ class StackedArm:
             temporary = folder / "result.json.tmp"
             temporary.write_text(json.dumps(result, indent=1))
             os.replace(temporary, folder / "result.json")
-            results.append(result)
+            if results is not None:
+                write_run_json(Path(results) / f"{run_name(self.spec.name, lr, seed)}.json", result, evals)
+            out.append(result)
         self.checkpoint.unlink(missing_ok=True)
-        return results
+        return out
 
 
 def load_results(root: Path) -> list[dict]:
@@ -207,6 +210,76 @@ def load_results(root: Path) -> list[dict]:
         runs.append({"name": folder.name, "arm": arm, "lr": float(lr), "seed": int(seed), "evals": evals,
                      "final": evals[-1], "finished": result is not None, "result": result})
     return runs
+
+
+# ------------------------------------------------------------------------ shards, committed results, grid extension
+
+
+def write_run_json(path: Path, result: dict, evals: list[dict]) -> None:
+    """A finished run's committed record (a few KB): its result and every evaluation, floats to 6 digits."""
+    def short(value):
+        return float(f"{value:.6g}") if isinstance(value, float) else value
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(json.dumps({**result, "evals": [{k: short(v) for k, v in e.items()} for e in evals]}))
+    os.replace(temporary, path)
+
+
+def read_run_jsons(folder: Path) -> list[dict]:
+    """Every committed run record (:func:`write_run_json`) under ``folder``, with ``arm`` parsed from its name."""
+    runs = []
+    for path in sorted(Path(folder).glob("*_lr*_s*.json")):
+        record = json.loads(path.read_text())
+        record["name"] = path.stem
+        record["arm"] = path.stem.rsplit("_lr", 1)[0]
+        runs.append(record)
+    return runs
+
+
+def edge_extensions(best_lrs, grid: Sequence[float]) -> list[float]:
+    """The pre-registered grid extension of the LM, Chronos and ICL rules: when a best learning rate (one per seed,
+    picked on the planned ``grid``) is the grid's smallest, one more LR below it is run; when it is the largest, one
+    more above; each the grid's own step beyond the edge (``edge^2 / neighbour``, 2 significant digits). At most one
+    LR per direction; the extended runs are not extended again."""
+    grid = sorted(float(lr) for lr in grid)
+    if len(grid) < 2:
+        raise ValueError(f"grid needs at least 2 learning rates, got {grid}")
+    picks = {float(lr) for lr in best_lrs}
+    out = []
+    if grid[0] in picks:
+        out.append(float(f"{grid[0] ** 2 / grid[1]:.2g}"))
+    if grid[-1] in picks:
+        out.append(float(f"{grid[-1] ** 2 / grid[-2]:.2g}"))
+    return out
+
+
+def pack_shards(units: Sequence[dict], limit_flops: float) -> list[list[dict]]:
+    """Units (each a dict with ``flops``) in order into the fewest shards of at most ``limit_flops`` each, as even
+    as a sequential split allows. A unit over the limit on its own is an error (the design must shrink)."""
+    for unit in units:
+        if unit["flops"] > limit_flops:
+            raise ValueError(f"unit {unit.get('name', unit)} needs {unit['flops']:.3g} FLOPs, over the shard limit "
+                             f"{limit_flops:.3g}")
+    total = sum(unit["flops"] for unit in units)
+    count = max(1, math.ceil(total / limit_flops)) if units else 0
+    while units:
+        target, shards, current = total / count, [], []
+        for unit in units:
+            if current and (sum(u["flops"] for u in current) + unit["flops"] > limit_flops
+                            or (sum(u["flops"] for u in current) >= target and len(shards) < count - 1)):
+                shards.append(current)
+                current = []
+            current.append(unit)
+        shards.append(current)
+        if len(shards) <= count:
+            return shards
+        count += 1
+    return []
+
+
+def shard_minutes(flops: float, flops_per_s: float) -> float:
+    return flops / flops_per_s / 60
 
 
 def probe_arm(spec: ArmSpec, lrs: Sequence[float], device: str = "cpu", steps: int = 2) -> dict:
