@@ -98,7 +98,8 @@ class StackedArm:
         self.run_seed = torch.tensor([self.seeds.index(seed) for _, seed in self.runs], device=self.device)
         self.step, self.wall_before, self.started = 0, 0.0, time.perf_counter()
         seeds_text = "-".join(str(seed) for seed in self.seeds)
-        self.checkpoint = self.root / f"{spec.name}_s{seeds_text}.stack" / "checkpoint.pt"
+        lrs_text = "-".join(f"{lr:g}" for lr in sorted({lr for lr, _ in self.runs}))
+        self.checkpoint = self.root / f"{spec.name}_lr{lrs_text}_s{seeds_text}.stack" / "checkpoint.pt"
         self.checkpoint.parent.mkdir(parents=True, exist_ok=True)
         if self.checkpoint.exists():
             state = torch.load(self.checkpoint, map_location=self.device, weights_only=True)
@@ -278,8 +279,48 @@ def pack_shards(units: Sequence[dict], limit_flops: float) -> list[list[dict]]:
     return []
 
 
-def shard_minutes(flops: float, flops_per_s: float) -> float:
-    return flops / flops_per_s / 60
+SHARD_MINUTES = 8.0  # a shard's wall-time limit on one H100 (a lent GPU gives 10 minutes a command)
+
+
+def shard_rate(results: Path, assumed: float) -> tuple[float, str]:
+    """The H100 FLOP rate shards are sized with: the mean rate ``results/pilot.json`` measured (a GPU pilot's
+    summary, committed there), else ``assumed``; and where it came from."""
+    pilot = Path(results) / "pilot.json"
+    if pilot.exists():
+        summary = json.loads(pilot.read_text())
+        if not summary.get("tiny") and str(summary.get("device", "")).lower().find("cpu") != 0:
+            rates = [arm["flops_per_s"] for arm in summary["arms"].values()]
+            return sum(rates) / len(rates), f"measured by the pilot ({summary['device']})"
+    return assumed, "assumed (no GPU pilot yet)"
+
+
+def run_unit(spec: ArmSpec, lrs: Sequence[float], seeds: Sequence[int], steps: int, eval_every: int, work: Path,
+             results: Path, device: str, budget_s: Optional[float]) -> bool:
+    """One shard unit: ``spec``'s (lr, seed) runs stacked, unless every one has its results file
+    (``results/<run>.json``); resumable from ``work``. True when every run has its results file."""
+    todo = [lr for lr in lrs if not all((Path(results) / f"{run_name(spec.name, lr, s)}.json").exists()
+                                        for s in seeds)]
+    if not todo:
+        return True
+    arm = StackedArm(spec, todo, seeds, steps, eval_every, work, device)
+    if not arm.run_until(budget_s):
+        return False
+    arm.finish(results=results)
+    return True
+
+
+def shard_table(shards: dict, done, rate: float, source: str, command: str) -> list[str]:
+    """Markdown lines: per shard its units, runs done / planned, FLOPs and estimated H100 minutes at ``rate``.
+    ``shards``: id -> units (dicts with name, runs, flops); ``done(unit)`` -> runs of the unit with a results file;
+    ``command``: the shard command with ``{id}``."""
+    lines = [f"H100 rate {rate:.3g} FLOP/s, {source}; a shard is at most {SHARD_MINUTES:g} min at that rate.", "",
+             "| shard | units | runs done | training FLOPs | H100 minutes (est.) | command |", "|---|---|---|---|---|---|"]
+    for sid, units in shards.items():
+        flops = sum(unit["flops"] for unit in units)
+        lines.append(f"| {sid} | {', '.join(unit['name'] for unit in units)} | "
+                     f"{sum(done(unit) for unit in units)}/{sum(unit['runs'] for unit in units)} | {flops:.3g} | "
+                     f"{flops / rate / 60:.1f} | `{command.format(id=sid)}` |")
+    return lines
 
 
 def probe_arm(spec: ArmSpec, lrs: Sequence[float], device: str = "cpu", steps: int = 2) -> dict:
@@ -357,13 +398,19 @@ def probe_markdown(summary: dict, label: str) -> list:
     return lines
 
 
-def design_arguments(argv, description: str, design_out: str, pilot_out: str) -> argparse.Namespace:
-    """The command line of a design script (``plan``, ``run``, ``report``, ``pilot``), checked: a positive budget,
-    a cpu / cuda[:index] device that exists for ``run`` and ``pilot``, a new or empty folder for a pilot. Turns TF32
-    matmuls on for CUDA (the throughput the designs' estimates assume)."""
+def design_arguments(argv, description: str, design_out: str, pilot_out: str,
+                     results: str = "results") -> argparse.Namespace:
+    """The command line of a design script (``plan [--shards]``, ``shard ID``, ``run``, ``report``, ``pilot``),
+    checked: a positive budget, a cpu / cuda[:index] device that exists for ``shard``, ``run`` and ``pilot``, a new or
+    empty folder for a pilot, an id for ``shard``. Turns TF32 matmuls on for CUDA (the throughput the designs'
+    estimates assume)."""
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("command", choices=["plan", "run", "report", "pilot"])
-    parser.add_argument("--out", help=f"output folder (default {design_out}; pilot {pilot_out})")
+    parser.add_argument("command", choices=["plan", "shard", "run", "report", "pilot"])
+    parser.add_argument("shard_id", nargs="?", help="shard: its id (plan --shards lists them)")
+    parser.add_argument("--shards", action="store_true", help="plan: the shards, their FLOPs and minutes")
+    parser.add_argument("--results", default=results, help=f"the committed results files (default {results})")
+    parser.add_argument("--out", help=f"working folder: progress, checkpoints (default {design_out}; pilot "
+                                      f"{pilot_out})")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:<index>")
     parser.add_argument("--budget-s", dest="budget_s", type=float, help="wall seconds (pilot default 170)")
     parser.add_argument("--tiny", action="store_true", help="pilot: the CPU rehearsal")
@@ -375,7 +422,9 @@ def design_arguments(argv, description: str, design_out: str, pilot_out: str) ->
         parser.error(f"--budget-s must be positive, got {args.budget_s}")
     if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
         parser.error(f"--device must be cpu or cuda[:index], got {args.device!r}")
-    if args.device.startswith("cuda") and args.command in ("run", "pilot") and not torch.cuda.is_available():
+    if args.command == "shard" and not args.shard_id:
+        parser.error("shard needs an id (plan --shards lists them)")
+    if args.device.startswith("cuda") and args.command in ("run", "shard", "pilot") and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: CUDA is not available on this machine")
     if args.command == "pilot" and Path(args.out).exists() and any(Path(args.out).iterdir()):
         parser.error(f"--out {args.out} is not empty: a pilot starts from scratch in a new folder")
