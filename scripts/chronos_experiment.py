@@ -416,7 +416,7 @@ def pilot(args) -> dict:
     summary["probe"] = {"width": probe_width, "arms": {}}
     total = sum(row["run_flops"] * row["runs"] for row in design_rows())
     return finish_pilot(summary, ARMS, lambda name: arm_spec(name, probe_width, 0, tiny=args.tiny, batch=batch), LRS,
-                        args.device, started, args.budget_s, total, out, pilot_markdown)
+                        args.device, started, args.budget_s, total, out, pilot_markdown, Path(args.results))
 
 
 def pilot_markdown(summary: dict) -> str:

@@ -37,7 +37,7 @@ def arms(d: int) -> dict[str, dict]:
 
 DECIDING_LRS, DECIDING_SEEDS = (3e-4, 1e-3, 3e-3), (0, 1, 2)
 ARM_ORDER = ("i_dense12_half", "iii_btt8", "ii_dense1", "v_dense3_rank", "iv_mlr8", "vi_dense8_wide")
-CPU_SHARD_RUNS = 4  # runs per CPU shard after the first: two rounds of two one-thread processes
+CPU_SHARD_RUNS = 2  # runs per CPU shard: one one-thread process per core (a run at most ~100 min on the loaded cores)
 
 
 def design_runs(d: int) -> list[tuple[str, float, int]]:
@@ -52,15 +52,13 @@ def design_runs(d: int) -> list[tuple[str, float, int]]:
 
 
 def shards(d: int) -> dict[str, list[tuple[str, float, int]]]:
-    """Shard id -> its (arm, lr, seed) runs. ``c1``..: CPU-sized (c1 is seed 0 of (i) and (iii) at lr 1e-3, the
-    rule's quickest decisive NO; then 4 runs each); ``g1``, ``g2``: the whole design in two GPU shards of 3 arms,
+    """Shard id -> its (arm, lr, seed) runs. ``c1``..``c27``: CPU-sized, 2 runs each (c1 is seed 0 of (i) and (iii)
+    at lr 1e-3, the rule's quickest decisive NO); ``g1``, ``g2``: the whole design in two GPU shards of 3 arms,
     an arm's 9 runs one stacked model. A run belongs to one c-shard and one g-shard; whichever runs first writes its
     results file and the other skips it."""
     runs = design_runs(d)
-    out = {"c1": runs[:2]}
-    rest = runs[2:]
-    for index in range(0, len(rest), CPU_SHARD_RUNS):
-        out[f"c{index // CPU_SHARD_RUNS + 2}"] = rest[index:index + CPU_SHARD_RUNS]
+    out = {f"c{index // CPU_SHARD_RUNS + 1}": runs[index:index + CPU_SHARD_RUNS]
+           for index in range(0, len(runs), CPU_SHARD_RUNS)}
     out["g1"] = [run for run in runs if run[0] in ARM_ORDER[:3]]
     out["g2"] = [run for run in runs if run[0] in ARM_ORDER[3:]]
     return out

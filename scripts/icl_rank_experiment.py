@@ -423,6 +423,11 @@ def measured_cpu_ms(args) -> dict:
     return {arm: max(values) for arm, values in rates.items()}
 
 
+def cpu_ms(measured: dict, arm: str) -> float:
+    """An arm's CPU ms per step: its own measurement, else the slowest measured arm's, else CPU_MS_PER_STEP."""
+    return measured.get(arm, max(measured.values(), default=CPU_MS_PER_STEP))
+
+
 def shard_runs(args, shard_id: str) -> list[tuple[str, float, int]]:
     """The (arm, lr, seed) runs of a shard: ``c<k>``, ``g1``, ``g2`` (icl_rank_arms.shards), or ``x``: the edge
     runs the finished planned runs trigger (scripts/icl_rank_report.py)."""
@@ -444,10 +449,15 @@ def plan_shards(args) -> None:
     done = {(r["arm"], r["lr"], r["seed"]) for r in load_runs(Path(args.results) / f"d{args.d}", args.steps)}
     measured = measured_cpu_ms(args)
     flops = {arm: training_flops(args.d, arm, args.steps)[-1] for arm in arms(args.d)}
+    gpu_ms, gpu_source = GPU_MS_PER_STEP_GRAPHS, "estimated"
+    pilot_file = Path(args.results) / f"d{args.d}" / "pilot.json"
+    if pilot_file.exists():  # a GPU pilot's one-run step; a stacked step of launch-bound kernels costs about that
+        pilot_arms = json.loads(pilot_file.read_text())["arms"].values()
+        gpu_ms, gpu_source = max(arm["ms_per_step"] for arm in pilot_arms), "measured by the GPU pilot"
     print(f"d = {args.d}, {args.steps:,} steps a run. CPU: one thread per arm process, 2 at a time, at the "
-          f"arm's measured ms/step (else {CPU_MS_PER_STEP:g}); H100: an arm's runs stacked, one process per arm, "
-          f"{GPU_MS_PER_STEP_GRAPHS:g} ms a stacked step with CUDA graphs, {GPU_EAGER_FACTOR:g}x eager (estimates "
-          "until a pilot measures them); runs solved early (< 0.05) end sooner, so these are upper bounds.\n")
+          f"arm's ms/step measured by its CPU results files (else the slowest measured, else {CPU_MS_PER_STEP:g}); H100: an arm's runs stacked, one process per arm, "
+          f"{gpu_ms:g} ms a stacked step ({gpu_source}; eager without CUDA graphs: {GPU_EAGER_FACTOR:g}x); runs "
+          "solved early (< 0.05) end sooner, so these are upper bounds.\n")
     print("| shard | runs | done | training FLOPs | CPU, 2 cores (min) | H100, graphs / eager (min) | command |")
     print("|---|---|---|---|---|---|---|")
     for shard_id, runs in shards(args.d).items():
@@ -456,8 +466,8 @@ def plan_shards(args) -> None:
             by_arm[arm] = by_arm.get(arm, 0) + 1
         cores = [0.0, 0.0]  # arms to the least loaded of two cores, in order
         for arm, count in by_arm.items():
-            cores[cores.index(min(cores))] += count * args.steps * measured.get(arm, CPU_MS_PER_STEP) / 60_000
-        gpu = args.steps * GPU_MS_PER_STEP_GRAPHS / 60_000  # the arms run side by side, one process each
+            cores[cores.index(min(cores))] += count * args.steps * cpu_ms(measured, arm) / 60_000
+        gpu = args.steps * gpu_ms / 60_000  # the arms run side by side, one process each
         total = sum(flops[arm] for arm, _, _ in runs)
         finished = sum(run in done for run in runs)
         device = "cuda --jobs 3" if shard_id.startswith("g") else "cpu --jobs 2"
@@ -522,6 +532,9 @@ def pilot(args) -> dict:
     summary["projected_sweep_h"] = round(mean_ms * runs_factor / 1000 * deciding_steps(args.d) * len(arms(args.d))
                                          / 3600, 2)
     (out / "pilot.json").write_text(json.dumps(summary, indent=1))
+    from hf_structattn.training.sweep import keep_pilot
+
+    keep_pilot(summary, args.device, Path(args.results) / f"d{args.d}")
     (out / "pilot.md").write_text(pilot_markdown(summary))
     print((out / "pilot.md").read_text(), flush=True)
     return summary

@@ -427,7 +427,7 @@ def pilot(args) -> dict:
     total = sum(unit["flops"] for units in shards(RESULTS).values() for unit in units)
     return finish_pilot(summary, VARIANTS,
                         lambda name: arm_spec(name, probe_width, corpus, windows[:1], batch=batch, **size), LRS,
-                        args.device, started, args.budget_s, total, out, pilot_markdown)
+                        args.device, started, args.budget_s, total, out, pilot_markdown, Path(args.results))
 
 
 def pilot_markdown(summary: dict) -> str:

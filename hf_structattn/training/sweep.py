@@ -358,7 +358,7 @@ def probe_arm(spec: ArmSpec, lrs: Sequence[float], device: str = "cpu", steps: i
 
 def finish_pilot(summary: dict, names: Sequence[str], spec_of: Callable[[str], ArmSpec], lrs: Sequence[float],
                  device: str, started: float, budget_s: float, design_flops: float, out: Path,
-                 markdown: Callable[[dict], str]) -> dict:
+                 markdown: Callable[[dict], str], results: Optional[Path] = None) -> dict:
     """The end of a design pilot: probe the widest arm of every name in ``names`` (``spec_of(name)``) while the
     budget lasts, project the design's time from the FLOP rate the trained arms measured, write ``pilot.json`` and
     ``pilot.md`` (``markdown(summary)``) to ``out`` and print the latter. ``summary["arms"]`` holds the trained
@@ -374,7 +374,16 @@ def finish_pilot(summary: dict, names: Sequence[str], spec_of: Callable[[str], A
     (out / "pilot.json").write_text(json.dumps(summary, indent=1))
     (out / "pilot.md").write_text(markdown(summary))
     print((out / "pilot.md").read_text(), flush=True)
+    keep_pilot(summary, device, results)
     return summary
+
+
+def keep_pilot(summary: dict, device: str, results: Optional[Path]) -> None:
+    """A GPU pilot's summary is also written to ``results/pilot.json`` (committed): ``plan --shards`` sizes the
+    shards by the rate it measured (:func:`shard_rate`). CPU runs and rehearsals are not kept."""
+    if results is not None and device.startswith("cuda") and not summary.get("tiny"):
+        Path(results).mkdir(parents=True, exist_ok=True)
+        (Path(results) / "pilot.json").write_text(json.dumps(summary, indent=1))
 
 
 def device_name(device: str) -> str:
