@@ -19,31 +19,37 @@ row-centred logits have RMS ~1 at init in every arm (``describe`` measures it wi
 ``hf_structattn.mup.attention_logit_rms``). The decision rules are in scripts/icl_rank_report.py and docs/results.md.
 
     python scripts/icl_rank_experiment.py describe --d 4          # arms: score rank, init logit RMS, parameters
-    python scripts/icl_rank_experiment.py plan --d 4              # the sweep's runs and training FLOPs
+    python scripts/icl_rank_experiment.py plan --d 4 [--shards]   # runs and FLOPs; the shards and their minutes
     python scripts/icl_rank_experiment.py time --d 4              # CPU ms/step per arm: batched vs separate runs
     python scripts/icl_rank_experiment.py pilot --device cuda --budget-s 170 --out outputs/icl_pilot
-    python scripts/icl_rank_experiment.py run --d 4 --device cuda --out outputs/icl_rank_v3   # the d = 4 sweep
-    python scripts/icl_rank_experiment.py report --d 4 --out outputs/icl_rank_v3   # table, FLOPs, plot, verdicts
-    python scripts/icl_rank_experiment.py run --d 8 --device cuda --out outputs/icl_rank_v3   # the d = 8 stage
+    python scripts/icl_rank_experiment.py shard c1 --d 4 --device cpu --jobs 2    # a CPU shard (2 runs)
+    python scripts/icl_rank_experiment.py shard g1 --d 4 --device cuda --jobs 3   # a GPU shard (3 arms x 9 runs)
+    python scripts/icl_rank_experiment.py run --d 4 --device cuda --jobs 6        # the whole d = 4 sweep at once
+    python scripts/icl_rank_experiment.py report --d 4            # table, FLOPs to error 0.1, plot, verdicts, left
+    python scripts/icl_rank_experiment.py run --d 8 --device cuda --jobs 6        # the d = 8 stage
     python scripts/icl_rank_experiment.py earlier-ranks      # score rank of the models of docs/results.md §1, §1b
 
 **Batched.** The runs of one arm (its LRs x seeds) train as ONE stacked model
 (``hf_structattn.training.batched.StackedRuns``: ``torch.func.functional_call`` + ``vmap`` over stacked parameters,
 AdamW over stacked moments, per-run learning rates, clipping and data streams), so one step launches one set of
-kernels for all of the arm's runs; ``run`` trains ``--jobs`` arms at a time (one process each). Each run evaluates
-every ``--eval_every`` steps on 1024 fresh prompts (a random stream training never draws from), is frozen once solved
-(last-query error < 0.05; its parameters stop changing, as a separate run that stopped would), writes its evaluations
-to ``<out>/d<d>/<run>/progress.jsonl`` as it goes and ``result.json`` at the end; the arm writes a resumable
-checkpoint every 1000 steps to ``<out>/d<d>/<arm>.stack/`` and a rerun resumes it. Task, curriculum and warm-up
+kernels for all of the arm's runs; ``run`` and ``shard`` train ``--jobs`` arms at a time (one process each). Each
+run evaluates every ``--eval_every`` (250) steps on 1024 fresh prompts (a random stream training never draws from),
+is frozen once solved (last-query error < 0.05; its parameters stop changing, as a separate run that stopped would),
+writes its evaluations to ``<out>/d<d>/<run>/progress.jsonl`` as it goes and, at the end, ``result.json`` there and
+its committed record ``results/icl_rank/d<d>/<run>.json`` (result and evaluations, a few KB); runs that have the
+latter are skipped. The arm writes a resumable checkpoint every 1000 steps under ``<out>/d<d>/`` and a rerun resumes
+it. Shards (``scripts/icl_rank_arms.py``): c1-c27, two runs each, for the CPU cores here; g1, g2, three arms each,
+for a GPU (``--budget-s`` 420 by default there; a rerun resumes). Task, curriculum and warm-up
 follow the authors' ICL scripts (x ~ N(0, I/d), w ~ N(0, I), N = 2d points, a curriculum over the first 6 % of the
 steps, linear warm-up then constant LR, AdamW beta (0.9, 0.95), batch 64, 6 layers), scaled to ``--steps``.
 
-**Pilot.** ``pilot`` trains (ii) and (v) at one LR and one seed for the deciding step count (40,000 at d = 4), both
+**Pilot.** ``pilot`` trains (ii) and (v) at one LR and one seed for the deciding step count (20,000 at d = 4), both
 arms interleaved in one process, within ``--budget-s`` seconds of wall time, and writes ``pilot.md`` (a short summary
-to paste into a report) and ``pilot.json`` to ``--out``: whether the controls solve the task within 40k steps, the
-measured ms per step and the full sweep's projected time on this device. ``--tiny`` (2 layers, 30 steps, 128
-evaluation prompts) is the CPU rehearsal the tests run. The §1c runs (the earlier five arms, 2,500 steps) used this
-script as of commit 8bc2f46; §1d's design (one process per run) as of 40d8cb1.
+to paste into a report) and ``pilot.json`` to ``--out``: whether the controls solve the task within the deciding
+steps, the
+measured ms per step and the full sweep's projected time on this device (on a GPU also into
+``results/icl_rank/d<d>/pilot.json``, which ``plan --shards`` sizes the GPU shards by). ``--tiny`` (2 layers, 30
+steps, 128 evaluation prompts) is the CPU rehearsal the tests run.
 """
 
 from __future__ import annotations
@@ -67,8 +73,7 @@ from hf_structattn.mup import attention_logit_rms
 from hf_structattn.training.batched import StackedRuns
 from hf_structattn.training.sweep import device_name, write_run_json
 from hf_structattn.training.icl import sample_prompts
-from icl_rank_arms import (DECIDING_LRS, DECIDING_SEEDS, FAILED, LABELS, SOLVED, arms,  # noqa: F401
-                           shards)  # scripts/icl_rank_arms.py
+from icl_rank_arms import DECIDING_LRS, DECIDING_SEEDS, LABELS, arms, shards  # scripts/icl_rank_arms.py
 
 EARLY_STOP = 0.05
 BATCH, EVAL_PROMPTS, LAYERS, CHECKPOINT_EVERY, EVAL_EVERY = 64, 1024, 6, 1000, 250
@@ -81,7 +86,8 @@ DECIDING_LRS, DECIDING_SEEDS = list(DECIDING_LRS), list(DECIDING_SEEDS)
 # shard time estimates: ms per step of ONE run. CPU: one thread, the slowest separate-run step measured on this
 # machine (44-125 ms) until a results file of the arm gives its own; GPU: an arm's stacked step with CUDA graphs
 # (upper end of the 7.5-18 ms a step the design's launch-bound estimate gives), eager about 3x that
-CPU_MS_PER_STEP, GPU_MS_PER_STEP_GRAPHS, GPU_EAGER_FACTOR, GPU_SHARD_LIMIT_MIN = 125.0, 18.0, 3.0, 8.0
+CPU_MS_PER_STEP, GPU_MS_PER_STEP_GRAPHS, GPU_EAGER_FACTOR = 125.0, 18.0, 3.0
+SHARD_BUDGET_S = 420  # a GPU shard's default --budget-s: within the 8 minutes a shard may take, imports included
 PILOT_ARMS, PILOT_LR, PILOT_SEED = ("ii_dense1", "v_dense3_rank"), 1e-3, 0
 TINY = dict(layers=2, steps=30, eval_every=10, eval_count=128)  # the pilot's CPU rehearsal
 CHUNK = 250  # steps whose data is drawn and moved to the device at once
@@ -455,7 +461,8 @@ def plan_shards(args) -> None:
         pilot_arms = json.loads(pilot_file.read_text())["arms"].values()
         gpu_ms, gpu_source = max(arm["ms_per_step"] for arm in pilot_arms), "measured by the GPU pilot"
     print(f"d = {args.d}, {args.steps:,} steps a run. CPU: one thread per arm process, 2 at a time, at the "
-          f"arm's ms/step measured by its CPU results files (else the slowest measured, else {CPU_MS_PER_STEP:g}); H100: an arm's runs stacked, one process per arm, "
+          f"arm's ms/step measured by its CPU results files (else the slowest measured, else {CPU_MS_PER_STEP:g}); "
+          "H100: an arm's runs stacked, one process per arm, "
           f"{gpu_ms:g} ms a stacked step ({gpu_source}; eager without CUDA graphs: {GPU_EAGER_FACTOR:g}x); runs "
           "solved early (< 0.05) end sooner, so these are upper bounds.\n")
     print("| shard | runs | done | training FLOPs | CPU, 2 cores (min) | H100, graphs / eager (min) | command |")
@@ -792,6 +799,8 @@ def main(argv=None) -> None:
     args.seeds = args.seeds or ([PILOT_SEED] if pilot_command else DECIDING_SEEDS)
     if pilot_command and args.budget_s is None:
         args.budget_s = 170.0
+    if args.command == "shard" and args.device.startswith("cuda") and args.budget_s is None:
+        args.budget_s = SHARD_BUDGET_S  # one GPU command; a rerun resumes from the arms' checkpoints
     for name in ("steps", "eval_every", "jobs", "layers"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")

@@ -205,12 +205,12 @@ def plot(runs: list[dict], d: int, seeds, out: Path) -> Path:
 
 def report(args, training_flops) -> None:
     """The verdicts, tables, remaining shards and figure of ``args.results`` (``training_flops(d, arm, steps,
-    layers=...)``: a run's cumulative FLOPs, passed in so that this module needs no torch)."""
+    layers=...)``: a run's cumulative FLOPs, from scripts/icl_rank_experiment.py)."""
     runs = [run for run in load_runs(Path(args.results) / f"d{args.d}", args.steps) if run["arm"] in args.arms]
     seeds, lrs = list(args.seeds), list(args.lrs)
     flops = {arm: training_flops(args.d, arm, args.steps, layers=args.layers) for arm in args.arms}
     fields = arms(args.d)
-    print(f"| arm | D | heads | seed | " + " | ".join(f"lr {lr:g}" for lr in lrs) +
+    print("| arm | D | heads | seed | " + " | ".join(f"lr {lr:g}" for lr in lrs) +
           " | best | solved (< 0.05) at step | FLOPs to error 0.1 (best LR) | ms/step (1 run) |")
     print("|---|---|---|---|" + "---|" * len(lrs) + "---|---|---|---|")
     for arm in args.arms:

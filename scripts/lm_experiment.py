@@ -271,7 +271,8 @@ def edge_shards(runs: list[dict], limit: float) -> dict[str, list[dict]]:
     for variant in COMPARED:
         lrs = planned_lrs(runs, variant) or []
         for lr in lrs[len(LRS):]:
-            edges.append(dict(variant=variant, width=TUNE_WIDTH, lrs=[lr], runs=len(SEEDS), name=f"{variant}_D128 lr {lr:g}",
+            edges.append(dict(variant=variant, width=TUNE_WIDTH, lrs=[lr], runs=len(SEEDS),
+                              name=f"{variant}_D{TUNE_WIDTH} lr {lr:g}",
                               flops=len(SEEDS) * _row(variant, TUNE_WIDTH)["run_flops"]))
     return {f"x{number}": members for number, members in enumerate(pack_shards(edges, limit), start=1)}
 

@@ -314,7 +314,8 @@ def shard_table(shards: dict, done, rate: float, source: str, command: str) -> l
     ``shards``: id -> units (dicts with name, runs, flops); ``done(unit)`` -> runs of the unit with a results file;
     ``command``: the shard command with ``{id}``."""
     lines = [f"H100 rate {rate:.3g} FLOP/s, {source}; a shard is at most {SHARD_MINUTES:g} min at that rate.", "",
-             "| shard | units | runs done | training FLOPs | H100 minutes (est.) | command |", "|---|---|---|---|---|---|"]
+             "| shard | units | runs done | training FLOPs | H100 minutes (est.) | command |",
+             "|---|---|---|---|---|---|"]
     for sid, units in shards.items():
         flops = sum(unit["flops"] for unit in units)
         lines.append(f"| {sid} | {', '.join(unit['name'] for unit in units)} | "
