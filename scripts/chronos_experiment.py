@@ -270,7 +270,7 @@ def shards(results: Path = RESULTS, limit: float | None = None) -> dict[str, lis
                 for seed in SEEDS if lrs else ():
                     out.append(dict(name=f"{arm}_D{width} s{seed}" + ("" if lrs == list(LRS) else
                                                                        f" lr {'/'.join(f'{x:g}' for x in lrs)}"),
-                                    arm=arm, width=width, seed=seed, lrs=lrs, runs=len(lrs),
+                                    arm=arm, width=width, seed=seed, seeds=[seed], lrs=lrs, runs=len(lrs),
                                     flops=len(lrs) * _row(arm, width)["run_flops"]))
         return out
 

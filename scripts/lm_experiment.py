@@ -251,9 +251,10 @@ def shards(results: Path = RESULTS, limit: float | None = None) -> dict[str, lis
     limit = limit or SHARD_MINUTES * 60 * shard_rate(results, ASSUMED_H100_FLOPS_PER_S)[0]
     runs = read_run_jsons(results)
     out, index = {}, 0
-    stages = [[dict(variant=v, width=TUNE_WIDTH, lrs="grid", runs=len(LRS) * len(SEEDS)) for v in COMPARED]]
-    stages += [[dict(variant=v, width=w, lrs="transfer", runs=len(SEEDS)) for v in COMPARED]
-               for w in WIDTHS if w != TUNE_WIDTH]
+    stages = [[dict(variant=v, width=TUNE_WIDTH, lrs=list(LRS), seeds=list(SEEDS), runs=len(LRS) * len(SEEDS))
+               for v in COMPARED]]
+    stages += [[dict(variant=v, width=w, lrs=None, seeds=list(SEEDS), runs=len(SEEDS)) for v in COMPARED]
+               for w in WIDTHS if w != TUNE_WIDTH]  # lrs None: the variant's transferred LR
     for number, stage in enumerate(stages):
         for unit in stage:
             unit.update(name=f"{unit['variant']}_D{unit['width']}",
@@ -271,25 +272,25 @@ def edge_shards(runs: list[dict], limit: float) -> dict[str, list[dict]]:
     for variant in COMPARED:
         lrs = planned_lrs(runs, variant) or []
         for lr in lrs[len(LRS):]:
-            edges.append(dict(variant=variant, width=TUNE_WIDTH, lrs=[lr], runs=len(SEEDS),
+            edges.append(dict(variant=variant, width=TUNE_WIDTH, lrs=[lr], seeds=list(SEEDS), runs=len(SEEDS),
                               name=f"{variant}_D{TUNE_WIDTH} lr {lr:g}",
                               flops=len(SEEDS) * _row(variant, TUNE_WIDTH)["run_flops"]))
     return {f"x{number}": members for number, members in enumerate(pack_shards(edges, limit), start=1)}
 
 
 def unit_lrs(unit: dict, runs: list[dict]) -> list[float] | None:
-    if unit["lrs"] == "grid":
-        return list(LRS)
-    if unit["lrs"] == "transfer":
-        lr = transfer_lr(runs, unit["variant"])
-        return None if lr is None else [lr]
-    return list(unit["lrs"])
+    """A unit's LRs: its own, or (lrs None) its variant's transferred LR, None until that is known."""
+    if unit["lrs"] is not None:
+        return list(unit["lrs"])
+    lr = transfer_lr(runs, unit["variant"])
+    return None if lr is None else [lr]
 
 
 def unit_done(unit: dict, runs: list[dict]) -> int:
     lrs = unit_lrs(unit, runs)
     names = {r["name"] for r in runs}
-    return 0 if lrs is None else sum(run_name(unit["name"].split(" ")[0], lr, s) in names for lr in lrs for s in SEEDS)
+    arm = f"{unit['variant']}_D{unit['width']}"
+    return 0 if lrs is None else sum(run_name(arm, lr, s) in names for lr in lrs for s in unit["seeds"])
 
 
 def scores(runs: list[dict]) -> dict:
@@ -375,7 +376,7 @@ def run_shard(args, shard_id: str) -> None:
         row = _row(unit["variant"], unit["width"])
         spec = arm_spec(unit["variant"], unit["width"], corpus, windows)
         left = None if args.budget_s is None else args.budget_s - (time.perf_counter() - started)
-        if left is not None and left <= 0 or not run_unit(spec, lrs, SEEDS, row["steps"],
+        if left is not None and left <= 0 or not run_unit(spec, lrs, unit["seeds"], row["steps"],
                                                           max(1, row["steps"] // EVALS_PER_RUN), Path(args.out),
                                                           results, args.device, left):
             print(f"stopped by --budget-s in {unit['name']}; rerun the command to resume", flush=True)

@@ -109,8 +109,12 @@ def test_an_edge_pick_extends_that_arm_and_widths_grid_in_every_seed_and_the_sco
     assert ce.arm_lrs(runs, "mlr", 256) == [*ce.LRS, 0.009]
     assert ("mlr", 256, 0) not in ce.scores(runs)  # the edge runs are inputs of the score
     assert not any(sid.startswith("x") for sid in ce.shards(tmp_path))  # no results: no edge shard
-    with pytest.raises(ValueError, match="dense_D512 s0 needs 1.13e\\+16 FLOPs, over the shard limit 1e\\+16"):
-        ce.shards(tmp_path, 1e16)  # a unit that cannot fit a shard is an error, not a longer shard
+    split = ce.shards(tmp_path, 1e16)  # below a D = 512 unit's 1.13e16: its LRs go to separate shards
+    assert all(sum(unit["flops"] for unit in units) <= 1e16 for units in split.values())
+    assert [u["name"] for u in split["s6"]] == ["dense_D512 s0 lr 0.0003", "dense_D512 s0 lr 0.001"]
+    with pytest.raises(ValueError, match=r"unit dense_D512 s0 lr 0.0003 is one run of 3.78e\+15 FLOPs: it cannot "
+                                         r"fit a shard of at most 3e\+15 FLOPs"):
+        ce.shards(tmp_path, 3e15)  # one run over the limit is an error, not a longer shard
     runs += [_run("mlr_D256", 0.009, seed, value) for seed, value in ((0, 2.7), (1, 3.1), (2, 3.1))]
     best = ce.scores(runs)
     assert best["mlr", 256, 0] == 2.7 and best["mlr", 256, 1] == 2.8 and best["mlr", 256, 2] == 2.9

@@ -137,3 +137,20 @@ def test_the_pilot_runs_at_tiny_size_and_writes_its_summary(tmp_path, capsys):
     lm.main(["report", "--results", str(tmp_path / "pilot")])  # the pilot's tiny runs are not the design's
     out = capsys.readouterr().out
     assert "at equal FLOPs): PARTIAL: 24 of 24" in out and "shards left: s1, s2," in out
+
+
+def test_shards_are_sized_by_a_gpu_pilots_measured_rate_once_one_is_committed(tmp_path):
+    from hf_structattn.training.sweep import keep_pilot, shard_rate
+
+    assert shard_rate(tmp_path, 3e13) == (3e13, "assumed (no GPU pilot yet)")
+    summary = {"device": "NVIDIA H100 80GB HBM3 (torch 2.13.0)", "tiny": False,
+               "arms": {"dense": {"flops_per_s": 2e13}, "mlr": {"flops_per_s": 1e13}}}
+    keep_pilot({**summary, "tiny": True}, "cuda", tmp_path)  # a rehearsal is not kept
+    keep_pilot(summary, "cpu", tmp_path)  # nor a CPU run
+    assert shard_rate(tmp_path, 3e13)[0] == 3e13
+    keep_pilot(summary, "cuda", tmp_path)
+    rate, source = shard_rate(tmp_path, 3e13)
+    assert rate == 1.5e13 and source.startswith("measured by the pilot (NVIDIA H100")
+    halved = lm.shards(tmp_path)  # the measured rate is half the assumed one: shards hold half the FLOPs
+    assert all(sum(unit["flops"] for unit in units) <= lm.SHARD_MINUTES * 60 * 1.5e13 for units in halved.values())
+    assert len(halved) > len(lm.shards(tmp_path / "none"))

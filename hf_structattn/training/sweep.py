@@ -255,13 +255,34 @@ def edge_extensions(best_lrs, grid: Sequence[float]) -> list[float]:
     return out
 
 
+def split_unit(unit: dict) -> list[dict]:
+    """A shard unit (dict with ``name``, ``seeds``, ``lrs`` (a list, or None for one LR chosen later), ``runs``,
+    ``flops``) split in two or more: by seed first, then by learning rate. An error when it is one run."""
+    seeds, lrs = unit["seeds"], unit["lrs"]
+    if len(seeds) > 1:
+        return [dict(unit, seeds=[seed], runs=unit["runs"] // len(seeds), flops=unit["flops"] / len(seeds),
+                     name=f"{unit['name']} s{seed}") for seed in seeds]
+    if lrs is not None and len(lrs) > 1:
+        return [dict(unit, lrs=[lr], runs=unit["runs"] // len(lrs), flops=unit["flops"] / len(lrs),
+                     name=f"{unit['name']} lr {lr:g}") for lr in lrs]
+    raise ValueError(f"unit {unit['name']} is one run of {unit['flops']:.3g} FLOPs: it cannot fit a shard")
+
+
 def pack_shards(units: Sequence[dict], limit_flops: float) -> list[list[dict]]:
-    """Units (each a dict with ``flops``) in order into the fewest shards of at most ``limit_flops`` each, as even
-    as a sequential split allows. A unit over the limit on its own is an error (the design must shrink)."""
-    for unit in units:
+    """Units (dicts with ``flops``) in order into the fewest shards of at most ``limit_flops`` each, as even as a
+    sequential split allows; a unit over the limit is split (:func:`split_unit`) until its parts fit, and a single
+    run over the limit is an error (the design must shrink)."""
+    fitting, pending = [], list(units)
+    while pending:
+        unit = pending.pop(0)
         if unit["flops"] > limit_flops:
-            raise ValueError(f"unit {unit.get('name', unit)} needs {unit['flops']:.3g} FLOPs, over the shard limit "
-                             f"{limit_flops:.3g}")
+            try:
+                pending[:0] = split_unit(unit)
+            except ValueError as error:
+                raise ValueError(f"{error} of at most {limit_flops:.3g} FLOPs") from None
+        else:
+            fitting.append(unit)
+    units = fitting
     total = sum(unit["flops"] for unit in units)
     count = max(1, math.ceil(total / limit_flops)) if units else 0
     while units:
