@@ -154,3 +154,30 @@ def test_shards_are_sized_by_a_gpu_pilots_measured_rate_once_one_is_committed(tm
     halved = lm.shards(tmp_path)  # the measured rate is half the assumed one: shards hold half the FLOPs
     assert all(sum(unit["flops"] for unit in units) <= lm.SHARD_MINUTES * 60 * 1.5e13 for units in halved.values())
     assert len(halved) > len(lm.shards(tmp_path / "none"))
+
+
+def test_a_shard_unit_writes_one_small_results_file_per_run_and_a_rerun_skips_them(tmp_path):
+    import torch
+
+    from hf_structattn.training.sweep import ArmSpec, read_run_jsons, run_unit
+
+    size = dict(seq_len=32, layers=1, head_dim=16)
+    windows = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(0))
+    spec = ArmSpec(name="mlr_D32", build=lambda seed: lm.build_model("mlr", 32, **size),
+                   batch=lambda seed, step: (torch.randint(0, 257, (2, 32),
+                                                           generator=torch.Generator().manual_seed(seed + step)),),
+                   loss=lm.lm_loss, evaluate=lm.make_evaluate(windows), flops_per_step=10.0,
+                   lr_multipliers=lm.mup_multipliers)
+    results = tmp_path / "results"
+    assert run_unit(spec, [1e-3, 3e-3], [0, 1], 2, 1, tmp_path / "work", results, "cpu", None)
+    records = read_run_jsons(results)
+    assert sorted(r["name"] for r in records) == ["mlr_D32_lr0.001_s0", "mlr_D32_lr0.001_s1", "mlr_D32_lr0.003_s0",
+                                                  "mlr_D32_lr0.003_s1"]
+    for record in records:
+        assert record["arm"] == "mlr_D32" and [e["step"] for e in record["evals"]] == [0, 1, 2]
+        assert record["final"]["flops"] == 20.0 and record["batched_with"] == 4
+    assert max(path.stat().st_size for path in results.glob("*.json")) < 4000
+    before = {path.name: path.read_text() for path in results.glob("*.json")}
+    assert run_unit(spec, [1e-3, 3e-3], [0, 1], 2, 1, tmp_path / "other", results, "cpu", None)  # nothing to do
+    assert {path.name: path.read_text() for path in results.glob("*.json")} == before
+    assert not (tmp_path / "other").exists()
