@@ -12,6 +12,11 @@ rate). Layout under the arm's ``root``::
 
 The schedule is linear warm-up then cosine decay to ``min_lr_ratio`` of the peak (``transformers``'
 ``cosine_with_min_lr`` shape), the same factor for every run of the arm.
+
+Shards (shared by the three design scripts): a design's units (one stacked arm each) pack into shards of at most
+:data:`SHARD_MINUTES` on one H100 (:func:`pack_shards`, :func:`shard_rate`); :func:`run_unit` trains a unit unless
+each of its runs has its committed record ``results/<...>/<run>.json`` (:func:`write_run_json`,
+:func:`read_run_jsons`); :func:`edge_extensions` is the rules' pre-registered grid extension.
 """
 
 from __future__ import annotations
