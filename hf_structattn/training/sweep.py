@@ -7,8 +7,8 @@ An arm is one model configuration; its runs are (lr, seed) pairs, trained togeth
 rate). Layout under the arm's ``root``::
 
     <root>/<arm>_lr<lr>_s<seed>/progress.jsonl   one JSON line per evaluation (step, metrics, cumulative FLOPs, wall)
-    <root>/<arm>_lr<lr>_s<seed>/result.json      written when the arm finishes (the reports read these)
-    <root>/<arm>_s<seeds>.stack/checkpoint.pt    every ``checkpoint_every`` steps; a rerun resumes from it
+    <root>/<arm>_lr<lr>_s<seed>/result.json      written when the arm finishes
+    <root>/<arm>_lr<lrs>_s<seeds>.stack/checkpoint.pt   every ``checkpoint_every`` steps; a rerun resumes from it
 
 The schedule is linear warm-up then cosine decay to ``min_lr_ratio`` of the peak (``transformers``'
 ``cosine_with_min_lr`` shape), the same factor for every run of the arm.
@@ -197,25 +197,6 @@ class StackedArm:
             out.append(result)
         self.checkpoint.unlink(missing_ok=True)
         return out
-
-
-def load_results(root: Path) -> list[dict]:
-    """Every run under ``root``: its ``result.json`` when finished, else its progress so far (``finished`` False)."""
-    runs = []
-    for folder in sorted(Path(root).iterdir()) if Path(root).exists() else []:
-        progress = folder / "progress.jsonl"
-        if not progress.is_file():
-            continue
-        evals = [json.loads(line) for line in progress.read_text().splitlines() if line.strip()]
-        if not evals:
-            continue
-        result_file = folder / "result.json"
-        result = json.loads(result_file.read_text()) if result_file.exists() else None
-        arm, rest = folder.name.rsplit("_lr", 1)
-        lr, seed = rest.split("_s")
-        runs.append({"name": folder.name, "arm": arm, "lr": float(lr), "seed": int(seed), "evals": evals,
-                     "final": evals[-1], "finished": result is not None, "result": result})
-    return runs
 
 
 # ------------------------------------------------------------------------ shards, committed results, grid extension
