@@ -27,16 +27,24 @@ Design (fixed here, before any run):
 * evaluation: teacher-forced cross-entropy (nats per target token) on the held-out windows whose history fills the
   context, 8 times per run.
 
-Rule (coded in :func:`verdict` and :func:`ablation_verdict`, tested in tests/test_chronos_experiment.py): a
-(arm, width, seed) scores its best-LR final validation loss. A is *lower* than B at a width when it is lower by at
-least 0.01 nats in all three seeds. Claim: YES when ``mlr`` is lower than ``dense`` at every width; NO when ``dense``
-is lower than ``mlr`` at 2 or more widths; UNDECIDED otherwise, and when a YES or NO rests on a best LR at the edge
-of the grid. Ablation (only when the claim is YES): SURVIVES when ``mlr_flat`` is also lower than ``dense`` at every
-width; CONFOUNDED when ``mlr_flat`` is not lower than ``dense`` at 2 or more widths; MIXED otherwise.
+Shards (:func:`shards`): a unit is one (arm, width, seed) with its LRs stacked in one model (T5 has no muP, so
+every width keeps its own LR grid); units pack into shards of at most 8 minutes on one H100 at the pilot's measured
+FLOP rate (else an assumed 3e13 FLOP/s): first ``dense`` and ``mlr`` (the claim), then ``x`` (the triggered edge
+LRs), then ``a`` shards: ``mlr_flat`` (the ablation, needed only if the claim is YES). Each finished run writes
+``results/chronos/<run>.json`` (a few KB, committed); a shard skips runs that have one.
 
-    python scripts/chronos_experiment.py plan                                  # arms, FLOPs, H100 estimate
-    python scripts/chronos_experiment.py run --device cuda --out outputs/chronos_design
-    python scripts/chronos_experiment.py report --out outputs/chronos_design
+Rule (coded in :func:`verdict` and :func:`ablation_verdict`, tested in tests/test_chronos_experiment.py): a
+(arm, width, seed) scores its best final validation loss over its LRs: the grid, plus the edge extension -- when a
+seed's best grid LR is 3e-4 or 3e-3, that arm and width runs one more LR in that direction (9e-5 or 9e-3,
+``edge_extensions``) in every seed. A is *lower* than B at a width when it is lower by at least 0.01 nats in all
+three seeds. Claim: YES when ``mlr`` is lower than ``dense`` at every width; NO when ``dense`` is lower than ``mlr``
+at 2 or more widths; UNDECIDED otherwise; PARTIAL until every run it reads (edge runs included) has its results
+file. Ablation (only when the claim is YES): SURVIVES when ``mlr_flat`` is also lower than ``dense`` at every width;
+CONFOUNDED when ``mlr_flat`` is not lower than ``dense`` at 2 or more widths; MIXED otherwise.
+
+    python scripts/chronos_experiment.py plan [--shards]                      # arms, FLOPs; shards and minutes
+    python scripts/chronos_experiment.py shard s1 --device cuda               # one shard (resumable, idempotent)
+    python scripts/chronos_experiment.py report                               # table, verdicts, shards left
     python scripts/chronos_experiment.py pilot --device cuda --budget-s 170 --out outputs/chronos_pilot
     python scripts/chronos_experiment.py pilot --tiny --out DIR                # the CPU rehearsal of the pilot
 """
@@ -52,8 +60,9 @@ import numpy as np
 import torch
 
 from hf_structattn.flops import encoder_decoder_flops
-from hf_structattn.training.sweep import (ArmSpec, StackedArm, design_arguments, device_name, finish_pilot,
-                                          load_results, probe_markdown)
+from hf_structattn.training.sweep import (SHARD_MINUTES, ArmSpec, StackedArm, design_arguments, device_name,
+                                          edge_extensions, finish_pilot, pack_shards, probe_markdown, read_run_jsons,
+                                          run_name, run_unit, shard_rate, shard_table)
 
 ARMS = ("dense", "mlr", "mlr_flat")
 WIDTHS, HEADS, D_KV, LAYERS = (128, 256, 512), 8, 64, 4
@@ -63,7 +72,9 @@ STEPS, BATCH, EVALS_PER_RUN = 2000, 32, 8
 LRS, SEEDS = (3e-4, 1e-3, 3e-3), (0, 1, 2)
 SYNTHETIC_SERIES, HELD_OUT_SERIES, REAL_EVAL_WINDOWS = 1024, 64, 4
 MARGIN = 0.01  # nats per target token
-ASSUMED_H100_FLOPS_PER_S = 4e13  # as for the LM design: eager attention, TF32 matmuls (an estimate)
+ASSUMED_H100_FLOPS_PER_S = 3e13  # as for the LM design: eager attention, TF32 matmuls (an estimate)
+RESULTS = Path("results/chronos")
+CLAIM_ARMS = ("dense", "mlr")
 # the pilot trains dense and MLR at D = 128 within 75 % of its budget, then takes 2 steps of every arm at the widest
 # width (3 LRs stacked) to measure its memory and step time before the design runs
 PILOT = dict(width=128, arms=("dense", "mlr"), steps=200, train_share=0.75)
@@ -198,7 +209,10 @@ def arm_spec(arm: str, width: int, seed: int, tiny: bool = False, batch: int = B
                            "held_out_windows": int(eval_ids.shape[0]), "data": task.description})
 
 
-def design_rows(tiny: bool = False) -> list[dict]:
+@functools.lru_cache(maxsize=2)
+def design_rows(tiny: bool = False) -> tuple[dict, ...]:
+    """Per (arm, width): steps, FLOPs per step and per run, runs (cached: each builds a model on the meta device;
+    read-only)."""
     rows = []
     size = size_fields(tiny)
     for width in (TINY["width"],) if tiny else WIDTHS:
@@ -207,7 +221,7 @@ def design_rows(tiny: bool = False) -> list[dict]:
             per_window = encoder_decoder_flops(config, size["context"] + 1, size["horizon"] + 1)
             rows.append({"arm": arm, "width": width, "steps": STEPS, "flops_per_step": per_window * BATCH,
                          "run_flops": per_window * BATCH * STEPS, "runs": len(LRS) * len(SEEDS)})
-    return rows
+    return tuple(rows)
 
 
 def plan(args) -> None:
@@ -220,51 +234,90 @@ def plan(args) -> None:
               f"{row['steps']:,} | {row['run_flops']:.3g} | {row['run_flops'] / dense['run_flops']:.3f} | "
               f"{row['runs']} |")
     total = sum(row["run_flops"] * row["runs"] for row in rows)
-    print(f"\ntotal: {sum(r['runs'] for r in rows)} runs, {total:.3g} training FLOPs; one H100 at an assumed "
-          f"{ASSUMED_H100_FLOPS_PER_S:.0e} FLOP/s effective: {total / ASSUMED_H100_FLOPS_PER_S / 3600:.1f} h "
-          "(the pilot measures the real rate and projects from it)")
+    claim = sum(row["run_flops"] * row["runs"] for row in rows if row["arm"] in CLAIM_ARMS)
+    print(f"\ntotal: {sum(r['runs'] for r in rows)} runs, {total:.3g} training FLOPs, of which the claim's arms "
+          f"{claim:.3g} (the ablation runs only if the claim is YES); `plan --shards` sizes the shards")
 
 
 # ------------------------------------------------------------------------------------------------------- the rules
 
 
-def scores(runs: list[dict]) -> tuple[dict, dict]:
-    """(arm, width, seed) -> best-LR final validation loss, and -> whether that LR is at the grid's edge."""
-    groups: dict = {}
-    for run in runs:
-        arm, width = run["arm"].rsplit("_D", 1)
-        groups.setdefault((arm, int(width), run["seed"]), []).append(run)
-    best, edge = {}, {}
-    for key, members in groups.items():
-        winner = min(members, key=lambda run: run["final"]["loss"])
-        grid = sorted({run["lr"] for run in members})
-        best[key] = winner["final"]["loss"]
-        edge[key] = len(grid) > 1 and winner["lr"] in (grid[0], grid[-1])
-    return best, edge
+def _row(arm: str, width: int) -> dict:
+    return next(row for row in design_rows() if row["arm"] == arm and row["width"] == width)
+
+
+def arm_lrs(runs: list[dict], arm: str, width: int) -> list[float] | None:
+    """The LRs of (arm, width): the grid plus the edge LRs its finished grid runs trigger; None until every grid
+    run (all seeds) has finished."""
+    grid = {(r["lr"], r["seed"]): r["final"]["loss"] for r in runs if r["arm"] == f"{arm}_D{width}"}
+    if any((lr, seed) not in grid for lr in LRS for seed in SEEDS):
+        return None
+    best = [min(LRS, key=lambda lr: grid[lr, seed]) for seed in SEEDS]
+    return list(LRS) + edge_extensions(best, LRS)
+
+
+def shards(results: Path = RESULTS, limit: float | None = None) -> dict[str, list[dict]]:
+    """Shard id -> units ({name, arm, width, seed, lrs, runs, flops}): the claim's arms, the triggered edge LRs
+    (``x``), the ablation (module docstring)."""
+    limit = limit or SHARD_MINUTES * 60 * shard_rate(results, ASSUMED_H100_FLOPS_PER_S)[0]
+    runs = read_run_jsons(results)
+
+    def units(arms, lrs_of):
+        out = []
+        for width in WIDTHS:
+            for arm in arms:
+                lrs = lrs_of(arm, width)
+                for seed in SEEDS if lrs else ():
+                    out.append(dict(name=f"{arm}_D{width} s{seed}" + ("" if lrs == list(LRS) else
+                                                                       f" lr {'/'.join(f'{x:g}' for x in lrs)}"),
+                                    arm=arm, width=width, seed=seed, seeds=[seed], lrs=lrs, runs=len(lrs),
+                                    flops=len(lrs) * _row(arm, width)["run_flops"]))
+        return out
+
+    out = {}
+    for kind, members in (("s", units(CLAIM_ARMS, lambda a, w: list(LRS))),
+                          ("x", units(ARMS, lambda a, w: (arm_lrs(runs, a, w) or [])[len(LRS):])),
+                          ("a", units(("mlr_flat",), lambda a, w: list(LRS)))):
+        for index, group in enumerate(pack_shards(members, limit) if members else [], start=1):
+            out[f"{kind}{index}"] = group
+    return out
+
+
+def unit_done(unit: dict, runs: list[dict]) -> int:
+    names = {r["name"] for r in runs}
+    return sum(run_name(f"{unit['arm']}_D{unit['width']}", lr, unit["seed"]) in names for lr in unit["lrs"])
+
+
+def scores(runs: list[dict]) -> dict:
+    """(arm, width, seed) -> best final validation loss over the grid and its edge LRs, where all have finished."""
+    best = {}
+    for arm in ARMS:
+        for width in WIDTHS:
+            lrs = arm_lrs(runs, arm, width)
+            values = {(r["lr"], r["seed"]): r["final"]["loss"] for r in runs if r["arm"] == f"{arm}_D{width}"}
+            for seed in SEEDS:
+                if lrs and all((lr, seed) in values for lr in lrs):
+                    best[arm, width, seed] = min(values[lr, seed] for lr in lrs)
+    return best
 
 
 def _lower(best, first, second, width, seeds) -> bool:
     return all(best[second, width, s] - best[first, width, s] >= MARGIN for s in seeds)
 
 
-def verdict(best: dict, edge: dict, widths=WIDTHS, seeds=SEEDS, complete: bool = True) -> str:
+def verdict(best: dict, widths=WIDTHS, seeds=SEEDS) -> str:
     """The claim's rule (module docstring)."""
-    needed = [(arm, w, s) for arm in ("dense", "mlr") for w in widths for s in seeds]
-    if not complete or any(key not in best for key in needed):
-        return "PARTIAL: not every run has finished"
+    needed = [(arm, w, s) for arm in CLAIM_ARMS for w in widths for s in seeds]
+    missing = [key for key in needed if key not in best]
+    if missing:
+        return f"PARTIAL: {len(missing)} of {len(needed)} (arm, width, seed) scores still missing"
     if all(_lower(best, "mlr", "dense", w, seeds) for w in widths):
-        outcome = "YES: MLR's validation loss is lower than dense's by >= 0.01 nats in every seed at every width"
-    else:
-        lost = [w for w in widths if _lower(best, "dense", "mlr", w, seeds)]
-        if len(lost) < 2:
-            unclear = [w for w in widths if not _lower(best, "mlr", "dense", w, seeds)]
-            return f"UNDECIDED: MLR is not lower than dense in every seed at D = {unclear}"
-        outcome = f"NO: dense is lower than MLR by >= 0.01 nats in every seed at D = {lost}"
-    edges = sorted(f"{a} D = {w} seed {s}" for (a, w, s) in needed if edge.get((a, w, s)))
-    if edges:
-        return f"UNDECIDED: it would be {outcome.split(':')[0]}, but the best LR is at the grid's edge for " + \
-            "; ".join(edges)
-    return outcome
+        return "YES: MLR's validation loss is lower than dense's by >= 0.01 nats in every seed at every width"
+    lost = [w for w in widths if _lower(best, "dense", "mlr", w, seeds)]
+    if len(lost) >= 2:
+        return f"NO: dense is lower than MLR by >= 0.01 nats in every seed at D = {lost}"
+    unclear = [w for w in widths if not _lower(best, "mlr", "dense", w, seeds)]
+    return f"UNDECIDED: MLR is not lower than dense in every seed at D = {unclear}"
 
 
 def ablation_verdict(best: dict, claim: str, widths=WIDTHS, seeds=SEEDS) -> str:
@@ -283,52 +336,52 @@ def ablation_verdict(best: dict, claim: str, widths=WIDTHS, seeds=SEEDS) -> str:
 
 
 def report(args) -> None:
-    rows = design_rows()
-    design = {(f"{row['arm']}_D{row['width']}", lr, seed) for row in rows for lr in LRS for seed in SEEDS}
-    runs = [run for run in load_results(Path(args.out)) if (run["arm"], run["lr"], run["seed"]) in design]
-    best, edge = scores(runs)
-    expected = len(design)
-    complete = sum(run["finished"] for run in runs) == expected
-    print("| arm | D | seed | " + " | ".join(f"lr {lr:g}" for lr in LRS) + " | best | FLOPs per run (x dense) |")
-    print("|---|---|---|" + "---|" * len(LRS) + "---|---|")
-    for row in rows:
-        dense = next(r for r in rows if r["arm"] == "dense" and r["width"] == row["width"])
-        for seed in SEEDS:
-            cells = []
-            for lr in LRS:
-                run = next((r for r in runs if r["arm"] == f"{row['arm']}_D{row['width']}" and r["lr"] == lr
-                            and r["seed"] == seed), None)
-                cells.append("-" if run is None else f"{run['final']['loss']:.4f}" +
-                             ("" if run["finished"] else f" (step {run['final']['step']})"))
-            key = (row["arm"], row["width"], seed)
-            best_text = "-" if key not in best else f"{best[key]:.4f}" + (" (edge)" if edge.get(key) else "")
-            print(f"| {row['arm']} | {row['width']} | {seed} | {' | '.join(cells)} | {best_text} | "
-                  f"{row['run_flops']:.3g} ({row['run_flops'] / dense['run_flops']:.3f}) |")
-    claim = verdict(best, edge, complete=complete)
-    print(f"\nruns finished: {sum(r['finished'] for r in runs)}/{expected}")
+    results = Path(args.results)
+    runs = read_run_jsons(results)
+    best = scores(runs)
+    print("| arm | D | seed | runs (lr: loss) | score |")
+    print("|---|---|---|---|---|")
+    for arm in ARMS:
+        for width in WIDTHS:
+            for seed in SEEDS:
+                mine = sorted((r for r in runs if r["arm"] == f"{arm}_D{width}" and r["seed"] == seed),
+                              key=lambda r: r["lr"])
+                if mine:
+                    cells = ", ".join(f"{r['lr']:g}: {r['final']['loss']:.4f}" for r in mine)
+                    score = best.get((arm, width, seed))
+                    print(f"| {arm} | {width} | {seed} | {cells} | {'-' if score is None else f'{score:.4f}'} |")
+    claim = verdict(best)
     print("VERDICT (MLR vs dense, Fig. 5):", claim)
     print("VERDICT (logit-scale ablation):", ablation_verdict(best, claim))
+    left = [sid for sid, units in shards(results).items()
+            if sum(unit_done(u, runs) for u in units) < sum(u["runs"] for u in units)]
+    claim_left = [sid for sid in left if not sid.startswith("a")]
+    print(f"shards left for the claim: {', '.join(claim_left) or 'none'}; for the ablation (needed only if the claim "
+          f"is YES): {', '.join(sid for sid in left if sid.startswith('a')) or 'none'}")
+    if left:
+        print(f"continue: python scripts/chronos_experiment.py shard {(claim_left or left)[0]} --device cuda")
+
+
+def run_shard(args, shard_id: str) -> None:
+    """Train a shard's units (one stacked model each), skipping runs with a results file; ``--budget-s`` stops
+    with a checkpoint that a rerun resumes."""
+    results = Path(args.results)
+    table = shards(results)
+    if shard_id not in table:
+        raise SystemExit(f"shard: unknown id {shard_id!r}; the shards now are {', '.join(table)}")
+    started = time.perf_counter()
+    for unit in table[shard_id]:
+        left = None if args.budget_s is None else args.budget_s - (time.perf_counter() - started)
+        spec = arm_spec(unit["arm"], unit["width"], unit["seed"])
+        if left is not None and left <= 0 or not run_unit(spec, unit["lrs"], [unit["seed"]], STEPS,
+                                                          STEPS // EVALS_PER_RUN, Path(args.out), results,
+                                                          args.device, left):
+            print(f"stopped by --budget-s in {unit['name']}; rerun the command to resume", flush=True)
+            return
+        print(f"done {unit['name']} at {time.perf_counter() - started:.0f} s", flush=True)
 
 
 # ------------------------------------------------------------------------------------------------------- run, pilot
-
-
-def run_design(args) -> None:
-    started = time.perf_counter()
-    root = Path(args.out)
-    for row in design_rows():
-        for seed in SEEDS:
-            name = f"{row['arm']}_D{row['width']}"
-            if all((root / f"{name}_lr{lr:g}_s{seed}" / "result.json").exists() for lr in LRS):
-                continue
-            arm = StackedArm(arm_spec(row["arm"], row["width"], seed), LRS, [seed], STEPS,
-                             STEPS // EVALS_PER_RUN, root, args.device)
-            left = None if args.budget_s is None else args.budget_s - (time.perf_counter() - started)
-            if left is not None and left <= 0 or not arm.run_until(left):
-                print(f"stopped by --budget-s in {name} seed {seed}; rerun the command to resume", flush=True)
-                return
-            arm.finish()
-            print(f"done {name} seed {seed} at {time.perf_counter() - started:.0f} s", flush=True)
 
 
 def pilot(args) -> dict:
@@ -363,7 +416,7 @@ def pilot(args) -> dict:
     summary["probe"] = {"width": probe_width, "arms": {}}
     total = sum(row["run_flops"] * row["runs"] for row in design_rows())
     return finish_pilot(summary, ARMS, lambda name: arm_spec(name, probe_width, 0, tiny=args.tiny, batch=batch), LRS,
-                        args.device, started, args.budget_s, total, out, pilot_markdown)
+                        args.device, started, args.budget_s, total, out, pilot_markdown, Path(args.results))
 
 
 def pilot_markdown(summary: dict) -> str:
@@ -382,8 +435,27 @@ def pilot_markdown(summary: dict) -> str:
 
 
 def main(argv=None) -> None:
-    args = design_arguments(argv, __doc__.split("\n\n")[0], "outputs/chronos_design", "outputs/chronos_pilot")
-    {"plan": plan, "run": run_design, "report": report, "pilot": pilot}[args.command](args)
+    args = design_arguments(argv, __doc__.split("\n\n")[0], "outputs/chronos_design", "outputs/chronos_pilot",
+                            str(RESULTS))
+    if args.command == "plan" and args.shards:
+        rate, source = shard_rate(Path(args.results), ASSUMED_H100_FLOPS_PER_S)
+        print("\n".join(shard_table(shards(Path(args.results)),
+                                    lambda unit: unit_done(unit, read_run_jsons(Path(args.results))), rate, source,
+                                    "python scripts/chronos_experiment.py shard {id} --device cuda")))
+    elif args.command == "shard":
+        run_shard(args, args.shard_id)
+    elif args.command == "run":  # every shard in order; the edge shards appear as the grid runs trigger them
+        done = set()
+        while True:
+            runs = read_run_jsons(Path(args.results))
+            left = [sid for sid, units in shards(Path(args.results)).items() if sid not in done and
+                    sum(unit_done(u, runs) for u in units) < sum(u["runs"] for u in units)]
+            if not left:
+                break
+            done.add(left[0])
+            run_shard(args, left[0])
+    else:
+        {"plan": plan, "report": report, "pilot": pilot}[args.command](args)
 
 
 if __name__ == "__main__":

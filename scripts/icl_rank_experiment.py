@@ -19,31 +19,37 @@ row-centred logits have RMS ~1 at init in every arm (``describe`` measures it wi
 ``hf_structattn.mup.attention_logit_rms``). The decision rules are in scripts/icl_rank_report.py and docs/results.md.
 
     python scripts/icl_rank_experiment.py describe --d 4          # arms: score rank, init logit RMS, parameters
-    python scripts/icl_rank_experiment.py plan --d 4              # the sweep's runs and training FLOPs
+    python scripts/icl_rank_experiment.py plan --d 4 [--shards]   # runs and FLOPs; the shards and their minutes
     python scripts/icl_rank_experiment.py time --d 4              # CPU ms/step per arm: batched vs separate runs
     python scripts/icl_rank_experiment.py pilot --device cuda --budget-s 170 --out outputs/icl_pilot
-    python scripts/icl_rank_experiment.py run --d 4 --device cuda --out outputs/icl_rank_v3   # the d = 4 sweep
-    python scripts/icl_rank_experiment.py report --d 4 --out outputs/icl_rank_v3   # table, FLOPs, plot, verdicts
-    python scripts/icl_rank_experiment.py run --d 8 --device cuda --out outputs/icl_rank_v3   # the d = 8 stage
+    python scripts/icl_rank_experiment.py shard c1 --d 4 --device cpu --jobs 2    # a CPU shard (2 runs)
+    python scripts/icl_rank_experiment.py shard g1 --d 4 --device cuda --jobs 3   # a GPU shard (3 arms x 9 runs)
+    python scripts/icl_rank_experiment.py run --d 4 --device cuda --jobs 6        # the whole d = 4 sweep at once
+    python scripts/icl_rank_experiment.py report --d 4            # table, FLOPs to error 0.1, plot, verdicts, left
+    python scripts/icl_rank_experiment.py run --d 8 --device cuda --jobs 6        # the d = 8 stage
     python scripts/icl_rank_experiment.py earlier-ranks      # score rank of the models of docs/results.md §1, §1b
 
 **Batched.** The runs of one arm (its LRs x seeds) train as ONE stacked model
 (``hf_structattn.training.batched.StackedRuns``: ``torch.func.functional_call`` + ``vmap`` over stacked parameters,
 AdamW over stacked moments, per-run learning rates, clipping and data streams), so one step launches one set of
-kernels for all of the arm's runs; ``run`` trains ``--jobs`` arms at a time (one process each). Each run evaluates
-every ``--eval_every`` steps on 1024 fresh prompts (a random stream training never draws from), is frozen once solved
-(last-query error < 0.05; its parameters stop changing, as a separate run that stopped would), writes its evaluations
-to ``<out>/d<d>/<run>/progress.jsonl`` as it goes and ``result.json`` at the end; the arm writes a resumable
-checkpoint every 1000 steps to ``<out>/d<d>/<arm>.stack/`` and a rerun resumes it. Task, curriculum and warm-up
+kernels for all of the arm's runs; ``run`` and ``shard`` train ``--jobs`` arms at a time (one process each). Each
+run evaluates every ``--eval_every`` (250) steps on 1024 fresh prompts (a random stream training never draws from),
+is frozen once solved (last-query error < 0.05; its parameters stop changing, as a separate run that stopped would),
+writes its evaluations to ``<out>/d<d>/<run>/progress.jsonl`` as it goes and, at the end, ``result.json`` there and
+its committed record ``results/icl_rank/d<d>/<run>.json`` (result and evaluations, a few KB); runs that have the
+latter are skipped. The arm writes a resumable checkpoint every 1000 steps under ``<out>/d<d>/`` and a rerun resumes
+it. Shards (``scripts/icl_rank_arms.py``): c1-c27, two runs each, for the CPU cores here; g1, g2, three arms each,
+for a GPU (``--budget-s`` 420 by default there; a rerun resumes). Task, curriculum and warm-up
 follow the authors' ICL scripts (x ~ N(0, I/d), w ~ N(0, I), N = 2d points, a curriculum over the first 6 % of the
 steps, linear warm-up then constant LR, AdamW beta (0.9, 0.95), batch 64, 6 layers), scaled to ``--steps``.
 
-**Pilot.** ``pilot`` trains (ii) and (v) at one LR and one seed for the deciding step count (40,000 at d = 4), both
+**Pilot.** ``pilot`` trains (ii) and (v) at one LR and one seed for the deciding step count (20,000 at d = 4), both
 arms interleaved in one process, within ``--budget-s`` seconds of wall time, and writes ``pilot.md`` (a short summary
-to paste into a report) and ``pilot.json`` to ``--out``: whether the controls solve the task within 40k steps, the
-measured ms per step and the full sweep's projected time on this device. ``--tiny`` (2 layers, 30 steps, 128
-evaluation prompts) is the CPU rehearsal the tests run. The §1c runs (the earlier five arms, 2,500 steps) used this
-script as of commit 8bc2f46; §1d's design (one process per run) as of 40d8cb1.
+to paste into a report) and ``pilot.json`` to ``--out``: whether the controls solve the task within the deciding
+steps, the
+measured ms per step and the full sweep's projected time on this device (on a GPU also into
+``results/icl_rank/d<d>/pilot.json``, which ``plan --shards`` sizes the GPU shards by). ``--tiny`` (2 layers, 30
+steps, 128 evaluation prompts) is the CPU rehearsal the tests run.
 """
 
 from __future__ import annotations
@@ -65,16 +71,23 @@ from hf_structattn.diagnostics import effective_rank
 from hf_structattn.flops import flops_per_token
 from hf_structattn.mup import attention_logit_rms
 from hf_structattn.training.batched import StackedRuns
-from hf_structattn.training.sweep import device_name
+from hf_structattn.training.sweep import device_name, write_run_json
 from hf_structattn.training.icl import sample_prompts
-from icl_rank_arms import FAILED, LABELS, SOLVED, arms  # noqa: F401  (scripts/icl_rank_arms.py)
+from icl_rank_arms import DECIDING_LRS, DECIDING_SEEDS, LABELS, arms, shards  # scripts/icl_rank_arms.py
 
 EARLY_STOP = 0.05
-BATCH, EVAL_PROMPTS, LAYERS, CHECKPOINT_EVERY = 64, 1024, 6, 1000
-# d -> deciding steps: d = 4's 40k is 16x the 2,500 steps after which §1c's arms were still falling; d = 8 doubles
-# it (twice the points and dimensions to learn), to be revised by the d = 4 runs' solved-at steps
-DECIDING_STEPS = {4: 40_000, 8: 80_000}
-DECIDING_LRS, DECIDING_SEEDS = [3e-4, 1e-3, 3e-3], [0, 1, 2]
+BATCH, EVAL_PROMPTS, LAYERS, CHECKPOINT_EVERY, EVAL_EVERY = 64, 1024, 6, 1000, 250
+RESULTS = Path("results/icl_rank")  # one small JSON per finished run, committed: results/icl_rank/d<d>/<run>.json
+# d -> deciding steps. d = 4: the two controls measured at lr 1e-3, seed 0 (40k-step schedule, CPU) froze below 0.05
+# at steps 13,000 and 13,500; 20,000 is that times 1.5 (the stated margin). d = 8 doubles it (twice the points and
+# dimensions to learn), to be revised by the d = 4 runs' solved-at steps.
+DECIDING_STEPS = {4: 20_000, 8: 40_000}
+DECIDING_LRS, DECIDING_SEEDS = list(DECIDING_LRS), list(DECIDING_SEEDS)
+# shard time estimates: ms per step of ONE run. CPU: one thread, the slowest separate-run step measured on this
+# machine (44-125 ms) until a results file of the arm gives its own; GPU: an arm's stacked step with CUDA graphs
+# (upper end of the 7.5-18 ms a step the design's launch-bound estimate gives), eager about 3x that
+CPU_MS_PER_STEP, GPU_MS_PER_STEP_GRAPHS, GPU_EAGER_FACTOR = 125.0, 18.0, 3.0
+SHARD_BUDGET_S = 420  # a GPU shard's default --budget-s: within the 8 minutes a shard may take, imports included
 PILOT_ARMS, PILOT_LR, PILOT_SEED = ("ii_dense1", "v_dense3_rank"), 1e-3, 0
 TINY = dict(layers=2, steps=30, eval_every=10, eval_count=128)  # the pilot's CPU rehearsal
 CHUNK = 250  # steps whose data is drawn and moved to the device at once
@@ -199,12 +212,16 @@ class ArmRunner:
     is for tests; ``layers`` / ``eval_count`` shrink the model and the evaluation for the CPU rehearsal."""
 
     def __init__(self, d: int, arm: str, lrs, seeds, steps: int, eval_every: int, root: Path, device: str = "cpu",
-                 dtype: torch.dtype = torch.float32, layers: int = LAYERS, eval_count: int = EVAL_PROMPTS):
+                 dtype: torch.dtype = torch.float32, layers: int = LAYERS, eval_count: int = EVAL_PROMPTS,
+                 results: Path | None = None, runs=None):
         self.d, self.arm, self.steps, self.eval_every, self.root = d, arm, steps, eval_every, Path(root)
-        self.runs = [(float(lr), int(seed)) for seed in seeds for lr in lrs]
+        self.results = None if results is None else Path(results) / f"d{d}"
+        # ``runs``: explicit (lr, seed) pairs (a shard's); else every lr x seed
+        self.runs = [(float(lr), int(seed)) for lr, seed in runs] if runs is not None else \
+            [(float(lr), int(seed)) for seed in seeds for lr in lrs]
         self.seeds = sorted({seed for _, seed in self.runs})
         self.device, self.layers = torch.device(device), layers
-        self.config = {"d": d, "arm": arm, "lrs": [float(lr) for lr in lrs], "seeds": [int(s) for s in seeds],
+        self.config = {"d": d, "arm": arm, "runs": [list(run) for run in self.runs],
                        "steps": steps, "eval_every": eval_every, "layers": layers, "batch": BATCH,
                        "eval_count": eval_count, "dtype": str(dtype)}
         initial = {}
@@ -223,7 +240,7 @@ class ArmRunner:
         self.step, self.wall_before, self.started = 0, 0.0, time.perf_counter()
         self.solved_at: list = [None] * len(self.runs)
         self.last_eval: list = [None] * len(self.runs)
-        self.stack_folder = self.root / f"{arm}.stack"
+        self.stack_folder = self.root / f"{arm}_{'_'.join(f'{lr:g}s{seed}' for lr, seed in self.runs)}.stack"
         self.checkpoint = self.stack_folder / "checkpoint.pt"
         self.stack_folder.mkdir(parents=True, exist_ok=True)
         if self.checkpoint.exists():
@@ -329,22 +346,28 @@ class ArmRunner:
                       "rank_init": json.loads((folder / "rank_init.json").read_text()),
                       "rank_final": rank_summary(self.stack.run_model(run), self.d, seed),
                       "wall_s": self.wall, "params": self.params, "batched_with": len(self.runs),
-                      "step_mode": self.stack.graph_status}
+                      "step_mode": self.stack.graph_status, "device": device_name(str(self.device))}
             atomic_write(folder / "result.json", json.dumps(result, indent=1))
+            if self.results is not None:  # the committed copy: the result and every evaluation, a few KB
+                write_run_json(self.results / f"{run_name(self.arm, lr, seed)}.json", result, evals)
             results.append(result)
         self.checkpoint.unlink(missing_ok=True)
         return results
 
 
-def train_arm(args, arm: str) -> list[dict]:
-    """``arm``: every (lr, seed) run of one arm as one stacked model, resumable, until done or ``--budget-s``."""
-    root = Path(args.out) / f"d{args.d}"
-    if all((root / run_name(arm, lr, seed) / "result.json").exists() for lr in args.lrs for seed in args.seeds):
-        print(f"{arm}: every run has its result.json already; nothing to train", flush=True)
-        return [json.loads((root / run_name(arm, lr, seed) / "result.json").read_text())
-                for seed in args.seeds for lr in args.lrs]
-    runner = ArmRunner(args.d, arm, args.lrs, args.seeds, args.steps, args.eval_every, root, args.device,
-                       layers=args.layers)
+def results_file(args, arm: str, lr: float, seed: int) -> Path:
+    return Path(args.results) / f"d{args.d}" / f"{run_name(arm, lr, seed)}.json"
+
+
+def train_arm(args, arm: str, runs) -> list[dict]:
+    """The (lr, seed) ``runs`` of ``arm`` without a results file, as one stacked model, resumable, until done or
+    ``--budget-s``."""
+    todo = [(lr, seed) for lr, seed in runs if not results_file(args, arm, lr, seed).exists()]
+    if not todo:
+        print(f"{arm}: every run has its results file already; nothing to train", flush=True)
+        return []
+    runner = ArmRunner(args.d, arm, None, None, args.steps, args.eval_every, Path(args.out) / f"d{args.d}",
+                       args.device, layers=args.layers, results=args.results, runs=todo)
     while not runner.finished:
         runner.advance()
         if args.budget_s is not None and runner.wall - runner.wall_before > args.budget_s and not runner.finished:
@@ -354,34 +377,38 @@ def train_arm(args, arm: str) -> list[dict]:
     return runner.finish()
 
 
-def launch_all(args) -> None:
-    """Every arm with an unfinished run, its runs stacked: ``--jobs 1`` trains the arms one after another in this
-    process; more jobs run that many arms at a time, one process each (the ``arm`` command)."""
-    root = Path(args.out) / f"d{args.d}"
-    pending = [arm for arm in args.arms if not all((root / run_name(arm, lr, seed) / "result.json").exists()
-                                                   for lr in args.lrs for seed in args.seeds)]
+def launch_all(args, runs) -> None:
+    """``runs`` ((arm, lr, seed)), an arm's runs stacked in one model: ``--jobs 1`` trains the arms one after
+    another in this process; more jobs run that many arms at a time, one process each (the ``arm`` command). Runs
+    with a results file are skipped, so a rerun continues where an interrupted one stopped."""
+    by_arm: dict[str, list] = {}
+    for arm, lr, seed in runs:
+        if not results_file(args, arm, lr, seed).exists():
+            by_arm.setdefault(arm, []).append((lr, seed))
+    pending = list(by_arm)
+    t0 = time.time()
     if args.jobs == 1:
-        t0 = time.time()
         for arm in pending:
-            print(f"[{time.time() - t0:7.0f} s] start {arm} ({len(args.lrs) * len(args.seeds)} runs stacked)",
-                  flush=True)
-            done = train_arm(args, arm)
+            print(f"[{time.time() - t0:7.0f} s] start {arm} ({len(by_arm[arm])} runs stacked)", flush=True)
+            done = train_arm(args, arm, by_arm[arm])
             print(f"[{time.time() - t0:7.0f} s] {'done' if done else 'stopped'} {arm}", flush=True)
         print(f"all arms finished, wall {time.time() - t0:.0f} s", flush=True)
         return
     running: list[tuple[subprocess.Popen, str]] = []
-    t0 = time.time()
+    root = Path(args.out) / f"d{args.d}"
     root.mkdir(parents=True, exist_ok=True)
     while pending or running:
         while pending and len(running) < args.jobs:
             arm = pending.pop(0)
             command = [sys.executable, __file__, "arm", "--d", str(args.d), "--out", args.out, "--arm", arm,
-                       "--lrs", *map(str, args.lrs), "--seeds", *map(str, args.seeds), "--steps", str(args.steps),
-                       "--eval_every", str(args.eval_every), "--device", args.device, "--layers", str(args.layers)]
+                       "--runs", *(f"{lr:g}:{seed}" for lr, seed in by_arm[arm]), "--steps", str(args.steps),
+                       "--eval_every", str(args.eval_every), "--device", args.device, "--layers", str(args.layers),
+                       "--results", args.results]
+            if args.budget_s is not None:
+                command += ["--budget-s", str(args.budget_s)]
             log = (root / f"{arm}.log").open("a")
             running.append((subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT), arm))
-            print(f"[{time.time() - t0:7.0f} s] start {arm} ({len(args.lrs) * len(args.seeds)} runs stacked)",
-                  flush=True)
+            print(f"[{time.time() - t0:7.0f} s] start {arm} ({len(by_arm[arm])} runs stacked)", flush=True)
         time.sleep(0.5)
         for process, arm in list(running):
             if process.poll() is not None:
@@ -389,6 +416,75 @@ def launch_all(args) -> None:
                 print(f"[{time.time() - t0:7.0f} s] {'done' if process.returncode == 0 else 'FAILED'} {arm}",
                       flush=True)
     print(f"all arms finished, wall {time.time() - t0:.0f} s", flush=True)
+
+
+def measured_cpu_ms(args) -> dict:
+    """Arm -> ms per step of one run on one CPU thread, from the results files of CPU runs (their wall / steps)."""
+    from icl_rank_report import load_runs
+
+    rates: dict[str, list] = {}
+    for run in load_runs(Path(args.results) / f"d{args.d}"):
+        if str(run.get("device", "")).startswith("cpu") and run["batched_with"] == 1:
+            rates.setdefault(run["arm"], []).append(1000 * run["wall_s"] / max(1, run["final_step"]))
+    return {arm: max(values) for arm, values in rates.items()}
+
+
+def cpu_ms(measured: dict, arm: str) -> float:
+    """An arm's CPU ms per step: its own measurement, else the slowest measured arm's, else CPU_MS_PER_STEP."""
+    return measured.get(arm, max(measured.values(), default=CPU_MS_PER_STEP))
+
+
+def shard_runs(args, shard_id: str) -> list[tuple[str, float, int]]:
+    """The (arm, lr, seed) runs of a shard: ``c<k>``, ``g1``, ``g2`` (icl_rank_arms.shards), or ``x``: the edge
+    runs the finished planned runs trigger (scripts/icl_rank_report.py)."""
+    if shard_id == "x":
+        from icl_rank_report import edge_runs, load_runs
+
+        return edge_runs(load_runs(Path(args.results) / f"d{args.d}", args.steps), DECIDING_SEEDS)
+    table = shards(args.d)
+    if shard_id not in table:
+        raise SystemExit(f"shard: unknown id {shard_id!r}; the shards are {', '.join(table)} and x")
+    return table[shard_id]
+
+
+def plan_shards(args) -> None:
+    """Every shard: its runs, training FLOPs, estimated minutes on the 2 CPU cores here and on one H100, done or
+    not."""
+    from icl_rank_report import load_runs
+
+    done = {(r["arm"], r["lr"], r["seed"]) for r in load_runs(Path(args.results) / f"d{args.d}", args.steps)}
+    measured = measured_cpu_ms(args)
+    flops = {arm: training_flops(args.d, arm, args.steps)[-1] for arm in arms(args.d)}
+    gpu_ms, gpu_source = GPU_MS_PER_STEP_GRAPHS, "estimated"
+    pilot_file = Path(args.results) / f"d{args.d}" / "pilot.json"
+    if pilot_file.exists():  # a GPU pilot's one-run step; a stacked step of launch-bound kernels costs about that
+        pilot_arms = json.loads(pilot_file.read_text())["arms"].values()
+        gpu_ms, gpu_source = max(arm["ms_per_step"] for arm in pilot_arms), "measured by the GPU pilot"
+    print(f"d = {args.d}, {args.steps:,} steps a run. CPU: one thread per arm process, 2 at a time, at the "
+          f"arm's ms/step measured by its CPU results files (else the slowest measured, else {CPU_MS_PER_STEP:g}); "
+          "H100: an arm's runs stacked, one process per arm, "
+          f"{gpu_ms:g} ms a stacked step ({gpu_source}; eager without CUDA graphs: {GPU_EAGER_FACTOR:g}x); runs "
+          "solved early (< 0.05) end sooner, so these are upper bounds.\n")
+    print("| shard | runs | done | training FLOPs | CPU, 2 cores (min) | H100, graphs / eager (min) | command |")
+    print("|---|---|---|---|---|---|---|")
+    for shard_id, runs in shards(args.d).items():
+        by_arm: dict[str, int] = {}
+        for arm, _, _ in runs:
+            by_arm[arm] = by_arm.get(arm, 0) + 1
+        cores = [0.0, 0.0]  # arms to the least loaded of two cores, in order
+        for arm, count in by_arm.items():
+            cores[cores.index(min(cores))] += count * args.steps * cpu_ms(measured, arm) / 60_000
+        gpu = args.steps * gpu_ms / 60_000  # the arms run side by side, one process each
+        total = sum(flops[arm] for arm, _, _ in runs)
+        finished = sum(run in done for run in runs)
+        device = "cuda --jobs 3" if shard_id.startswith("g") else "cpu --jobs 2"
+        names = ", ".join(f"({a.split('_')[0]}) {lr:g} s{seed}" for a, lr, seed in runs) if len(runs) <= 4 else \
+            f"{len(runs)}: arms ({'), ('.join(a.split('_')[0] for a in by_arm)}), every LR and seed"
+        print(f"| {shard_id} | {names} | "
+              f"{finished}/{len(runs)} | {total:.3g} | {max(cores):.0f} | {gpu:.1f} / {gpu * GPU_EAGER_FACTOR:.0f} | "
+              f"`python scripts/icl_rank_experiment.py shard {shard_id} --d {args.d} --device {device}` |")
+    print("\nA run is in one c-shard and one g-shard; whichever runs first writes results/icl_rank/d<d>/<run>.json "
+          "and the other skips it. Shard x: the edge runs of (i) that the finished runs trigger (report lists them).")
 
 
 # ------------------------------------------------------------------------------------------------------- the pilot
@@ -443,6 +539,9 @@ def pilot(args) -> dict:
     summary["projected_sweep_h"] = round(mean_ms * runs_factor / 1000 * deciding_steps(args.d) * len(arms(args.d))
                                          / 3600, 2)
     (out / "pilot.json").write_text(json.dumps(summary, indent=1))
+    from hf_structattn.training.sweep import keep_pilot
+
+    keep_pilot(summary, args.device, Path(args.results) / f"d{args.d}")
     (out / "pilot.md").write_text(pilot_markdown(summary))
     print((out / "pilot.md").read_text(), flush=True)
     return summary
@@ -660,12 +759,17 @@ def ranks_of_earlier_runs() -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", choices=["run", "arm", "pilot", "plan", "time", "describe", "report",
+    parser.add_argument("command", choices=["run", "shard", "arm", "pilot", "plan", "time", "describe", "report",
                                             "earlier-ranks"])
+    parser.add_argument("shard_id", nargs="?", help="shard: c1, c2, ..., g1, g2 or x (plan --shards lists them)")
+    parser.add_argument("--shards", action="store_true", help="plan: the shards, their FLOPs and minutes")
+    parser.add_argument("--runs", nargs="+", help="arm: explicit lr:seed runs (default every --lrs x --seeds)")
     parser.add_argument("--d", type=int, default=4, help="input dim, a multiple of 4")
-    parser.add_argument("--out", help="output folder (default: outputs/icl_rank_v3; pilot: outputs/icl_pilot)")
+    parser.add_argument("--out", help="output folder (default: outputs/icl_rank; pilot: outputs/icl_pilot)")
     parser.add_argument("--steps", type=int, help=f"training steps (default: the deciding budget, {DECIDING_STEPS})")
-    parser.add_argument("--eval_every", type=int, default=500)
+    parser.add_argument("--eval_every", type=int, default=EVAL_EVERY)
+    parser.add_argument("--results", default=str(RESULTS), help="run / arm: where each finished run's small JSON "
+                        "goes (<results>/d<d>/<run>.json)")
     parser.add_argument("--lrs", type=float, nargs="+", help=f"default {DECIDING_LRS}; pilot {PILOT_LR}")
     parser.add_argument("--seeds", type=int, nargs="+", help=f"default {DECIDING_SEEDS}; pilot {PILOT_SEED}")
     parser.add_argument("--layers", type=int, default=LAYERS, help="run / arm: transformer blocks (the design: 6)")
@@ -689,12 +793,14 @@ def main(argv=None) -> None:
         parser.error(f"--arms: unknown {', '.join(unknown)}; the arms are {', '.join(arm_names)}")
     args.arms = [arm for arm in arm_names if not args.arms or arm in args.arms]
     pilot_command = args.command == "pilot"
-    args.out = args.out or ("outputs/icl_pilot" if pilot_command else "outputs/icl_rank_v3")
+    args.out = args.out or ("outputs/icl_pilot" if pilot_command else "outputs/icl_rank")
     args.steps = args.steps if args.steps is not None else deciding_steps(args.d)
     args.lrs = args.lrs or ([PILOT_LR] if pilot_command else DECIDING_LRS)
     args.seeds = args.seeds or ([PILOT_SEED] if pilot_command else DECIDING_SEEDS)
     if pilot_command and args.budget_s is None:
         args.budget_s = 170.0
+    if args.command == "shard" and args.device.startswith("cuda") and args.budget_s is None:
+        args.budget_s = SHARD_BUDGET_S  # one GPU command; a rerun resumes from the arms' checkpoints
     for name in ("steps", "eval_every", "jobs", "layers"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
@@ -710,22 +816,33 @@ def main(argv=None) -> None:
         parser.error(f"--device {args.device}: CUDA is not available on this machine")
     if pilot_command and Path(args.out).exists() and any(Path(args.out).iterdir()):
         parser.error(f"--out {args.out} is not empty: a pilot starts from scratch in a new folder")
+    if args.command == "shard" and not args.shard_id:
+        parser.error("shard needs an id: c1, c2, ..., g1, g2 or x (plan --shards lists them)")
+    if args.runs:
+        for text in args.runs:
+            parts = text.split(":")
+            if len(parts) != 2 or not parts[1].isdigit():
+                parser.error(f"--runs: each run is lr:seed, got {text!r}")
     if args.command == "arm" and args.arm not in arm_names:
         parser.error(f"arm needs --arm, one of {', '.join(arm_names)}; got {args.arm!r}")
     torch.set_num_threads(1)
     if args.command == "time":
         time_arms(args)
     elif args.command == "plan":
-        plan(args)
+        plan_shards(args) if args.shards else plan(args)
     elif args.command == "earlier-ranks":
         ranks_of_earlier_runs()
     elif args.command == "describe":
         describe(args)
     elif args.command == "arm":
-        for result in train_arm(args, args.arm):
+        runs = [(float(text.split(":")[0]), int(text.split(":")[1])) for text in args.runs] if args.runs else \
+            [(lr, seed) for seed in args.seeds for lr in args.lrs]
+        for result in train_arm(args, args.arm, runs):
             print(json.dumps({k: result[k] for k in ("arm", "lr", "seed", "final_step", "solved_at")}))
     elif args.command == "run":
-        launch_all(args)
+        launch_all(args, [(arm, lr, seed) for arm in args.arms for seed in args.seeds for lr in args.lrs])
+    elif args.command == "shard":
+        launch_all(args, [run for run in shard_runs(args, args.shard_id) if run[0] in args.arms])
     elif args.command == "pilot":
         pilot(args)
     else:

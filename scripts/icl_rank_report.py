@@ -1,38 +1,41 @@
-"""Table, FLOPs, plot and verdicts of ``scripts/icl_rank_experiment.py`` (the decision rules of docs/results.md).
+"""Verdicts, tables, shards and plot of ``scripts/icl_rank_experiment.py`` (the rules of docs/results.md).
 
-    python scripts/icl_rank_experiment.py report --out outputs/icl_rank_v3 --d 4 [--figures docs/results/icl_rank_v3]
+    python scripts/icl_rank_experiment.py report --d 4        # reads results/icl_rank/d4/*.json (one per run)
 
-Error = last-query MSE on 1024 fresh prompts / Var(y) of those prompts ("predict 0" = 1). An arm's score for a seed
-is its best-LR error.
+Error = last-query MSE on 1024 fresh prompts / Var(y) of those prompts ("predict 0" = 1). A run is frozen after
+its first evaluation below 0.05 (its last evaluation then stands). Only finished runs (a results file) count.
 
-Rank rule (the paper's Fig. 2 / 3a claim; scores = final errors): YES when the full-rank controls (ii) 1-head dense,
-(iii) bilinear BTT and (v) the same-width r = 2d dense arm each end below 0.1 in every seed while (i), r = d/2, ends
-above 0.5 in every seed; NO when (i) ends below 0.1 in any seed; UNDECIDED otherwise, with the reasons. (iv) bilinear
-MLR and (vi) the wider r = 2d arm are reported as observations: the paper does not claim that bilinear MLR solves the
-task at a given width, only its advantage at equal compute.
+Rank rule (the paper's Fig. 2 / 3a claim). An arm's score for a seed is its best final error over the planned LRs
+{3e-4, 1e-3, 3e-3}. NO as soon as any finished run of (i), r = d/2, ends below 0.1. Edge clause: when (i)'s best
+planned LR in a seed is 3e-4 or 3e-3, one more run of (i) in that seed at 9e-5 or 9e-3 (``edge_extensions``).
+Once every planned run of (i), (ii), (iii), (v) and every triggered edge run has finished: YES when (ii) 1-head
+dense, (iii) bilinear BTT and (v) the same-width r = 2d dense arm each score below 0.1 in every seed while every
+run of (i) (planned and edge) ends above 0.5; UNDECIDED otherwise, with the reasons. (iv) bilinear MLR and (vi)
+the wider r = 2d arm are reported as observations.
 
 Equal-compute rule (the paper's Fig. 3b claim: at a fixed width the bilinear scores reach a lower error than dense
 attention with 1 or many heads for the same training FLOPs; FLOPs of the transformer blocks, read-in and read-out
-excluded as in the paper). The budget F* is the smallest planned-run FLOPs of the four arms compared (the cheapest
-arm's whole run); a run's error at F* is its last evaluation at or below F* FLOPs, and an arm's score for a seed is
-the best over LRs. "Lower" means lower by at least 10 % of the larger error and 0.01. YES when (iii) bilinear BTT and
-(iv) bilinear MLR are each lower than both (i) 12-head and (ii) 1-head dense in every seed; NO when in every seed the
-better of (i) and (ii) is lower than both bilinear arms; UNDECIDED otherwise.
-
-Unfinished runs are read from their ``progress.jsonl`` and marked "running" (their last evaluation counts as the
-current value; the verdicts say "PARTIAL" until every run has its ``result.json``).
+excluded as in the paper). A run's cost is its cumulative training FLOPs at its first evaluation with error below
+0.1 (every 250 steps; infinite if it never gets there; 0.1 is above the freezing threshold 0.05, so freezing never
+hides it); an arm's cost for a seed is the least over the planned LRs. A is cheaper than B when A's cost is finite
+and at most 0.8x B's. Once every planned run of (i), (ii), (iii), (iv) has finished: YES when (iii) and (iv) are
+each cheaper than both (i) and (ii) in every seed; NO when in every seed the cheaper of (i) and (ii) is cheaper
+than both (iii) and (iv); UNDECIDED otherwise.
 """
 
 from __future__ import annotations
 
-import json
+import math
 from pathlib import Path
 
-from icl_rank_arms import FAILED, LABELS, SOLVED, arms
+from icl_rank_arms import DECIDING_LRS, FAILED, LABELS, SOLVED, arms, shards
+
+from hf_structattn.training.sweep import edge_extensions, read_run_jsons
 
 EQUAL_COMPUTE_BILINEAR = ("iii_btt8", "iv_mlr8")
 EQUAL_COMPUTE_DENSE = ("i_dense12_half", "ii_dense1")
-MARGIN_RELATIVE, MARGIN_ABSOLUTE = 0.10, 0.01  # "lower" in the equal-compute rule
+THRESHOLD = SOLVED  # the equal-compute reading's error threshold (>= the freezing threshold 0.05)
+CHEAPER = 0.8  # A cheaper than B: cost(A) <= 0.8 cost(B)
 
 LOW_RANK = "i_dense12_half"
 CONTROLS = ("ii_dense1", "iii_btt8", "v_dense3_rank")
@@ -40,123 +43,125 @@ COLOURS = {"i_dense12_half": "#d62728", "ii_dense1": "#1f77b4", "iii_btt8": "#2c
            "v_dense3_rank": "#ff7f0e", "vi_dense8_wide": "#8c564b"}
 
 
-def load_runs(root: Path) -> list[dict]:
+def load_runs(folder: Path, steps: int | None = None) -> list[dict]:
+    """The finished runs' results files under ``folder`` (of ``steps`` steps when given): arm, lr, seed, final
+    error, evaluations."""
     runs = []
-    for folder in sorted(root.iterdir()):
-        progress = folder / "progress.jsonl"
-        if not progress.exists():
+    for record in read_run_jsons(folder):
+        if steps is not None and record["steps"] != steps:
             continue
-        evals = [json.loads(line) for line in progress.read_text().splitlines() if line.strip()]
-        if not evals:
-            continue
-        result_file = folder / "result.json"
-        result = json.loads(result_file.read_text()) if result_file.exists() else None
-        arm, rest = folder.name.rsplit("_lr", 1)
-        lr, seed = rest.split("_s")
-        rank = result["rank_final"] if result else (json.loads((folder / "rank_init.json").read_text())
-                                                    if (folder / "rank_init.json").exists() else None)
-        runs.append({"name": folder.name, "arm": arm, "lr": float(lr), "seed": int(seed), "evals": evals,
-                     "finished": result is not None, "final": evals[-1]["error_last"], "step": evals[-1]["step"],
-                     "solved_at": result["solved_at"] if result else None, "rank": rank,
-                     "rank_init": json.loads((folder / "rank_init.json").read_text())
-                     if (folder / "rank_init.json").exists() else None,
-                     "wall": result["wall_s"] if result else evals[-1]["wall"]})
+        runs.append({**record, "final": record["final"]["error_last"]})
     return runs
 
 
-def scores(runs: list[dict], arm_names, seeds) -> dict:
-    """(arm, seed) -> (best-LR error, the run) over the runs present."""
+def _run(runs, arm, lr, seed):
+    return next((r for r in runs if r["arm"] == arm and r["lr"] == lr and r["seed"] == seed), None)
+
+
+def scores(runs: list[dict], arm_names, seeds, lrs=DECIDING_LRS) -> dict:
+    """(arm, seed) -> (best final error over the planned ``lrs``, its run), where every planned run has finished."""
     table = {}
     for arm in arm_names:
         for seed in seeds:
-            candidates = [run for run in runs if run["arm"] == arm and run["seed"] == seed]
-            if candidates:
-                best = min(candidates, key=lambda run: run["final"])
+            planned = [_run(runs, arm, lr, seed) for lr in lrs]
+            if all(planned):
+                best = min(planned, key=lambda run: run["final"])
                 table[arm, seed] = (best["final"], best)
     return table
 
 
-def verdict(table: dict, seeds, complete: bool) -> str:
-    """The rank rule (module docstring) on ``table`` ((arm, seed) -> (best-LR final error, run))."""
-    def all_below(arm, threshold):
-        return all((arm, s) in table and table[arm, s][0] < threshold for s in seeds)
+def edge_runs(runs: list[dict], seeds, lrs=DECIDING_LRS) -> list[tuple[str, float, int]]:
+    """The edge clause's extra runs of (i) that the finished planned runs trigger: (arm, lr, seed)."""
+    table = scores(runs, [LOW_RANK], seeds, lrs)
+    return [(LOW_RANK, lr, seed) for seed in seeds if (LOW_RANK, seed) in table
+            for lr in edge_extensions([table[LOW_RANK, seed][1]["lr"]], lrs)]
 
-    if any(((LOW_RANK, s) in table and table[LOW_RANK, s][0] < SOLVED) for s in seeds):
-        return "NO: dense attention with r = d/2 solves the task (error < 0.1) in at least one seed"
-    if not complete:
-        return "PARTIAL: not every run has finished"
-    controls = all(all_below(arm, SOLVED) for arm in CONTROLS)
-    low_fails = all((LOW_RANK, s) in table and table[LOW_RANK, s][0] > FAILED for s in seeds)
-    if controls and low_fails:
-        return "YES: (ii), (iii), (v) solve the task in every seed while (i) stays above 0.5"
-    reasons = []
-    for arm in CONTROLS:
-        if not all_below(arm, SOLVED):
-            reasons.append(f"{LABELS[arm]} does not reach < 0.1 in every seed")
+
+def verdict(runs: list[dict], seeds, lrs=DECIDING_LRS) -> str:
+    """The rank rule (module docstring) on the finished runs."""
+    solved = sorted(f"lr {r['lr']:g} seed {r['seed']} ({r['final']:.3f})" for r in runs
+                    if r["arm"] == LOW_RANK and r["final"] < SOLVED)
+    if solved:
+        return "NO: dense attention with r = d/2 ends below 0.1: " + ", ".join(solved)
+    needed = [(arm, lr, s) for arm in (LOW_RANK,) + CONTROLS for lr in lrs for s in seeds]
+    missing = [key for key in needed if not _run(runs, *key)]
+    missing += [key for key in edge_runs(runs, seeds, lrs) if not _run(runs, *key)]
+    if missing:
+        return f"PARTIAL: {len(missing)} run(s) of the rule still to finish"
+    table = scores(runs, (LOW_RANK,) + CONTROLS, seeds, lrs)
+    low = [r for r in runs if r["arm"] == LOW_RANK and r["seed"] in seeds]
+    controls = [arm for arm in CONTROLS if all(table[arm, s][0] < SOLVED for s in seeds)]
+    low_fails = all(r["final"] > FAILED for r in low)
+    if len(controls) == len(CONTROLS) and low_fails:
+        return "YES: (ii), (iii), (v) end below 0.1 in every seed while every run of (i) ends above 0.5"
+    reasons = [f"{LABELS[arm]} does not end below 0.1 in every seed" for arm in CONTROLS if arm not in controls]
     if not low_fails:
-        reasons.append("(i) ends between 0.1 and 0.5 in a seed")
+        reasons.append("a run of (i) ends between 0.1 and 0.5")
     return "UNDECIDED: " + "; ".join(reasons)
 
 
-def observations(table: dict, seeds) -> list[str]:
+def observations(runs: list[dict], seeds, lrs=DECIDING_LRS) -> list[str]:
     """What the arms outside the rank rule did: (iv) bilinear MLR and (vi) the width control."""
+    table = scores(runs, ("iv_mlr8", "vi_dense8_wide"), seeds, lrs)
     lines = []
     for arm in ("iv_mlr8", "vi_dense8_wide"):
-        values = [table[arm, s][0] for s in seeds if (arm, s) in table]
-        if not values:
-            continue
-        solved = sum(value < SOLVED for value in values)
-        lines.append(f"{LABELS[arm]}: best-LR error {', '.join(f'{v:.3f}' for v in values)} "
-                     f"(seeds {', '.join(str(s) for s in seeds if (arm, s) in table)}); below 0.1 in {solved} of "
-                     f"{len(values)} seeds")
+        present = [s for s in seeds if (arm, s) in table]
+        if present:
+            values = [table[arm, s][0] for s in present]
+            lines.append(f"{LABELS[arm]}: best-LR error {', '.join(f'{v:.3f}' for v in values)} (seeds "
+                         f"{', '.join(map(str, present))}); below 0.1 in {sum(v < SOLVED for v in values)} of "
+                         f"{len(values)}")
     return lines
 
 
-def lower(first: float, second: float) -> bool:
-    """``first`` lower than ``second`` by the equal-compute rule's margin."""
-    return second - first >= max(MARGIN_ABSOLUTE, MARGIN_RELATIVE * max(first, second))
+def flops_to_threshold(run: dict, flops: list[float]) -> float:
+    """Cumulative training FLOPs (``flops[step]``) at the run's first evaluation below THRESHOLD; inf if none."""
+    for record in run["evals"]:
+        if record["error_last"] < THRESHOLD:
+            return flops[min(record["step"], len(flops) - 1)]
+    return math.inf
 
 
-def error_at_flops(run: dict, flops: list[float], budget: float):
-    """The run's error at its last evaluation whose cumulative training FLOPs (``flops[step]``) are at most
-    ``budget``; None while an unfinished run has not reached the budget yet."""
-    def spent(step):
-        return flops[min(step, len(flops) - 1)]
-
-    reached = run["finished"] or spent(run["step"]) >= budget
-    inside = [e for e in run["evals"] if spent(e["step"]) <= budget]
-    return inside[-1]["error_last"] if reached and inside else None
+def cheaper(first: float, second: float) -> bool:
+    return first < math.inf and first <= CHEAPER * second
 
 
-def equal_compute_table(runs: list[dict], flops: dict, budget: float, arm_names, seeds) -> dict:
-    """(arm, seed) -> best-LR error at ``budget`` FLOPs (``flops[arm]``: cumulative FLOPs per step of one run)."""
+def cost_table(runs: list[dict], flops: dict, arm_names, seeds, lrs=DECIDING_LRS) -> dict:
+    """(arm, seed) -> least FLOPs-to-threshold over the planned LRs, where every planned run has finished."""
     table = {}
     for arm in arm_names:
         for seed in seeds:
-            values = [error_at_flops(run, flops[arm], budget) for run in runs
-                      if run["arm"] == arm and run["seed"] == seed]
-            values = [v for v in values if v is not None]
-            if values:
-                table[arm, seed] = min(values)
+            planned = [_run(runs, arm, lr, seed) for lr in lrs]
+            if all(planned):
+                table[arm, seed] = min(flops_to_threshold(run, flops[arm]) for run in planned)
     return table
 
 
-def equal_compute_verdict(table: dict, seeds, complete: bool) -> str:
-    """The equal-compute rule (module docstring) on ``table`` ((arm, seed) -> best-LR error at F*)."""
+def equal_compute_verdict(table: dict, seeds) -> str:
+    """The equal-compute rule (module docstring) on ``table`` ((arm, seed) -> FLOPs to error 0.1)."""
     needed = [(arm, s) for arm in EQUAL_COMPUTE_BILINEAR + EQUAL_COMPUTE_DENSE for s in seeds]
-    if not complete or any(key not in table for key in needed):
-        return "PARTIAL: not every run has reached the budget F*"
-    bilinear_win = all(lower(table[b, s], table[dense, s]) for b in EQUAL_COMPUTE_BILINEAR
-                       for dense in EQUAL_COMPUTE_DENSE for s in seeds)
-    if bilinear_win:
-        return "YES: bilinear BTT and bilinear MLR each end lower than 12-head and 1-head dense in every seed at F*"
-    dense_win = all(lower(min(table[dense, s] for dense in EQUAL_COMPUTE_DENSE), table[b, s])
-                    for b in EQUAL_COMPUTE_BILINEAR for s in seeds)
-    if dense_win:
-        return "NO: in every seed the better dense arm ends lower than both bilinear arms at F*"
+    missing = [key for key in needed if key not in table]
+    if missing:
+        return f"PARTIAL: {len(missing)} (arm, seed) of the rule without all their runs"
+    if all(table[key] == math.inf for key in needed):
+        return "UNDECIDED: no compared arm reached error 0.1"
+    if all(cheaper(table[b, s], table[dense, s]) for b in EQUAL_COMPUTE_BILINEAR for dense in EQUAL_COMPUTE_DENSE
+           for s in seeds):
+        return "YES: bilinear BTT and bilinear MLR each reach error 0.1 with <= 0.8x the FLOPs of 12-head and " \
+               "1-head dense, in every seed"
+    if all(cheaper(min(table[dense, s] for dense in EQUAL_COMPUTE_DENSE), table[b, s])
+           for b in EQUAL_COMPUTE_BILINEAR for s in seeds):
+        return "NO: in every seed the cheaper dense arm reaches error 0.1 with <= 0.8x the FLOPs of both bilinear arms"
     losses = sorted({f"{LABELS[b]} vs {LABELS[dense]}" for b in EQUAL_COMPUTE_BILINEAR
-                     for dense in EQUAL_COMPUTE_DENSE for s in seeds if not lower(table[b, s], table[dense, s])})
-    return "UNDECIDED: not lower in every seed: " + "; ".join(losses)
+                     for dense in EQUAL_COMPUTE_DENSE for s in seeds if not cheaper(table[b, s], table[dense, s])})
+    return "UNDECIDED: not cheaper in every seed: " + "; ".join(losses)
+
+
+def remaining(runs: list[dict], d: int, seeds) -> tuple[dict, list]:
+    """Shard id -> its runs without a results file; and the edge runs still to do."""
+    done = {(r["arm"], r["lr"], r["seed"]) for r in runs}
+    left = {sid: [run for run in members if run not in done] for sid, members in shards(d).items()}
+    return left, [key for key in edge_runs(runs, seeds) if key not in done]
 
 
 def plot(runs: list[dict], d: int, seeds, out: Path) -> Path:
@@ -199,59 +204,47 @@ def plot(runs: list[dict], d: int, seeds, out: Path) -> Path:
 
 
 def report(args, training_flops) -> None:
-    """The verdicts, tables and figure of ``args.out``; ``training_flops(d, arm, steps, layers=...)`` gives a run's
-    cumulative FLOPs (scripts/icl_rank_experiment.py passes its own, so that this module needs no torch)."""
-
-    root = Path(args.out) / f"d{args.d}"
-    arm_names = list(args.arms)
-    runs = [run for run in load_runs(root) if run["arm"] in arm_names and run["lr"] in args.lrs
-            and run["seed"] in args.seeds]  # only the design's runs count
-    expected = len(arm_names) * len(args.lrs) * len(args.seeds)
-    complete = sum(run["finished"] for run in runs) == expected
-    table = scores(runs, arm_names, args.seeds)
-    print("| arm | D | heads | effective rank span (local) | seed | "
-          + " | ".join(f"lr {lr:g}" for lr in args.lrs) + " | best-LR error | solved at step |")
-    print("|---|---|---|---|---|" + "---|" * len(args.lrs) + "---|---|")
+    """The verdicts, tables, remaining shards and figure of ``args.results`` (``training_flops(d, arm, steps,
+    layers=...)``: a run's cumulative FLOPs, from scripts/icl_rank_experiment.py)."""
+    runs = [run for run in load_runs(Path(args.results) / f"d{args.d}", args.steps) if run["arm"] in args.arms]
+    seeds, lrs = list(args.seeds), list(args.lrs)
+    flops = {arm: training_flops(args.d, arm, args.steps, layers=args.layers) for arm in args.arms}
     fields = arms(args.d)
-    for arm in arm_names:
-        for seed in args.seeds:
-            cells = []
-            for lr in args.lrs:
-                run = next((r for r in runs if r["arm"] == arm and r["seed"] == seed and r["lr"] == lr), None)
-                cells.append("-" if run is None else f"{run['final']:.3f}" + ("" if run["finished"] else
-                                                                                 f" (running, step {run['step']})"))
-            best = table.get((arm, seed))
-            rank = best[1]["rank"] if best else None
-            rank_text = "-" if rank is None else (f"{rank['span_min']}" if rank["span_min"] == rank["span_max"]
-                                                  else f"{rank['span_min']}-{rank['span_max']}") + \
-                f" ({rank['local_min']})"
-            solved = best[1]["solved_at"] if best and best[1]["solved_at"] is not None else "-"
-            print(f"| {LABELS[arm]} | {fields[arm]['n_embd']} | {fields[arm]['n_head']} | {rank_text} | {seed} | "
-                  f"{' | '.join(cells)} | {'-' if best is None else f'{best[0]:.3f}'} | {solved} |")
-    total_wall = sum(run["wall"] for run in runs)
-    print(f"\nruns finished: {sum(r['finished'] for r in runs)}/{expected}; summed run wall time {total_wall:.0f} s "
-          "(runs of one arm train stacked, so each shares its arm's wall time)")
-    print("VERDICT (rank, Fig. 2/3a):", verdict(table, args.seeds, complete))
-    for line in observations(table, args.seeds):
+    print("| arm | D | heads | seed | " + " | ".join(f"lr {lr:g}" for lr in lrs) +
+          " | best | solved (< 0.05) at step | FLOPs to error 0.1 (best LR) | ms/step (1 run) |")
+    print("|---|---|---|---|" + "---|" * len(lrs) + "---|---|---|---|")
+    for arm in args.arms:
+        for seed in seeds:
+            cells, present = [], []
+            for lr in lrs:
+                run = _run(runs, arm, lr, seed)
+                cells.append("-" if run is None else f"{run['final']:.3f}")
+                present += [run] if run else []
+            if not present:
+                continue
+            best = min(present, key=lambda r: r["final"])
+            cost = min(flops_to_threshold(r, flops[arm]) for r in present)
+            rate = 1000 * best["wall_s"] / max(1, best["final_step"])
+            print(f"| {LABELS[arm]} | {fields[arm]['n_embd']} | {fields[arm]['n_head']} | {seed} | "
+                  f"{' | '.join(cells)} | {best['final']:.3f} | {best['solved_at'] or '-'} | "
+                  f"{'never' if cost == math.inf else f'{cost:.3g}'} | {rate:.0f} ({best['device']}) |")
+    extra = [r for r in runs if r["lr"] not in lrs]
+    for run in extra:
+        print(f"edge run: {LABELS[run['arm']]}, lr {run['lr']:g}, seed {run['seed']}: {run['final']:.3f}")
+    print(f"\nruns finished: {len(runs)} of {len(shards(args.d)['g1']) + len(shards(args.d)['g2'])} planned")
+    print("VERDICT (rank, Fig. 2/3a):", verdict(runs, seeds, lrs))
+    for line in observations(runs, seeds, lrs):
         print("OBSERVATION:", line)
-
-    flops = {arm: training_flops(args.d, arm, args.steps, layers=args.layers) for arm in arm_names}
-    print(f"\n| arm | training FLOPs per step (full prompt) | FLOPs of a {args.steps:,}-step run |")
-    print("|---|---|---|")
-    for arm in arm_names:
-        print(f"| {LABELS[arm]} | {flops[arm][-1] - flops[arm][-2]:.3g} | {flops[arm][-1]:.3g} |")
-    compared = [arm for arm in EQUAL_COMPUTE_BILINEAR + EQUAL_COMPUTE_DENSE if arm in arm_names]
-    if compared:
-        budget = min(flops[arm][-1] for arm in compared)
-        levels = [budget / 4, budget / 2, budget]
-        print(f"\nEqual compute (Fig. 3b): best-LR error at F*/4, F*/2 and F* = {budget:.3g} FLOPs (the cheapest "
-              "compared arm's whole run), read from each run's evaluations")
-        print("| arm | seed | " + " | ".join(f"{level:.3g}" for level in levels) + " |")
-        print("|---|---|" + "---|" * len(levels))
-        at_levels = [equal_compute_table(runs, flops, level, arm_names, args.seeds) for level in levels]
-        for arm in arm_names:
-            for seed in args.seeds:
-                cells = [f"{t[arm, seed]:.3f}" if (arm, seed) in t else "-" for t in at_levels]
-                print(f"| {LABELS[arm]} | {seed} | {' | '.join(cells)} |")
-        print("VERDICT (equal compute, Fig. 3b):", equal_compute_verdict(at_levels[-1], args.seeds, complete))
-    print("plot:", plot(runs, args.d, list(args.seeds), Path(args.figures)))
+    table = cost_table(runs, flops, args.arms, seeds, lrs)
+    print("VERDICT (equal compute, Fig. 3b):", equal_compute_verdict(table, seeds))
+    left, edges = remaining(runs, args.d, seeds)
+    todo = [sid for sid, members in left.items() if members and sid.startswith("c")]
+    print(f"\nCPU shards left: {', '.join(todo) or 'none'}; GPU shards left: "
+          f"{', '.join(sid for sid in ('g1', 'g2') if left[sid]) or 'none'}")
+    if edges:
+        print("edge runs triggered, not run yet (shard x):", ", ".join(f"{a} lr {lr:g} seed {s}" for a, lr, s in edges))
+    if todo or edges:
+        first = todo[0] if todo else "x"
+        print(f"continue: python scripts/icl_rank_experiment.py shard {first} --d {args.d} --device cpu --jobs 2")
+    if runs and args.figures:
+        print("plot:", plot(runs, args.d, seeds, Path(args.figures)))

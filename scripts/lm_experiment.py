@@ -10,28 +10,37 @@ Design (fixed here, before any run):
   ~30 MB of training bytes (Python 3.11);
 * 6 layers, T = 1024, head dim 64, widths D in {128, 256, 384} (2, 4, 6 heads), q/k LayerNorm, no dropout;
 * muP (``hf_structattn.mup``: 1/r logits, 1/r_l per MLR level, zero read-outs, per-matrix LR multipliers at base
-  width 128, untied LM head), AdamW (0.9, 0.95), clip 1, warm-up 5 % then cosine to 0.1x; learning-rate grid
-  {1e-3, 3e-3, 1e-2}, seeds {0, 1} (a seed fixes the init and the data order);
+  width 128, untied LM head), AdamW (0.9, 0.95), clip 1, warm-up 5 % then cosine to 0.1x; seeds {0, 1} (a seed fixes
+  the init and the data order);
+* learning rates, tuned at D = 128 only and transferred (muP): at D = 128 every variant runs the grid
+  {1e-3, 3e-3, 1e-2} in both seeds; when a seed's best LR is an edge of that grid, the variant runs one more LR in
+  that direction (3.3e-4 or 3.3e-2, ``edge_extensions``) in both seeds; the variant's transferred LR is the one with
+  the lowest mean bits/byte over the two seeds; at D = 256 and 384 it runs only that LR. Traded for the shorter
+  budget: the LR is not re-tuned at the larger widths (muP's transfer is assumed, not checked);
 * variants: dense; SWA with window 129 (the paper's T' = 128); global + SWA (layers 1 and 4 dense); MLR 8 levels
-  32|8|6|4|4|4|4|2 with level averaging (the paper's); bilinear MLR ranks 16|8|4|4; bilinear BTT rank 1;
+  32|8|6|4|4|4|4|2 with level averaging (the paper's). Bilinear MLR (16|8|4|4) and bilinear BTT (rank 1) are
+  defined (the pilot probes them) but not in the shards: the paper makes no LM claim for them;
 * **equal FLOPs**: at width D dense trains ``DENSE_STEPS`` steps of 16 x 1024 tokens; every other variant trains
   ``round(DENSE_STEPS * F_dense / F_variant)`` steps, F = training FLOPs per token
   (``hf_structattn.flops.flops_per_token``, the paper's measure: non-embedding matmuls + attention scores and
   values, backward = 2x forward), so every run of a width ends at the same compute;
 * evaluation: bits per byte on 128 windows of 1024 tokens spread over the held-out files, 8 times per run.
 
-Each (variant, width, seed) is one stacked model of its 3 learning rates (``hf_structattn.training.sweep``).
+Shards (:func:`shards`): a unit is one (variant, width) with its LRs and both seeds stacked in one model; units
+pack into shards of at most 8 minutes on one H100 at the pilot's measured FLOP rate (else an assumed 3e13 FLOP/s):
+s1-s2 the D = 128 grid, x the triggered edge LRs, s3-s8 the transferred runs at D = 256 and 384. Each finished run
+writes ``results/lm/<run>.json`` (a few KB, committed); a shard skips runs that have one.
 
 Rule (coded in :func:`verdict`, tested in tests/test_lm_experiment.py): a run's score is its final validation
-bits/byte; a (variant, width, seed) scores its best learning rate. MLR is *better* than a baseline (dense, SWA,
-global + SWA) at a width when it is lower by at least 0.01 bits/byte in both seeds; the baseline is better when it
-is lower by at least 0.01 in both seeds. YES: MLR is better than every baseline at every width. NO: at 2 or more of
-the 3 widths some baseline is better than MLR. UNDECIDED otherwise, and also when a YES or NO would rest on a best
-learning rate at the edge of the grid (the grid did not bracket that optimum). PARTIAL until every run has finished.
+bits/byte; a (variant, seed) scores at D = 128 its best LR (planned and edge runs), at D = 256 and 384 its run at
+the transferred LR. MLR is *better* than a baseline (dense, SWA, global + SWA) at a width when it is lower by at
+least 0.01 bits/byte in both seeds; the baseline is better when it is lower by at least 0.01 in both seeds. YES:
+MLR is better than every baseline at every width. NO: at 2 or more of the 3 widths some baseline is better than
+MLR. UNDECIDED otherwise. PARTIAL until every run of the design (edge runs included) has its results file.
 
-    python scripts/lm_experiment.py plan                                   # arms, steps, FLOPs, H100 estimate
-    python scripts/lm_experiment.py run --device cuda --out outputs/lm_equal_flops     # the design (resumable)
-    python scripts/lm_experiment.py report --out outputs/lm_equal_flops   # table + verdict
+    python scripts/lm_experiment.py plan [--shards]                       # arms, FLOPs; the shards and minutes
+    python scripts/lm_experiment.py shard s1 --device cuda                # one shard (resumable, idempotent)
+    python scripts/lm_experiment.py report                                # table, verdict, shards left
     python scripts/lm_experiment.py pilot --device cuda --budget-s 170 --out outputs/lm_pilot   # <= 3 min
     python scripts/lm_experiment.py pilot --tiny --out DIR                 # the CPU rehearsal of the pilot
 """
@@ -49,18 +58,23 @@ import torch
 from hf_structattn import StructAttnGPT2Config, StructAttnGPT2LMHeadModel
 from hf_structattn.flops import flops_per_token
 from hf_structattn.mup import mup_config_overrides, mup_init_, mup_param_groups
-from hf_structattn.training.sweep import (ArmSpec, StackedArm, design_arguments, device_name, finish_pilot,
-                                          load_results, probe_markdown)
+from hf_structattn.training.sweep import (SHARD_MINUTES, ArmSpec, StackedArm, design_arguments, device_name,
+                                          edge_extensions, finish_pilot, pack_shards, probe_markdown, read_run_jsons,
+                                          run_name, run_unit, shard_rate, shard_table)
 
 WIDTHS, LAYERS, SEQ_LEN, HEAD_DIM, BATCH = (128, 256, 384), 6, 1024, 64, 16
 DENSE_STEPS, EVALS_PER_RUN, EVAL_WINDOWS = 4000, 8, 128
 LRS, SEEDS, MUP_BASE_WIDTH = (1e-3, 3e-3, 1e-2), (0, 1), 128
 BASELINES = ("dense", "swa", "gswa")
+COMPARED = BASELINES + ("mlr",)
 OBSERVED = ("bilinear_mlr", "bilinear_btt")
 MARGIN = 0.01  # bits per byte
+TUNE_WIDTH = 128  # the width whose LR grid the others inherit (muP)
+RESULTS = Path("results/lm")
 # the assumed effective training throughput of one H100 for these eager fp32/TF32 models with materialised T x T
-# attention (see docs/results.md: an estimate until the pilot measures it)
-ASSUMED_H100_FLOPS_PER_S = 4e13
+# attention, until a GPU pilot's pilot.json in results/lm measures it (below the 4e13 first assumed: the D = 128
+# runs are host-bound)
+ASSUMED_H100_FLOPS_PER_S = 3e13
 # the pilot trains dense and MLR at D = 128 within 75 % of its budget, then takes 2 steps of every variant at the
 # widest width (3 LRs stacked) to measure its memory and step time before the design runs
 PILOT = dict(width=128, variants=("dense", "mlr"), steps=300, eval_windows=16, train_share=0.75)
@@ -185,127 +199,192 @@ def design_rows(widths=WIDTHS, variants=VARIANTS, dense_steps=DENSE_STEPS) -> li
             steps = equal_flops_steps(variant, width, dense_steps)
             per_step = flops_per_step(variant, width)
             rows.append({"variant": variant, "width": width, "steps": steps, "flops_per_step": per_step,
-                         "run_flops": steps * per_step, "runs": len(LRS) * len(SEEDS)})
+                         "run_flops": steps * per_step})
     return rows
 
 
+def _row(variant: str, width: int) -> dict:
+    return next(row for row in design_rows((width,), (variant,)))
+
+
 def plan(args) -> None:
-    rows = design_rows()
+    rows = design_rows(variants=COMPARED)
     print("| variant | D | FLOPs/token (train) | steps (equal FLOPs) | tokens per run | FLOPs per run | runs |")
     print("|---|---|---|---|---|---|---|")
     for row in rows:
         per_token = row["flops_per_step"] / (BATCH * SEQ_LEN)
+        runs = len(SEEDS) * (len(LRS) if row["width"] == TUNE_WIDTH else 1)
         print(f"| {row['variant']} | {row['width']} | {per_token / 1e6:.1f} M | {row['steps']:,} | "
-              f"{row['steps'] * BATCH * SEQ_LEN / 1e6:.0f} M | {row['run_flops']:.3g} | {row['runs']} |")
-    total = sum(row["run_flops"] * row["runs"] for row in rows)
-    print(f"\ntotal: {sum(r['runs'] for r in rows)} runs, {total:.3g} training FLOPs; one H100 at an assumed "
-          f"{ASSUMED_H100_FLOPS_PER_S:.0e} FLOP/s effective: {total / ASSUMED_H100_FLOPS_PER_S / 3600:.1f} h "
-          "(the pilot measures the real rate and projects from it)")
+              f"{row['steps'] * BATCH * SEQ_LEN / 1e6:.0f} M | {row['run_flops']:.3g} | {runs} |")
+    units = [unit for members in shards(Path(args.results)).values() for unit in members]
+    total = sum(unit["flops"] for unit in units)
+    print(f"\nplanned: {sum(u['runs'] for u in units)} runs, {total:.3g} training FLOPs (edge runs, if triggered, "
+          f"add at most {len(COMPARED) * 2 * len(SEEDS)} runs at D = {TUNE_WIDTH}); `plan --shards` sizes the shards")
 
 
-# ------------------------------------------------------------------------------------------------------- the rule
+# ------------------------------------------------------------------------------------------------- shards and rule
 
 
-def scores(runs: list[dict]) -> tuple[dict, dict]:
-    """(variant, width, seed) -> best-LR final bits/byte, and -> whether that best LR is at the grid's edge."""
-    best, edge = {}, {}
-    groups: dict = {}
-    for run in runs:
-        variant, width = run["arm"].rsplit("_D", 1)
-        groups.setdefault((variant, int(width), run["seed"]), []).append(run)
-    for key, members in groups.items():
-        winner = min(members, key=lambda run: run["final"]["bits_per_byte"])
-        best[key] = winner["final"]["bits_per_byte"]
-        grid = sorted({run["lr"] for run in members})
-        edge[key] = len(grid) > 1 and winner["lr"] in (grid[0], grid[-1])
-    return best, edge
+def planned_lrs(runs: list[dict], variant: str) -> list[float] | None:
+    """The D = 128 LRs of ``variant``: the grid plus the edge LRs its finished grid runs trigger; None until every
+    grid run has finished."""
+    grid = {(r["lr"], r["seed"]): r for r in runs if r["arm"] == f"{variant}_D{TUNE_WIDTH}"}
+    if any((lr, seed) not in grid for lr in LRS for seed in SEEDS):
+        return None
+    best = [min(LRS, key=lambda lr: grid[lr, seed]["final"]["bits_per_byte"]) for seed in SEEDS]
+    return list(LRS) + edge_extensions(best, LRS)
 
 
-def verdict(best: dict, edge: dict, widths=WIDTHS, seeds=SEEDS, complete: bool = True) -> str:
-    """The rule of the module docstring on ``best`` ((variant, width, seed) -> best-LR bits/byte)."""
-    needed = [(v, w, s) for v in ("mlr",) + BASELINES for w in widths for s in seeds]
-    if not complete or any(key not in best for key in needed):
-        return "PARTIAL: not every run has finished"
+def transfer_lr(runs: list[dict], variant: str) -> float | None:
+    """The LR ``variant`` runs at D = 256 and 384: the lowest mean bits/byte over the seeds at D = 128, over the
+    grid and its edge runs; None until all of those have finished."""
+    lrs = planned_lrs(runs, variant)
+    grid = {(r["lr"], r["seed"]): r["final"]["bits_per_byte"] for r in runs if r["arm"] == f"{variant}_D{TUNE_WIDTH}"}
+    if lrs is None or any((lr, seed) not in grid for lr in lrs for seed in SEEDS):
+        return None
+    return min(lrs, key=lambda lr: sum(grid[lr, seed] for seed in SEEDS))
+
+
+def shards(results: Path = RESULTS, limit: float | None = None) -> dict[str, list[dict]]:
+    """Shard id -> units ({name, variant, width, lrs ("grid", "edge" or "transfer"), runs, flops}): s1.. the D = 128
+    grid, then the transferred widths; ``x``: the edge LRs the finished grid runs trigger (empty until they do)."""
+    limit = limit or SHARD_MINUTES * 60 * shard_rate(results, ASSUMED_H100_FLOPS_PER_S)[0]
+    runs = read_run_jsons(results)
+    out, index = {}, 0
+    stages = [[dict(variant=v, width=TUNE_WIDTH, lrs=list(LRS), seeds=list(SEEDS), runs=len(LRS) * len(SEEDS))
+               for v in COMPARED]]
+    stages += [[dict(variant=v, width=w, lrs=None, seeds=list(SEEDS), runs=len(SEEDS)) for v in COMPARED]
+               for w in WIDTHS if w != TUNE_WIDTH]  # lrs None: the variant's transferred LR
+    for number, stage in enumerate(stages):
+        for unit in stage:
+            unit.update(name=f"{unit['variant']}_D{unit['width']}",
+                        flops=unit["runs"] * _row(unit["variant"], unit["width"])["run_flops"])
+        for members in pack_shards(stage, limit):
+            index += 1
+            out[f"s{index}"] = members
+        if number == 0:
+            out.update(edge_shards(runs, limit))  # the edge runs right after the grid they extend
+    return out
+
+
+def edge_shards(runs: list[dict], limit: float) -> dict[str, list[dict]]:
+    edges = []
+    for variant in COMPARED:
+        lrs = planned_lrs(runs, variant) or []
+        for lr in lrs[len(LRS):]:
+            edges.append(dict(variant=variant, width=TUNE_WIDTH, lrs=[lr], seeds=list(SEEDS), runs=len(SEEDS),
+                              name=f"{variant}_D{TUNE_WIDTH} lr {lr:g}",
+                              flops=len(SEEDS) * _row(variant, TUNE_WIDTH)["run_flops"]))
+    return {f"x{number}": members for number, members in enumerate(pack_shards(edges, limit), start=1)}
+
+
+def unit_lrs(unit: dict, runs: list[dict]) -> list[float] | None:
+    """A unit's LRs: its own, or (lrs None) its variant's transferred LR, None until that is known."""
+    if unit["lrs"] is not None:
+        return list(unit["lrs"])
+    lr = transfer_lr(runs, unit["variant"])
+    return None if lr is None else [lr]
+
+
+def unit_done(unit: dict, runs: list[dict]) -> int:
+    lrs = unit_lrs(unit, runs)
+    names = {r["name"] for r in runs}
+    arm = f"{unit['variant']}_D{unit['width']}"
+    return 0 if lrs is None else sum(run_name(arm, lr, s) in names for lr in lrs for s in unit["seeds"])
+
+
+def scores(runs: list[dict]) -> dict:
+    """(variant, width, seed) -> score (module docstring's rule), for the (variant, width)s whose inputs are all
+    finished."""
+    best = {}
+    for variant in COMPARED:
+        lrs, lr = planned_lrs(runs, variant), transfer_lr(runs, variant)
+        for width in WIDTHS:
+            values = {(r["lr"], r["seed"]): r["final"]["bits_per_byte"] for r in runs
+                      if r["arm"] == f"{variant}_D{width}"}
+            for seed in SEEDS:
+                if width == TUNE_WIDTH and lrs and all((x, seed) in values for x in lrs):
+                    best[variant, width, seed] = min(values[x, seed] for x in lrs)
+                elif width != TUNE_WIDTH and lr is not None and (lr, seed) in values:
+                    best[variant, width, seed] = values[lr, seed]
+    return best
+
+
+def verdict(best: dict, widths=WIDTHS, seeds=SEEDS) -> str:
+    """The rule of the module docstring on ``best`` ((variant, width, seed) -> score)."""
+    needed = [(v, w, s) for v in COMPARED for w in widths for s in seeds]
+    missing = [key for key in needed if key not in best]
+    if missing:
+        return f"PARTIAL: {len(missing)} of {len(needed)} (variant, width, seed) scores still missing"
 
     def better(first, second, width):  # `first` lower than `second` by the margin in every seed
         return all(best[second, width, s] - best[first, width, s] >= MARGIN for s in seeds)
 
-    mlr_wins = all(better("mlr", base, w) for base in BASELINES for w in widths)
+    if all(better("mlr", base, w) for base in BASELINES for w in widths):
+        return "YES: MLR is lower than dense, SWA and global+SWA by >= 0.01 bits/byte in both seeds at every width"
     lost_widths = [w for w in widths if any(better(base, "mlr", w) for base in BASELINES)]
-    if mlr_wins:
-        outcome = "YES: MLR is lower than dense, SWA and global+SWA by >= 0.01 bits/byte in both seeds at every width"
-    elif len(lost_widths) >= 2:
-        outcome = f"NO: a baseline is lower than MLR by >= 0.01 bits/byte in both seeds at D = {lost_widths}"
-    else:
-        reasons = [f"D = {w}: MLR vs {base}" for w in widths for base in BASELINES if not better("mlr", base, w)]
-        return "UNDECIDED: no consistent 0.01 bits/byte gap at " + "; ".join(reasons)
-    edges = sorted(f"{v} D = {w} seed {s}" for (v, w, s) in needed if edge.get((v, w, s)))
-    if edges:
-        return f"UNDECIDED: it would be {outcome.split(':')[0]}, but the best LR is at the grid's edge for " + \
-            "; ".join(edges)
-    return outcome
-
-
-def observations(best: dict, widths=WIDTHS, seeds=SEEDS) -> list[str]:
-    lines = []
-    for variant in OBSERVED:
-        for width in widths:
-            gaps = [best[("dense", width, s)] - best[(variant, width, s)] for s in seeds
-                    if (variant, width, s) in best and ("dense", width, s) in best]
-            if gaps:
-                lines.append(f"{variant} D = {width}: dense minus {variant} = "
-                             f"{', '.join(f'{g:+.3f}' for g in gaps)} bits/byte (seeds {', '.join(map(str, seeds))})")
-    return lines
+    if len(lost_widths) >= 2:
+        return f"NO: a baseline is lower than MLR by >= 0.01 bits/byte in both seeds at D = {lost_widths}"
+    reasons = [f"D = {w}: MLR vs {base}" for w in widths for base in BASELINES if not better("mlr", base, w)]
+    return "UNDECIDED: no consistent 0.01 bits/byte gap at " + "; ".join(reasons)
 
 
 def report(args) -> None:
-    design = {(f"{row['variant']}_D{row['width']}", lr, seed) for row in design_rows() for lr in LRS for seed in SEEDS}
-    runs = [run for run in load_results(Path(args.out)) if (run["arm"], run["lr"], run["seed"]) in design]
-    best, edge = scores(runs)
-    expected = len(design)
-    complete = sum(run["finished"] for run in runs) == expected
-    print("| variant | D | seed | " + " | ".join(f"lr {lr:g}" for lr in LRS) + " | best | FLOPs per run |")
-    print("|---|---|---|" + "---|" * len(LRS) + "---|---|")
-    for row in design_rows():
-        for seed in SEEDS:
-            cells = []
-            for lr in LRS:
-                run = next((r for r in runs if r["arm"] == f"{row['variant']}_D{row['width']}" and r["lr"] == lr
-                            and r["seed"] == seed), None)
-                cells.append("-" if run is None else f"{run['final']['bits_per_byte']:.4f}" +
-                             ("" if run["finished"] else f" (step {run['final']['step']})"))
-            key = (row["variant"], row["width"], seed)
-            best_text = "-" if key not in best else f"{best[key]:.4f}" + (" (edge)" if edge.get(key) else "")
-            print(f"| {row['variant']} | {row['width']} | {seed} | {' | '.join(cells)} | {best_text} | "
-                  f"{row['run_flops']:.3g} |")
-    print(f"\nruns finished: {sum(r['finished'] for r in runs)}/{expected}")
-    print("VERDICT (MLR vs dense, SWA, global+SWA at equal FLOPs):", verdict(best, edge, complete=complete))
-    for line in observations(best):
-        print("OBSERVATION:", line)
+    results = Path(args.results)
+    runs = read_run_jsons(results)
+    best = scores(runs)
+    print("| variant | D | seed | runs (lr: bits/byte) | score |")
+    print("|---|---|---|---|---|")
+    for variant in COMPARED:
+        for width in WIDTHS:
+            for seed in SEEDS:
+                mine = sorted((r for r in runs if r["arm"] == f"{variant}_D{width}" and r["seed"] == seed),
+                              key=lambda r: r["lr"])
+                if mine:
+                    cells = ", ".join(f"{r['lr']:g}: {r['final']['bits_per_byte']:.4f}" for r in mine)
+                    score = best.get((variant, width, seed))
+                    print(f"| {variant} | {width} | {seed} | {cells} | {'-' if score is None else f'{score:.4f}'} |")
+    for variant in COMPARED:
+        lr = transfer_lr(runs, variant)
+        print(f"transferred LR of {variant}: {'not yet (D = 128 runs missing)' if lr is None else f'{lr:g}'}")
+    print("VERDICT (MLR vs dense, SWA, global+SWA at equal FLOPs):", verdict(best))
+    table = shards(results)
+    left = [sid for sid, units in table.items() if sum(unit_done(u, runs) for u in units) <
+            sum(u["runs"] for u in units)]
+    print(f"shards left: {', '.join(left) or 'none'}" +
+          (f"; continue: python scripts/lm_experiment.py shard {left[0]} --device cuda" if left else ""))
+
+
+def run_shard(args, shard_id: str) -> None:
+    """Train a shard's units (one stacked model each), skipping runs with a results file; ``--budget-s`` stops
+    with a checkpoint that a rerun resumes."""
+    results = Path(args.results)
+    table = shards(results)
+    if shard_id not in table:
+        raise SystemExit(f"shard: unknown id {shard_id!r}; the shards now are {', '.join(table)}")
+    runs = read_run_jsons(results)
+    started = time.perf_counter()
+    corpus, windows = None, None
+    for unit in table[shard_id]:
+        lrs = unit_lrs(unit, runs)
+        if lrs is None:
+            raise SystemExit(f"shard {shard_id}: {unit['name']} runs at {unit['variant']}'s transferred LR, which "
+                             f"needs every D = {TUNE_WIDTH} run of {unit['variant']} (its grid shard and edge "
+                             "runs) first; `report` lists what is left")
+        if corpus is None:
+            corpus, windows = load_data()
+        row = _row(unit["variant"], unit["width"])
+        spec = arm_spec(unit["variant"], unit["width"], corpus, windows)
+        left = None if args.budget_s is None else args.budget_s - (time.perf_counter() - started)
+        if left is not None and left <= 0 or not run_unit(spec, lrs, unit["seeds"], row["steps"],
+                                                          max(1, row["steps"] // EVALS_PER_RUN), Path(args.out),
+                                                          results, args.device, left):
+            print(f"stopped by --budget-s in {unit['name']}; rerun the command to resume", flush=True)
+            return
+        print(f"done {unit['name']} (lrs {lrs}) at {time.perf_counter() - started:.0f} s", flush=True)
 
 
 # ------------------------------------------------------------------------------------------------------- run, pilot
-
-
-def run_design(args) -> None:
-    """Every (variant, width, seed) arm of the design, one after another, resumable; ``--budget-s`` stops early."""
-    corpus, windows = load_data()
-    started = time.perf_counter()
-    root = Path(args.out)
-    for row in design_rows():
-        for seed in SEEDS:
-            spec = arm_spec(row["variant"], row["width"], corpus, windows)
-            if all((root / f"{spec.name}_lr{lr:g}_s{seed}" / "result.json").exists() for lr in LRS):
-                continue
-            arm = StackedArm(spec, LRS, [seed], row["steps"], max(1, row["steps"] // EVALS_PER_RUN), root,
-                             args.device)
-            left = None if args.budget_s is None else args.budget_s - (time.perf_counter() - started)
-            if left is not None and left <= 0 or not arm.run_until(left):
-                print(f"stopped by --budget-s in {spec.name} seed {seed}; rerun the command to resume", flush=True)
-                return
-            arm.finish()
-            print(f"done {spec.name} seed {seed} ({row['steps']:,} steps) at {time.perf_counter() - started:.0f} s",
-                  flush=True)
 
 
 def pilot(args) -> dict:
@@ -347,10 +426,10 @@ def pilot(args) -> dict:
             "bits_per_byte_start": firsts, "bits_per_byte_end": lasts, "evaluations": evaluations}
     probe_width = TINY["probe_width"] if args.tiny else max(WIDTHS)
     summary["probe"] = {"width": probe_width, "arms": {}}
-    total = sum(row["run_flops"] * row["runs"] for row in design_rows())
+    total = sum(unit["flops"] for units in shards(RESULTS).values() for unit in units)
     return finish_pilot(summary, VARIANTS,
                         lambda name: arm_spec(name, probe_width, corpus, windows[:1], batch=batch, **size), LRS,
-                        args.device, started, args.budget_s, total, out, pilot_markdown)
+                        args.device, started, args.budget_s, total, out, pilot_markdown, Path(args.results))
 
 
 def pilot_markdown(summary: dict) -> str:
@@ -370,11 +449,28 @@ def pilot_markdown(summary: dict) -> str:
 
 
 def main(argv=None) -> None:
-    args = design_arguments(argv, __doc__.split("\n\n")[0], "outputs/lm_equal_flops", "outputs/lm_pilot")
-    if args.command == "plan":
+    args = design_arguments(argv, __doc__.split("\n\n")[0], "outputs/lm_equal_flops", "outputs/lm_pilot",
+                            str(RESULTS))
+    if args.command == "plan" and args.shards:
+        rate, source = shard_rate(Path(args.results), ASSUMED_H100_FLOPS_PER_S)
+        print("\n".join(shard_table(shards(Path(args.results)),
+                                    lambda unit: unit_done(unit, read_run_jsons(Path(args.results))), rate, source,
+                                    "python scripts/lm_experiment.py shard {id} --device cuda")))
+    elif args.command == "plan":
         plan(args)
-    elif args.command == "run":
-        run_design(args)
+    elif args.command == "shard":
+        run_shard(args, args.shard_id)
+    elif args.command == "run":  # every shard in order, the edge runs as soon as the grid triggers them
+        while True:
+            runs = read_run_jsons(Path(args.results))
+            left = [sid for sid, units in shards(Path(args.results)).items()
+                    if sum(unit_done(u, runs) for u in units) < sum(u["runs"] for u in units)]
+            if not left:
+                break
+            before = len(runs)
+            run_shard(args, left[0])
+            if len(read_run_jsons(Path(args.results))) == before:
+                break  # stopped by --budget-s
     elif args.command == "report":
         report(args)
     else:

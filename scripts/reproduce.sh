@@ -3,15 +3,18 @@
 # claims, designs, rules and budgets).
 #
 #   bash scripts/reproduce.sh --designs [--device cuda] [--jobs N] [--only icl|lm|chronos]
-#       The decisive designs, each one command with a rule coded before it runs, then its report (verdict lines):
-#         icl:     scripts/icl_rank_experiment.py run --d 4 (6 arms x 3 LRs x 3 seeds x 40k steps, the runs of an arm
+#       The decisive designs, each with a rule coded before it runs, every shard in order, then its report (verdict
+#       lines; the designs' shards one at a time: `plan --shards` and `shard ID` of each script):
+#         icl:     scripts/icl_rank_experiment.py run --d 4 (6 arms x 3 LRs x 3 seeds x 20k steps, the runs of an arm
 #                  stacked into one model; --jobs arms at a time), then report
-#         lm:      scripts/lm_experiment.py run (6 variants x 3 widths x 2 seeds x 3 LRs at equal FLOPs, muP), report
-#         chronos: scripts/chronos_experiment.py run (dense / MLR / logit-scale ablation x 3 widths x 3 seeds x 3
-#                  LRs, Chronos-T5's 8 x 64 heads), report
-#       GPU work on one H100 (estimates, docs/results.md): icl 0.35-0.75 h with --jobs 6 (the default here; 5-12 min
-#       if its CUDA graphs engage), lm ~2.1 h, chronos ~1.2 h; every command resumes from its checkpoints when rerun. Results under $REPRODUCE_OUT (default
-#       outputs/reproduce): icl_rank_v3/, lm_equal_flops/, chronos_design/, and <name>_report.txt.
+#         lm:      scripts/lm_experiment.py run (4 variants at equal FLOPs, muP, 2 seeds; 3 LRs at D = 128, the
+#                  best transferred to D = 256 and 384), report
+#         chronos: scripts/chronos_experiment.py run (dense / MLR x 3 widths x 3 seeds x 3 LRs, Chronos-T5's 8 x 64
+#                  heads; then the logit-scale ablation), report
+#       GPU work on one H100 (estimates, docs/results.md): icl 10-22 min eager with --jobs 6, 3-6 min if its CUDA
+#       graphs engage; lm 8 shards of ~5-6 min; chronos 10 + 5 shards of ~5-8 min. Every command resumes when rerun
+#       and skips the runs that have a results file: results/<design>/ (committed); working files and checkpoints
+#       under $REPRODUCE_OUT (default outputs/reproduce); reports in $REPRODUCE_OUT/<name>_report.txt.
 #   bash scripts/reproduce.sh --pilots [--device cuda]
 #       The three pilots (each <= 170 s of wall on an H100 by its --budget-s), into $REPRODUCE_OUT/pilots/<name>/
 #       (pilot.md, pilot.json; a rerun replaces them).
@@ -192,16 +195,16 @@ run_designs() {
   case "$ONLY" in all|icl|lm|chronos) ;; *) echo "--only must be icl, lm or chronos with --designs" >&2; exit 2 ;; esac
   if [[ $ONLY == all || $ONLY == icl ]]; then
     $PY scripts/icl_rank_experiment.py run --d 4 --device "$DEVICE" --jobs "$JOBS" --out "$out/icl_rank_v3"
-    $PY scripts/icl_rank_experiment.py report --d 4 --out "$out/icl_rank_v3" --figures "$out/icl_rank_v3" \
+    $PY scripts/icl_rank_experiment.py report --d 4 --figures "$out/icl_rank_v3" \
       | tee "$out/icl_report.txt"
   fi
   if [[ $ONLY == all || $ONLY == lm ]]; then
     $PY scripts/lm_experiment.py run --device "$DEVICE" --out "$out/lm_equal_flops"
-    $PY scripts/lm_experiment.py report --out "$out/lm_equal_flops" | tee "$out/lm_report.txt"
+    $PY scripts/lm_experiment.py report | tee "$out/lm_report.txt"
   fi
   if [[ $ONLY == all || $ONLY == chronos ]]; then
     $PY scripts/chronos_experiment.py run --device "$DEVICE" --out "$out/chronos_design"
-    $PY scripts/chronos_experiment.py report --out "$out/chronos_design" | tee "$out/chronos_report.txt"
+    $PY scripts/chronos_experiment.py report | tee "$out/chronos_report.txt"
   fi
 }
 

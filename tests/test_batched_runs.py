@@ -120,3 +120,86 @@ def test_bad_arguments_are_one_line_value_errors():
     stack = StackedRuns(model, [model.state_dict()], [1e-3])
     with pytest.raises(ValueError, match=r"run must be in \[0, 1\), got 3"):
         stack.run_state(3)
+
+
+# ------------------------------------------------------------------ the LM and Chronos designs' arms (StackedArm)
+
+
+def _separate_like_the_arm(spec, lrs, seeds, steps, warmup, frozen_after):
+    """The runs of a StackedArm trained one by one: torch's AdamW (muP multipliers as per-parameter LRs), clipping at
+    1, the arm's warm-up + cosine factor, each run's own seed, data stream and peak LR; run ``k`` of
+    ``frozen_after`` stops after that many steps (as a frozen run of the stack does)."""
+    from hf_structattn.training.sweep import cosine_factor
+
+    models = []
+    for index, (lr, seed) in enumerate((lr, seed) for seed in seeds for lr in lrs):
+        torch.manual_seed(seed)
+        model = spec.build(seed).double()
+        multipliers = spec.lr_multipliers(model) if spec.lr_multipliers else {}
+        groups = [{"params": [p], "lr": lr * multipliers.get(n, 1.0), "peak": lr * multipliers.get(n, 1.0)}
+                  for n, p in model.named_parameters()]
+        optimizer = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+        for step in range(frozen_after.get(index, steps)):
+            for group in optimizer.param_groups:
+                group["lr"] = group["peak"] * cosine_factor(step, steps, warmup, 0.1)
+            loss = spec.loss(model, spec.batch(seed, step))
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+        models.append(model)
+    return models
+
+
+def _stacked_equals_separate(spec, lrs, seeds, tmp_path, steps=3, frozen_after=None):
+    from hf_structattn.training.sweep import StackedArm
+
+    frozen_after = frozen_after or {}
+    arm = StackedArm(spec, lrs, seeds, steps, steps, tmp_path, warmup=2, chunk=1, dtype=torch.float64)
+    while not arm.finished:
+        arm.advance()  # one step a call (chunk 1)
+        stop = torch.tensor([frozen_after.get(run) == arm.step for run in range(arm.stack.runs)])
+        if stop.any():
+            arm.stack.freeze(stop)
+    models = _separate_like_the_arm(spec, lrs, seeds, steps, 2, frozen_after)
+    for run, model in enumerate(models):
+        state = arm.stack.run_state(run)
+        for name, param in model.named_parameters():
+            torch.testing.assert_close(state[name], param.detach(), rtol=1e-9, atol=1e-12,
+                                       msg=f"{spec.name} run {run} {name}")
+    return arm, models
+
+
+def _lm_spec(variant):
+    import lm_experiment as lm
+    from hf_structattn.training.sweep import ArmSpec
+
+    size = dict(seq_len=32, layers=3, head_dim=16)
+
+    def batch(seed, step):  # random bytes: this checks the stacking, not the corpus
+        return (torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(100 * seed + step)),)
+
+    return ArmSpec(name=f"{variant}_D32", build=lambda seed: lm.build_model(variant, 32, **size), batch=batch,
+                   loss=lm.lm_loss, evaluate=lambda stack: {}, flops_per_step=1.0, lr_multipliers=lm.mup_multipliers)
+
+
+@pytest.mark.parametrize("variant", ["dense", "swa", "gswa", "mlr"])
+def test_the_lm_arms_stacked_equal_separate_runs_in_float64(variant, tmp_path):
+    # 2 LRs x 2 seeds with muP's per-matrix LR multipliers, warm-up + cosine, clipping; run 1 frozen after 2 steps
+    arm, models = _stacked_equals_separate(_lm_spec(variant), [1e-2, 3e-2], [0, 1], tmp_path, frozen_after={1: 2})
+    differ = [(arm.stack.run_state(0)[n] - arm.stack.run_state(2)[n]).abs().max() for n in arm.stack.run_state(0)]
+    assert max(differ) > 1e-3  # the two seeds are different runs
+    once = _separate_like_the_arm(_lm_spec(variant), [3e-2], [0], 3, 2, {})[0]  # run 1 had it not been frozen
+    assert any((p - q).abs().max() > 1e-4 for p, q in zip(once.parameters(), models[1].parameters()))
+
+
+@pytest.mark.parametrize("arm_name", ["dense", "mlr", "mlr_flat"])
+def test_the_chronos_arms_stacked_equal_separate_runs_in_float64(arm_name, tmp_path):
+    # the design's T5 arms at tiny size (2 heads of 16, context 64): 3 LRs of one seed (the task is per seed), the
+    # Chronos tokenizer's real batches, run 0 frozen after 1 step
+    import chronos_experiment as ce
+
+    spec = ce.arm_spec(arm_name, 32, 0, tiny=True, batch=2)
+    arm, models = _stacked_equals_separate(spec, [1e-3, 1e-2, 3e-2], [0], tmp_path, frozen_after={0: 1})
+    moved = [(arm.stack.run_state(1)[n] - arm.stack.run_state(2)[n]).abs().max() for n in arm.stack.run_state(1)]
+    assert max(moved) > 1e-4  # per-run learning rates: the runs differ

@@ -83,7 +83,7 @@ def _best(gaps: dict, flat_gaps: dict = None) -> dict:
 
 
 def test_the_claims_rule_and_the_ablations_rule():
-    yes = ce.verdict(_best({}), {})
+    yes = ce.verdict(_best({}))
     assert yes.startswith("YES")
     assert ce.ablation_verdict(_best({}), yes).startswith("SURVIVES")
     confounded = _best({}, {128: (0.0, 0.0, 0.0), 256: (0.05, 0.05, -0.01), 512: (0.05,) * 3})
@@ -91,12 +91,45 @@ def test_the_claims_rule_and_the_ablations_rule():
     mixed = _best({}, {128: (0.0, 0.0, 0.0)})
     assert ce.ablation_verdict(mixed, yes).startswith("MIXED")
     one_seed = _best({256: (0.05, 0.05, 0.0)})
-    assert ce.verdict(one_seed, {}).startswith("UNDECIDED") and "[256]" in ce.verdict(one_seed, {})
-    assert ce.ablation_verdict(one_seed, ce.verdict(one_seed, {})).startswith("NOT APPLICABLE")
+    assert ce.verdict(one_seed).startswith("UNDECIDED") and "[256]" in ce.verdict(one_seed)
+    assert ce.ablation_verdict(one_seed, ce.verdict(one_seed)).startswith("NOT APPLICABLE")
     dense_wins = _best({128: (-0.02,) * 3, 512: (-0.05,) * 3})
-    assert ce.verdict(dense_wins, {}).startswith("NO")
-    assert ce.verdict(_best({}), {("dense", 128, 2): True}).startswith("UNDECIDED: it would be YES")
-    assert ce.verdict(_best({}), {}, complete=False).startswith("PARTIAL")
+    assert ce.verdict(dense_wins).startswith("NO")
+    incomplete = {key: value for key, value in _best({}).items() if key != ("dense", 128, 2)}
+    assert ce.verdict(incomplete).startswith("PARTIAL: 1 of 18")
+
+
+def _run(arm, lr, seed, value):
+    return {"arm": arm, "name": f"{arm}_lr{lr:g}_s{seed}", "lr": lr, "seed": seed, "final": {"loss": value}}
+
+
+def test_an_edge_pick_extends_that_arm_and_widths_grid_in_every_seed_and_the_score_reads_it(tmp_path):
+    grid = {3e-4: (3.0, 3.0, 3.0), 1e-3: (2.9, 2.8, 2.95), 3e-3: (2.8, 2.9, 2.9)}  # seed 0 best at the top
+    runs = [_run("mlr_D256", lr, seed, values[seed]) for lr, values in grid.items() for seed in (0, 1, 2)]
+    assert ce.arm_lrs(runs, "mlr", 256) == [*ce.LRS, 0.009]
+    assert ("mlr", 256, 0) not in ce.scores(runs)  # the edge runs are inputs of the score
+    assert not any(sid.startswith("x") for sid in ce.shards(tmp_path))  # no results: no edge shard
+    split = ce.shards(tmp_path, 1e16)  # below a D = 512 unit's 1.13e16: its LRs go to separate shards
+    assert all(sum(unit["flops"] for unit in units) <= 1e16 for units in split.values())
+    assert [u["name"] for u in split["s6"]] == ["dense_D512 s0 lr 0.0003", "dense_D512 s0 lr 0.001"]
+    with pytest.raises(ValueError, match=r"unit dense_D512 s0 lr 0.0003 is one run of 3.78e\+15 FLOPs: it cannot "
+                                         r"fit a shard of at most 3e\+15 FLOPs"):
+        ce.shards(tmp_path, 3e15)  # one run over the limit is an error, not a longer shard
+    runs += [_run("mlr_D256", 0.009, seed, value) for seed, value in ((0, 2.7), (1, 3.1), (2, 3.1))]
+    best = ce.scores(runs)
+    assert best["mlr", 256, 0] == 2.7 and best["mlr", 256, 1] == 2.8 and best["mlr", 256, 2] == 2.9
+    inside = [_run("dense_D128", lr, seed, 3.0 - (lr == 1e-3)) for lr in ce.LRS for seed in (0, 1, 2)]
+    assert ce.arm_lrs(inside, "dense", 128) == list(ce.LRS)
+
+
+def test_every_shard_fits_eight_minutes_and_the_ablation_comes_last(tmp_path):
+    table = ce.shards(tmp_path)
+    limit = ce.SHARD_MINUTES * 60 * ce.ASSUMED_H100_FLOPS_PER_S
+    assert all(sum(unit["flops"] for unit in units) <= limit for units in table.values())
+    claim = [u for sid, units in table.items() if sid.startswith("s") for u in units]
+    ablation = [u for sid, units in table.items() if sid.startswith("a") for u in units]
+    assert {u["arm"] for u in claim} == {"dense", "mlr"} and {u["arm"] for u in ablation} == {"mlr_flat"}
+    assert sum(u["runs"] for u in claim) == 54 and sum(u["runs"] for u in ablation) == 27
 
 
 def test_windows_with_missing_values_are_refused():
@@ -119,9 +152,9 @@ def test_the_pilot_runs_at_tiny_size_and_writes_its_summary(tmp_path, capsys):
     assert len(list((tmp_path / "pilot").glob("*/result.json"))) == 6
     assert set(summary["probe"]["arms"]) == set(ce.ARMS)
     assert all(probe["error"] is None and probe["ms_per_step"] > 0 for probe in summary["probe"]["arms"].values())
-    ce.main(["report", "--out", str(tmp_path / "pilot")])  # the pilot's tiny runs are not the design's
+    ce.main(["report", "--results", str(tmp_path / "pilot")])  # the pilot's tiny runs are not the design's
     out = capsys.readouterr().out
-    assert "runs finished: 0/81" in out and "(MLR vs dense, Fig. 5): PARTIAL" in out
+    assert "(MLR vs dense, Fig. 5): PARTIAL: 18 of 18" in out and "shards left for the claim: s1," in out
     assert (tmp_path / "pilot" / "pilot.md").read_text().startswith("### Chronos pilot")
     with pytest.raises(SystemExit):
         ce.main(["pilot", "--tiny", "--budget-s", "-1", "--out", str(tmp_path / "other")])

@@ -12,50 +12,90 @@ import torch
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
+from icl_rank_arms import shards  # noqa: E402
 from icl_rank_experiment import (ArmRunner, arms, build, eval_prompts, schedule, score_rank,  # noqa: E402
                                  training_flops)
-from icl_rank_report import (equal_compute_table, equal_compute_verdict, error_at_flops, lower,  # noqa: E402
-                             observations, verdict)
+from icl_rank_report import (cheaper, cost_table, edge_runs, equal_compute_verdict,  # noqa: E402
+                             flops_to_threshold, observations, verdict)
 
-SEEDS = [0, 1, 2]
+SEEDS, LRS = [0, 1, 2], [3e-4, 1e-3, 3e-3]
 
 
-def _table(errors: dict) -> dict:
-    """{arm: (seed0, seed1, seed2)} -> the (arm, seed) -> (error, run) table of the report."""
-    return {(arm, seed): (value, {}) for arm, values in errors.items() for seed, value in zip(SEEDS, values)}
+def _runs(errors: dict, by_lr: dict | None = None, solved_step: int = 100) -> list[dict]:
+    """{arm: (final seed 0, seed 1, seed 2)} -> finished runs at every planned LR: the given final error at lr 1e-3,
+    0.02 worse at the other two; ``by_lr`` {(arm, lr, seed): final} overrides single runs (and adds edge runs).
+    Each run's evaluations: 1.0 at step 0, then its final error at ``solved_step``."""
+    finals = {}
+    for arm, values in errors.items():
+        for seed, value in zip(SEEDS, values):
+            for lr in LRS:
+                finals[arm, lr, seed] = value if lr == 1e-3 else value + 0.02
+    finals.update(by_lr or {})
+    return [{"arm": arm, "lr": lr, "seed": seed, "final": value, "solved_at": None,
+             "evals": [{"step": 0, "error_last": 1.0}, {"step": solved_step, "error_last": value}]}
+            for (arm, lr, seed), value in finals.items()]
 
 
 SOLVED_CONTROLS = {"ii_dense1": (0.02, 0.04, 0.01), "iii_btt8": (0.03, 0.01, 0.02),
-                   "v_dense3_rank": (0.05, 0.02, 0.03), "vi_dense8_wide": (0.9, 0.9, 0.9)}
+                   "v_dense3_rank": (0.04, 0.02, 0.03), "iv_mlr8": (0.9, 0.9, 0.9), "vi_dense8_wide": (0.9, 0.9, 0.9)}
+FAILING = {"i_dense12_half": (0.9, 0.7, 0.8)}
 
 
-def test_yes_needs_every_control_solved_and_the_half_rank_arm_failing_in_every_seed():
-    low = {"i_dense12_half": (0.9, 0.7, 0.8)}
-    yes = verdict(_table({**SOLVED_CONTROLS, **low, "iv_mlr8": (0.04, 0.2, 0.01)}), SEEDS, True)
-    assert yes.startswith("YES") and "MLR" not in yes  # (iv) and (vi), the wide arm, are not ruled on
-    assert verdict(_table({**SOLVED_CONTROLS, **low, "iv_mlr8": (1, 1, 1)}), SEEDS, True) == yes
-    rank_control_fails = {**SOLVED_CONTROLS, **low, "iv_mlr8": (1, 1, 1), "v_dense3_rank": (0.05, 0.3, 0.02)}
-    undecided = verdict(_table(rank_control_fails), SEEDS, True)
-    assert undecided.startswith("UNDECIDED") and "rank control" in undecided
+def test_rank_rule_solved_regime_is_yes_and_ignores_the_observed_arms():
+    yes = verdict(_runs({**SOLVED_CONTROLS, **FAILING}), SEEDS)
+    assert yes.startswith("YES") and "MLR" not in yes
+    without_observed = {arm: v for arm, v in SOLVED_CONTROLS.items() if arm not in ("iv_mlr8", "vi_dense8_wide")}
+    assert verdict(_runs({**without_observed, **FAILING}), SEEDS) == yes  # (iv), (vi) are not inputs of the rule
+
+
+def test_rank_rule_failed_regime_is_no_from_one_finished_run_of_the_half_rank_arm():
+    # (i) below 0.1 at one LR of one seed decides NO, even before the other runs exist
+    one_run = [run for run in _runs({"i_dense12_half": (0.08, 0.9, 0.9)}) if run["lr"] == 1e-3 and run["seed"] == 0]
+    no = verdict(one_run, SEEDS)
+    assert no.startswith("NO") and "lr 0.001 seed 0 (0.080)" in no
+    assert verdict(_runs({**SOLVED_CONTROLS, "i_dense12_half": (0.9, 0.9, 0.9)},
+                         {("i_dense12_half", 3e-4, 2): 0.05}), SEEDS).startswith("NO")
+
+
+def test_rank_rule_mixed_regimes_are_undecided_with_the_reasons():
+    middle = verdict(_runs({**SOLVED_CONTROLS, "i_dense12_half": (0.9, 0.3, 0.9)}), SEEDS)
+    assert middle.startswith("UNDECIDED") and "between 0.1 and 0.5" in middle
+    control_fails = verdict(_runs({**SOLVED_CONTROLS, **FAILING, "v_dense3_rank": (0.04, 0.3, 0.02)}), SEEDS)
+    assert control_fails.startswith("UNDECIDED") and "rank control" in control_fails
+    # a control that solves at one LR only still counts (its best LR), a failing run at another LR does not matter
+    best_lr_only = _runs({**SOLVED_CONTROLS, **FAILING}, {("ii_dense1", 3e-4, 1): 0.9, ("ii_dense1", 3e-3, 1): 0.9})
+    assert verdict(best_lr_only, SEEDS).startswith("YES")
+
+
+def test_rank_rule_is_partial_until_every_run_it_reads_has_finished():
+    runs = _runs({**SOLVED_CONTROLS, **FAILING})
+    missing = [run for run in runs if not (run["arm"] == "v_dense3_rank" and run["lr"] == 3e-3 and run["seed"] == 2)]
+    assert verdict(missing, SEEDS).startswith("PARTIAL: 1 run")
+    assert verdict([], SEEDS).startswith("PARTIAL")
+
+
+def test_rank_rule_edge_clause_runs_one_more_lr_beyond_the_half_rank_arms_best_edge_lr():
+    # seed 1: (i) is best at 3e-3, the grid's top; the rule then needs (i) at 9e-3 in seed 1 before any YES
+    edge = {("i_dense12_half", 3e-3, 1): 0.6}
+    runs = _runs({**SOLVED_CONTROLS, **FAILING}, edge)
+    assert edge_runs(runs, SEEDS) == [("i_dense12_half", 9e-3, 1)]
+    assert verdict(runs, SEEDS).startswith("PARTIAL: 1 run")
+    assert verdict(_runs({**SOLVED_CONTROLS, **FAILING}, {**edge, ("i_dense12_half", 9e-3, 1): 0.8}),
+                   SEEDS).startswith("YES")
+    assert verdict(_runs({**SOLVED_CONTROLS, **FAILING}, {**edge, ("i_dense12_half", 9e-3, 1): 0.09}),
+                   SEEDS).startswith("NO")
+    between = verdict(_runs({**SOLVED_CONTROLS, **FAILING}, {**edge, ("i_dense12_half", 9e-3, 1): 0.4}), SEEDS)
+    assert between.startswith("UNDECIDED") and "between 0.1 and 0.5" in between
+    low_edge = _runs({**SOLVED_CONTROLS, **FAILING}, {("i_dense12_half", 3e-4, 0): 0.6})
+    assert edge_runs(low_edge, SEEDS) == [("i_dense12_half", 9e-5, 0)]
+    assert edge_runs(_runs({**SOLVED_CONTROLS, **FAILING}), SEEDS) == []  # best at 1e-3 in every seed
 
 
 def test_bilinear_mlr_and_the_width_control_are_reported_as_observations():
-    table = _table({**SOLVED_CONTROLS, "i_dense12_half": (0.9, 0.7, 0.8), "iv_mlr8": (0.04, 0.2, 0.01)})
-    mlr, wide = observations(table, SEEDS)
-    assert "bilinear MLR" in mlr and "0.040, 0.200, 0.010" in mlr and "below 0.1 in 2 of 3 seeds" in mlr
-    assert "width control" in wide and "below 0.1 in 0 of 3 seeds" in wide
-
-
-def test_no_when_the_half_rank_arm_solves_in_one_seed_and_undecided_otherwise():
-    assert verdict(_table({**SOLVED_CONTROLS, "i_dense12_half": (0.9, 0.08, 0.9), "iv_mlr8": (1, 1, 1)}), SEEDS,
-                   True).startswith("NO")
-    middle = verdict(_table({**SOLVED_CONTROLS, "i_dense12_half": (0.9, 0.3, 0.9), "iv_mlr8": (1, 1, 1)}), SEEDS,
-                     True)
-    assert middle.startswith("UNDECIDED") and "between 0.1 and 0.5" in middle
-    unsolved = {**SOLVED_CONTROLS, "ii_dense1": (0.02, 0.9, 0.02), "i_dense12_half": (0.9, 0.9, 0.9),
-                "iv_mlr8": (1, 1, 1)}
-    assert "dense, 1 head" in verdict(_table(unsolved), SEEDS, True)
-    assert verdict(_table(unsolved), SEEDS, False).startswith("PARTIAL")
+    runs = _runs({**SOLVED_CONTROLS, **FAILING, "iv_mlr8": (0.04, 0.2, 0.01)})
+    mlr, wide = observations(runs, SEEDS)
+    assert "bilinear MLR" in mlr and "0.040, 0.200, 0.010" in mlr and "below 0.1 in 2 of 3" in mlr
+    assert "width control" in wide and "below 0.1 in 0 of 3" in wide
 
 
 def test_failing_arm_has_half_the_input_dim_and_the_rank_control_only_changes_the_head_split():
@@ -105,37 +145,63 @@ def test_curriculum_reaches_full_size_at_six_percent(step, dims, points):
 COMPARED = ("i_dense12_half", "ii_dense1", "iii_btt8", "iv_mlr8")
 
 
-def _at_budget(values: dict) -> dict:
+def _costs(values: dict) -> dict:
     return {(arm, seed): value for arm, per_seed in values.items() for seed, value in zip(SEEDS, per_seed)}
 
 
-def test_equal_compute_rule_needs_both_bilinear_arms_lower_than_both_dense_arms_in_every_seed():
-    dense = {"i_dense12_half": (0.8, 0.9, 0.85), "ii_dense1": (0.5, 0.6, 0.55)}
-    bilinear_lower = {**dense, "iii_btt8": (0.2, 0.3, 0.1), "iv_mlr8": (0.3, 0.4, 0.2)}
-    assert equal_compute_verdict(_at_budget(bilinear_lower), SEEDS, True).startswith("YES")
-    assert equal_compute_verdict(_at_budget(bilinear_lower), SEEDS, False).startswith("PARTIAL")
-    one_seed_tied = {**bilinear_lower, "iv_mlr8": (0.3, 0.58, 0.2)}  # 0.58 vs 0.6: within the 10 % margin
-    undecided = equal_compute_verdict(_at_budget(one_seed_tied), SEEDS, True)
+INF = float("inf")
+
+
+def test_equal_compute_rule_in_the_solved_regime_compares_flops_to_error_0_1():
+    # every arm solves and freezes: the rule reads when each got below 0.1, not the frozen errors
+    dense = {"i_dense12_half": (9e12, 8e12, 1e13), "ii_dense1": (5e12, 6e12, 5e12)}
+    bilinear_cheaper = {**dense, "iii_btt8": (2e12, 3e12, 4e12), "iv_mlr8": (3e12, 4e12, 4e12)}
+    assert equal_compute_verdict(_costs(bilinear_cheaper), SEEDS).startswith("YES")
+    dense_cheaper = {**dense, "iii_btt8": (8e12, 9e12, 9e12), "iv_mlr8": (7e12, 9e12, 7e12)}
+    assert equal_compute_verdict(_costs(dense_cheaper), SEEDS).startswith("NO")
+    # 4.9e12 vs 6e12 is 0.82x: not cheaper by the 0.8x margin, so one seed leaves it undecided
+    mixed = {**bilinear_cheaper, "iv_mlr8": (3e12, 4.9e12, 4e12)}
+    undecided = equal_compute_verdict(_costs(mixed), SEEDS)
     assert undecided.startswith("UNDECIDED") and "bilinear MLR, 8 heads vs (ii) dense, 1 head" in undecided
-    dense_lower = {**dense, "iii_btt8": (0.7, 0.8, 0.9), "iv_mlr8": (0.9, 0.95, 0.9)}
-    assert equal_compute_verdict(_at_budget(dense_lower), SEEDS, True).startswith("NO")
-    missing = {arm: v for arm, v in bilinear_lower.items() if arm != "iii_btt8"}
-    assert equal_compute_verdict(_at_budget(missing), SEEDS, True).startswith("PARTIAL")
-    assert lower(0.5, 0.6) and not lower(0.55, 0.6) and not lower(0.001, 0.009) and lower(0.001, 0.02)
+    assert cheaper(4e12, 5e12) and not cheaper(4.1e12, 5e12)
 
 
-def test_error_at_equal_flops_reads_the_last_evaluation_within_the_budget():
+def test_equal_compute_rule_counts_never_reaching_the_threshold_as_infinite():
+    failed_dense = {"i_dense12_half": (INF, INF, INF), "ii_dense1": (INF, 6e12, INF),
+                    "iii_btt8": (2e12, 3e12, 4e12), "iv_mlr8": (3e12, 4e12, 4e12)}
+    assert equal_compute_verdict(_costs(failed_dense), SEEDS).startswith("YES")  # finite beats never
+    nobody = {arm: (INF, INF, INF) for arm in COMPARED}
+    assert equal_compute_verdict(_costs(nobody), SEEDS) == "UNDECIDED: no compared arm reached error 0.1"
+    one_bilinear_never = {**failed_dense, "iv_mlr8": (3e12, INF, 4e12)}
+    assert equal_compute_verdict(_costs(one_bilinear_never), SEEDS).startswith("UNDECIDED")
+    assert not cheaper(INF, INF)
+    partial = {arm: v for arm, v in failed_dense.items() if arm != "iii_btt8"}
+    assert equal_compute_verdict(_costs(partial), SEEDS).startswith("PARTIAL: 3")
+
+
+def test_flops_to_threshold_is_the_first_evaluation_below_0_1_and_freezing_does_not_hide_it():
     flops = [10.0 * step for step in range(101)]  # 10 FLOPs per step, 100 steps
-    evals = [{"step": step, "error_last": 1.0 - step / 200} for step in (0, 25, 50, 75, 100)]
-    finished = {"evals": evals, "finished": True, "step": 100, "solved_at": None, "arm": "iii_btt8", "seed": 0}
-    assert error_at_flops(finished, flops, 600.0) == 1.0 - 50 / 200  # step 60's budget: the step-50 evaluation
-    running = {**finished, "evals": evals[:3], "finished": False, "step": 50}
-    assert error_at_flops(running, flops, 600.0) is None  # not there yet
-    assert error_at_flops(running, flops, 500.0) == 0.75
-    slower = {**finished, "seed": 0, "arm": "iii_btt8", "evals": [{"step": 0, "error_last": 1.0},
-                                                                   {"step": 100, "error_last": 0.1}]}
-    table = equal_compute_table([finished, slower], {"iii_btt8": flops}, 600.0, ["iii_btt8"], [0])
-    assert table == {("iii_btt8", 0): 0.75}  # best over the two runs at 600 FLOPs, not at their ends
+    frozen = {"evals": [{"step": 0, "error_last": 1.0}, {"step": 25, "error_last": 0.3},
+                        {"step": 50, "error_last": 0.08}, {"step": 75, "error_last": 0.04}]}  # frozen at 75
+    assert flops_to_threshold(frozen, flops) == 500.0
+    never = {"evals": [{"step": 0, "error_last": 1.0}, {"step": 100, "error_last": 0.1}]}
+    assert flops_to_threshold(never, flops) == INF
+    runs = [{"arm": "iii_btt8", "lr": lr, "seed": 0, **run} for lr, run in zip(LRS, (never, frozen, never))]
+    assert cost_table(runs, {"iii_btt8": flops}, ["iii_btt8"], [0]) == {("iii_btt8", 0): 500.0}  # least over LRs
+    assert cost_table(runs[:2], {"iii_btt8": flops}, ["iii_btt8"], [0]) == {}  # a planned run missing
+
+
+def test_shards_cover_every_planned_run_once_per_kind_and_start_with_the_decisive_runs():
+    table = shards(4)
+    planned = {(arm, lr, seed) for arm in arms(4) for lr in LRS for seed in SEEDS}
+    cpu = [run for sid, runs in table.items() if sid.startswith("c") for run in runs]
+    gpu = [run for sid, runs in table.items() if sid.startswith("g") for run in runs]
+    assert sorted(cpu) == sorted(planned) == sorted(gpu) and len(cpu) == len(planned) == 54
+    assert table["c1"] == [("i_dense12_half", 1e-3, 0), ("iii_btt8", 1e-3, 0)]
+    assert set(table) == {f"c{k}" for k in range(1, 28)} | {"g1", "g2"}
+    for sid, runs in table.items():  # a CPU shard: 2 runs of distinct arms (one process per core)
+        if sid.startswith("c"):
+            assert len(runs) == 2 and len({arm for arm, _, _ in runs}) == 2
 
 
 def test_training_flops_follow_the_curriculum_and_rank_the_arms_by_cost():
@@ -174,39 +240,54 @@ def test_an_interrupted_arm_resumes_to_the_same_parameters(tmp_path):
     assert torch.equal(resumed.stack.flat, straight.stack.flat)
     progress = (tmp_path / "b" / "v_dense3_rank_lr0.001_s0" / "progress.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in progress] == [0, 4, 8]
+    interrupted.save_checkpoint()  # the same runs with another step count must not resume it
     with pytest.raises(ValueError, match="another configuration"):
-        ArmRunner(4, "v_dense3_rank", [1e-3], [0], 8, 4, tmp_path / "b", dtype=torch.float64, layers=1,
+        ArmRunner(4, "v_dense3_rank", [1e-3, 3e-3], [0], 9, 4, tmp_path / "b", dtype=torch.float64, layers=1,
                   eval_count=32)
 
 
-def test_the_sweep_command_runs_and_reports(tmp_path, capsys):
+def test_the_sweep_and_shard_commands_write_results_files_skip_finished_runs_and_report(tmp_path, capsys):
     # the deciding command, shrunk to two arms of 2 LRs x 1 seed (each arm one stacked model), 3 steps
     from icl_rank_experiment import main
 
-    small = ["--d", "4", "--out", str(tmp_path / "out"), "--arms", "i_dense12_half", "v_dense3_rank", "--lrs", "1e-3",
-             "3e-3", "--seeds", "0", "--steps", "3", "--layers", "2"]
+    results = tmp_path / "results"
+    small = ["--d", "4", "--out", str(tmp_path / "out"), "--results", str(results), "--steps", "3", "--layers", "2",
+             "--eval_every", "2"]
     threads = torch.get_num_threads()  # main() sets one thread for its runs
     try:
-        main(["run", *small, "--eval_every", "2", "--jobs", "1"])  # the arms one after another in this process
+        main(["run", *small, "--arms", "i_dense12_half", "v_dense3_rank", "--lrs", "1e-3", "3e-3", "--seeds", "0",
+              "--jobs", "1"])  # the arms one after another in this process
         assert "all arms finished" in capsys.readouterr().out
         for arm in ("i_dense12_half", "v_dense3_rank"):
             for lr in ("0.001", "0.003"):
-                result = json.loads((tmp_path / "out" / "d4" / f"{arm}_lr{lr}_s0" / "result.json").read_text())
-                assert result["final_step"] == 3 and result["final"]["step"] == 3 and result["batched_with"] == 2
-                assert result["rank_init"]["span_min"] == score_rank(4, arm)
-                assert len(result["rank_init"]["logit_rms"]) == 2 and result["layers"] == 2
-        before = (tmp_path / "out" / "d4" / "v_dense3_rank_lr0.001_s0" / "progress.jsonl").read_text()
-        main(["arm", *small, "--arm", "v_dense3_rank", "--eval_every", "2"])  # a finished arm is not retrained
-        assert "nothing to train" in capsys.readouterr().out
-        assert (tmp_path / "out" / "d4" / "v_dense3_rank_lr0.001_s0" / "progress.jsonl").read_text() == before
+                record = json.loads((results / "d4" / f"{arm}_lr{lr}_s0.json").read_text())
+                assert record["final_step"] == 3 and record["batched_with"] == 2 and record["layers"] == 2
+                assert [e["step"] for e in record["evals"]] == [0, 2, 3]
+                assert record["rank_init"]["span_min"] == score_rank(4, arm) and record["device"].startswith("cpu")
+                assert len((results / "d4" / f"{arm}_lr{lr}_s0.json").read_text()) < 4000
+        before = (results / "d4" / "i_dense12_half_lr0.001_s0.json").read_text()
+        main(["shard", "c1", *small, "--jobs", "1"])  # c1: (i) is done, (iii) at 1e-3 seed 0 trains alone
+        out = capsys.readouterr().out
+        assert "start i_dense12_half" not in out and "start iii_btt8 (1 runs stacked)" in out
+        assert (results / "d4" / "i_dense12_half_lr0.001_s0.json").read_text() == before
+        assert json.loads((results / "d4" / "iii_btt8_lr0.001_s0.json").read_text())["batched_with"] == 1
+        main(["shard", "c1", *small])  # idempotent: nothing left
+        assert "start" not in capsys.readouterr().out
         main(["report", *small, "--figures", str(tmp_path / "figures")])
         out = capsys.readouterr().out
-        assert "VERDICT (rank, Fig. 2/3a): UNDECIDED" in out and "training FLOPs per step" in out
-        assert "VERDICT (equal compute, Fig. 3b): PARTIAL" in out  # neither bilinear arm was run
+        assert "VERDICT (rank, Fig. 2/3a): PARTIAL" in out and "VERDICT (equal compute, Fig. 3b): PARTIAL" in out
+        assert "CPU shards left: c2, c3" in out and "shard c2 --d 4 --device cpu --jobs 2" in out
         assert (tmp_path / "figures" / "icl_rank_d4.png").exists()
+        main(["plan", "--shards", *small])
+        assert "| c1 | (i) 0.001 s0, (iii) 0.001 s0 | 2/2 |" in capsys.readouterr().out
         with pytest.raises(SystemExit):
             main(["run", "--d", "4", "--arms", "vii"])
         assert "--arms: unknown vii" in capsys.readouterr().err
+        with pytest.raises(SystemExit):
+            main(["shard", "c99", *small])
+        with pytest.raises(SystemExit):
+            main(["arm", *small, "--arm", "ii_dense1", "--runs", "0.001"])
+        assert "--runs: each run is lr:seed, got '0.001'" in capsys.readouterr().err
     finally:
         torch.set_num_threads(threads)
 

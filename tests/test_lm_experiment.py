@@ -52,30 +52,66 @@ def _best(gaps: dict, base_loss: float = 2.0) -> dict:
 
 
 def test_yes_needs_mlr_lower_than_every_baseline_at_every_width_in_both_seeds():
-    assert lm.verdict(_best({}), {}).startswith("YES")
-    assert lm.verdict(_best({}), {}, complete=False).startswith("PARTIAL")
-    one_seed_tied = lm.verdict(_best({("swa", 256): (0.05, 0.005)}), {})
+    assert lm.verdict(_best({})).startswith("YES")
+    incomplete = {key: value for key, value in _best({}).items() if key != ("gswa", 384, 1)}
+    assert lm.verdict(incomplete) == "PARTIAL: 1 of 24 (variant, width, seed) scores still missing"
+    one_seed_tied = lm.verdict(_best({("swa", 256): (0.05, 0.005)}))
     assert one_seed_tied.startswith("UNDECIDED") and "D = 256: MLR vs swa" in one_seed_tied
-    edge = lm.verdict(_best({}), {("mlr", 384, 1): True})
-    assert edge.startswith("UNDECIDED: it would be YES") and "mlr D = 384 seed 1" in edge
 
 
 def test_no_needs_a_baseline_lower_than_mlr_at_two_widths():
     lost_two = _best({("dense", 128): (-0.02, -0.03), ("gswa", 384): (-0.05, -0.01)})
-    assert lm.verdict(lost_two, {}).startswith("NO") and "[128, 384]" in lm.verdict(lost_two, {})
+    assert lm.verdict(lost_two).startswith("NO") and "[128, 384]" in lm.verdict(lost_two)
     lost_one = _best({("dense", 128): (-0.02, -0.03)})
-    assert lm.verdict(lost_one, {}).startswith("UNDECIDED")
+    assert lm.verdict(lost_one).startswith("UNDECIDED")
 
 
-def test_scores_take_the_best_learning_rate_and_flag_the_grids_edges():
-    def run(arm, lr, seed, value):
-        return {"arm": arm, "lr": lr, "seed": seed, "final": {"bits_per_byte": value}, "finished": True}
+def _run(arm, lr, seed, value):
+    return {"arm": arm, "name": f"{arm}_lr{lr:g}_s{seed}", "lr": lr, "seed": seed, "final": {"bits_per_byte": value}}
 
-    runs = [run("mlr_D128", 1e-3, 0, 2.3), run("mlr_D128", 3e-3, 0, 2.1), run("mlr_D128", 1e-2, 0, 2.2),
-            run("dense_D128", 1e-3, 0, 2.4), run("dense_D128", 3e-3, 0, 2.5), run("dense_D128", 1e-2, 0, 2.6)]
-    best, edge = lm.scores(runs)
-    assert best == {("mlr", 128, 0): 2.1, ("dense", 128, 0): 2.4}
-    assert edge == {("mlr", 128, 0): False, ("dense", 128, 0): True}
+
+def _grid(variant, values):
+    """{lr: (seed 0, seed 1)} -> the D = 128 runs of ``variant``."""
+    return [_run(f"{variant}_D128", lr, seed, pair[seed]) for lr, pair in values.items() for seed in SEEDS]
+
+
+def test_an_edge_pick_at_d128_triggers_one_more_lr_that_way_and_the_lowest_mean_lr_transfers():
+    inside = _grid("mlr", {1e-3: (2.3, 2.3), 3e-3: (2.1, 2.2), 1e-2: (2.2, 2.25)})
+    assert lm.planned_lrs(inside, "mlr") == list(lm.LRS) and lm.transfer_lr(inside, "mlr") == 3e-3
+    top_edge = _grid("dense", {1e-3: (2.4, 2.4), 3e-3: (2.3, 2.2), 1e-2: (2.2, 2.3)})  # seed 0 best at 1e-2
+    assert lm.planned_lrs(top_edge, "dense") == [*lm.LRS, 0.033]
+    assert lm.transfer_lr(top_edge, "dense") is None  # the edge runs are inputs of the transfer
+    assert lm.planned_lrs(top_edge[:-1], "dense") is None  # a grid run missing: nothing is decided yet
+    extended = top_edge + [_run("dense_D128", 0.033, 0, 2.5), _run("dense_D128", 0.033, 1, 2.6)]
+    assert lm.transfer_lr(extended, "dense") == 3e-3  # lowest mean over the seeds (2.25), not seed 0's 1e-2
+    both = _grid("swa", {1e-3: (2.1, 2.5), 3e-3: (2.3, 2.3), 1e-2: (2.4, 2.2)})  # one seed at each edge
+    assert lm.planned_lrs(both, "swa") == [*lm.LRS, 0.00033, 0.033]
+    # the shards: x1 holds the triggered edge runs, right after the D = 128 grid shards
+    assert [unit["name"] for unit in lm.edge_shards(extended + both, 1e16)["x1"]] == \
+        ["dense_D128 lr 0.033", "swa_D128 lr 0.00033", "swa_D128 lr 0.033"]
+
+
+def test_scores_read_the_best_lr_at_d128_and_the_transferred_lr_above():
+    runs = []
+    for variant in lm.COMPARED:
+        runs += _grid(variant, {1e-3: (2.3, 2.3), 3e-3: (2.1, 2.2), 1e-2: (2.2, 2.25)})
+        for width in (256, 384):
+            runs += [_run(f"{variant}_D{width}", 3e-3, seed, 2.0) for seed in SEEDS]
+            runs += [_run(f"{variant}_D{width}", 1e-3, seed, 1.0) for seed in SEEDS]  # not the transferred LR
+    best = lm.scores(runs)
+    assert best["mlr", 128, 0] == 2.1 and best["mlr", 128, 1] == 2.2 and best["dense", 384, 1] == 2.0
+    assert len(best) == 24 and lm.verdict(best).startswith("UNDECIDED")
+
+
+def test_every_shard_fits_eight_minutes_at_the_assumed_rate(tmp_path):
+    table = lm.shards(tmp_path)
+    limit = lm.SHARD_MINUTES * 60 * lm.ASSUMED_H100_FLOPS_PER_S
+    assert list(table) == [f"s{k}" for k in range(1, 9)]
+    assert all(sum(unit["flops"] for unit in units) <= limit for units in table.values())
+    names = [unit["name"] for units in table.values() for unit in units]
+    assert names[:4] == ["dense_D128", "swa_D128", "gswa_D128", "mlr_D128"] and len(names) == 12
+    with pytest.raises(SystemExit, match="needs every D = 128 run of dense"):
+        lm.main(["shard", "s3", "--results", str(tmp_path), "--out", str(tmp_path / "work")])
 
 
 def test_the_pilot_runs_at_tiny_size_and_writes_its_summary(tmp_path, capsys):
@@ -98,6 +134,50 @@ def test_the_pilot_runs_at_tiny_size_and_writes_its_summary(tmp_path, capsys):
     with pytest.raises(SystemExit):
         lm.main(["pilot", "--tiny", "--out", str(tmp_path / "pilot")])
     assert "is not empty" in capsys.readouterr().err
-    lm.main(["report", "--out", str(tmp_path / "pilot")])  # the pilot's tiny runs are not the design's
+    lm.main(["report", "--results", str(tmp_path / "pilot")])  # the pilot's tiny runs are not the design's
     out = capsys.readouterr().out
-    assert "runs finished: 0/108" in out and "at equal FLOPs): PARTIAL" in out
+    assert "at equal FLOPs): PARTIAL: 24 of 24" in out and "shards left: s1, s2," in out
+
+
+def test_shards_are_sized_by_a_gpu_pilots_measured_rate_once_one_is_committed(tmp_path):
+    from hf_structattn.training.sweep import keep_pilot, shard_rate
+
+    assert shard_rate(tmp_path, 3e13) == (3e13, "assumed (no GPU pilot yet)")
+    summary = {"device": "NVIDIA H100 80GB HBM3 (torch 2.13.0)", "tiny": False,
+               "arms": {"dense": {"flops_per_s": 2e13}, "mlr": {"flops_per_s": 1e13}}}
+    keep_pilot({**summary, "tiny": True}, "cuda", tmp_path)  # a rehearsal is not kept
+    keep_pilot(summary, "cpu", tmp_path)  # nor a CPU run
+    assert shard_rate(tmp_path, 3e13)[0] == 3e13
+    keep_pilot(summary, "cuda", tmp_path)
+    rate, source = shard_rate(tmp_path, 3e13)
+    assert rate == 1.5e13 and source.startswith("measured by the pilot (NVIDIA H100")
+    halved = lm.shards(tmp_path)  # the measured rate is half the assumed one: shards hold half the FLOPs
+    assert all(sum(unit["flops"] for unit in units) <= lm.SHARD_MINUTES * 60 * 1.5e13 for units in halved.values())
+    assert len(halved) > len(lm.shards(tmp_path / "none"))
+
+
+def test_a_shard_unit_writes_one_small_results_file_per_run_and_a_rerun_skips_them(tmp_path):
+    import torch
+
+    from hf_structattn.training.sweep import ArmSpec, read_run_jsons, run_unit
+
+    size = dict(seq_len=32, layers=1, head_dim=16)
+    windows = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(0))
+    spec = ArmSpec(name="mlr_D32", build=lambda seed: lm.build_model("mlr", 32, **size),
+                   batch=lambda seed, step: (torch.randint(0, 257, (2, 32),
+                                                           generator=torch.Generator().manual_seed(seed + step)),),
+                   loss=lm.lm_loss, evaluate=lm.make_evaluate(windows), flops_per_step=10.0,
+                   lr_multipliers=lm.mup_multipliers)
+    results = tmp_path / "results"
+    assert run_unit(spec, [1e-3, 3e-3], [0, 1], 2, 1, tmp_path / "work", results, "cpu", None)
+    records = read_run_jsons(results)
+    assert sorted(r["name"] for r in records) == ["mlr_D32_lr0.001_s0", "mlr_D32_lr0.001_s1", "mlr_D32_lr0.003_s0",
+                                                  "mlr_D32_lr0.003_s1"]
+    for record in records:
+        assert record["arm"] == "mlr_D32" and [e["step"] for e in record["evals"]] == [0, 1, 2]
+        assert record["final"]["flops"] == 20.0 and record["batched_with"] == 4
+    assert max(path.stat().st_size for path in results.glob("*.json")) < 4000
+    before = {path.name: path.read_text() for path in results.glob("*.json")}
+    assert run_unit(spec, [1e-3, 3e-3], [0, 1], 2, 1, tmp_path / "other", results, "cpu", None)  # nothing to do
+    assert {path.name: path.read_text() for path in results.glob("*.json")} == before
+    assert not (tmp_path / "other").exists()

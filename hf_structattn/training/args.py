@@ -273,14 +273,27 @@ def help_from_docstring(doc: Optional[str]) -> dict[str, str]:
     return found
 
 
+def name_or_number(text: str) -> Any:
+    """The command-line (and config-file) reading of a field that is a name or a number: ``"0.0625"`` -> 0.0625,
+    ``"mup"`` -> ``"mup"`` (the config's own validation then checks either)."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
 def _cli_annotation(annotation) -> Any:
     """An argparse-friendly annotation for a config field: ``float | int`` -> float, ``int | list[int]`` -> int,
-    ``str | float | list[float]`` -> str (the field's own validation reads the string)."""
+    ``str | float`` -> :func:`name_or_number`, ``str | float | list[float]`` -> str (the field's own validation reads
+    the string)."""
     inner, optional = _strip_optional(annotation)
     origin = typing.get_origin(inner)
     if origin is typing.Union or origin is types.UnionType:
         options = [a for a in typing.get_args(inner) if a is not type(None)]
         optional = optional or len(options) < len(typing.get_args(inner))
+        if str in options and (float in options or int in options) and not optional and \
+                all(a in (str, float, int) for a in options):
+            return name_or_number
         inner = str if str in options else float if float in options else options[0]
     if inner is dict or typing.get_origin(inner) is dict:
         inner = dict

@@ -7,11 +7,16 @@ An arm is one model configuration; its runs are (lr, seed) pairs, trained togeth
 rate). Layout under the arm's ``root``::
 
     <root>/<arm>_lr<lr>_s<seed>/progress.jsonl   one JSON line per evaluation (step, metrics, cumulative FLOPs, wall)
-    <root>/<arm>_lr<lr>_s<seed>/result.json      written when the arm finishes (the reports read these)
-    <root>/<arm>_s<seeds>.stack/checkpoint.pt    every ``checkpoint_every`` steps; a rerun resumes from it
+    <root>/<arm>_lr<lr>_s<seed>/result.json      written when the arm finishes
+    <root>/<arm>_lr<lrs>_s<seeds>.stack/checkpoint.pt   every ``checkpoint_every`` steps; a rerun resumes from it
 
 The schedule is linear warm-up then cosine decay to ``min_lr_ratio`` of the peak (``transformers``'
 ``cosine_with_min_lr`` shape), the same factor for every run of the arm.
+
+Shards (shared by the three design scripts): a design's units (one stacked arm each) pack into shards of at most
+:data:`SHARD_MINUTES` on one H100 (:func:`pack_shards`, :func:`shard_rate`); :func:`run_unit` trains a unit unless
+each of its runs has its committed record ``results/<...>/<run>.json`` (:func:`write_run_json`,
+:func:`read_run_jsons`); :func:`edge_extensions` is the rules' pre-registered grid extension.
 """
 
 from __future__ import annotations
@@ -98,7 +103,8 @@ class StackedArm:
         self.run_seed = torch.tensor([self.seeds.index(seed) for _, seed in self.runs], device=self.device)
         self.step, self.wall_before, self.started = 0, 0.0, time.perf_counter()
         seeds_text = "-".join(str(seed) for seed in self.seeds)
-        self.checkpoint = self.root / f"{spec.name}_s{seeds_text}.stack" / "checkpoint.pt"
+        lrs_text = "-".join(f"{lr:g}" for lr in sorted({lr for lr, _ in self.runs}))
+        self.checkpoint = self.root / f"{spec.name}_lr{lrs_text}_s{seeds_text}.stack" / "checkpoint.pt"
         self.checkpoint.parent.mkdir(parents=True, exist_ok=True)
         if self.checkpoint.exists():
             state = torch.load(self.checkpoint, map_location=self.device, weights_only=True)
@@ -173,9 +179,10 @@ class StackedArm:
                 return False
         return True
 
-    def finish(self, extra: Optional[dict] = None) -> list[dict]:
-        """Write every run's ``result.json`` and remove the checkpoint."""
-        results = []
+    def finish(self, extra: Optional[dict] = None, results: Optional[Path] = None) -> list[dict]:
+        """Write every run's ``result.json`` (and, with ``results``, its small committed copy
+        ``results/<run>.json``, :func:`write_run_json`) and remove the checkpoint."""
+        out = []
         for run, folder in enumerate(self.folders()):
             lr, seed = self.runs[run]
             evals = [json.loads(line) for line in (folder / "progress.jsonl").read_text().splitlines() if line]
@@ -185,28 +192,143 @@ class StackedArm:
             temporary = folder / "result.json.tmp"
             temporary.write_text(json.dumps(result, indent=1))
             os.replace(temporary, folder / "result.json")
-            results.append(result)
+            if results is not None:
+                write_run_json(Path(results) / f"{run_name(self.spec.name, lr, seed)}.json", result, evals)
+            out.append(result)
         self.checkpoint.unlink(missing_ok=True)
-        return results
+        return out
 
 
-def load_results(root: Path) -> list[dict]:
-    """Every run under ``root``: its ``result.json`` when finished, else its progress so far (``finished`` False)."""
+# ------------------------------------------------------------------------ shards, committed results, grid extension
+
+
+def write_run_json(path: Path, result: dict, evals: list[dict]) -> None:
+    """A finished run's committed record (a few KB): its result and every evaluation, floats to 6 digits."""
+    def short(value):
+        return float(f"{value:.6g}") if isinstance(value, float) else value
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(json.dumps({**result, "evals": [{k: short(v) for k, v in e.items()} for e in evals]}))
+    os.replace(temporary, path)
+
+
+def read_run_jsons(folder: Path) -> list[dict]:
+    """Every committed run record (:func:`write_run_json`) under ``folder``, with ``arm`` parsed from its name."""
     runs = []
-    for folder in sorted(Path(root).iterdir()) if Path(root).exists() else []:
-        progress = folder / "progress.jsonl"
-        if not progress.is_file():
-            continue
-        evals = [json.loads(line) for line in progress.read_text().splitlines() if line.strip()]
-        if not evals:
-            continue
-        result_file = folder / "result.json"
-        result = json.loads(result_file.read_text()) if result_file.exists() else None
-        arm, rest = folder.name.rsplit("_lr", 1)
-        lr, seed = rest.split("_s")
-        runs.append({"name": folder.name, "arm": arm, "lr": float(lr), "seed": int(seed), "evals": evals,
-                     "final": evals[-1], "finished": result is not None, "result": result})
+    for path in sorted(Path(folder).glob("*_lr*_s*.json")):
+        record = json.loads(path.read_text())
+        record["name"] = path.stem
+        record["arm"] = path.stem.rsplit("_lr", 1)[0]
+        runs.append(record)
     return runs
+
+
+def edge_extensions(best_lrs, grid: Sequence[float]) -> list[float]:
+    """The pre-registered grid extension of the LM, Chronos and ICL rules: when a best learning rate (one per seed,
+    picked on the planned ``grid``) is the grid's smallest, one more LR below it is run; when it is the largest, one
+    more above; each the grid's own step beyond the edge (``edge^2 / neighbour``, 2 significant digits). At most one
+    LR per direction; the extended runs are not extended again."""
+    grid = sorted(float(lr) for lr in grid)
+    if len(grid) < 2:
+        raise ValueError(f"grid needs at least 2 learning rates, got {grid}")
+    picks = {float(lr) for lr in best_lrs}
+    out = []
+    if grid[0] in picks:
+        out.append(float(f"{grid[0] ** 2 / grid[1]:.2g}"))
+    if grid[-1] in picks:
+        out.append(float(f"{grid[-1] ** 2 / grid[-2]:.2g}"))
+    return out
+
+
+def split_unit(unit: dict) -> list[dict]:
+    """A shard unit (dict with ``name``, ``seeds``, ``lrs`` (a list, or None for one LR chosen later), ``runs``,
+    ``flops``) split in two or more: by seed first, then by learning rate. An error when it is one run."""
+    seeds, lrs = unit["seeds"], unit["lrs"]
+    if len(seeds) > 1:
+        return [dict(unit, seeds=[seed], runs=unit["runs"] // len(seeds), flops=unit["flops"] / len(seeds),
+                     name=f"{unit['name']} s{seed}") for seed in seeds]
+    if lrs is not None and len(lrs) > 1:
+        return [dict(unit, lrs=[lr], runs=unit["runs"] // len(lrs), flops=unit["flops"] / len(lrs),
+                     name=f"{unit['name']} lr {lr:g}") for lr in lrs]
+    raise ValueError(f"unit {unit['name']} is one run of {unit['flops']:.3g} FLOPs: it cannot fit a shard")
+
+
+def pack_shards(units: Sequence[dict], limit_flops: float) -> list[list[dict]]:
+    """Units (dicts with ``flops``) in order into the fewest shards of at most ``limit_flops`` each, as even as a
+    sequential split allows; a unit over the limit is split (:func:`split_unit`) until its parts fit, and a single
+    run over the limit is an error (the design must shrink)."""
+    fitting, pending = [], list(units)
+    while pending:
+        unit = pending.pop(0)
+        if unit["flops"] > limit_flops:
+            try:
+                pending[:0] = split_unit(unit)
+            except ValueError as error:
+                raise ValueError(f"{error} of at most {limit_flops:.3g} FLOPs") from None
+        else:
+            fitting.append(unit)
+    units = fitting
+    total = sum(unit["flops"] for unit in units)
+    count = max(1, math.ceil(total / limit_flops)) if units else 0
+    while units:
+        target, shards, current = total / count, [], []
+        for unit in units:
+            if current and (sum(u["flops"] for u in current) + unit["flops"] > limit_flops
+                            or (sum(u["flops"] for u in current) >= target and len(shards) < count - 1)):
+                shards.append(current)
+                current = []
+            current.append(unit)
+        shards.append(current)
+        if len(shards) <= count:
+            return shards
+        count += 1
+    return []
+
+
+SHARD_MINUTES = 8.0  # a shard's wall-time limit on one H100 (a lent GPU gives 10 minutes a command)
+
+
+def shard_rate(results: Path, assumed: float) -> tuple[float, str]:
+    """The H100 FLOP rate shards are sized with: the mean rate ``results/pilot.json`` measured (a GPU pilot's
+    summary, committed there), else ``assumed``; and where it came from."""
+    pilot = Path(results) / "pilot.json"
+    if pilot.exists():
+        summary = json.loads(pilot.read_text())
+        if not summary.get("tiny") and str(summary.get("device", "")).lower().find("cpu") != 0:
+            rates = [arm["flops_per_s"] for arm in summary["arms"].values()]
+            return sum(rates) / len(rates), f"measured by the pilot ({summary['device']})"
+    return assumed, "assumed (no GPU pilot yet)"
+
+
+def run_unit(spec: ArmSpec, lrs: Sequence[float], seeds: Sequence[int], steps: int, eval_every: int, work: Path,
+             results: Path, device: str, budget_s: Optional[float]) -> bool:
+    """One shard unit: ``spec``'s (lr, seed) runs stacked, unless every one has its results file
+    (``results/<run>.json``); resumable from ``work``. True when every run has its results file."""
+    todo = [lr for lr in lrs if not all((Path(results) / f"{run_name(spec.name, lr, s)}.json").exists()
+                                        for s in seeds)]
+    if not todo:
+        return True
+    arm = StackedArm(spec, todo, seeds, steps, eval_every, work, device)
+    if not arm.run_until(budget_s):
+        return False
+    arm.finish(results=results)
+    return True
+
+
+def shard_table(shards: dict, done, rate: float, source: str, command: str) -> list[str]:
+    """Markdown lines: per shard its units, runs done / planned, FLOPs and estimated H100 minutes at ``rate``.
+    ``shards``: id -> units (dicts with name, runs, flops); ``done(unit)`` -> runs of the unit with a results file;
+    ``command``: the shard command with ``{id}``."""
+    lines = [f"H100 rate {rate:.3g} FLOP/s, {source}; a shard is at most {SHARD_MINUTES:g} min at that rate.", "",
+             "| shard | units | runs done | training FLOPs | H100 minutes (est.) | command |",
+             "|---|---|---|---|---|---|"]
+    for sid, units in shards.items():
+        flops = sum(unit["flops"] for unit in units)
+        lines.append(f"| {sid} | {', '.join(unit['name'] for unit in units)} | "
+                     f"{sum(done(unit) for unit in units)}/{sum(unit['runs'] for unit in units)} | {flops:.3g} | "
+                     f"{flops / rate / 60:.1f} | `{command.format(id=sid)}` |")
+    return lines
 
 
 def probe_arm(spec: ArmSpec, lrs: Sequence[float], device: str = "cpu", steps: int = 2) -> dict:
@@ -244,7 +366,7 @@ def probe_arm(spec: ArmSpec, lrs: Sequence[float], device: str = "cpu", steps: i
 
 def finish_pilot(summary: dict, names: Sequence[str], spec_of: Callable[[str], ArmSpec], lrs: Sequence[float],
                  device: str, started: float, budget_s: float, design_flops: float, out: Path,
-                 markdown: Callable[[dict], str]) -> dict:
+                 markdown: Callable[[dict], str], results: Optional[Path] = None) -> dict:
     """The end of a design pilot: probe the widest arm of every name in ``names`` (``spec_of(name)``) while the
     budget lasts, project the design's time from the FLOP rate the trained arms measured, write ``pilot.json`` and
     ``pilot.md`` (``markdown(summary)``) to ``out`` and print the latter. ``summary["arms"]`` holds the trained
@@ -260,7 +382,16 @@ def finish_pilot(summary: dict, names: Sequence[str], spec_of: Callable[[str], A
     (out / "pilot.json").write_text(json.dumps(summary, indent=1))
     (out / "pilot.md").write_text(markdown(summary))
     print((out / "pilot.md").read_text(), flush=True)
+    keep_pilot(summary, device, results)
     return summary
+
+
+def keep_pilot(summary: dict, device: str, results: Optional[Path]) -> None:
+    """A GPU pilot's summary is also written to ``results/pilot.json`` (committed): ``plan --shards`` sizes the
+    shards by the rate it measured (:func:`shard_rate`). CPU runs and rehearsals are not kept."""
+    if results is not None and device.startswith("cuda") and not summary.get("tiny"):
+        Path(results).mkdir(parents=True, exist_ok=True)
+        (Path(results) / "pilot.json").write_text(json.dumps(summary, indent=1))
 
 
 def device_name(device: str) -> str:
@@ -284,13 +415,19 @@ def probe_markdown(summary: dict, label: str) -> list:
     return lines
 
 
-def design_arguments(argv, description: str, design_out: str, pilot_out: str) -> argparse.Namespace:
-    """The command line of a design script (``plan``, ``run``, ``report``, ``pilot``), checked: a positive budget,
-    a cpu / cuda[:index] device that exists for ``run`` and ``pilot``, a new or empty folder for a pilot. Turns TF32
-    matmuls on for CUDA (the throughput the designs' estimates assume)."""
+def design_arguments(argv, description: str, design_out: str, pilot_out: str,
+                     results: str = "results") -> argparse.Namespace:
+    """The command line of a design script (``plan [--shards]``, ``shard ID``, ``run``, ``report``, ``pilot``),
+    checked: a positive budget, a cpu / cuda[:index] device that exists for ``shard``, ``run`` and ``pilot``, a new or
+    empty folder for a pilot, an id for ``shard``. Turns TF32 matmuls on for CUDA (the throughput the designs'
+    estimates assume)."""
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("command", choices=["plan", "run", "report", "pilot"])
-    parser.add_argument("--out", help=f"output folder (default {design_out}; pilot {pilot_out})")
+    parser.add_argument("command", choices=["plan", "shard", "run", "report", "pilot"])
+    parser.add_argument("shard_id", nargs="?", help="shard: its id (plan --shards lists them)")
+    parser.add_argument("--shards", action="store_true", help="plan: the shards, their FLOPs and minutes")
+    parser.add_argument("--results", default=results, help=f"the committed results files (default {results})")
+    parser.add_argument("--out", help=f"working folder: progress, checkpoints (default {design_out}; pilot "
+                                      f"{pilot_out})")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:<index>")
     parser.add_argument("--budget-s", dest="budget_s", type=float, help="wall seconds (pilot default 170)")
     parser.add_argument("--tiny", action="store_true", help="pilot: the CPU rehearsal")
@@ -302,7 +439,9 @@ def design_arguments(argv, description: str, design_out: str, pilot_out: str) ->
         parser.error(f"--budget-s must be positive, got {args.budget_s}")
     if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
         parser.error(f"--device must be cpu or cuda[:index], got {args.device!r}")
-    if args.device.startswith("cuda") and args.command in ("run", "pilot") and not torch.cuda.is_available():
+    if args.command == "shard" and not args.shard_id:
+        parser.error("shard needs an id (plan --shards lists them)")
+    if args.device.startswith("cuda") and args.command in ("run", "shard", "pilot") and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: CUDA is not available on this machine")
     if args.command == "pilot" and Path(args.out).exists() and any(Path(args.out).iterdir()):
         parser.error(f"--out {args.out} is not empty: a pilot starts from scratch in a new folder")
