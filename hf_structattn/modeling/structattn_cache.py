@@ -280,8 +280,9 @@ class MLRCacheLayerMixin(RollbackMixin):
             self._start_log()
 
     def _write_in_step(self, keys, values, plan: MLRPlan, layout: CacheLayout) -> Optional[torch.Tensor]:
-        """Rows in step (``MLRPlan.host_write``): the chunk's slots and ring elements are host integers of the layout;
-        one ``index_copy_`` per storage into its flat (B, H, 1, ·) view. Returns the replaced ring entries
+        """Rows in step (``MLRPlan.host_write``): the chunk's slots and ring elements are host integers of the layout:
+        one token, one ``index_copy_`` per storage into its flat (B, H, 1, ·) view; several, narrowed copies and one
+        indexed assignment of the ring elements. Returns the replaced ring entries
         (B, H, c, F) of a chunk of several tokens (the general read needs them), else None."""
         chunk, rank = plan.chunk, self.geometry.ranks[0]
         batch, heads = keys.shape[:2]
@@ -295,14 +296,18 @@ class MLRCacheLayerMixin(RollbackMixin):
             replaced = flat_fine.index_select(3, layout.fine_index).view(batch, heads, chunk, -1)
         if self._record_past:
             self.rollback_log.append(replaced if replaced is not None else keys.new_zeros(batch, heads, chunk, 0),
-                                     plan.step.positions, plan.real, self.rollback_window)
-        if chunk > 1:  # token-major rows of the flat views
-            first, values = first.reshape(batch, heads, 1, -1), values.reshape(batch, heads, 1, -1)
-            finer = None if finer is None else finer.reshape(batch, heads, 1, -1)
-        flat_keys.index_copy_(3, layout.key_index, first)
-        flat_values.index_copy_(3, layout.value_index, values)
-        if finer is not None:
-            flat_fine.index_copy_(3, layout.fine_index, finer)
+                                     plan.step.positions, plan.real, self.rollback_window, True)
+        if chunk == 1:  # a decode step: one index_copy_ per storage
+            flat_keys.index_copy_(3, layout.key_index, first)
+            flat_values.index_copy_(3, layout.value_index, values)
+            if finer is not None:
+                flat_fine.index_copy_(3, layout.fine_index, finer)
+        else:  # consecutive slots: narrowed copies, and the ring elements (c, F) by one indexed assignment
+            key_storage, value_storage, fine = self._storages()
+            key_storage.narrow(2, layout.first_slot, chunk).copy_(first)
+            value_storage.narrow(2, layout.first_slot, chunk).copy_(values)
+            if finer is not None:
+                fine[:, :, layout.fine_index.view(chunk, -1)] = finer
         self.last_positions.fill_(plan.first + chunk - 1)
         return replaced if chunk > 1 else None
 
@@ -350,7 +355,9 @@ class MLRCacheLayerMixin(RollbackMixin):
                 logged = replaced
             else:
                 logged = keys.new_zeros(batch, heads, chunk, 0)
-            self.rollback_log.append(logged, plan.step.positions, plan.real, self.rollback_window)
+            facts = plan.step.facts
+            self.rollback_log.append(logged, plan.step.positions, plan.real, self.rollback_window,
+                                     facts is not None and facts.all_real)
         new_keys = keys[..., :rank].transpose(1, 2) if write.column is None else keys[rows, :, write.column, :rank]
         new_values = values.transpose(1, 2) if write.column is None else values[rows, :, write.column]
         if write.keep is not None:  # rows without a real token write back what their slots hold

@@ -101,8 +101,8 @@ class CacheLayout:
     """What the writes and reads of one forward need over MLR cache layers of one storage shape.
 
     base, capacity, ring_widths: of the layers; slots: the slots a read covers (eager: up to the newest position;
-    traced: the whole storage); first_slot, key_index ((c r_1,)), value_index ((c dv,)), fine_index ((c F,)): the host
-    write's slot and elements of the storages' flat views, token-major; chunk_write: the general write (``ChunkWrite``, None for a host write); reads: the reads made so
+    traced: the whole storage); first_slot, fine_index ((c F,), token-major), and for one token key_index ((r_1,)) and
+    value_index ((dv,)): the host write's first slot and elements of the storages' flat views; chunk_write: the general write (``ChunkWrite``, None for a host write); reads: the reads made so
     far, by (formulation, query rows per cached head, level scales)."""
 
     def __init__(self, plan: MLRPlan, layer, dtype: torch.dtype):
@@ -119,9 +119,10 @@ class CacheLayout:
             self.first_slot = first_slot
             # the elements of the (B, H, 1, ·) flat views of the storages that the chunk's tokens write, token-major:
             # a few ops on small tables of the geometry (the tables do not depend on the slot)
-            rank, width = geometry.ranks[0], layer.values_storage().shape[-1]
-            self.key_index = _counting(geometry, chunk * rank, device) + first_slot * rank
-            self.value_index = _counting(geometry, chunk * width, device) + first_slot * width
+            if chunk == 1:  # (several tokens are written by narrowed copies)
+                rank, width = geometry.ranks[0], layer.values_storage().shape[-1]
+                self.key_index = _counting(geometry, rank, device) + first_slot * rank
+                self.value_index = _counting(geometry, width, device) + first_slot * width
             if geometry.block_sizes:
                 fine = geometry.fine_layout(self.ring_widths, device)  # element of dim f: o_f + slot % b_f
                 slots = first_slot if chunk == 1 else _counting(geometry, chunk, device)[:, None] + first_slot

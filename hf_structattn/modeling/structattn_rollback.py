@@ -26,6 +26,7 @@ class RollbackLog:
     def __init__(self):
         self.buffers = None
         self.count = 0
+        self.padded = False  # a logged write had padding or no host facts (then two tokens may share an entry)
 
     def tensors(self) -> tuple:
         return self.buffers or ()
@@ -39,10 +40,11 @@ class RollbackLog:
         self.count = 0
 
     def append(self, old_fine: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
-               window: Optional[int]) -> None:
+               window: Optional[int], all_real: bool = False) -> None:
         """Log one write of c tokens (old_fine (B, H, c, F), positions / valid (B, c)); with a ``window`` only the
-        last ``window`` logged tokens are kept."""
+        last ``window`` logged tokens are kept. ``all_real``: the write had no padding (host facts)."""
         chunk = old_fine.shape[2]
+        self.padded = self.padded or not all_real
         if window is not None and self.count + chunk > window and not torch.compiler.is_compiling():
             if chunk >= window:  # only the chunk's last ``window`` tokens can be rolled back
                 old_fine, positions, valid = old_fine[:, :, -window:], positions[:, -window:], valid[:, -window:]
@@ -85,6 +87,7 @@ class RollbackLog:
 
     def clear(self) -> None:
         self.count = 0
+        self.padded = False
 
     def apply(self, fn) -> None:
         """Apply a per-row function (beam reordering, batch selection) to the logged rows."""
@@ -142,36 +145,47 @@ class RollbackMixin:
             raise ValueError(f"crop(-{count}): only the {logged} tokens written since the last crop can be rolled "
                              f"back (finer levels keep only the current block's keys)")
         if count:
-            self._restore(*self.rollback_log.last(count))
+            # consecutive real positions, no more of them than the finest block: every token has entries of its own
+            distinct = not self.rollback_log.padded and (not self.geometry.block_sizes or
+                                                         count <= min(self.geometry.block_sizes))
+            self._restore(*self.rollback_log.last(count), distinct=distinct)
         self.rollback_log.clear()
 
-    def _restore(self, valid: torch.Tensor, positions: torch.Tensor, old_fine: torch.Tensor) -> None:
+    def _restore(self, valid: torch.Tensor, positions: torch.Tensor, old_fine: torch.Tensor,
+                 distinct: bool = False) -> None:
         """Undo the writes of n tokens: valid, positions (B, n) oldest first; old_fine (B, H, n, F), what each token's
-        write replaced. Every fine dim of every token at once: an entry written by several of them gets back what the
-        oldest real one replaced (tokens that share an entry write the same value); an entry no real token wrote
-        keeps its value. One indexed assignment of the ring elements."""
+        write replaced. Every fine dim of every token at once, by one indexed assignment of the ring elements: an
+        entry written by several of them gets back what the oldest real one replaced (tokens that share an entry
+        write the same value); an entry no real token wrote keeps its value. ``distinct``: known on the host that
+        every token is real and has entries of its own (then each simply gets back what it replaced)."""
         geometry = self.geometry
         batch, heads, count = old_fine.shape[:3]
         if geometry.block_sizes:
             layout = geometry.fine_layout(self.ring_widths, positions.device)
             block, offset = layout["element block"], layout["element offset"]  # (F,)
-            entries = ((positions - self.base)[:, :, None] % block).clamp(max=self.capacity - 1)
+            entries = (positions - self.base)[:, :, None] % block
+            if not distinct:  # (padding tokens carry any position)
+                entries = entries.clamp(max=self.capacity - 1)
             element = offset + entries  # (B, n, F)
-            index = torch.arange(count, device=positions.device)[None, :, None, None]
-            same = (element[:, :, None, :] == element[:, None, :, :]) & valid[:, None, :, None]  # (B, n, n', F)
-            oldest = torch.where(same, index.transpose(1, 2), count).amin(2)  # (B, n, F)
-            source = old_fine.gather(2, oldest.clamp(max=count - 1)[:, None].expand(batch, heads, count, -1))
             rows = torch.arange(batch, device=positions.device)[:, None, None]
-            current = self.fine_storage[rows, :, element]  # (B, n, F, H)
-            restored = torch.where((oldest < count)[..., None], source.permute(0, 2, 3, 1).to(current.dtype),
-                                   current)
+            restored = old_fine.permute(0, 2, 3, 1)  # (B, n, F, H): what each token replaced
+            if not distinct:
+                index = torch.arange(count, device=positions.device)[None, None, :, None]
+                same = (element[:, :, None, :] == element[:, None, :, :]) & valid[:, None, :, None]  # (B, n, n', F)
+                oldest = torch.where(same, index, count).amin(2)  # (B, n, F)
+                source = restored.gather(1, oldest.clamp(max=count - 1)[..., None].expand(-1, -1, -1, heads))
+                restored = torch.where((oldest < count)[..., None], source, self.fine_storage[rows, :, element])
             self.fine_storage[rows, :, element] = restored
-        held = torch.where(valid, positions, NO_POSITION).amin(-1)  # the oldest removed real position per row
-        removed = held != NO_POSITION
-        emptied = removed & (held <= self.first_positions)
-        last = torch.where(removed, held - 1, self.last_positions)
-        self.last_positions.copy_(torch.where(emptied, torch.full_like(last, -1), last))
-        self.first_positions.copy_(torch.where(emptied, torch.full_like(last, NO_POSITION), self.first_positions))
+        if distinct:  # every row's oldest removed token is its first
+            held = positions[:, 0]
+            emptied = held <= self.first_positions
+            self.last_positions.copy_(torch.where(emptied, -1, held - 1))
+        else:
+            held = torch.where(valid, positions, NO_POSITION).amin(-1)  # the oldest removed real position per row
+            removed = held != NO_POSITION
+            emptied = removed & (held <= self.first_positions)
+            self.last_positions.copy_(torch.where(emptied, -1, torch.where(removed, held - 1, self.last_positions)))
+        self.first_positions.copy_(torch.where(emptied, NO_POSITION, self.first_positions))
         self._rewind(count)
 
 
