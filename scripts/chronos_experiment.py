@@ -60,7 +60,7 @@ import numpy as np
 import torch
 
 from hf_structattn.flops import encoder_decoder_flops
-from hf_structattn.training.sweep import (SHARD_MINUTES, ArmSpec, StackedArm, design_arguments, device_name,
+from hf_structattn.training.sweep import (SHARD_MINUTES, run_table, ArmSpec, StackedArm, design_arguments, device_name,
                                           edge_extensions, finish_pilot, pack_shards, probe_markdown, read_run_jsons,
                                           run_name, run_unit, shard_rate, shard_table)
 
@@ -339,17 +339,7 @@ def report(args) -> None:
     results = Path(args.results)
     runs = read_run_jsons(results)
     best = scores(runs)
-    print("| arm | D | seed | runs (lr: loss) | score |")
-    print("|---|---|---|---|---|")
-    for arm in ARMS:
-        for width in WIDTHS:
-            for seed in SEEDS:
-                mine = sorted((r for r in runs if r["arm"] == f"{arm}_D{width}" and r["seed"] == seed),
-                              key=lambda r: r["lr"])
-                if mine:
-                    cells = ", ".join(f"{r['lr']:g}: {r['final']['loss']:.4f}" for r in mine)
-                    score = best.get((arm, width, seed))
-                    print(f"| {arm} | {width} | {seed} | {cells} | {'-' if score is None else f'{score:.4f}'} |")
+    print("\n".join(run_table(runs, best, ARMS, WIDTHS, SEEDS, "loss", "arm")))
     claim = verdict(best)
     print("VERDICT (MLR vs dense, Fig. 5):", claim)
     print("VERDICT (logit-scale ablation):", ablation_verdict(best, claim))

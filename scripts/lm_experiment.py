@@ -58,7 +58,7 @@ import torch
 from hf_structattn import StructAttnGPT2Config, StructAttnGPT2LMHeadModel
 from hf_structattn.flops import flops_per_token
 from hf_structattn.mup import mup_config_overrides, mup_init_, mup_param_groups
-from hf_structattn.training.sweep import (SHARD_MINUTES, ArmSpec, StackedArm, design_arguments, device_name,
+from hf_structattn.training.sweep import (SHARD_MINUTES, run_table, ArmSpec, StackedArm, design_arguments, device_name,
                                           edge_extensions, finish_pilot, pack_shards, probe_markdown, read_run_jsons,
                                           run_name, run_unit, shard_rate, shard_table)
 
@@ -333,17 +333,7 @@ def report(args) -> None:
     results = Path(args.results)
     runs = read_run_jsons(results)
     best = scores(runs)
-    print("| variant | D | seed | runs (lr: bits/byte) | score |")
-    print("|---|---|---|---|---|")
-    for variant in COMPARED:
-        for width in WIDTHS:
-            for seed in SEEDS:
-                mine = sorted((r for r in runs if r["arm"] == f"{variant}_D{width}" and r["seed"] == seed),
-                              key=lambda r: r["lr"])
-                if mine:
-                    cells = ", ".join(f"{r['lr']:g}: {r['final']['bits_per_byte']:.4f}" for r in mine)
-                    score = best.get((variant, width, seed))
-                    print(f"| {variant} | {width} | {seed} | {cells} | {'-' if score is None else f'{score:.4f}'} |")
+    print("\n".join(run_table(runs, best, COMPARED, WIDTHS, SEEDS, "bits_per_byte", "variant")))
     for variant in COMPARED:
         lr = transfer_lr(runs, variant)
         print(f"transferred LR of {variant}: {'not yet (D = 128 runs missing)' if lr is None else f'{lr:g}'}")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hf_structattn.modeling.structattn_attention import mlr_geometry_of
-from hf_structattn.modeling.structattn_geometry import depth_scale_vector
+from hf_structattn.modeling.structattn_mlr_levels import depth_scale_vector
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 sys.path.insert(0, str(SCRIPTS))

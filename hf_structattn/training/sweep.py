@@ -224,6 +224,23 @@ def read_run_jsons(folder: Path) -> list[dict]:
     return runs
 
 
+def run_table(runs: Sequence[dict], best: dict, arms: Sequence[str], widths: Sequence[int], seeds: Sequence[int],
+              metric: str, label: str) -> list[str]:
+    """The markdown table a design's ``report`` prints: per arm, width and seed, every finished run's final
+    ``metric`` by learning rate and the rule's score (``best[arm, width, seed]``)."""
+    lines = [f"| {label} | D | seed | runs (lr: {metric}) | score |", "|---|---|---|---|---|"]
+    for arm in arms:
+        for width in widths:
+            for seed in seeds:
+                mine = sorted((r for r in runs if r["arm"] == f"{arm}_D{width}" and r["seed"] == seed),
+                              key=lambda r: r["lr"])
+                if mine:
+                    cells = ", ".join(f"{r['lr']:g}: {r['final'][metric]:.4f}" for r in mine)
+                    score = best.get((arm, width, seed))
+                    lines.append(f"| {arm} | {width} | {seed} | {cells} | {'-' if score is None else f'{score:.4f}'} |")
+    return lines
+
+
 def edge_extensions(best_lrs, grid: Sequence[float]) -> list[float]:
     """The pre-registered grid extension of the LM, Chronos and ICL rules: when a best learning rate (one per seed,
     picked on the planned ``grid``) is the grid's smallest, one more LR below it is run; when it is the largest, one
