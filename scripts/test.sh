@@ -42,7 +42,8 @@ if [ "${1:-}" = "--quick" ]; then
   shift
   quick=(tests/test_mlr_ops.py tests/test_bilinear_ops.py tests/test_attention_contracts.py tests/test_gpt2_models.py
          tests/test_t5_models.py tests/test_model_contracts.py tests/test_cache_allocation.py
-         tests/test_generation_cache.py tests/test_patching.py tests/test_decoder_patching.py)
+         tests/test_generation_cache.py tests/test_mlr_cached.py tests/test_decode_reliability.py tests/test_patching.py
+         tests/test_decoder_patching.py)
   say "running the quick tier ..."
   # the slowest tests of those files (remote-code reloads, compiles, Chronos pipelines, the CLI) run in the full suite
   exec python -m pytest -q -n 2 -m "not slow" -k "not remote and not compiled and not inductor and not chronos and not cli \
@@ -66,7 +67,8 @@ grep -qw avx2 /proc/cpuinfo 2>/dev/null && capabilities+=(avx2)
 grep -qw avx512f /proc/cpuinfo 2>/dev/null && capabilities+=(avx512)
 tests=(tests/test_mlr_ops.py tests/test_bilinear_ops.py tests/test_attention_contracts.py tests/test_gpt2_models.py
        tests/test_t5_models.py tests/test_model_contracts.py tests/test_remote_code.py tests/test_patching.py
-       tests/test_generation_cache.py tests/test_decoder_patching.py)
+       tests/test_generation_cache.py tests/test_mlr_cached.py tests/test_decode_reliability.py
+       tests/test_decoder_patching.py)
 failed=()
 for capability in "${capabilities[@]}"; do
   echo "== ATEN_CPU_CAPABILITY=$capability (torch dispatches to" \
