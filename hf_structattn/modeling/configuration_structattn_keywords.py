@@ -18,7 +18,10 @@ another checkpoint's config) is read as transformers reads it: keys it does not 
 save_pretrained writes whatever attributes other code set (``quantization_config``, a Chronos ``chronos_config``).
 """
 
-import difflib
+try:  # the payload imports only torch and transformers unguarded (a checkpoint's code stays auditable)
+    import difflib
+except ImportError:  # pragma: no cover - the standard library always has it
+    difflib = None
 from dataclasses import fields
 
 # keys PreTrainedConfig's __post_init__ / from_dict consume, or that save_pretrained writes besides the fields
@@ -64,7 +67,7 @@ def refuse_unknown_keywords(config, kwargs: dict) -> None:
         return
     name = unknown[0]
     candidates = sorted({f.name for f in fields(config_class)} | set(config_class.attribute_map))
-    close = difflib.get_close_matches(name, candidates, n=1)
+    close = difflib.get_close_matches(name, candidates, n=1) if difflib is not None else []
     hint = f" (did you mean {close[0]!r}?)" if close else f"; its fields: {', '.join(candidates)}"
     raise ValueError(f"{config_class.__name__}: unknown keyword {name}={kwargs[name]!r}{hint}")
 
