@@ -2,7 +2,7 @@
 # Sets everything up on a fresh machine and runs the default test suite.
 #   bash scripts/test.sh                 # the default suite (-m "not slow", two workers); extra arguments go to pytest
 #   bash scripts/test.sh --quick         # for development: the op, model, cache and patching tests that catch most
-#                                        # regressions, without reloads, compiles and Chronos (1 min 26 s on 2 cores, README)
+#                                        # regressions, without reloads, compiles and Chronos (41 s on 2 cores, README)
 #   bash scripts/test.sh --portability   # the model, op and cache tests once per CPU kernel set torch can
 #                                        # dispatch to here: ATEN_CPU_CAPABILITY=default, avx2, and avx512 where
 #                                        # /proc/cpuinfo lists avx512f (tolerances must hold on any x86 CPU)
