@@ -46,7 +46,9 @@ class MLRPlan:
 
     step: the forward's ``MLRStep``; chunk: c, the new tokens per row; traced: no host facts (torch.compile /
     torch.export); host_write, in_step: see the module docstring; first: the (every row's) position of the chunk's
-    first token when ``host_write``; real: (B, c) bool padding flags."""
+    first token when ``host_write``; real: (B, c) bool padding flags; last_before, first_before: (B,) the rows' newest
+    / first real position before the forward; dim_order: (r,) the head-dim permutation that puts the level slices
+    first (patched RoPE decoders), or None; layouts: the ``CacheLayout``s made so far."""
 
     def __init__(self, step: MLRStep, geometry: MLRGeometry):
         self.step, self.geometry = step, geometry
@@ -101,9 +103,10 @@ class CacheLayout:
     """What the writes and reads of one forward need over MLR cache layers of one storage shape.
 
     base, capacity, ring_widths: of the layers; slots: the slots a read covers (eager: up to the newest position;
-    traced: the whole storage); first_slot, fine_index ((c F,), token-major), and for one token key_index ((r_1,)) and
-    value_index ((dv,)): the host write's first slot and elements of the storages' flat views; chunk_write: the general write (``ChunkWrite``, None for a host write); reads: the reads made so
-    far, by (formulation, query rows per cached head, level scales)."""
+    traced: the whole storage); first_slot, fine_index ((c F,), token-major), and for one token key_index ((r_1,))
+    and value_index ((dv,)): the host write's first slot and elements of the storages' flat views; chunk_write: the
+    general write (``ChunkWrite``, None for a host write); reads: the reads made so far, by (formulation, query rows
+    per cached head, level scales)."""
 
     def __init__(self, plan: MLRPlan, layer, dtype: torch.dtype):
         geometry = plan.geometry
