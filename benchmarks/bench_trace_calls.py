@@ -1,9 +1,9 @@
 """How much Python one eager decode step of one attention module runs: GPT-2 MLR, a patched Llama and stock Llama
 (DynamicCache, SDPA) in the same run, and optionally the GPT-2 MLR model of another commit's payload.
 
-One decode step (batch 1, the second after a 39-token prompt) of each model runs under ``sys.setprofile``; the events inside the
-call of one attention module (layer 1), torch's module plumbing included (from ``Module._wrapped_call_impl`` of that
-module to its return), are counted:
+One decode step (batch 1, the second after a 39-token prompt) of each model runs under ``sys.setprofile``; the
+events inside the call of one attention module (layer 1), torch's module plumbing included (from that module's
+``Module._wrapped_call_impl`` to its return), are counted:
 
 * calls: Python function calls (``call`` events; C functions are not counted);
 * files: the distinct files those functions live in;

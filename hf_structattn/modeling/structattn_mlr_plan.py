@@ -17,7 +17,8 @@ the plan); what a read needs (per formulation, query groups and level scales) is
 (``CacheLayout.read``). Nothing is kept at module level: two threads decoding two caches share no plan.
 
 Slot layout of the cache (``structattn_cache``): position ``p`` lives in slot ``p - base``; ring l holds the level-l
-dims of position ``p`` at entry ``(p - base) % b_l``, stored dim-major in one flat storage (``MLRGeometry.fine_layout``).
+dims of position ``p`` at entry ``(p - base) % b_l``, stored dim-major in one flat storage
+(``MLRGeometry.fine_layout``).
 """
 
 from dataclasses import dataclass

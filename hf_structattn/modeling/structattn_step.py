@@ -483,5 +483,5 @@ def continue_runs(positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return fixed
 
 
-__all__ = ["MLRStep", "NO_POSITION", "STEP_KEY", "StepFacts", "UNSUPPORTED_KWARGS", "refuse_unsupported_arguments", "build_step", "continue_runs", "mlr_position_layer",
-           "plain_step"]
+__all__ = ["MLRStep", "NO_POSITION", "REFUSED_ARGUMENTS", "STEP_KEY", "StepFacts", "UNSUPPORTED_KWARGS", "build_step",
+           "continue_runs", "mlr_position_layer", "plain_step", "refuse_unsupported_arguments"]
