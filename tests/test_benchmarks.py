@@ -251,6 +251,32 @@ def test_bench_decode_ab_runs_two_payload_versions_side_by_side(tmp_path):
     assert result["pending consumed"]
 
 
+def test_bench_decode_ab_main_job_model_has_the_main_jobs_config():
+    """``--model main-job`` builds the README main job's model (configs/clm_mlr_stdlib.yaml), for both payloads."""
+    import yaml
+
+    with open(os.path.join(ROOT, "configs", "clm_mlr_stdlib.yaml")) as handle:
+        expected = yaml.safe_load(handle)["model"]
+    shape = bench_decode_ab.model_shape("main-job")
+    assert shape["mlr_ranks"] == expected["mlr_ranks"] and shape["n_layer"] == expected["n_layer"]
+    assert "attention" not in shape and bench_decode_ab.model_shape("gpt2-6x512") == {}
+    with pytest.raises(SystemExit):
+        bench_decode_ab.parse_args(["--against", "HEAD", "--model", "main-job", "--prompt", "250", "--steps", "10"])
+
+
+def test_bench_trace_calls_counts_one_attention_modules_step(capsys):
+    """The trace of one decode step: counts for every model, consistent with their definitions, and the patched
+    decoder runs more Python than stock Llama (it adds the MLR cache's write and the MLR read)."""
+    import bench_trace_calls
+
+    results = bench_trace_calls.main([])
+    stock = results["stock Llama (DynamicCache, SDPA)"]
+    for counts in results.values():
+        assert 0 < counts["files"] <= counts["calls"] and counts["re-entries"] <= counts["file changes"]
+    assert results["patched Llama (MLR 8|4|2|2)"]["calls"] > stock["calls"]
+    assert "| stock Llama (DynamicCache, SDPA) |" in capsys.readouterr().out
+
+
 def test_bench_decode_ab_restores_the_registries_it_writes_to():
     """Importing the old payload registers its attention functions and cache layers under the shared names; after
     ``main`` this process's own are registered again."""
