@@ -428,9 +428,8 @@ def main(argv=None) -> None:
     args = design_arguments(argv, __doc__.split("\n\n")[0], "outputs/chronos_design", "outputs/chronos_pilot",
                             str(RESULTS))
     if args.command == "plan" and args.shards:
-        rate, source = shard_rate(Path(args.results), ASSUMED_H100_FLOPS_PER_S)
-        print("\n".join(shard_table(shards(Path(args.results)),
-                                    lambda unit: unit_done(unit, read_run_jsons(Path(args.results))), rate, source,
+        results = Path(args.results)
+        print("\n".join(shard_table(results, shards(results), unit_done, ASSUMED_H100_FLOPS_PER_S,
                                     "python scripts/chronos_experiment.py shard {id} --device cuda")))
     elif args.command == "shard":
         run_shard(args, args.shard_id)

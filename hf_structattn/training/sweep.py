@@ -333,17 +333,20 @@ def run_unit(spec: ArmSpec, lrs: Sequence[float], seeds: Sequence[int], steps: i
     return True
 
 
-def shard_table(shards: dict, done, rate: float, source: str, command: str) -> list[str]:
-    """Markdown lines: per shard its units, runs done / planned, FLOPs and estimated H100 minutes at ``rate``.
-    ``shards``: id -> units (dicts with name, runs, flops); ``done(unit)`` -> runs of the unit with a results file;
+def shard_table(results: Path, shards: dict, done, assumed_rate: float, command: str) -> list[str]:
+    """Markdown lines: per shard its units, runs done / planned, FLOPs and estimated H100 minutes at the rate a
+    committed GPU pilot in ``results`` measured (else ``assumed_rate``). ``shards``: id -> units (dicts with name,
+    runs, flops); ``done(unit, runs)`` -> runs of the unit with a results file among ``runs`` (the results files);
     ``command``: the shard command with ``{id}``."""
+    rate, source = shard_rate(results, assumed_rate)
+    runs = read_run_jsons(results)
     lines = [f"H100 rate {rate:.3g} FLOP/s, {source}; a shard is at most {SHARD_MINUTES:g} min at that rate.", "",
              "| shard | units | runs done | training FLOPs | H100 minutes (est.) | command |",
              "|---|---|---|---|---|---|"]
     for sid, units in shards.items():
         flops = sum(unit["flops"] for unit in units)
         lines.append(f"| {sid} | {', '.join(unit['name'] for unit in units)} | "
-                     f"{sum(done(unit) for unit in units)}/{sum(unit['runs'] for unit in units)} | {flops:.3g} | "
+                     f"{sum(done(unit, runs) for unit in units)}/{sum(unit['runs'] for unit in units)} | {flops:.3g} | "
                      f"{flops / rate / 60:.1f} | `{command.format(id=sid)}` |")
     return lines
 
