@@ -68,7 +68,7 @@ grep -qw avx512f /proc/cpuinfo 2>/dev/null && capabilities+=(avx512)
 tests=(tests/test_mlr_ops.py tests/test_bilinear_ops.py tests/test_attention_contracts.py tests/test_gpt2_models.py
        tests/test_t5_models.py tests/test_model_contracts.py tests/test_remote_code.py tests/test_patching.py
        tests/test_generation_cache.py tests/test_mlr_cached.py tests/test_decode_reliability.py
-       tests/test_decoder_patching.py)
+       tests/test_decoder_patching.py tests/test_batched_runs.py)
 failed=()
 for capability in "${capabilities[@]}"; do
   echo "== ATEN_CPU_CAPABILITY=$capability (torch dispatches to" \
