@@ -1,61 +1,57 @@
 """The in-context-regression test of the paper's rank claim (Kuang et al. 2025 §2.2, §4, Fig. 2, 3a) and its
-equal-compute comparison (Fig. 3b).
+equal-compute comparison (Fig. 3b), as the registered decisive d = 4 design (docs/results.md).
 
 Claim: multi-head dense attention whose head dim r is well below the input dim d cannot solve in-context linear
-regression, while at the same width full-rank scores (1-head dense, bilinear BTT) can; and (Fig. 3b) at a fixed width
-the bilinear scores reach a lower error than dense attention for the same training FLOPs. Arms at d (divisible by 4),
-width D = 6d unless noted (d = 4: D = 24), 6 layers, q/k RMSNorm:
+regression, while at the same width full-rank scores (bilinear BTT, or dense with fewer, wider heads) can. Arms at
+d = 4, width D = 6d = 24, 6 layers, q/k RMSNorm (``icl_rank_arms.arms``):
 
   (i)   dense, 12 heads, r = d/2                     the failing arm (the paper: r must be "nearly" d)
-  (ii)  dense, 1 head, r = D
+  (ii)  dense, 1 head, r = D                         an observation
   (iii) bilinear BTT, 8 heads (full-rank score, D)
-  (iv)  bilinear MLR, 8 heads, ranks d/4 | d/2 (sum p_l r_l = 5d/4 >= d)   reported, not ruled on (module below)
   (v)   dense, 3 heads, r = 2d                       rank control: same width as (i), only the head split differs
-  (vi)  dense, 8 heads, r = 2d at D = 16d            width control (reported, not ruled on)
+  ((iv) bilinear MLR and (vi) a wider dense arm are defined for ``describe``; the design does not run them.)
 
 Every arm starts with the same logit scale: each score is divided by the square root of its width (1/sqrt(r)
 dense, 1/sqrt(D) BTT, 1/sqrt(p_l r_l) per bilinear-MLR level times 1/sqrt(L) for its L summed levels), so the
 row-centred logits have RMS ~1 at init in every arm (``describe`` measures it with
-``hf_structattn.mup.attention_logit_rms``). The decision rules are in scripts/icl_rank_report.py and docs/results.md.
+``hf_structattn.mup.attention_logit_rms``). The runs, caps and shards are in scripts/icl_rank_arms.py, the rules in
+scripts/icl_rank_report.py and docs/results.md.
 
-    python scripts/icl_rank_experiment.py describe --d 4          # arms: score rank, init logit RMS, parameters
-    python scripts/icl_rank_experiment.py plan --d 4 [--shards]   # runs and FLOPs; the shards and their minutes
-    python scripts/icl_rank_experiment.py time --d 4              # CPU ms/step per arm: batched vs separate runs
+    python scripts/icl_rank_experiment.py shard r1            # one shard: its runs, resumable (plan --shards lists them)
+    python scripts/icl_rank_experiment.py report              # the runs, the verdicts, the shards left, the plot
+    python scripts/icl_rank_experiment.py plan --shards       # the shards: runs, FLOPs, minutes measured or estimated
+    python scripts/icl_rank_experiment.py time                # CPU ms/step of each shard's stack: eager vs compiled
+    python scripts/icl_rank_experiment.py describe            # arms: score rank, init logit RMS, parameters
+    python scripts/icl_rank_experiment.py run                 # every shard, one after another (--jobs N: N at a time)
     python scripts/icl_rank_experiment.py pilot --device cuda --budget-s 170 --out outputs/icl_pilot
-    python scripts/icl_rank_experiment.py shard c1 --d 4 --device cpu --jobs 2    # a CPU shard (2 runs)
-    python scripts/icl_rank_experiment.py shard g1 --d 4 --device cuda --jobs 3   # a GPU shard (3 arms x 9 runs)
-    python scripts/icl_rank_experiment.py run --d 4 --device cuda --jobs 6        # the whole d = 4 sweep at once
-    python scripts/icl_rank_experiment.py report --d 4            # table, FLOPs to error 0.1, plot, verdicts, left
-    python scripts/icl_rank_experiment.py run --d 8 --device cuda --jobs 6        # the d = 8 stage
-    python scripts/icl_rank_experiment.py earlier-ranks      # score rank of the models of docs/results.md §1, §1b
+    python scripts/icl_rank_experiment.py earlier-ranks       # score rank of the models of docs/results.md's toy runs
 
-**Batched.** The runs of one arm (its LRs x seeds) train as ONE stacked model
+**Batched and compiled.** The runs of one arm in a shard train as ONE stacked model
 (``hf_structattn.training.batched.StackedRuns``: ``torch.func.functional_call`` + ``vmap`` over stacked parameters,
-AdamW over stacked moments, per-run learning rates, clipping and data streams), so one step launches one set of
-kernels for all of the arm's runs; ``run`` and ``shard`` train ``--jobs`` arms at a time (one process each). Each
-run evaluates every ``--eval_every`` (250) steps on 1024 fresh prompts (a random stream training never draws from),
-is frozen once solved (last-query error < 0.05; its parameters stop changing, as a separate run that stopped would),
-writes its evaluations to ``<out>/d<d>/<run>/progress.jsonl`` as it goes and, at the end, ``result.json`` there and
-its committed record ``results/icl_rank/d<d>/<run>.json`` (result and evaluations, a few KB); runs that have the
-latter are skipped. The arm writes a resumable checkpoint every 1000 steps under ``<out>/d<d>/`` and a rerun resumes
-it. Shards (``scripts/icl_rank_arms.py``): c1-c27, two runs each, for the CPU cores here; g1, g2, three arms each,
-for a GPU (``--budget-s`` 420 by default there; a rerun resumes). Task, curriculum and warm-up
-follow the authors' ICL scripts (x ~ N(0, I/d), w ~ N(0, I), N = 2d points, a curriculum over the first 6 % of the
-steps, linear warm-up then constant LR, AdamW beta (0.9, 0.95), batch 64, 6 layers), scaled to ``--steps``.
+AdamW over stacked moments, per-run learning rates, clipping and data streams); on a CPU the whole step is compiled
+with ``torch.compile`` (``--eager`` turns it off; on CUDA the step is a CUDA graph). Each run evaluates every
+``--eval_every`` (250) steps on 1024 fresh prompts (a stream no training step draws from: ``generator``), is frozen
+once solved (last-query error < 0.05; its parameters stop changing, as a separate run that stopped would), writes
+its evaluations to ``<out>/<run>/progress.jsonl`` as it goes and, at the end, ``result.json`` there and its
+committed record ``results/icl_rank/decisive_d4/<run>.json`` (result and evaluations, a few KB); runs that have the
+latter are skipped. A stack writes a resumable checkpoint every 1000 steps and when ``--budget-s`` (on a CPU 6,600 s
+by default, so that a shard's process stays within about two hours) stops it; a rerun resumes it. Task, curriculum
+and warm-up follow the authors' ICL scripts (x ~ N(0, I/d), w ~ N(0, I), N = 2d points, a curriculum over the first
+6 % of the steps, linear warm-up then constant LR, AdamW beta (0.9, 0.95), batch 64, 6 layers), on a fixed schedule
+of ``SCHEDULE_STEPS`` whatever a run's cap.
 
-**Pilot.** ``pilot`` trains (ii) and (v) at one LR and one seed for the deciding step count (20,000 at d = 4), both
-arms interleaved in one process, within ``--budget-s`` seconds of wall time, and writes ``pilot.md`` (a short summary
-to paste into a report) and ``pilot.json`` to ``--out``: whether the controls solve the task within the deciding
-steps, the
-measured ms per step and the full sweep's projected time on this device (on a GPU also into
-``results/icl_rank/d<d>/pilot.json``, which ``plan --shards`` sizes the GPU shards by). ``--tiny`` (2 layers, 30
-steps, 128 evaluation prompts) is the CPU rehearsal the tests run.
+**Pilot.** ``pilot`` trains (ii) and (v) at lr 1e-3, seed 0, for 20,000 steps, both arms interleaved in one process,
+within ``--budget-s`` seconds of wall time, and writes ``pilot.md`` and ``pilot.json`` to ``--out``: whether the
+controls solve within the steps, the measured ms per step and the design's projected time on this device (on a GPU
+also ``results/icl_rank/decisive_d4/pilot.json``). ``--tiny`` (2 layers, 30 steps, 128 evaluation prompts) is the CPU
+rehearsal the tests run.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
 import json
 import math
 import os
@@ -73,28 +69,21 @@ from hf_structattn.mup import attention_logit_rms
 from hf_structattn.training.batched import StackedRuns
 from hf_structattn.training.sweep import device_name, write_run_json
 from hf_structattn.training.icl import sample_prompts
-from icl_rank_arms import DECIDING_LRS, DECIDING_SEEDS, LABELS, arms, shards  # scripts/icl_rank_arms.py
+from icl_rank_arms import (DESIGN_D, LABELS, SCHEDULE_STEPS, SHARDS, arms, cap,  # scripts/icl_rank_arms.py
+                           design_runs)
 
 EARLY_STOP = 0.05
 BATCH, EVAL_PROMPTS, LAYERS, CHECKPOINT_EVERY, EVAL_EVERY = 64, 1024, 6, 1000, 250
-RESULTS = Path("results/icl_rank")  # one small JSON per finished run, committed: results/icl_rank/d<d>/<run>.json
-# d -> deciding steps. d = 4: the two controls measured at lr 1e-3, seed 0 (40k-step schedule, CPU) froze below 0.05
-# at steps 13,000 and 13,500; 20,000 is that times 1.5 (the stated margin). d = 8 doubles it (twice the points and
-# dimensions to learn), to be revised by the d = 4 runs' solved-at steps.
-DECIDING_STEPS = {4: 20_000, 8: 40_000}
-DECIDING_LRS, DECIDING_SEEDS = list(DECIDING_LRS), list(DECIDING_SEEDS)
-# shard time estimates: ms per step of ONE run. CPU: one thread, the slowest separate-run step measured on this
-# machine (44-125 ms) until a results file of the arm gives its own; GPU: an arm's stacked step with CUDA graphs
-# (upper end of the 7.5-18 ms a step the design's launch-bound estimate gives), eager about 3x that
-CPU_MS_PER_STEP, GPU_MS_PER_STEP_GRAPHS, GPU_EAGER_FACTOR = 125.0, 18.0, 3.0
-SHARD_BUDGET_S = 420  # a GPU shard's default --budget-s: within the 8 minutes a shard may take, imports included
+RESULTS = Path("results/icl_rank/decisive_d4")  # one small JSON per finished run of the design, committed
+CALIBRATION = Path("results/icl_rank/d4")  # seed 0's runs of the earlier design: reported, not ruled on
+# shard estimates before a run of the arm has measured its own rate: ms per step of a stack of 3 runs, one CPU thread,
+# compiled (scripts/icl_rank_experiment.py time, Intel Xeon VM); a GPU stack's step with CUDA graphs (an estimate)
+CPU_MS_PER_STEP = {"i_dense12_half": 60.0, "ii_dense1": 45.0, "iii_btt8": 90.0, "v_dense3_rank": 45.0}
+GPU_MS_PER_STEP_GRAPHS = 18.0
+CPU_SHARD_BUDGET_S, GPU_SHARD_BUDGET_S = 6_600, 420  # a shard process's default --budget-s
 PILOT_ARMS, PILOT_LR, PILOT_SEED = ("ii_dense1", "v_dense3_rank"), 1e-3, 0
 TINY = dict(layers=2, steps=30, eval_every=10, eval_count=128)  # the pilot's CPU rehearsal
 CHUNK = 250  # steps whose data is drawn and moved to the device at once
-
-
-def deciding_steps(d: int) -> int:
-    return DECIDING_STEPS.get(d, 20_000 * d // 2)
 
 
 def earlier_arms(d: int) -> dict[str, dict]:
@@ -128,9 +117,10 @@ def build(d: int, arm: str, earlier: bool = False, layers: int = LAYERS) -> Stru
 
 
 def schedule(step: int, steps: int, d: int, lr: float) -> tuple[float, int, int]:
-    """(learning rate, active dims, points) at ``step``: warm-up over 1 % of the steps, then constant; curriculum
-    dims d/2 -> d and points d -> 2d in two equal stages ending at 6 % of the steps (authors: 15 stages over the
-    first 6 % of 500k steps, warm-up 1000 steps)."""
+    """(learning rate, active dims, points) at ``step`` of a schedule of ``steps`` (the design: SCHEDULE_STEPS,
+    whatever a run's cap): warm-up over 1 % of the steps, then constant; curriculum dims d/2 -> d and points
+    d -> 2d in two equal stages ending at 6 % of the steps (authors: 15 stages over the first 6 % of 500k steps,
+    warm-up 1000 steps)."""
     warmup = max(1, steps // 100)
     rate = lr * min(1.0, (step + 1) / warmup)
     stage = min(2, step // max(1, round(0.03 * steps)))
@@ -140,32 +130,46 @@ def schedule(step: int, steps: int, d: int, lr: float) -> tuple[float, int, int]
     return rate, dims, points
 
 
+TRAIN_STREAM, EVAL_STREAM = 2, 3
+
+
+def generator_seed(seed: int, stream: int, step: int) -> int:
+    """The torch seed of (run seed, stream, step): 63 bits of a hash of the triple, so two triples share a seed
+    only by a hash collision (~1e-9 over the design's 3e5 draws). (The earlier ``seed * 1_000_003 + stream * 7_919 +
+    step`` made training step 7,919 of every seed draw its evaluation prompts.)"""
+    digest = hashlib.sha256(f"icl-rank/{seed}/{stream}/{step}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
 def generator(seed: int, stream: int, step: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed * 1_000_003 + stream * 7_919 + step)
+    return torch.Generator().manual_seed(generator_seed(seed, stream, step))
 
 
 def eval_prompts(d: int, seed: int, count: int = EVAL_PROMPTS) -> tuple[torch.Tensor, torch.Tensor]:
     """The fixed fresh evaluation prompts of a seed (xs (count, 2d, d), ys (count, 2d)), at the full d and N."""
-    xs, ys, _ = sample_prompts(generator(seed, 3, 0), count, 2 * d, d)
+    xs, ys, _ = sample_prompts(generator(seed, EVAL_STREAM, 0), count, 2 * d, d)
     return xs, ys
 
 
-def train_batch(d: int, seed: int, step: int, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The training prompts of (seed, step): xs (64, points, d), ys (64, points); the same for every LR."""
+def train_batch(d: int, seed: int, step: int, steps: int = SCHEDULE_STEPS) -> tuple[torch.Tensor, torch.Tensor]:
+    """The training prompts of (seed, step) on a schedule of ``steps``: xs (64, points, d), ys (64, points); the
+    same for every LR and arm."""
     _, dims, points = schedule(step, steps, d, 1.0)
-    xs, ys, _ = sample_prompts(generator(seed, 2, step), BATCH, points, d, dims)
+    xs, ys, _ = sample_prompts(generator(seed, TRAIN_STREAM, step), BATCH, points, d, dims)
     return xs, ys
 
 
-def training_flops(d: int, arm: str, steps: int, layers: int = LAYERS) -> list[float]:
+def training_flops(d: int, arm: str, steps: int, layers: int = LAYERS,
+                   schedule_steps: int = SCHEDULE_STEPS) -> list[float]:
     """Cumulative training FLOPs after each step 0..steps of one run (``flops_per_token``: matmuls of the transformer
     blocks and the attention terms, read-in and read-out excluded as in the paper's Fig. 3b, backward = 2x forward),
-    following the curriculum's prompt length. Returns steps + 1 values, the first 0."""
+    following the curriculum's prompt length on a schedule of ``schedule_steps``. Returns steps + 1 values, the
+    first 0."""
     config = build(d, arm, layers=layers).config
     per_length = {}
     total, out = 0.0, [0.0]
     for step in range(steps):
-        _, _, points = schedule(step, steps, d, 1.0)
+        _, _, points = schedule(step, schedule_steps, d, 1.0)
         if points not in per_length:
             per_length[points] = flops_per_token(config, 2 * points, training=True) * BATCH * 2 * points
         total += per_length[points]
@@ -207,23 +211,27 @@ def atomic_write(path: Path, text: str) -> None:
 class ArmRunner:
     """The runs (lr, seed) of one arm trained as one stacked model, a chunk of steps at a time (module docstring).
 
-    ``root``: ``<out>/d<d>``; each run writes ``root/<run>/progress.jsonl``, ``rank_init.json`` and, from
-    :meth:`finish`, ``result.json``; the stack's checkpoint is ``root/<arm>.stack/checkpoint.pt``. ``dtype`` float64
-    is for tests; ``layers`` / ``eval_count`` shrink the model and the evaluation for the CPU rehearsal."""
+    ``root``: ``<out>``; each run writes ``root/<run>/progress.jsonl``, ``rank_init.json`` and, from
+    :meth:`finish`, ``result.json`` (and ``results/<run>.json`` when ``results`` is given); the stack's checkpoint
+    is ``root/<arm>_<runs>.stack/checkpoint.pt``. ``steps``: the cap; ``schedule_steps``: the schedule's length
+    (default ``steps``). ``compile_step``: compile the step (``StackedRuns``). ``dtype`` float64 is for tests;
+    ``layers`` / ``eval_count`` shrink the model and the evaluation for the CPU rehearsal."""
 
     def __init__(self, d: int, arm: str, lrs, seeds, steps: int, eval_every: int, root: Path, device: str = "cpu",
                  dtype: torch.dtype = torch.float32, layers: int = LAYERS, eval_count: int = EVAL_PROMPTS,
-                 results: Path | None = None, runs=None):
+                 results: Path | None = None, runs=None, schedule_steps: int | None = None,
+                 compile_step: bool = False):
         self.d, self.arm, self.steps, self.eval_every, self.root = d, arm, steps, eval_every, Path(root)
-        self.results = None if results is None else Path(results) / f"d{d}"
+        self.schedule_steps = steps if schedule_steps is None else schedule_steps
+        self.results = None if results is None else Path(results)
         # ``runs``: explicit (lr, seed) pairs (a shard's); else every lr x seed
         self.runs = [(float(lr), int(seed)) for lr, seed in runs] if runs is not None else \
             [(float(lr), int(seed)) for seed in seeds for lr in lrs]
         self.seeds = sorted({seed for _, seed in self.runs})
         self.device, self.layers = torch.device(device), layers
         self.config = {"d": d, "arm": arm, "runs": [list(run) for run in self.runs],
-                       "steps": steps, "eval_every": eval_every, "layers": layers, "batch": BATCH,
-                       "eval_count": eval_count, "dtype": str(dtype)}
+                       "steps": steps, "schedule_steps": self.schedule_steps, "eval_every": eval_every,
+                       "layers": layers, "batch": BATCH, "eval_count": eval_count, "dtype": str(dtype)}
         initial = {}
         for seed in self.seeds:  # a separate run seeds torch, then builds its model
             torch.manual_seed(seed)
@@ -232,7 +240,8 @@ class ArmRunner:
         self.stack = StackedRuns(copy.deepcopy(initial[self.seeds[0]]),
                                  [initial[seed].state_dict() for _, seed in self.runs],
                                  [lr for lr, _ in self.runs], betas=(0.9, 0.95), weight_decay=0.0, max_grad_norm=1.0,
-                                 device=self.device, dtype=dtype, cuda_graphs=self.device.type == "cuda")
+                                 device=self.device, dtype=dtype, cuda_graphs=self.device.type == "cuda",
+                                 compile_step=compile_step)
         self.run_seed = torch.tensor([self.seeds.index(seed) for _, seed in self.runs], device=self.device)
         evals = [eval_prompts(d, seed, eval_count) for seed in self.seeds]
         self.eval_xs = torch.stack([xs for xs, _ in evals]).to(self.device, dtype).index_select(0, self.run_seed)
@@ -299,9 +308,9 @@ class ArmRunner:
         """The end of the next chunk: the next evaluation, checkpoint or curriculum stage, at most CHUNK steps."""
         end = min(self.steps, (self.step // self.eval_every + 1) * self.eval_every,
                   (self.step // CHECKPOINT_EVERY + 1) * CHECKPOINT_EVERY, self.step + CHUNK)
-        shape = schedule(self.step, self.steps, self.d, 1.0)[1:]
+        shape = schedule(self.step, self.schedule_steps, self.d, 1.0)[1:]
         for step in range(self.step + 1, end):
-            if schedule(step, self.steps, self.d, 1.0)[1:] != shape:
+            if schedule(step, self.schedule_steps, self.d, 1.0)[1:] != shape:
                 return step
         return end
 
@@ -310,7 +319,7 @@ class ArmRunner:
         checkpoint when due."""
         end = self.next_stop()
         steps = range(self.step, end)
-        prompts = [[train_batch(self.d, seed, step, self.steps) for seed in self.seeds] for step in steps]
+        prompts = [[train_batch(self.d, seed, step, self.schedule_steps) for seed in self.seeds] for step in steps]
         xs = torch.stack([torch.stack([x for x, _ in per_seed]) for per_seed in prompts])  # (K, seeds, B, N, d)
         ys = torch.stack([torch.stack([y for _, y in per_seed]) for per_seed in prompts])  # (K, seeds, B, N)
         if self.device.type == "cuda":  # pinned + non_blocking: no stream sync, the host prepares the next chunk
@@ -318,7 +327,7 @@ class ArmRunner:
         xs = xs.to(self.device, self.stack.dtype, non_blocking=True)
         ys = ys.to(self.device, self.stack.dtype, non_blocking=True)
         for index, step in enumerate(steps):
-            factor = schedule(step, self.steps, self.d, 1.0)[0]  # warm-up factor; peak LRs live in the stack
+            factor = schedule(step, self.schedule_steps, self.d, 1.0)[0]  # warm-up factor; peak LRs in the stack
             self.stack.train_step(loss_of, (xs[index].index_select(0, self.run_seed),
                                             ys[index].index_select(0, self.run_seed)), factor)
         self.step = end
@@ -340,7 +349,7 @@ class ArmRunner:
             lr, seed = self.runs[run]
             evals = [json.loads(line) for line in (folder / "progress.jsonl").read_text().splitlines() if line]
             result = {"d": self.d, "arm": self.arm, "lr": lr, "seed": seed, "steps": self.steps,
-                      "eval_every": self.eval_every, "layers": self.layers, "batch": BATCH,
+                      "schedule_steps": self.schedule_steps, "eval_every": self.eval_every, "layers": self.layers, "batch": BATCH,
                       "final_step": evals[-1]["step"], "solved_at": self.solved_at[run], "final": evals[-1],
                       "best_error_last": min(e["error_last"] for e in evals),
                       "rank_init": json.loads((folder / "rank_init.json").read_text()),
@@ -356,7 +365,12 @@ class ArmRunner:
 
 
 def results_file(args, arm: str, lr: float, seed: int) -> Path:
-    return Path(args.results) / f"d{args.d}" / f"{run_name(arm, lr, seed)}.json"
+    return Path(args.results) / f"{run_name(arm, lr, seed)}.json"
+
+
+def run_steps(args, arm: str) -> tuple[int, int]:
+    """(cap, schedule length) of ``arm``'s runs: the design's, or ``--steps`` for both."""
+    return (args.steps, args.steps) if args.steps is not None else (cap(arm), SCHEDULE_STEPS)
 
 
 def train_arm(args, arm: str, runs) -> list[dict]:
@@ -366,8 +380,10 @@ def train_arm(args, arm: str, runs) -> list[dict]:
     if not todo:
         print(f"{arm}: every run has its results file already; nothing to train", flush=True)
         return []
-    runner = ArmRunner(args.d, arm, None, None, args.steps, args.eval_every, Path(args.out) / f"d{args.d}",
-                       args.device, layers=args.layers, results=args.results, runs=todo)
+    steps, schedule_steps = run_steps(args, arm)
+    runner = ArmRunner(args.d, arm, None, None, steps, args.eval_every, Path(args.out), args.device,
+                       layers=args.layers, results=args.results, runs=todo, schedule_steps=schedule_steps,
+                       compile_step=not args.eager)
     while not runner.finished:
         runner.advance()
         if args.budget_s is not None and runner.wall - runner.wall_before > args.budget_s and not runner.finished:
@@ -395,17 +411,18 @@ def launch_all(args, runs) -> None:
         print(f"all arms finished, wall {time.time() - t0:.0f} s", flush=True)
         return
     running: list[tuple[subprocess.Popen, str]] = []
-    root = Path(args.out) / f"d{args.d}"
+    root = Path(args.out)
     root.mkdir(parents=True, exist_ok=True)
     while pending or running:
         while pending and len(running) < args.jobs:
             arm = pending.pop(0)
             command = [sys.executable, __file__, "arm", "--d", str(args.d), "--out", args.out, "--arm", arm,
-                       "--runs", *(f"{lr:g}:{seed}" for lr, seed in by_arm[arm]), "--steps", str(args.steps),
-                       "--eval_every", str(args.eval_every), "--device", args.device, "--layers", str(args.layers),
+                       "--runs", *(f"{lr:g}:{seed}" for lr, seed in by_arm[arm]), "--eval_every",
+                       str(args.eval_every), "--device", args.device, "--layers", str(args.layers),
                        "--results", args.results]
-            if args.budget_s is not None:
-                command += ["--budget-s", str(args.budget_s)]
+            command += ["--steps", str(args.steps)] if args.steps is not None else []
+            command += ["--budget-s", str(args.budget_s)] if args.budget_s is not None else []
+            command += ["--eager"] if args.eager else []
             log = (root / f"{arm}.log").open("a")
             running.append((subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT), arm))
             print(f"[{time.time() - t0:7.0f} s] start {arm} ({len(by_arm[arm])} runs stacked)", flush=True)
@@ -418,73 +435,48 @@ def launch_all(args, runs) -> None:
     print(f"all arms finished, wall {time.time() - t0:.0f} s", flush=True)
 
 
-def measured_cpu_ms(args) -> dict:
-    """Arm -> ms per step of one run on one CPU thread, from the results files of CPU runs (their wall / steps)."""
+def measured_cpu_ms(results: Path) -> dict:
+    """Arm -> ms per step of its stack on one CPU thread, from the design's CPU results files (wall / steps)."""
     from icl_rank_report import load_runs
 
     rates: dict[str, list] = {}
-    for run in load_runs(Path(args.results) / f"d{args.d}"):
-        if str(run.get("device", "")).startswith("cpu") and run["batched_with"] == 1:
+    for run in load_runs(results):
+        if str(run.get("device", "")).startswith("cpu"):
             rates.setdefault(run["arm"], []).append(1000 * run["wall_s"] / max(1, run["final_step"]))
     return {arm: max(values) for arm, values in rates.items()}
 
 
-def cpu_ms(measured: dict, arm: str) -> float:
-    """An arm's CPU ms per step: its own measurement, else the slowest measured arm's, else CPU_MS_PER_STEP."""
-    return measured.get(arm, max(measured.values(), default=CPU_MS_PER_STEP))
-
-
-def shard_runs(args, shard_id: str) -> list[tuple[str, float, int]]:
-    """The (arm, lr, seed) runs of a shard: ``c<k>``, ``g1``, ``g2`` (icl_rank_arms.shards), or ``x``: the edge
-    runs the finished planned runs trigger (scripts/icl_rank_report.py)."""
-    if shard_id == "x":
-        from icl_rank_report import edge_runs, load_runs
-
-        return edge_runs(load_runs(Path(args.results) / f"d{args.d}", args.steps), DECIDING_SEEDS)
-    table = shards(args.d)
-    if shard_id not in table:
-        raise SystemExit(f"shard: unknown id {shard_id!r}; the shards are {', '.join(table)} and x")
-    return table[shard_id]
+def shard_runs(shard_id: str) -> list[tuple[str, float, int]]:
+    """The (arm, lr, seed) runs of a shard (icl_rank_arms.SHARDS)."""
+    if shard_id not in SHARDS:
+        raise SystemExit(f"shard: unknown id {shard_id!r}; the shards are {', '.join(SHARDS)}")
+    return SHARDS[shard_id]
 
 
 def plan_shards(args) -> None:
-    """Every shard: its runs, training FLOPs, estimated minutes on the 2 CPU cores here and on one H100, done or
-    not."""
+    """Every shard: its runs, training FLOPs, minutes on one CPU core (measured by its results files, else
+    estimated from CPU_MS_PER_STEP) and on one GPU (estimated), done or not."""
     from icl_rank_report import load_runs
 
-    done = {(r["arm"], r["lr"], r["seed"]) for r in load_runs(Path(args.results) / f"d{args.d}", args.steps)}
-    measured = measured_cpu_ms(args)
-    flops = {arm: training_flops(args.d, arm, args.steps)[-1] for arm in arms(args.d)}
-    gpu_ms, gpu_source = GPU_MS_PER_STEP_GRAPHS, "estimated"
-    pilot_file = Path(args.results) / f"d{args.d}" / "pilot.json"
-    if pilot_file.exists():  # a GPU pilot's one-run step; a stacked step of launch-bound kernels costs about that
-        pilot_arms = json.loads(pilot_file.read_text())["arms"].values()
-        gpu_ms, gpu_source = max(arm["ms_per_step"] for arm in pilot_arms), "measured by the GPU pilot"
-    print(f"d = {args.d}, {args.steps:,} steps a run. CPU: one thread per arm process, 2 at a time, at the "
-          f"arm's ms/step measured by its CPU results files (else the slowest measured, else {CPU_MS_PER_STEP:g}); "
-          "H100: an arm's runs stacked, one process per arm, "
-          f"{gpu_ms:g} ms a stacked step ({gpu_source}; eager without CUDA graphs: {GPU_EAGER_FACTOR:g}x); runs "
-          "solved early (< 0.05) end sooner, so these are upper bounds.\n")
-    print("| shard | runs | done | training FLOPs | CPU, 2 cores (min) | H100, graphs / eager (min) | command |")
+    done = {(r["arm"], r["lr"], r["seed"]) for r in load_runs(Path(args.results))}
+    measured = measured_cpu_ms(Path(args.results))
+    caps = ", ".join(f"{LABELS[arm].split(' ')[0]} {cap(arm):,}" for arm in CPU_MS_PER_STEP)
+    print(f"d = {DESIGN_D}; caps: {caps} "
+          f"steps on a {SCHEDULE_STEPS:,}-step schedule. CPU: one process, one thread, an arm's stack at a time, "
+          "compiled; the rate is measured by the arm's results files where they exist, else the estimate in "
+          "CPU_MS_PER_STEP (time command). GPU: CUDA graphs, "
+          f"{GPU_MS_PER_STEP_GRAPHS:g} ms a step (an estimate). Runs solved early (< 0.05) end sooner: upper bounds."
+          "\n")
+    print("| shard | runs | done | training FLOPs | CPU, one core (min) | GPU (min) | command |")
     print("|---|---|---|---|---|---|---|")
-    for shard_id, runs in shards(args.d).items():
-        by_arm: dict[str, int] = {}
-        for arm, _, _ in runs:
-            by_arm[arm] = by_arm.get(arm, 0) + 1
-        cores = [0.0, 0.0]  # arms to the least loaded of two cores, in order
-        for arm, count in by_arm.items():
-            cores[cores.index(min(cores))] += count * args.steps * cpu_ms(measured, arm) / 60_000
-        gpu = args.steps * gpu_ms / 60_000  # the arms run side by side, one process each
-        total = sum(flops[arm] for arm, _, _ in runs)
-        finished = sum(run in done for run in runs)
-        device = "cuda --jobs 3" if shard_id.startswith("g") else "cpu --jobs 2"
-        names = ", ".join(f"({a.split('_')[0]}) {lr:g} s{seed}" for a, lr, seed in runs) if len(runs) <= 4 else \
-            f"{len(runs)}: arms ({'), ('.join(a.split('_')[0] for a in by_arm)}), every LR and seed"
-        print(f"| {shard_id} | {names} | "
-              f"{finished}/{len(runs)} | {total:.3g} | {max(cores):.0f} | {gpu:.1f} / {gpu * GPU_EAGER_FACTOR:.0f} | "
-              f"`python scripts/icl_rank_experiment.py shard {shard_id} --d {args.d} --device {device}` |")
-    print("\nA run is in one c-shard and one g-shard; whichever runs first writes results/icl_rank/d<d>/<run>.json "
-          "and the other skips it. Shard x: the edge runs of (i) that the finished runs trigger (report lists them).")
+    for shard_id, runs in SHARDS.items():
+        arms_in = list(dict.fromkeys(arm for arm, _, _ in runs))
+        cpu = sum(cap(arm) * measured.get(arm, CPU_MS_PER_STEP[arm]) for arm in arms_in) / 60_000
+        gpu = sum(cap(arm) for arm in arms_in) * GPU_MS_PER_STEP_GRAPHS / 60_000
+        total = sum(training_flops(DESIGN_D, arm, cap(arm))[-1] for arm, _, _ in runs)
+        names = ", ".join(f"({a.split('_')[0]}) {lr:g} s{seed}" for a, lr, seed in runs)
+        print(f"| {shard_id} | {names} | {sum(run in done for run in runs)}/{len(runs)} | {total:.3g} | {cpu:.0f} | "
+              f"{gpu:.0f} | `python scripts/icl_rank_experiment.py shard {shard_id}` |")
 
 
 # ------------------------------------------------------------------------------------------------------- the pilot
@@ -495,12 +487,13 @@ def pilot(args) -> dict:
     ``pilot.md`` and ``pilot.json`` to ``--out`` (module docstring)."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    size = TINY if args.tiny else dict(layers=LAYERS, steps=args.steps, eval_every=args.eval_every,
-                                       eval_count=EVAL_PROMPTS)
+    size = TINY if args.tiny else dict(layers=LAYERS, steps=args.steps or SCHEDULE_STEPS,
+                                       eval_every=args.eval_every, eval_count=EVAL_PROMPTS)
     started = time.perf_counter()
     root = out / f"d{args.d}"
-    runners = [ArmRunner(args.d, arm, [args.lrs[0]], [args.seeds[0]], size["steps"], size["eval_every"], root,
-                         args.device, layers=size["layers"], eval_count=size["eval_count"]) for arm in PILOT_ARMS]
+    runners = [ArmRunner(args.d, arm, [PILOT_LR], [PILOT_SEED], size["steps"], size["eval_every"], root,
+                         args.device, layers=size["layers"], eval_count=size["eval_count"],
+                         compile_step=not args.eager and not args.tiny) for arm in PILOT_ARMS]
     setup = time.perf_counter() - started
     training = {runner.arm: 0.0 for runner in runners}
     stopped_by_budget = False
@@ -517,8 +510,8 @@ def pilot(args) -> dict:
     for runner in runners:
         if runner.finished:
             runner.finish()
-    summary = {"command": "pilot", "device": device_name(args.device), "d": args.d, "lr": args.lrs[0],
-               "seed": args.seeds[0], "steps_planned": size["steps"], "layers": size["layers"], "tiny": args.tiny,
+    summary = {"command": "pilot", "device": device_name(args.device), "d": args.d, "lr": PILOT_LR,
+               "seed": PILOT_SEED, "steps_planned": size["steps"], "layers": size["layers"], "tiny": args.tiny,
                "budget_s": args.budget_s, "stopped_by_budget": stopped_by_budget,
                "wall_s": round(time.perf_counter() - started, 2), "setup_s": round(setup, 2), "arms": {}}
     for runner in runners:
@@ -529,19 +522,20 @@ def pilot(args) -> dict:
                                                                    3),
             "step_mode": runner.stack.graph_status, "params": runner.params}
     mean_ms = sum(arm["ms_per_step"] for arm in summary["arms"].values()) / len(summary["arms"])
-    # The sweep: 6 arms, each one stacked model of 9 runs. On a GPU these steps are launch-bound, so a 9-run step
-    # costs about what the pilot's 1-run step costs; on a CPU the work grows with the runs (9x). An assumption: the
-    # sweep's own log measures it.
-    runs_factor = 1 if args.device.startswith("cuda") else len(DECIDING_LRS) * len(DECIDING_SEEDS)
-    summary["projection"] = (f"mean measured ms/step x {runs_factor} (a 9-run stacked step "
-                             f"{'costs about one run' if runs_factor == 1 else 'costs 9 runs on a CPU'}) x "
-                             f"{deciding_steps(args.d):,} steps x 6 arms, one arm at a time")
-    summary["projected_sweep_h"] = round(mean_ms * runs_factor / 1000 * deciding_steps(args.d) * len(arms(args.d))
+    # The design: each shard's arms one after another, an arm's runs one stacked model. On a GPU these steps are
+    # launch-bound, so a stacked step costs about what the pilot's 1-run step costs; on a CPU the work grows with the
+    # runs. An assumption: the shards' results files measure it.
+    stacks = [(arm, len([run for run in runs if run[0] == arm])) for runs in SHARDS.values()
+              for arm in dict.fromkeys(a for a, _, _ in runs)]
+    runs_factor = {arm: 1 if args.device.startswith("cuda") else count for arm, count in stacks}
+    summary["projection"] = ("mean measured ms/step x the stack's runs on a CPU (1 on a GPU) x the arm's cap, "
+                             "every stack of the design one after another")
+    summary["projected_sweep_h"] = round(sum(mean_ms * runs_factor[arm] * cap(arm) for arm, _ in stacks) / 1000
                                          / 3600, 2)
     (out / "pilot.json").write_text(json.dumps(summary, indent=1))
     from hf_structattn.training.sweep import keep_pilot
 
-    keep_pilot(summary, args.device, Path(args.results) / f"d{args.d}")
+    keep_pilot(summary, args.device, Path(args.results))
     (out / "pilot.md").write_text(pilot_markdown(summary))
     print((out / "pilot.md").read_text(), flush=True)
     return summary
@@ -578,137 +572,60 @@ def pilot_markdown(summary: dict) -> str:
 # ------------------------------------------------------------------------------------------------------- timing
 
 
-def step_timing(d: int, arm_names, lrs, seeds, repeats: int = 6) -> dict[str, dict]:
-    """CPU thread time (one thread) of one training step of each arm's runs, separate (R models, torch AdamW, SDPA,
-    as §1d's one-process-per-run runner) against batched (one ``StackedRuns`` step), the two interleaved in one
-    process; the first repeat is a warm-up and not counted. Also the operators each dispatches per step."""
-    results = {}
-    runs = [(lr, seed) for seed in seeds for lr in lrs]
-    for arm in arm_names:
-        separate, optimizers = [], []
-        for lr, seed in runs:
-            torch.manual_seed(seed)
-            separate.append(build(d, arm))
-            optimizers.append(torch.optim.AdamW(separate[-1].parameters(), lr=lr, betas=(0.9, 0.95),
-                                                weight_decay=0.0))
-        stack = StackedRuns(build(d, arm), [m.state_dict() for m in separate], [lr for lr, _ in runs])
-        seed_index = torch.tensor([seeds.index(seed) for _, seed in runs])
-        totals = {"separate": 0.0, "batched": 0.0}
-        for repeat in range(repeats):
-            batches = [train_batch(d, seed, 10_000 + repeat, 40_000) for seed in seeds]
-            xs = torch.stack([x for x, _ in batches]).index_select(0, seed_index)
-            ys = torch.stack([y for _, y in batches]).index_select(0, seed_index)
-            begin = time.thread_time()
-            for run, (model, optimizer) in enumerate(zip(separate, optimizers)):
-                loss = model(xs=xs[run], ys=ys[run]).loss
-                optimizer.zero_grad()
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                optimizer.step()
-            middle = time.thread_time()
-            stack.train_step(loss_of, (xs, ys), 1.0)
-            end = time.thread_time()
-            if repeat:
-                totals["separate"] += middle - begin
-                totals["batched"] += end - middle
-        results[arm] = {"runs": len(runs), **{k: v / (repeats - 1) for k, v in totals.items()},
-                        "ops_separate_run": ops_per_step(lambda: separate_step(separate[0], optimizers[0], xs[0],
-                                                                               ys[0])),
-                        "ops_batched": ops_per_step(lambda: stack.train_step(loss_of, (xs, ys), 1.0)),
-                        "kernels_batched": ops_per_step(lambda: stack.train_step(loss_of, (xs, ys), 1.0), True)}
-        results[arm].update(host_cost_per_operator(d, arm))
-    return results
-
-
-def host_cost_per_operator(d: int, arm: str, repeats: int = 10) -> dict:
-    """Thread time per dispatched operator of one step with ONE prompt and one run, where the arithmetic is
-    negligible: what PyTorch's dispatch costs the host per operator, separate (plain autograd) and batched (vmap +
-    grad transforms). On a GPU the host pays about this per operator while the kernels are this small."""
-    torch.manual_seed(0)
-    model = build(d, arm)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    stack = StackedRuns(build(d, arm), [model.state_dict()], [1e-3])
-    xs, ys = (t[:1] for t in train_batch(d, 0, 10_000, 40_000))
-
-    def separate():
-        separate_step(model, optimizer, xs, ys)
-
-    def batched():
-        stack.train_step(loss_of, (xs[None], ys[None]), 1.0)
-
-    out = {}
-    for name, step in (("separate", separate), ("batched", batched)):
-        step()
-        begin = time.thread_time()
+def step_timing(stacks, repeats: int = 20, layers: int = LAYERS) -> list[dict]:
+    """Thread time (one thread) of one training step of each (arm, runs) stack, eager against compiled
+    (``StackedRuns(compile_step=True)``), at the curriculum's full prompt size, the two interleaved step by step in
+    one process after their warm-up (the compile's own time is reported apart)."""
+    rows = []
+    for arm, runs in stacks:
+        torch.manual_seed(0)
+        template = build(DESIGN_D, arm, layers=layers)
+        states = [template.state_dict()] * runs
+        eager = StackedRuns(copy.deepcopy(template), states, [1e-3] * runs)
+        compiled = StackedRuns(copy.deepcopy(template), states, [1e-3] * runs, compile_step=True)
+        xs, ys = train_batch(DESIGN_D, 1, SCHEDULE_STEPS // 2)
+        batch = (xs.expand(runs, *xs.shape).contiguous(), ys.expand(runs, *ys.shape).contiguous())
+        eager.train_step(loss_of, batch, 1.0)
+        begin = time.perf_counter()
+        compiled.train_step(loss_of, batch, 1.0)
+        compile_s = time.perf_counter() - begin
+        totals = {"eager": 0.0, "compiled": 0.0}
         for _ in range(repeats):
-            step()
-        out[f"host_us_per_op_{name}"] = (time.thread_time() - begin) / repeats / ops_per_step(step) * 1e6
-    return out
-
-
-def separate_step(model, optimizer, xs, ys) -> None:
-    loss = model(xs=xs, ys=ys).loss
-    optimizer.zero_grad()
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    optimizer.step()
-
-
-# operators that only re-describe memory (views, shape queries): no kernel runs for them on a GPU
-VIEW_OPERATORS = {"aten::view", "aten::_unsafe_view", "aten::alias", "aten::detach", "aten::expand", "aten::t",
-                  "aten::transpose", "aten::permute", "aten::slice", "aten::select", "aten::unsqueeze",
-                  "aten::squeeze", "aten::reshape", "aten::as_strided", "aten::split", "aten::unbind",
-                  "aten::split_with_sizes", "aten::_reshape_alias", "aten::unflatten", "aten::flatten",
-                  "aten::movedim", "aten::narrow", "aten::chunk", "aten::view_as", "aten::expand_as",
-                  "aten::result_type", "aten::empty", "aten::empty_like", "aten::to", "aten::lift_fresh",
-                  "aten::promote_types", "aten::is_same_size", "aten::size", "aten::stride", "aten::dim"}
-
-
-def ops_per_step(step, computing: bool = False) -> int:
-    """PyTorch operators one call of ``step`` dispatches, counted by ``torch.profiler`` as the ``aten::`` calls not
-    made inside another one (``computing``: only those that are not views, i.e. about one kernel each on a GPU).
-    At these sizes a GPU step costs about one host dispatch per operator and one short kernel per computing one."""
-    from torch.profiler import ProfilerActivity, profile
-
-    step()
-    with profile(activities=[ProfilerActivity.CPU]) as profiler:
-        step()
-    return sum(1 for event in profiler.events() if event.name.startswith("aten::")
-               and (event.cpu_parent is None or not event.cpu_parent.name.startswith("aten::"))
-               and not (computing and event.name in VIEW_OPERATORS))
+            for name, stack in (("eager", eager), ("compiled", compiled)):
+                begin = time.thread_time()
+                stack.train_step(loss_of, batch, 1.0)
+                totals[name] += time.thread_time() - begin
+        rows.append({"arm": arm, "runs": runs, "eager_ms": 1000 * totals["eager"] / repeats,
+                     "compiled_ms": 1000 * totals["compiled"] / repeats, "compile_s": compile_s})
+    return rows
 
 
 def time_arms(args) -> None:
-    """Batched vs separate CPU step time of each arm, and the sweep's cost on this CPU from them."""
-    results = step_timing(args.d, args.arms, args.lrs, args.seeds)
-    print("| arm | runs | separate runs, ms/step (sum over runs) | batched, ms/step | speed-up | operators/step, one "
-          "separate run | operators/step, batched (computing) | host us/operator, separate / batched (1 prompt) |")
-    print("|---|---|---|---|---|---|---|---|")
-    for arm, row in results.items():
-        print(f"| {LABELS[arm]} | {row['runs']} | {row['separate'] * 1000:.1f} | {row['batched'] * 1000:.1f} | "
-              f"{row['separate'] / row['batched']:.2f}x | {row['ops_separate_run']:,} | {row['ops_batched']:,} "
-              f"({row['kernels_batched']:,}) | "
-              f"{row['host_us_per_op_separate']:.1f} / {row['host_us_per_op_batched']:.1f} |")
-    for mode in ("separate", "batched"):
-        hours = sum(row[mode] for row in results.values()) * args.steps / args.jobs / 3600
-        print(f"sweep {mode}: {len(results)} arms x {len(args.lrs)} LRs x {len(args.seeds)} seeds x {args.steps:,} "
-              f"steps: {hours:.1f} h of wall with {args.jobs} cores at these thread times")
+    """Eager vs compiled CPU step time of each shard's stacks (one thread, thread clock)."""
+    stacks = list(dict.fromkeys((arm, sum(1 for run in runs if run[0] == arm)) for runs in SHARDS.values()
+                                for arm, _, _ in runs))
+    stacks = [(arm, runs) for arm, runs in stacks if arm in args.arms]
+    print(f"{device_name('cpu')}; one step of the arm's stack at the full prompt size (64 prompts of 16 tokens), "
+          "thread time, eager and compiled interleaved, 20 steps each after a warm-up\n")
+    print("| arm | runs stacked | eager ms/step | compiled ms/step | compiled / eager | compile s (first step) |")
+    print("|---|---|---|---|---|---|")
+    for row in step_timing(stacks):
+        print(f"| {LABELS[row['arm']]} | {row['runs']} | {row['eager_ms']:.1f} | {row['compiled_ms']:.1f} | "
+              f"{row['compiled_ms'] / row['eager_ms']:.2f} | {row['compile_s']:.0f} |", flush=True)
 
 
 def plan(args) -> None:
-    """The sweep's size: per arm its parameters and a run's training FLOPs at ``--steps``; the total."""
-    print(f"| arm | params | FLOPs per run ({args.steps:,} steps) | runs |")
-    print("|---|---|---|---|")
+    """The design's size: per arm its parameters, cap, runs and a run's training FLOPs; the total."""
+    print("| arm | params | cap (steps) | FLOPs per run at the cap | runs |")
+    print("|---|---|---|---|---|")
     total = 0.0
-    for arm in args.arms:
-        flops = training_flops(args.d, arm, args.steps)[-1]
-        runs = len(args.lrs) * len(args.seeds)
+    for arm in dict.fromkeys(arm for arm, _, _ in design_runs()):
+        flops = training_flops(DESIGN_D, arm, cap(arm))[-1]
+        runs = sum(run[0] == arm for run in design_runs())
         total += flops * runs
-        print(f"| {LABELS[arm]} | {sum(p.numel() for p in build(args.d, arm).parameters()):,} | {flops:.3g} | "
-              f"{runs} |")
-    print(f"\nd = {args.d}: {len(args.arms)} arms x {len(args.lrs)} LRs x {len(args.seeds)} seeds = "
-          f"{len(args.arms) * len(args.lrs) * len(args.seeds)} runs of {args.steps:,} steps, {total:.3g} training "
-          "FLOPs (launch-bound on a GPU: the time follows the operators per step, see the time command)")
+        print(f"| {LABELS[arm]} | {sum(p.numel() for p in build(DESIGN_D, arm).parameters()):,} | {cap(arm):,} | "
+              f"{flops:.3g} | {runs} |")
+    print(f"\n{len(design_runs())} runs, {total:.3g} training FLOPs at the caps")
 
 
 def describe(args) -> None:
@@ -761,27 +678,29 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("command", choices=["run", "shard", "arm", "pilot", "plan", "time", "describe", "report",
                                             "earlier-ranks"])
-    parser.add_argument("shard_id", nargs="?", help="shard: c1, c2, ..., g1, g2 or x (plan --shards lists them)")
+    parser.add_argument("shard_id", nargs="?", help=f"shard: one of {', '.join(SHARDS)} (plan --shards lists them)")
     parser.add_argument("--shards", action="store_true", help="plan: the shards, their FLOPs and minutes")
     parser.add_argument("--runs", nargs="+", help="arm: explicit lr:seed runs (default every --lrs x --seeds)")
-    parser.add_argument("--d", type=int, default=4, help="input dim, a multiple of 4")
+    parser.add_argument("--d", type=int, default=DESIGN_D, help="input dim, a multiple of 4 (the design: 4)")
     parser.add_argument("--out", help="output folder (default: outputs/icl_rank; pilot: outputs/icl_pilot)")
-    parser.add_argument("--steps", type=int, help=f"training steps (default: the deciding budget, {DECIDING_STEPS})")
+    parser.add_argument("--steps", type=int, help="cap and schedule length of every run (default: the design's "
+                        f"caps per arm on a {SCHEDULE_STEPS:,}-step schedule)")
     parser.add_argument("--eval_every", type=int, default=EVAL_EVERY)
-    parser.add_argument("--results", default=str(RESULTS), help="run / arm: where each finished run's small JSON "
-                        "goes (<results>/d<d>/<run>.json)")
-    parser.add_argument("--lrs", type=float, nargs="+", help=f"default {DECIDING_LRS}; pilot {PILOT_LR}")
-    parser.add_argument("--seeds", type=int, nargs="+", help=f"default {DECIDING_SEEDS}; pilot {PILOT_SEED}")
+    parser.add_argument("--results", default=str(RESULTS), help="where each finished run's small JSON goes")
+    parser.add_argument("--calibration", default=str(CALIBRATION), help="report: seed 0's calibration runs")
+    parser.add_argument("--lrs", type=float, nargs="+", help="run: a custom grid (with --seeds) instead of the design")
+    parser.add_argument("--seeds", type=int, nargs="+", help="run: a custom grid (with --lrs) instead of the design")
     parser.add_argument("--layers", type=int, default=LAYERS, help="run / arm: transformer blocks (the design: 6)")
-    parser.add_argument("--jobs", type=int, default=1, help="run: arms at a time (one process each)")
+    parser.add_argument("--jobs", type=int, default=1, help="run / shard: arms at a time (one process each)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:<index>")
-    parser.add_argument("--arms", nargs="+", help="run / report / time only these arms (default: all six)")
+    parser.add_argument("--arms", nargs="+", help="run / time: only these arms")
     parser.add_argument("--arm", help="arm: the arm to train")
+    parser.add_argument("--eager", action="store_true", help="do not compile the training step (CPU)")
     parser.add_argument("--budget-s", dest="budget_s", type=float,
-                        help="wall seconds after which training stops (pilot default 170; arm/run: a checkpoint "
-                             "is kept and a rerun resumes)")
+                        help=f"wall seconds after which training stops and keeps a checkpoint (shard on a CPU: "
+                             f"{CPU_SHARD_BUDGET_S}, on a GPU: {GPU_SHARD_BUDGET_S}; pilot: 170); a rerun resumes")
     parser.add_argument("--tiny", action="store_true", help="pilot: the CPU rehearsal (2 layers, 30 steps)")
-    parser.add_argument("--figures", default="docs/results/icl_rank_v3")
+    parser.add_argument("--figures", default="docs/results/icl_rank_decisive")
     parser.add_argument("--earlier", action="store_true", help="describe: the five arms of the §1c runs")
     args = parser.parse_args(argv)
     try:
@@ -794,22 +713,25 @@ def main(argv=None) -> None:
     args.arms = [arm for arm in arm_names if not args.arms or arm in args.arms]
     pilot_command = args.command == "pilot"
     args.out = args.out or ("outputs/icl_pilot" if pilot_command else "outputs/icl_rank")
-    args.steps = args.steps if args.steps is not None else deciding_steps(args.d)
-    args.lrs = args.lrs or ([PILOT_LR] if pilot_command else DECIDING_LRS)
-    args.seeds = args.seeds or ([PILOT_SEED] if pilot_command else DECIDING_SEEDS)
     if pilot_command and args.budget_s is None:
         args.budget_s = 170.0
-    if args.command == "shard" and args.device.startswith("cuda") and args.budget_s is None:
-        args.budget_s = SHARD_BUDGET_S  # one GPU command; a rerun resumes from the arms' checkpoints
+    if args.command == "shard" and args.budget_s is None:
+        args.budget_s = GPU_SHARD_BUDGET_S if args.device.startswith("cuda") else CPU_SHARD_BUDGET_S
     for name in ("steps", "eval_every", "jobs", "layers"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.budget_s is not None and not args.budget_s > 0:
         parser.error(f"--budget-s must be positive, got {args.budget_s}")
-    if any(not lr > 0 for lr in args.lrs):
+    if any(not lr > 0 for lr in args.lrs or []):
         parser.error(f"--lrs must be positive, got {args.lrs}")
-    if len(set(args.seeds)) != len(args.seeds) or len(set(args.lrs)) != len(args.lrs):
+    if len(set(args.seeds or [])) != len(args.seeds or []) or len(set(args.lrs or [])) != len(args.lrs or []):
         parser.error(f"--lrs and --seeds must not repeat, got {args.lrs} and {args.seeds}")
+    if (args.lrs is None) != (args.seeds is None) and args.command == "run":
+        parser.error("run: --lrs and --seeds come together (a custom grid) or not at all (the design)")
+    if args.d != DESIGN_D and args.command in ("shard", "report", "plan", "time") or \
+            args.d != DESIGN_D and args.command == "run" and args.lrs is None:
+        parser.error(f"--d {args.d}: the registered design is at d = {DESIGN_D}; other d run only as a custom grid "
+                     "(run --lrs ... --seeds ... --steps ...)")
     if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
         parser.error(f"--device must be cpu or cuda[:index], got {args.device!r}")
     if args.device.startswith("cuda") and args.command in ("run", "arm", "pilot") and not torch.cuda.is_available():
@@ -817,7 +739,7 @@ def main(argv=None) -> None:
     if pilot_command and Path(args.out).exists() and any(Path(args.out).iterdir()):
         parser.error(f"--out {args.out} is not empty: a pilot starts from scratch in a new folder")
     if args.command == "shard" and not args.shard_id:
-        parser.error("shard needs an id: c1, c2, ..., g1, g2 or x (plan --shards lists them)")
+        parser.error(f"shard needs an id: {', '.join(SHARDS)} (plan --shards lists them)")
     if args.runs:
         for text in args.runs:
             parts = text.split(":")
@@ -825,6 +747,8 @@ def main(argv=None) -> None:
                 parser.error(f"--runs: each run is lr:seed, got {text!r}")
     if args.command == "arm" and args.arm not in arm_names:
         parser.error(f"arm needs --arm, one of {', '.join(arm_names)}; got {args.arm!r}")
+    if args.command == "arm" and not args.runs:
+        parser.error("arm needs --runs lr:seed ...")
     torch.set_num_threads(1)
     if args.command == "time":
         time_arms(args)
@@ -835,14 +759,15 @@ def main(argv=None) -> None:
     elif args.command == "describe":
         describe(args)
     elif args.command == "arm":
-        runs = [(float(text.split(":")[0]), int(text.split(":")[1])) for text in args.runs] if args.runs else \
-            [(lr, seed) for seed in args.seeds for lr in args.lrs]
+        runs = [(float(text.split(":")[0]), int(text.split(":")[1])) for text in args.runs]
         for result in train_arm(args, args.arm, runs):
             print(json.dumps({k: result[k] for k in ("arm", "lr", "seed", "final_step", "solved_at")}))
     elif args.command == "run":
-        launch_all(args, [(arm, lr, seed) for arm in args.arms for seed in args.seeds for lr in args.lrs])
+        runs = design_runs() if args.lrs is None else \
+            [(arm, lr, seed) for arm in args.arms for seed in args.seeds for lr in args.lrs]
+        launch_all(args, [run for run in runs if run[0] in args.arms])
     elif args.command == "shard":
-        launch_all(args, [run for run in shard_runs(args, args.shard_id) if run[0] in args.arms])
+        launch_all(args, [run for run in shard_runs(args.shard_id) if run[0] in args.arms])
     elif args.command == "pilot":
         pilot(args)
     else:

@@ -98,6 +98,29 @@ def test_stacked_runs_take_mup_learning_rates_and_weight_decay_per_parameter():
             torch.testing.assert_close(state[name], param.detach(), rtol=1e-9, atol=1e-12, msg=name)
 
 
+@pytest.mark.slow
+def test_the_compiled_step_equals_the_eager_step_in_float64():
+    # torch.compile of the whole step (forward, backward, clipping, AdamW), the LR factor a tensor; 2 runs, a warm-up
+    # schedule and a frozen run. ~1 min: the compile
+    torch.manual_seed(0)
+    template = build(D, "i_dense12_half", layers=1).double()
+    states = [template.state_dict(), build(D, "i_dense12_half", layers=1).double().state_dict()]
+    eager = StackedRuns(build(D, "i_dense12_half", layers=1).double(), states, [1e-3, 3e-2], max_grad_norm=0.05)
+    compiled = StackedRuns(build(D, "i_dense12_half", layers=1).double(), states, [1e-3, 3e-2], max_grad_norm=0.05,
+                           compile_step=True)
+    assert compiled.graph_status == "compiled"
+    for step, factor in enumerate((0.25, 0.5, 1.0, 1.0)):
+        xs, ys = train_batch(D, 0, step, 200)
+        batch = (torch.stack([xs, xs]).double(), torch.stack([ys, ys]).double())
+        if step == 2:
+            for stack in (eager, compiled):
+                stack.freeze(torch.tensor([True, False]))
+        torch.testing.assert_close(compiled.train_step(loss_of, batch, factor), eager.train_step(loss_of, batch, factor),
+                                   rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(compiled.flat, eager.flat, rtol=1e-10, atol=1e-13)
+    assert (eager.flat[1] - torch.cat([v.reshape(-1) for v in states[1].values()])).abs().max() > 1e-4
+
+
 def test_a_frozen_run_stops_changing_while_the_others_train():
     runs, models, optimizers, stack = _separate_and_stacked("ii_dense1", [1e-2], [0, 1])
     prompts = [train_batch(D, seed, 0, 100) for seed in (0, 1)]

@@ -1,8 +1,10 @@
-"""The in-context-regression rank experiment (docs/results.md, experiment 1): its decision rules as coded in
-scripts/icl_rank_report.py (rank, equal compute), its arms (measured score rank, equal initial logit scale), its
-FLOP count, the batched arm runner's resume, and runs of the sweep and pilot commands at tiny size."""
+"""The in-context-regression rank experiment (docs/results.md, "ICL rank: the decisive design"): its decision rules
+as coded in scripts/icl_rank_report.py (rank, equal compute), its registered runs and shards, its arms (measured score
+rank, equal initial logit scale), its FLOP count, its data streams, the batched arm runner's resume and compiled
+step, and runs of the shard, report and pilot commands at tiny size."""
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -12,90 +14,82 @@ import torch
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
-from icl_rank_arms import shards  # noqa: E402
-from icl_rank_experiment import (ArmRunner, arms, build, eval_prompts, schedule, score_rank,  # noqa: E402
-                                 training_flops)
-from icl_rank_report import (cheaper, cost_table, edge_runs, equal_compute_verdict,  # noqa: E402
-                             flops_to_threshold, observations, verdict)
+from icl_rank_arms import CAPS, DESIGN_SEEDS, SCHEDULE_STEPS, SHARDS, design_runs  # noqa: E402
+from icl_rank_experiment import (EVAL_STREAM, TRAIN_STREAM, ArmRunner, arms, build, eval_prompts,  # noqa: E402
+                                 generator_seed, schedule, score_rank, train_batch, training_flops)
+from icl_rank_report import (Cost, cheaper, cost_table, equal_compute_verdict, flops_to_threshold,  # noqa: E402
+                             observations, verdict)
 
-SEEDS, LRS = [0, 1, 2], [3e-4, 1e-3, 3e-3]
+LOW = "i_dense12_half"
 
 
-def _runs(errors: dict, by_lr: dict | None = None, solved_step: int = 100) -> list[dict]:
-    """{arm: (final seed 0, seed 1, seed 2)} -> finished runs at every planned LR: the given final error at lr 1e-3,
-    0.02 worse at the other two; ``by_lr`` {(arm, lr, seed): final} overrides single runs (and adds edge runs).
-    Each run's evaluations: 1.0 at step 0, then its final error at ``solved_step``."""
-    finals = {}
-    for arm, values in errors.items():
-        for seed, value in zip(SEEDS, values):
-            for lr in LRS:
-                finals[arm, lr, seed] = value if lr == 1e-3 else value + 0.02
-    finals.update(by_lr or {})
-    return [{"arm": arm, "lr": lr, "seed": seed, "final": value, "solved_at": None,
+def _runs(finals: dict, overrides: dict | None = None, solved_step: int = 100) -> list[dict]:
+    """{arm: final error in seeds 1, 2, 3} -> a finished run for every registered run of those arms, each with that
+    final error (an arm's two LRs alike); ``overrides`` {(arm, lr, seed): final} replaces single runs and ``None``
+    drops one. Each run's evaluations: 1.0 at step 0, then its final error at ``solved_step``."""
+    values = {(arm, lr, seed): finals[arm][DESIGN_SEEDS.index(seed)] for arm, lr, seed in design_runs()
+              if arm in finals}
+    values.update(overrides or {})
+    return [{"arm": arm, "lr": lr, "seed": seed, "final": value, "solved_at": None, "final_step": CAPS[arm],
              "evals": [{"step": 0, "error_last": 1.0}, {"step": solved_step, "error_last": value}]}
-            for (arm, lr, seed), value in finals.items()]
+            for (arm, lr, seed), value in values.items() if value is not None]
 
 
-SOLVED_CONTROLS = {"ii_dense1": (0.02, 0.04, 0.01), "iii_btt8": (0.03, 0.01, 0.02),
-                   "v_dense3_rank": (0.04, 0.02, 0.03), "iv_mlr8": (0.9, 0.9, 0.9), "vi_dense8_wide": (0.9, 0.9, 0.9)}
-FAILING = {"i_dense12_half": (0.9, 0.7, 0.8)}
+SOLVED = {"iii_btt8": (0.03, 0.01, 0.02), "v_dense3_rank": (0.04, 0.02, 0.03), "ii_dense1": (0.6, 0.4, 0.7)}
+FAILING = {LOW: (0.9, 0.7, 0.8)}
 
 
-def test_rank_rule_solved_regime_is_yes_and_ignores_the_observed_arms():
-    yes = verdict(_runs({**SOLVED_CONTROLS, **FAILING}), SEEDS)
-    assert yes.startswith("YES") and "MLR" not in yes
-    without_observed = {arm: v for arm, v in SOLVED_CONTROLS.items() if arm not in ("iv_mlr8", "vi_dense8_wide")}
-    assert verdict(_runs({**without_observed, **FAILING}), SEEDS) == yes  # (iv), (vi) are not inputs of the rule
+def test_the_registered_design_is_seeds_1_to_3_with_the_failing_arm_given_twice_the_steps_and_a_second_lr():
+    runs = design_runs()
+    assert len(runs) == len(set(runs)) == 14  # each run in exactly one shard
+    assert sorted(seed for arm, lr, seed in runs if arm == LOW and lr == 1e-3) == [1, 2, 3]
+    assert sorted(seed for arm, lr, seed in runs if arm == LOW and lr == 3e-4) == [1, 2]
+    for arm in ("iii_btt8", "v_dense3_rank", "ii_dense1"):
+        assert sorted((lr, seed) for a, lr, seed in runs if a == arm) == [(1e-3, 1), (1e-3, 2), (1e-3, 3)]
+    assert CAPS == {LOW: 40_000, "iii_btt8": 20_000, "v_dense3_rank": 20_000, "ii_dense1": 20_000}
+    assert 0 not in {seed for _, _, seed in runs}  # seed 0 is the calibration, never ruled on
+    for shard in SHARDS.values():  # a shard stacks an arm's runs; its arms train one after another in one process
+        assert len(shard) <= 6
 
 
-def test_rank_rule_failed_regime_is_no_from_one_finished_run_of_the_half_rank_arm():
-    # (i) below 0.1 at one LR of one seed decides NO, even before the other runs exist
-    one_run = [run for run in _runs({"i_dense12_half": (0.08, 0.9, 0.9)}) if run["lr"] == 1e-3 and run["seed"] == 0]
-    no = verdict(one_run, SEEDS)
-    assert no.startswith("NO") and "lr 0.001 seed 0 (0.080)" in no
-    assert verdict(_runs({**SOLVED_CONTROLS, "i_dense12_half": (0.9, 0.9, 0.9)},
-                         {("i_dense12_half", 3e-4, 2): 0.05}), SEEDS).startswith("NO")
+def test_rank_rule_is_yes_when_btt_and_the_rank_control_solve_everywhere_and_every_low_rank_run_stays_above_0_5():
+    assert verdict(_runs({**SOLVED, **FAILING})).startswith("YES")
+    without_observation = {arm: v for arm, v in SOLVED.items() if arm != "ii_dense1"}
+    assert verdict(_runs({**without_observation, **FAILING})).startswith("YES")  # (ii) is not an input
 
 
-def test_rank_rule_mixed_regimes_are_undecided_with_the_reasons():
-    middle = verdict(_runs({**SOLVED_CONTROLS, "i_dense12_half": (0.9, 0.3, 0.9)}), SEEDS)
-    assert middle.startswith("UNDECIDED") and "between 0.1 and 0.5" in middle
-    control_fails = verdict(_runs({**SOLVED_CONTROLS, **FAILING, "v_dense3_rank": (0.04, 0.3, 0.02)}), SEEDS)
-    assert control_fails.startswith("UNDECIDED") and "rank control" in control_fails
-    # a control that solves at one LR only still counts (its best LR), a failing run at another LR does not matter
-    best_lr_only = _runs({**SOLVED_CONTROLS, **FAILING}, {("ii_dense1", 3e-4, 1): 0.9, ("ii_dense1", 3e-3, 1): 0.9})
-    assert verdict(best_lr_only, SEEDS).startswith("YES")
+def test_rank_rule_is_no_from_one_finished_low_rank_run_below_0_1_even_before_the_others():
+    one = [run for run in _runs(FAILING, {(LOW, 3e-4, 2): 0.08}) if run["lr"] == 3e-4 and run["seed"] == 2]
+    no = verdict(one)
+    assert no.startswith("NO") and "(i) lr 0.0003 seed 2 (0.080)" in no
+    assert verdict(_runs({**SOLVED, **FAILING}, {(LOW, 1e-3, 3): 0.099})).startswith("NO")
 
 
-def test_rank_rule_is_partial_until_every_run_it_reads_has_finished():
-    runs = _runs({**SOLVED_CONTROLS, **FAILING})
-    missing = [run for run in runs if not (run["arm"] == "v_dense3_rank" and run["lr"] == 3e-3 and run["seed"] == 2)]
-    assert verdict(missing, SEEDS).startswith("PARTIAL: 1 run")
-    assert verdict([], SEEDS).startswith("PARTIAL")
+def test_rank_rule_is_undecided_with_the_reasons_in_the_middle_and_when_a_control_fails():
+    middle = verdict(_runs({**SOLVED, **FAILING}, {(LOW, 3e-4, 1): 0.3}))
+    assert middle.startswith("UNDECIDED") and "(i) lr 0.0003 seed 1 (0.300) ends between 0.1 and 0.5" in middle
+    control = verdict(_runs({**SOLVED, **FAILING, "v_dense3_rank": (0.04, 0.3, 0.02)}))
+    assert control.startswith("UNDECIDED") and "(v) lr 0.001 seed 2 (0.300) does not end below 0.1" in control
+    edge = verdict(_runs({**SOLVED, LOW: (0.5, 0.7, 0.8)}))  # 0.5 is not above 0.5
+    assert edge.startswith("UNDECIDED")
 
 
-def test_rank_rule_edge_clause_runs_one_more_lr_beyond_the_half_rank_arms_best_edge_lr():
-    # seed 1: (i) is best at 3e-3, the grid's top; the rule then needs (i) at 9e-3 in seed 1 before any YES
-    edge = {("i_dense12_half", 3e-3, 1): 0.6}
-    runs = _runs({**SOLVED_CONTROLS, **FAILING}, edge)
-    assert edge_runs(runs, SEEDS) == [("i_dense12_half", 9e-3, 1)]
-    assert verdict(runs, SEEDS).startswith("PARTIAL: 1 run")
-    assert verdict(_runs({**SOLVED_CONTROLS, **FAILING}, {**edge, ("i_dense12_half", 9e-3, 1): 0.8}),
-                   SEEDS).startswith("YES")
-    assert verdict(_runs({**SOLVED_CONTROLS, **FAILING}, {**edge, ("i_dense12_half", 9e-3, 1): 0.09}),
-                   SEEDS).startswith("NO")
-    between = verdict(_runs({**SOLVED_CONTROLS, **FAILING}, {**edge, ("i_dense12_half", 9e-3, 1): 0.4}), SEEDS)
-    assert between.startswith("UNDECIDED") and "between 0.1 and 0.5" in between
-    low_edge = _runs({**SOLVED_CONTROLS, **FAILING}, {("i_dense12_half", 3e-4, 0): 0.6})
-    assert edge_runs(low_edge, SEEDS) == [("i_dense12_half", 9e-5, 0)]
-    assert edge_runs(_runs({**SOLVED_CONTROLS, **FAILING}), SEEDS) == []  # best at 1e-3 in every seed
+def test_rank_rule_is_partial_until_every_input_run_has_finished():
+    assert verdict(_runs({**SOLVED, **FAILING}, {("iii_btt8", 1e-3, 3): None})).startswith("PARTIAL: 1 of the rule's "
+                                                                                          "11 runs")
+    assert verdict(_runs({**SOLVED, **FAILING}, {(LOW, 3e-4, 1): None})).startswith("PARTIAL")
+    assert verdict([]).startswith("PARTIAL")
+    # the observation (ii) missing does not hold the rule back
+    assert verdict(_runs({"iii_btt8": SOLVED["iii_btt8"], "v_dense3_rank": SOLVED["v_dense3_rank"],
+                          **FAILING})).startswith("YES")
 
 
-def test_bilinear_mlr_and_the_width_control_are_reported_as_observations():
-    runs = _runs({**SOLVED_CONTROLS, **FAILING, "iv_mlr8": (0.04, 0.2, 0.01)})
-    mlr, wide = observations(runs, SEEDS)
-    assert "bilinear MLR" in mlr and "0.040, 0.200, 0.010" in mlr and "below 0.1 in 2 of 3" in mlr
-    assert "width control" in wide and "below 0.1 in 0 of 3" in wide
+def test_the_one_head_control_and_the_calibration_seed_are_reported_as_observations():
+    runs = _runs({**SOLVED, **FAILING})
+    calibration = [{"arm": "iii_btt8", "lr": 1e-3, "seed": 0, "final": 0.049, "solved_at": 5250}]
+    one_head, seed0 = observations(runs, calibration)
+    assert "(ii) dense, 1 head" in one_head and "seed 2 0.400" in one_head and "below 0.1 in 0 of 3" in one_head
+    assert seed0.startswith("seed 0 calibration") and "not ruled on" in seed0 and "solved at 5,250" in seed0
 
 
 def test_failing_arm_has_half_the_input_dim_and_the_rank_control_only_changes_the_head_split():
@@ -142,66 +136,72 @@ def test_curriculum_reaches_full_size_at_six_percent(step, dims, points):
     assert rate == pytest.approx(1e-3 * min(1.0, (step + 1) / 25))
 
 
-COMPARED = ("i_dense12_half", "ii_dense1", "iii_btt8", "iv_mlr8")
+COMPARED = ("i_dense12_half", "ii_dense1", "iii_btt8")
+INF = math.inf
+BUDGET = {LOW: 2e13, "ii_dense1": 1e13, "iii_btt8": 1.2e13}  # total FLOPs at the caps (censoring budgets)
 
 
 def _costs(values: dict) -> dict:
-    return {(arm, seed): value for arm, per_seed in values.items() for seed, value in zip(SEEDS, per_seed)}
+    return {(arm, seed): Cost(value, BUDGET[arm]) for arm, per_seed in values.items()
+            for seed, value in zip(DESIGN_SEEDS, per_seed)}
 
 
-INF = float("inf")
+def test_equal_compute_rule_compares_flops_to_error_0_1_with_a_0_8_margin():
+    dense = {LOW: (9e12, 8e12, 1e13), "ii_dense1": (5e12, 6e12, 5e12)}
+    assert equal_compute_verdict(_costs({**dense, "iii_btt8": (2e12, 3e12, 4e12)})).startswith("YES")
+    assert equal_compute_verdict(_costs({**dense, "iii_btt8": (8e12, 9e12, 9e12)})).startswith("NO")
+    # 4.9e12 vs 6e12 is 0.82x: not cheaper by the margin in seed 2
+    undecided = equal_compute_verdict(_costs({**dense, "iii_btt8": (2e12, 4.9e12, 4e12)}))
+    assert undecided.startswith("UNDECIDED") and "seed 2: (iii) is not cheaper than (ii)" in undecided
+    assert cheaper(Cost(4e12, 9e12), Cost(5e12, 9e12)) and not cheaper(Cost(4.1e12, 9e12), Cost(5e12, 9e12))
 
 
-def test_equal_compute_rule_in_the_solved_regime_compares_flops_to_error_0_1():
-    # every arm solves and freezes: the rule reads when each got below 0.1, not the frozen errors
-    dense = {"i_dense12_half": (9e12, 8e12, 1e13), "ii_dense1": (5e12, 6e12, 5e12)}
-    bilinear_cheaper = {**dense, "iii_btt8": (2e12, 3e12, 4e12), "iv_mlr8": (3e12, 4e12, 4e12)}
-    assert equal_compute_verdict(_costs(bilinear_cheaper), SEEDS).startswith("YES")
-    dense_cheaper = {**dense, "iii_btt8": (8e12, 9e12, 9e12), "iv_mlr8": (7e12, 9e12, 7e12)}
-    assert equal_compute_verdict(_costs(dense_cheaper), SEEDS).startswith("NO")
-    # 4.9e12 vs 6e12 is 0.82x: not cheaper by the 0.8x margin, so one seed leaves it undecided
-    mixed = {**bilinear_cheaper, "iv_mlr8": (3e12, 4.9e12, 4e12)}
-    undecided = equal_compute_verdict(_costs(mixed), SEEDS)
-    assert undecided.startswith("UNDECIDED") and "bilinear MLR, 8 heads vs (ii) dense, 1 head" in undecided
-    assert cheaper(4e12, 5e12) and not cheaper(4.1e12, 5e12)
-
-
-def test_equal_compute_rule_counts_never_reaching_the_threshold_as_infinite():
-    failed_dense = {"i_dense12_half": (INF, INF, INF), "ii_dense1": (INF, 6e12, INF),
-                    "iii_btt8": (2e12, 3e12, 4e12), "iv_mlr8": (3e12, 4e12, 4e12)}
-    assert equal_compute_verdict(_costs(failed_dense), SEEDS).startswith("YES")  # finite beats never
-    nobody = {arm: (INF, INF, INF) for arm in COMPARED}
-    assert equal_compute_verdict(_costs(nobody), SEEDS) == "UNDECIDED: no compared arm reached error 0.1"
-    one_bilinear_never = {**failed_dense, "iv_mlr8": (3e12, INF, 4e12)}
-    assert equal_compute_verdict(_costs(one_bilinear_never), SEEDS).startswith("UNDECIDED")
-    assert not cheaper(INF, INF)
-    partial = {arm: v for arm, v in failed_dense.items() if arm != "iii_btt8"}
-    assert equal_compute_verdict(_costs(partial), SEEDS).startswith("PARTIAL: 3")
+def test_equal_compute_rule_compares_a_finite_cost_with_0_8x_a_censored_runs_total_flops():
+    # (i) never reaches 0.1 within its 2e13 FLOPs: (iii) at <= 1.6e13 is cheaper, beyond that it cannot tell
+    never = {LOW: (INF, INF, INF), "ii_dense1": (INF, 6e12, INF)}
+    assert equal_compute_verdict(_costs({**never, "iii_btt8": (2e12, 3e12, 4e12)})).startswith("YES")
+    assert cheaper(Cost(1.6e13, 1.7e13), Cost(INF, 2e13)) is True
+    assert cheaper(Cost(1.7e13, 1.8e13), Cost(INF, 2e13)) is None  # the latent flaw: not "cheaper than infinity"
+    assert cheaper(Cost(INF, 1e13), Cost(INF, 2e13)) is False
+    late = {LOW: (INF, INF, INF), "ii_dense1": (INF, INF, INF), "iii_btt8": (2e12, 3e12, 9e12)}
+    undecided = equal_compute_verdict(_costs(late))  # 9e12 > 0.8 x (ii)'s censored 1e13
+    assert undecided.startswith("UNDECIDED") and "seed 3: (ii) stopped (never below 0.1) at 1e+13 FLOPs" in undecided
+    early = {LOW: (INF, INF, INF), "ii_dense1": (INF, INF, INF), "iii_btt8": (2e12, 3e12, 8e12)}
+    assert equal_compute_verdict(_costs(early)).startswith("YES")
+    dense_only = {LOW: (INF, INF, INF), "ii_dense1": (5e12, 5e12, 5e12), "iii_btt8": (INF, INF, INF)}
+    assert equal_compute_verdict(_costs(dense_only)).startswith("NO")
+    partial = {arm: v for arm, v in early.items() if arm != "iii_btt8"}
+    assert equal_compute_verdict(_costs(partial)).startswith("PARTIAL: 3")
 
 
 def test_flops_to_threshold_is_the_first_evaluation_below_0_1_and_freezing_does_not_hide_it():
     flops = [10.0 * step for step in range(101)]  # 10 FLOPs per step, 100 steps
-    frozen = {"evals": [{"step": 0, "error_last": 1.0}, {"step": 25, "error_last": 0.3},
-                        {"step": 50, "error_last": 0.08}, {"step": 75, "error_last": 0.04}]}  # frozen at 75
-    assert flops_to_threshold(frozen, flops) == 500.0
-    never = {"evals": [{"step": 0, "error_last": 1.0}, {"step": 100, "error_last": 0.1}]}
-    assert flops_to_threshold(never, flops) == INF
-    runs = [{"arm": "iii_btt8", "lr": lr, "seed": 0, **run} for lr, run in zip(LRS, (never, frozen, never))]
-    assert cost_table(runs, {"iii_btt8": flops}, ["iii_btt8"], [0]) == {("iii_btt8", 0): 500.0}  # least over LRs
-    assert cost_table(runs[:2], {"iii_btt8": flops}, ["iii_btt8"], [0]) == {}  # a planned run missing
+    frozen = {"final_step": 75, "evals": [{"step": 0, "error_last": 1.0}, {"step": 25, "error_last": 0.3},
+                                          {"step": 50, "error_last": 0.08}, {"step": 75, "error_last": 0.04}]}
+    assert flops_to_threshold(frozen, flops) == Cost(500.0, 750.0)
+    never = {"final_step": 100, "evals": [{"step": 0, "error_last": 1.0}, {"step": 100, "error_last": 0.1}]}
+    assert flops_to_threshold(never, flops) == Cost(INF, 1000.0)
+    runs = [{"arm": LOW, "lr": lr, "seed": 1, **run} for lr, run in ((1e-3, never), (3e-4, frozen))]
+    assert cost_table(runs, {LOW: flops}, [LOW], [1]) == {(LOW, 1): Cost(500.0, 1000.0)}  # least over its LRs
+    assert cost_table(runs[:1], {LOW: flops}, [LOW], [1]) == {}  # a registered run missing
 
 
-def test_shards_cover_every_planned_run_once_per_kind_and_start_with_the_decisive_runs():
-    table = shards(4)
-    planned = {(arm, lr, seed) for arm in arms(4) for lr in LRS for seed in SEEDS}
-    cpu = [run for sid, runs in table.items() if sid.startswith("c") for run in runs]
-    gpu = [run for sid, runs in table.items() if sid.startswith("g") for run in runs]
-    assert sorted(cpu) == sorted(planned) == sorted(gpu) and len(cpu) == len(planned) == 54
-    assert table["c1"] == [("i_dense12_half", 1e-3, 0), ("iii_btt8", 1e-3, 0)]
-    assert set(table) == {f"c{k}" for k in range(1, 28)} | {"g1", "g2"}
-    for sid, runs in table.items():  # a CPU shard: 2 runs of distinct arms (one process per core)
-        if sid.startswith("c"):
-            assert len(runs) == 2 and len({arm for arm, _, _ in runs}) == 2
+def test_no_training_step_draws_the_evaluation_prompts():
+    # every training draw of the design (4 seeds incl. the calibration, 40,000 steps) against each evaluation draw
+    evaluation = {generator_seed(seed, EVAL_STREAM, 0) for seed in range(4)}
+    training = {generator_seed(seed, TRAIN_STREAM, step) for seed in range(4) for step in range(40_000)}
+    assert len(training) == 4 * 40_000 and not evaluation & training
+    xs, _ = eval_prompts(4, 1, 8)
+    for step in (0, 7_919, 19_999):  # 7,919 was the earlier formula's collision
+        assert not torch.equal(train_batch(4, 1, step)[0][:8], xs)
+
+
+def test_every_run_follows_the_same_schedule_whatever_its_cap():
+    assert SCHEDULE_STEPS == 20_000
+    assert [schedule(s, SCHEDULE_STEPS, 4, 1e-3)[2] for s in (0, 599, 600, 1199, 1200, 39_999)] == [4, 4, 6, 6, 8, 8]
+    assert schedule(39_999, SCHEDULE_STEPS, 4, 1e-3)[0] == pytest.approx(1e-3)
+    flops_40k = training_flops(4, LOW, 40_000)
+    assert flops_40k[:20_001] == training_flops(4, LOW, 20_000)  # the first 20k steps are the 20k-cap run's
 
 
 def test_training_flops_follow_the_curriculum_and_rank_the_arms_by_cost():
@@ -209,7 +209,7 @@ def test_training_flops_follow_the_curriculum_and_rank_the_arms_by_cost():
 
     steps = 200
     for arm in COMPARED:
-        cumulative = training_flops(4, arm, steps)
+        cumulative = training_flops(4, arm, steps, schedule_steps=steps)
         per_step = [b - a for a, b in zip(cumulative, cumulative[1:])]
         assert len(cumulative) == steps + 1 and cumulative[0] == 0
         full = flops_per_token(build(4, arm).config, 16, training=True) * 64 * 16  # 64 prompts of 2N = 16 tokens
@@ -217,7 +217,7 @@ def test_training_flops_follow_the_curriculum_and_rank_the_arms_by_cost():
         assert per_step[0] < per_step[-1]  # the curriculum starts with d = 4 points (8 tokens)
         assert [schedule(s, steps, 4, 1.0)[2] for s in (0, 6, 12)] == [4, 6, 8]
     # the bilinear arms spend more per step than 1-head dense at D = 24 (BTT: full-width keys, MLR: 5 dims + V)
-    cost = {arm: training_flops(4, arm, 10)[-1] for arm in COMPARED}
+    cost = {arm: training_flops(4, arm, 10, schedule_steps=10)[-1] for arm in COMPARED}
     assert cost["iii_btt8"] > cost["ii_dense1"]
 
 
@@ -241,53 +241,58 @@ def test_an_interrupted_arm_resumes_to_the_same_parameters(tmp_path):
     progress = (tmp_path / "b" / "v_dense3_rank_lr0.001_s0" / "progress.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in progress] == [0, 4, 8]
     interrupted.save_checkpoint()  # the same runs with another step count must not resume it
-    with pytest.raises(ValueError, match="another configuration"):
-        ArmRunner(4, "v_dense3_rank", [1e-3, 3e-3], [0], 9, 4, tmp_path / "b", dtype=torch.float64, layers=1,
-                  eval_count=32)
+    for other in (dict(steps=9), dict(schedule_steps=16)):  # another cap or another schedule must not resume it
+        with pytest.raises(ValueError, match="another configuration"):
+            ArmRunner(4, "v_dense3_rank", [1e-3, 3e-3], [0], other.get("steps", 8), 4, tmp_path / "b",
+                      dtype=torch.float64, layers=1, eval_count=32, schedule_steps=other.get("schedule_steps"))
 
 
-def test_the_sweep_and_shard_commands_write_results_files_skip_finished_runs_and_report(tmp_path, capsys):
-    # the deciding command, shrunk to two arms of 2 LRs x 1 seed (each arm one stacked model), 3 steps
+def test_the_run_shard_and_report_commands_write_results_files_skip_finished_runs_and_report(tmp_path, capsys):
+    # a custom grid of two arms (each one stacked model of 2 LRs), then shard r1 shrunk to 3 steps: (iii) in seeds
+    # 1-3 as one stack; eager steps (the compiled step is tests/test_batched_runs.py's)
     from icl_rank_experiment import main
 
     results = tmp_path / "results"
-    small = ["--d", "4", "--out", str(tmp_path / "out"), "--results", str(results), "--steps", "3", "--layers", "2",
-             "--eval_every", "2"]
+    small = ["--out", str(tmp_path / "out"), "--results", str(results), "--steps", "3", "--layers", "2",
+             "--eval_every", "2", "--eager"]
     threads = torch.get_num_threads()  # main() sets one thread for its runs
     try:
-        main(["run", *small, "--arms", "i_dense12_half", "v_dense3_rank", "--lrs", "1e-3", "3e-3", "--seeds", "0",
-              "--jobs", "1"])  # the arms one after another in this process
+        main(["run", *small, "--arms", "i_dense12_half", "v_dense3_rank", "--lrs", "1e-3", "3e-3", "--seeds", "1",
+              "--jobs", "1"])
         assert "all arms finished" in capsys.readouterr().out
         for arm in ("i_dense12_half", "v_dense3_rank"):
             for lr in ("0.001", "0.003"):
-                record = json.loads((results / "d4" / f"{arm}_lr{lr}_s0.json").read_text())
+                record = json.loads((results / f"{arm}_lr{lr}_s1.json").read_text())
                 assert record["final_step"] == 3 and record["batched_with"] == 2 and record["layers"] == 2
-                assert [e["step"] for e in record["evals"]] == [0, 2, 3]
+                assert record["schedule_steps"] == 3 and [e["step"] for e in record["evals"]] == [0, 2, 3]
                 assert record["rank_init"]["span_min"] == score_rank(4, arm) and record["device"].startswith("cpu")
-                assert len((results / "d4" / f"{arm}_lr{lr}_s0.json").read_text()) < 4000
-        before = (results / "d4" / "i_dense12_half_lr0.001_s0.json").read_text()
-        main(["shard", "c1", *small, "--jobs", "1"])  # c1: (i) is done, (iii) at 1e-3 seed 0 trains alone
+                assert len((results / f"{arm}_lr{lr}_s1.json").read_text()) < 4000
+        before = (results / "i_dense12_half_lr0.001_s1.json").read_text()
+        main(["shard", "r1", *small])
         out = capsys.readouterr().out
-        assert "start i_dense12_half" not in out and "start iii_btt8 (1 runs stacked)" in out
-        assert (results / "d4" / "i_dense12_half_lr0.001_s0.json").read_text() == before
-        assert json.loads((results / "d4" / "iii_btt8_lr0.001_s0.json").read_text())["batched_with"] == 1
-        main(["shard", "c1", *small])  # idempotent: nothing left
+        assert "start iii_btt8 (3 runs stacked)" in out and "start i_dense12_half" not in out
+        assert (results / "i_dense12_half_lr0.001_s1.json").read_text() == before
+        assert json.loads((results / "iii_btt8_lr0.001_s3.json").read_text())["batched_with"] == 3
+        main(["shard", "r1", *small])  # idempotent: nothing left
         assert "start" not in capsys.readouterr().out
-        main(["report", *small, "--figures", str(tmp_path / "figures")])
+        main(["report", *small, "--figures", str(tmp_path / "figures"), "--calibration", str(tmp_path / "none")])
         out = capsys.readouterr().out
-        assert "VERDICT (rank, Fig. 2/3a): PARTIAL" in out and "VERDICT (equal compute, Fig. 3b): PARTIAL" in out
-        assert "CPU shards left: c2, c3" in out and "shard c2 --d 4 --device cpu --jobs 2" in out
-        assert (tmp_path / "figures" / "icl_rank_d4.png").exists()
+        assert "VERDICT (rank, Fig. 2/3a): PARTIAL" in out and "VERDICT (equal compute, Fig. 3b, bilinear BTT " \
+            "only): PARTIAL" in out
+        assert "| r1 | (iii) 0.001 s1,2,3; 20,000 | 3/3 |" in out and "shard r2   (shards left: r2, r3, r4)" in out
+        assert (tmp_path / "figures" / "icl_rank_decisive_d4.png").exists()
         main(["plan", "--shards", *small])
-        assert "| c1 | (i) 0.001 s0, (iii) 0.001 s0 | 2/2 |" in capsys.readouterr().out
-        with pytest.raises(SystemExit):
-            main(["run", "--d", "4", "--arms", "vii"])
-        assert "--arms: unknown vii" in capsys.readouterr().err
-        with pytest.raises(SystemExit):
-            main(["shard", "c99", *small])
-        with pytest.raises(SystemExit):
-            main(["arm", *small, "--arm", "ii_dense1", "--runs", "0.001"])
-        assert "--runs: each run is lr:seed, got '0.001'" in capsys.readouterr().err
+        assert "| r1 | (iii) 0.001 s1, (iii) 0.001 s2, (iii) 0.001 s3 | 3/3 |" in capsys.readouterr().out
+        for argv, message in ((["run", "--arms", "vii"], "--arms: unknown vii"),
+                              (["shard", "r9", *small], None),
+                              (["arm", *small, "--arm", "ii_dense1", "--runs", "0.001"],
+                               "--runs: each run is lr:seed, got '0.001'"),
+                              (["report", "--d", "8"], "--d 8: the registered design is at d = 4"),
+                              (["run", "--lrs", "1e-3"], "--lrs and --seeds come together")):
+            with pytest.raises(SystemExit):
+                main(argv)
+            if message:
+                assert message in capsys.readouterr().err
     finally:
         torch.set_num_threads(threads)
 

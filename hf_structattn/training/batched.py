@@ -19,6 +19,11 @@ here: with ``weight_decay == 0`` AdamW leaves them unchanged in both; with weigh
 The attention must be vmap-able: the ``eager`` implementation is (``StackedRuns`` sets it on the template), while the
 fused MLR path is an ``autograd.Function`` without functorch support and CPU SDPA falls back to a per-run loop.
 
+``compile_step=True`` compiles the whole step (forward, backward, clipping, AdamW) with ``torch.compile``, once per
+batch shape; on a CPU it pays where the step is bound by per-operator dispatch, as the ICL arms' steps are (1.6-3.6x
+less thread time, ``scripts/icl_rank_experiment.py time``); the learning-rate factor travels as a tensor so that a
+schedule does not recompile it.
+
 On CUDA, ``cuda_graphs=True`` records the whole step (forward, backward, clipping, AdamW) once per batch shape in a
 CUDA graph and replays it, so a step costs one graph launch instead of hundreds of kernel launches from Python. The
 first replay of each graph is checked against an eager step from the same state; on any difference beyond float32
@@ -58,7 +63,7 @@ class StackedRuns:
                  lr_multipliers: Optional[Mapping[str, float]] = None,
                  weight_decays: Optional[Mapping[str, float]] = None,
                  device: Optional[torch.device | str] = None, dtype: Optional[torch.dtype] = None,
-                 cuda_graphs: bool = False):
+                 cuda_graphs: bool = False, compile_step: bool = False):
         if len(initial_states) != len(lrs):
             raise ValueError(f"initial_states: {len(initial_states)} states for {len(lrs)} learning rates")
         if not initial_states:
@@ -110,7 +115,9 @@ class StackedRuns:
         self.betas, self.eps, self.max_grad_norm = betas, eps, max_grad_norm
         self.cuda_graphs = bool(cuda_graphs) and device.type == "cuda"
         self._graphs: dict = {}
-        self.graph_status = "eager" if not self.cuda_graphs else "not captured yet"
+        self.compile_step = bool(compile_step) and not self.cuda_graphs
+        self._compiled: dict = {}  # loss function -> its compiled step
+        self.graph_status = "not captured yet" if self.cuda_graphs else "compiled" if self.compile_step else "eager"
 
     # ------------------------------------------------------------------------------------------------ parameters
 
@@ -172,13 +179,21 @@ class StackedRuns:
         denom = (self.exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(self.eps)
         self.flat.sub_(lr / bias_correction1 * self.exp_avg / denom)
 
+    def _step(self, loss_fn: Callable, batch: Batch, lr_factor: float | torch.Tensor) -> torch.Tensor:
+        losses, grads = self.losses_and_grads(loss_fn, batch)
+        self.apply_gradients(grads, lr_factor)
+        return losses
+
     def train_step(self, loss_fn: Callable, batch: Batch, lr_factor: float | torch.Tensor = 1.0) -> torch.Tensor:
         """One optimizer step of every run; returns the per-run losses (R,) before the step (no host sync)."""
         if self.cuda_graphs:
             return self._graphed_step(loss_fn, batch, lr_factor)
-        losses, grads = self.losses_and_grads(loss_fn, batch)
-        self.apply_gradients(grads, lr_factor)
-        return losses
+        if self.compile_step:
+            if loss_fn not in self._compiled:
+                self._compiled[loss_fn] = torch.compile(lambda batch, factor: self._step(loss_fn, batch, factor))
+            factor = torch.as_tensor(lr_factor, dtype=torch.float64).to(self.device)
+            return self._compiled[loss_fn](batch, factor)
+        return self._step(loss_fn, batch, lr_factor)
 
     @torch.no_grad()
     def evaluate(self, fn: Callable, batch: Batch):
@@ -223,9 +238,7 @@ class StackedRuns:
                 live.copy_(saved)
 
         def step() -> torch.Tensor:
-            losses, grads = self.losses_and_grads(loss_fn, static_batch)
-            self.apply_gradients(grads, static_factor)
-            return losses
+            return self._step(loss_fn, static_batch, static_factor)
 
         try:
             side = torch.cuda.Stream(self.device)
