@@ -48,6 +48,30 @@ def test_a_float_mask_holding_a_score_bias_is_refused():
         _logits(model, ids, attention_mask=mask)
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_nan_in_a_float_mask_is_refused(family):
+    """A NaN in a float 4-D mask is neither 0 (attend) nor <= -1e4 (masked): refused in one line, on a pair the rest
+    of the mask allows and on a masked one, with and without a cache and after a prefill (stock Llama would return NaN
+    logits; reading it as "masked" would be a silent answer)."""
+    from hf_structattn.decoder_patching import tiny_decoder
+
+    model = tiny_lm("mlr").double() if family == "gpt2" else \
+        hf_structattn.patch(tiny_decoder("llama"), mlr_ranks=[8, 4, 4], mlr_block_sizes=[8, 4])
+    ids = torch.randint(2, 61, (2, 8), generator=torch.Generator().manual_seed(3))
+    causal = torch.ones(8, 8, dtype=torch.bool).tril()
+    for pair in ((5, 2), (5, 7)):  # allowed, masked (a future key)
+        mask = torch.zeros(2, 1, 8, 8, dtype=torch.float64).masked_fill(~causal, float("-inf"))
+        mask[1, 0, pair[0], pair[1]] = float("nan")
+        for use_cache in (True, False):
+            with pytest.raises(ValueError, match=r"attention_mask is a float \(additive\) mask holding nan") as raised:
+                _logits(model, ids, attention_mask=mask, use_cache=use_cache)
+            assert "\n" not in str(raised.value)
+        cache = transformers.DynamicCache(config=model.config)
+        _logits(model, ids[:, :5], attention_mask=mask[:, :, :5, :5].nan_to_num(nan=0.0), cache=cache)
+        with pytest.raises(ValueError, match=r"holding nan"):
+            _logits(model, ids[:, 5:], attention_mask=mask[:, :, 5:], cache=cache)
+
+
 def _prompt_lookup(model, prompt, rounds):
     return model.generate(prompt, max_new_tokens=rounds, do_sample=False, prompt_lookup_num_tokens=4,
                           pad_token_id=1)
