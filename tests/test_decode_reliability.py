@@ -167,6 +167,44 @@ def test_a_cache_written_by_another_geometry_is_refused():
             reader(ids[:, :1], cache=cache)
 
 
+@pytest.mark.parametrize("fields, differing, held, wanted", [
+    (dict(mlr_scaling="mup"), "level scales", "[0.25, 0.25, 0.25, 0.25]", "[0.125, 0.25, 0.5, 0.5]"),
+    (dict(mlr_average_levels=True), "level averaging", "level averaging off", "level averaging on"),
+])
+def test_a_cache_written_with_other_level_weights_names_the_differing_field(fields, differing, held, wanted):
+    """Same ranks and blocks, other level scales or level averaging: the refusal names the field that differs and
+    both values (not the identical ranks and blocks alone)."""
+    writer = tiny_lm("mlr", n_positions=64)
+    reader = tiny_lm("mlr", n_positions=64, **fields)
+    ids = torch.randint(2, 61, (1, 10))
+    cache = transformers.DynamicCache(config=writer.config)
+    with torch.no_grad():
+        writer(ids, cache=cache)
+        with pytest.raises(ValueError, match=f"differ in {differing}") as raised:
+            reader(ids[:, :1], cache=cache)
+    message = str(raised.value)
+    assert "\n" not in message and held in message and wanted in message, message
+    assert message.index(held) < message.index("the model's layer") < message.index(wanted), message
+
+
+def test_a_model_without_mlr_layers_refuses_a_cache_an_mlr_model_wrote():
+    """The dense twin given a cache the MLR model wrote: one line naming the layer, before anything is written (the
+    cache still holds the MLR model's tokens, and the MLR model continues it exactly)."""
+    mlr = tiny_lm("mlr").double()
+    dense = tiny_lm("dense").double()
+    ids = torch.randint(2, 61, (2, 10), generator=torch.Generator().manual_seed(8))
+    cache = transformers.DynamicCache(config=mlr.config)
+    with torch.no_grad():
+        mlr(ids[:, :8], cache=cache)
+        for chunk in (ids[:, 8:9], ids[:, 8:10]):
+            with pytest.raises(ValueError, match=r"cache layer 0 holds MLR keys of ranks \[8, 4, 2, 2\]") as raised:
+                dense(chunk, cache=cache)
+            assert "\n" not in str(raised.value) and "not MLR" in str(raised.value)
+        assert cache.get_seq_length() == 8
+        got = mlr(ids[:, 8:], cache=cache).logits
+    torch.testing.assert_close(got, _logits(mlr, ids)[:, 8:], **EXACT)
+
+
 def test_cached_training_steps_under_eager_attention_apply_dropout():
     """With attention dropout in training, a cached step of a patched Llama under the eager implementation drops
     weights (two calls differ, and differ from the dropout-free step), as its uncached eager forward does."""

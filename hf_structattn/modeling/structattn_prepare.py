@@ -10,7 +10,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer, EncoderDecoderCache, StaticLayer
 from transformers.utils.deprecation import deprecate_kwarg
 
-from .structattn_cache import MLR_CACHE_LAYERS, MLRKeyCacheLayer, MLRStaticKeyCacheLayer
+from .structattn_cache import MLR_CACHE_LAYERS, MLRKeyCacheLayer, MLRStaticKeyCacheLayer, held_geometry
 from .structattn_geometry import check_additive_mask, check_mask_shape, own_key_allowed
 from .structattn_step import STEP_KEY, MLRStep, build_step, plain_step
 
@@ -78,6 +78,15 @@ def prepare_structattn_cache(cache: Optional[Cache], geometries: dict, *, reserv
     if num_layers is not None:
         for part in (target, cache.cross_attention_cache) if isinstance(cache, EncoderDecoderCache) else (target,):
             _extend_layers(part, num_layers)
+    for layer_idx, layer in enumerate(target.layers):
+        if layer_idx not in geometries and isinstance(layer, MLR_CACHE_LAYERS) and layer.is_bound:
+            # the hierarchical form of another model's MLR layer (an unbound MLR layer holds full keys, as a plain one)
+            if layer.get_seq_length() > 0:
+                raise ValueError(f"cache layer {layer_idx} holds {held_geometry(layer.geometry)}, written by an MLR "
+                                 f"model; this model's layer {layer_idx} is not MLR: a cache is read only by a model "
+                                 f"of the geometry that wrote it (start from a new cache)")
+            target.layers[layer_idx] = StaticLayer(max_cache_len=layer.max_cache_len) if layer.is_static else \
+                DynamicLayer()
     for layer_idx, geometry in geometries.items():
         if layer_idx >= len(target.layers):
             continue
