@@ -666,11 +666,17 @@ def _truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[:len(path.read_bytes()) // 2])
 
 
+def _scramble(path: Path) -> None:
+    """The same number of bytes, none of them the file's: a corruption that every size check passes."""
+    path.write_bytes(bytes(255 - byte for byte in path.read_bytes()))
+
+
 CORRUPTIONS = {
     "model missing": ("model.safetensors", lambda p: p.unlink(), "missing"),
     "model truncated": ("model.safetensors", _truncate, "truncated ("),
     "optimizer missing": ("optimizer.bin", lambda p: p.unlink(), "missing"),
     "optimizer truncated": ("optimizer.bin", _truncate, "truncated ("),
+    "optimizer corrupt": ("optimizer.bin", _scramble, "cannot be loaded ("),
     "run.json empty": ("run.json", lambda p: p.write_text(""), "empty"),
     "run.json invalid": ("run.json", lambda p: p.write_text('{"step": 4, "configuration": '), "invalid JSON at line 1"),
     "RNG state missing": ("rng_state_0.safetensors", lambda p: p.unlink(), "missing"),
