@@ -709,6 +709,44 @@ def test_a_corrupt_checkpoint_is_one_line_exit_2_naming_the_file_and_the_previou
     assert json.loads((out / "final_metrics.json").read_text())["resumed_at"] == 2
 
 
+def test_resuming_a_run_killed_while_logging_drops_the_half_written_line_with_a_note(two_checkpoints, tmp_path,
+                                                                                     monkeypatch, capsys):
+    """A run killed while it wrote metrics.jsonl leaves half a line: the resume drops that line with a one-line note
+    (no JSONDecodeError traceback) and continues; the log then parses line by line and holds each step once."""
+    out = tmp_path / "run"
+    shutil.copytree(two_checkpoints, out)
+    log = out / "metrics.jsonl"
+    log.write_text(log.read_text() + '{"step": 5, "train/lo')
+    code, lines = _resume_via_entry_point(out, monkeypatch, capsys, "--resume_from", "latest")
+    assert code == 0, lines
+    notes = [line for line in lines if "metrics.jsonl" in line]
+    assert len(notes) == 1 and "dropped its last line" in notes[0] and "line " in notes[0], lines
+    steps = [json.loads(line).get("step") for line in log.read_text().splitlines() if "train/loss" in line]
+    assert steps == sorted(set(steps)) and steps[-1] == json.loads((out / "final_metrics.json").read_text())["step"]
+
+
+def test_the_metrics_reader_drops_only_a_half_written_last_line(tmp_path, capsys):
+    """One reader for the resume's cut (truncate_log) and the plots (read_jsonl): a last line that does not parse is
+    dropped with a note naming the file and the line; any other line that does not parse is one line naming both."""
+    from hf_structattn.training.args import ConfigError
+    from hf_structattn.training.loop import truncate_log
+    from hf_structattn.training.tracking import read_jsonl
+
+    log = tmp_path / "metrics.jsonl"
+    good = [{"event": "config", "config": {}}, {"step": 1, "train/loss": 2.0}, {"step": 2, "train/loss": 1.5}]
+    text = "".join(json.dumps(record) + "\n" for record in good)
+    log.write_text(text + '{"step": 3, "train/l')
+    assert read_jsonl(log) == good[1:]
+    assert "metrics.jsonl: dropped its last line (line 4)" in capsys.readouterr().err
+    truncate_log(log, 2)
+    assert log.read_text() == text
+    log.write_text(text[:-1] + ",\n" + text)  # a bad line in the middle is not a half-written one
+    for read in (read_jsonl, lambda path: truncate_log(path, 2)):
+        with pytest.raises(ConfigError, match=rf"{re.escape(str(log))}: line 3 is not valid JSON") as raised:
+            read(log)
+        assert "\n" not in str(raised.value)
+
+
 class _Plant:
     """Unpickling this object opens (creates) ``marker``: the stand-in for arbitrary code in a planted pickle."""
 

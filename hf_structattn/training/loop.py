@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 from .args import ConfigError, RunComplete, arg, configuration_differences, run_configuration
 from .checkpoints import (CHECKPOINT_STATE, CheckpointWriter, checkpoint_dirs, load_checkpoint,  # noqa: F401
                           remove_partial_checkpoints, resolve_checkpoint)
-from .tracking import JSONLTracker
+from .tracking import JSONLTracker, read_log_lines
 
 RUN_CONFIG = "run_config.json"   # in the output folder
 LR_SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_min_lr", "cosine_with_restarts",
@@ -214,12 +214,8 @@ def truncate_log(path: Path, last_step: int) -> None:
     """Keep the records of steps ``<= last_step`` (and config events): a resumed run replays the rest."""
     if not path.exists():
         return
-    kept = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            record = json.loads(line)
-            if record.get("step") is None or record["step"] <= last_step:
-                kept.append(line)
+    kept = [line for line, record in read_log_lines(path)
+            if record.get("step") is None or record["step"] <= last_step]
     path.write_text("".join(f"{line}\n" for line in kept))
 
 
