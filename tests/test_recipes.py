@@ -230,6 +230,25 @@ def test_resume_latest_of_a_finished_run_says_it_is_complete(interrupted_and_res
     assert after == before
 
 
+def test_a_run_whose_final_save_was_killed_is_not_complete_and_resume_writes_it_again(tmp_path, monkeypatch,
+                                                                                       capsys):
+    """The resume's "already complete" uses the one definition of a finished run (push's): a run whose final
+    model.safetensors is half-written (the save killed midway) is not complete; --resume_from latest loads the last
+    checkpoint, trains nothing and writes the outputs again, the same weights as the first time."""
+    out = tmp_path / "run"
+    code, lines = _resume_via_entry_point(out, monkeypatch, capsys, "--max_steps", 2)
+    assert code == 0, lines
+    expected = {name: tensor.clone() for name, tensor in weights(out).items()}  # (load_file maps the file)
+    _truncate(out / "model.safetensors")
+    code, lines = _resume_via_entry_point(out, monkeypatch, capsys, "--max_steps", 2, "--resume_from", "latest")
+    assert code == 0, lines
+    from hf_structattn.training.outputs import finished_run
+
+    finished_run(out)  # a finished run again
+    got = weights(out)
+    assert got.keys() == expected.keys() and all(torch.equal(got[name], expected[name]) for name in expected)
+
+
 COMMON_BAD_ARGUMENTS = [
     (["--max_steps", "-5"], "--max_steps must be >= 1, got -5"),
     (["--max_steps", "many"], "--max_steps: invalid int value: 'many'"),
@@ -810,8 +829,6 @@ RECIPE_CODE_FILE = {"train_clm": "modeling_structattn_gpt2.py", "train_icl": "mo
 @pytest.mark.parametrize("recipe_name", list(RECIPES))
 def test_push_to_hub_checks_the_hub_first_and_uploads_the_output_folder(tmp_path, monkeypatch, recipe_name):
     """Only the Hub network boundary (HfApi.whoami / create_repo / upload_folder) is replaced."""
-    import fnmatch
-
     import huggingface_hub
 
     recipe = RECIPES[recipe_name]
@@ -846,8 +863,9 @@ def test_push_to_hub_checks_the_hub_first_and_uploads_the_output_folder(tmp_path
     assert calls[1][1] == "someone/tiny-mlr" and calls[1][2]["exist_ok"] is True
     upload = calls[2][2]
     assert calls[2][1] == "someone/tiny-mlr" and upload["folder_path"] == str(out)
-    listing = {p for p in upload["listing"] if not any(fnmatch.fnmatch(p, pattern)
-                                                      for pattern in upload["ignore_patterns"])}
+    from test_push import upload_folder_sends
+
+    listing = set(upload_folder_sends(**upload))
     assert any(p.startswith("checkpoints/") for p in upload["listing"])  # there were checkpoints: left out
     assert not any(p.startswith(("checkpoints/", "source/", "base_tiny_chronos_t5/")) for p in listing)
     assert "run_config.json" not in listing and not any(p.endswith(".pkl") for p in listing)
