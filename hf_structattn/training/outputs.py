@@ -113,7 +113,8 @@ def _walk(out: Path) -> tuple[list, list]:
             elif not path.is_file():
                 skipped.append((relative, "not a regular file"))
             elif _ignored(relative):
-                skipped.append((relative, "bookkeeping or a pickle by name, not part of the published model"))
+                skipped.append((relative, "a pickle (by name): not published" if relative.endswith(".pkl") else
+                                "bookkeeping, not part of the published model"))
             elif not relative.endswith(".safetensors") and is_pickle(path):
                 skipped.append((relative, "a pickle (unpickling runs code): not published"))
             else:
