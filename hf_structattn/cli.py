@@ -322,26 +322,27 @@ def patch_command(args) -> int:
 # ---- hf-structattn push (kept apart from the patch command above) ----
 def push_command(args) -> int:
     """``hf-structattn push``: upload a finished output folder (:func:`hf_structattn.hub.push_output_dir`), or with
-    ``--dry-run`` list what would be uploaded, or with ``--to-folder`` copy it into a local folder. No network but the
-    upload itself; every failure is one :class:`CliError` line."""
-    from .hub import PushError, check_output_dir, check_repo_id, copy_to_folder, describe, files_to_upload, \
-        push_output_dir
+    ``--dry-run`` list what would be uploaded, or with ``--to-folder`` copy it into a local folder; each lists what
+    it skips. No network but the upload itself; every failure is one :class:`CliError` line."""
+    from .hub import PushError, check_repo_id, copy_to_folder, describe, finished, push_output_dir
 
     try:
         if args.to_folder:
-            files = copy_to_folder(args.output_dir, args.to_folder)
-            print(f"copied {len(files)} files from {args.output_dir} to {args.to_folder} (what the Hub repository "
-                  f"would hold; nothing uploaded)")
+            run = copy_to_folder(args.output_dir, args.to_folder)
+            print(f"copied {len(run.files)} files from {args.output_dir} to {args.to_folder} (what the Hub "
+                  f"repository would hold; nothing uploaded)")
+            print("\n".join(describe(run)))
             return 0
         repo_id = check_repo_id(args.repo_id)
         if args.dry_run:
-            files = files_to_upload(check_output_dir(args.output_dir))
-            print(f"dry run: would upload {len(files)} files from {args.output_dir} to "
+            run = finished(args.output_dir)
+            print(f"dry run: would upload {len(run.files)} files from {args.output_dir} to "
                   f"https://huggingface.co/{repo_id}{' (private)' if args.private else ''}; nothing uploaded")
-            print("\n".join(describe(files)))
+            print("\n".join(describe(run)))
             return 0
-        files = push_output_dir(args.output_dir, repo_id, private=args.private, commit_message=args.commit_message)
+        run = push_output_dir(args.output_dir, repo_id, private=args.private, commit_message=args.commit_message)
     except PushError as error:
         raise CliError(str(error), code=error.code) from None
-    print(f"uploaded {len(files)} files from {args.output_dir} to https://huggingface.co/{repo_id}")
+    print(f"uploaded {len(run.files)} files from {args.output_dir} to https://huggingface.co/{repo_id}")
+    print("\n".join(describe(run)))
     return 0

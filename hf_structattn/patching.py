@@ -91,7 +91,11 @@ def _kind_and_model(obj):
 
 
 def check_keywords(given, known, kind: str) -> None:
-    """One-line error for a keyword ``patch`` does not take for this kind of model, with the closest known one."""
+    """One-line error for a keyword ``patch`` does not take for this kind of model, with the closest known one:
+    among the config fields ``known`` and ``patch``'s own keywords (``targets``, ``init``, ``allow_identity``, ...)."""
+    own = [name for name, parameter in inspect.signature(patch).parameters.items()
+           if name != "obj" and parameter.kind is not parameter.VAR_KEYWORD]
+    known = sorted(set(known) | set(own))
     for name in sorted(set(given) - set(known)):
         close = difflib.get_close_matches(name, known, n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""

@@ -48,6 +48,30 @@ def test_a_float_mask_holding_a_score_bias_is_refused():
         _logits(model, ids, attention_mask=mask)
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_nan_in_a_float_mask_is_refused(family):
+    """A NaN in a float 4-D mask is neither 0 (attend) nor <= -1e4 (masked): refused in one line, on a pair the rest
+    of the mask allows and on a masked one, with and without a cache and after a prefill (stock Llama would return NaN
+    logits; reading it as "masked" would be a silent answer)."""
+    from hf_structattn.decoder_patching import tiny_decoder
+
+    model = tiny_lm("mlr").double() if family == "gpt2" else \
+        hf_structattn.patch(tiny_decoder("llama"), mlr_ranks=[8, 4, 4], mlr_block_sizes=[8, 4])
+    ids = torch.randint(2, 61, (2, 8), generator=torch.Generator().manual_seed(3))
+    causal = torch.ones(8, 8, dtype=torch.bool).tril()
+    for pair in ((5, 2), (5, 7)):  # allowed, masked (a future key)
+        mask = torch.zeros(2, 1, 8, 8, dtype=torch.float64).masked_fill(~causal, float("-inf"))
+        mask[1, 0, pair[0], pair[1]] = float("nan")
+        for use_cache in (True, False):
+            with pytest.raises(ValueError, match=r"attention_mask is a float \(additive\) mask holding nan") as raised:
+                _logits(model, ids, attention_mask=mask, use_cache=use_cache)
+            assert "\n" not in str(raised.value)
+        cache = transformers.DynamicCache(config=model.config)
+        _logits(model, ids[:, :5], attention_mask=mask[:, :, :5, :5].nan_to_num(nan=0.0), cache=cache)
+        with pytest.raises(ValueError, match=r"holding nan"):
+            _logits(model, ids[:, 5:], attention_mask=mask[:, :, 5:], cache=cache)
+
+
 def _prompt_lookup(model, prompt, rounds):
     return model.generate(prompt, max_new_tokens=rounds, do_sample=False, prompt_lookup_num_tokens=4,
                           pad_token_id=1)
@@ -141,6 +165,44 @@ def test_a_cache_written_by_another_geometry_is_refused():
         with pytest.raises(ValueError, match=r"holds MLR keys of ranks \[8, 4, 2, 2\], blocks \[32, 16, 8\]; the "
                                              r"model's layer is MLR with ranks \[8, 4, 2, 2\], blocks \[16, 8, 4\]"):
             reader(ids[:, :1], cache=cache)
+
+
+@pytest.mark.parametrize("fields, differing, held, wanted", [
+    (dict(mlr_scaling="mup"), "level scales", "[0.25, 0.25, 0.25, 0.25]", "[0.125, 0.25, 0.5, 0.5]"),
+    (dict(mlr_average_levels=True), "level averaging", "level averaging off", "level averaging on"),
+])
+def test_a_cache_written_with_other_level_weights_names_the_differing_field(fields, differing, held, wanted):
+    """Same ranks and blocks, other level scales or level averaging: the refusal names the field that differs and
+    both values (not the identical ranks and blocks alone)."""
+    writer = tiny_lm("mlr", n_positions=64)
+    reader = tiny_lm("mlr", n_positions=64, **fields)
+    ids = torch.randint(2, 61, (1, 10))
+    cache = transformers.DynamicCache(config=writer.config)
+    with torch.no_grad():
+        writer(ids, cache=cache)
+        with pytest.raises(ValueError, match=f"differ in {differing}") as raised:
+            reader(ids[:, :1], cache=cache)
+    message = str(raised.value)
+    assert "\n" not in message and held in message and wanted in message, message
+    assert message.index(held) < message.index("the model's layer") < message.index(wanted), message
+
+
+def test_a_model_without_mlr_layers_refuses_a_cache_an_mlr_model_wrote():
+    """The dense twin given a cache the MLR model wrote: one line naming the layer, before anything is written (the
+    cache still holds the MLR model's tokens, and the MLR model continues it exactly)."""
+    mlr = tiny_lm("mlr").double()
+    dense = tiny_lm("dense").double()
+    ids = torch.randint(2, 61, (2, 10), generator=torch.Generator().manual_seed(8))
+    cache = transformers.DynamicCache(config=mlr.config)
+    with torch.no_grad():
+        mlr(ids[:, :8], cache=cache)
+        for chunk in (ids[:, 8:9], ids[:, 8:10]):
+            with pytest.raises(ValueError, match=r"cache layer 0 holds MLR keys of ranks \[8, 4, 2, 2\]") as raised:
+                dense(chunk, cache=cache)
+            assert "\n" not in str(raised.value) and "not MLR" in str(raised.value)
+        assert cache.get_seq_length() == 8
+        got = mlr(ids[:, 8:], cache=cache).logits
+    torch.testing.assert_close(got, _logits(mlr, ids)[:, 8:], **EXACT)
 
 
 def test_cached_training_steps_under_eager_attention_apply_dropout():

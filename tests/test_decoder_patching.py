@@ -355,6 +355,25 @@ def test_stock_checkpoint_loads_with_attn_implementation_mlr(tmp_path):
     assert loaded.config.mlr_dim_order == mlr.config.mlr_dim_order  # found from the model's own rotary embedding
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_mlr_classes_do_not_claim_serving_engines_attention_backends(arch):
+    """``_supports_attention_backend`` (``is_backend_compatible()``) is what the transformers backends of vLLM and TGI
+    read to run a model with their own attention function and paged cache: MLR attention would be replaced (a
+    silent dense model) or fed a cache layout it does not know. The stock class claims it; no MLR class does -- the
+    patched causal LM, its base model, the GPT-2 and T5 families, the patched Chronos-Bolt."""
+    from hf_structattn.modeling.structattn_decoder import mlr_model_class
+
+    stock, model = patched(arch)
+    base = type(stock.base_model)
+    assert not type(model).is_backend_compatible() and not mlr_model_class(base).is_backend_compatible()
+    assert type(stock).is_backend_compatible() or arch == "gpt2"  # (stock GPT-2 does not claim it either)
+    from hf_structattn import StructAttnGPT2LMHeadModel, StructAttnT5ForConditionalGeneration
+    from hf_structattn.modeling.modeling_structattn_chronos_bolt import bolt_model_class
+
+    for cls in (StructAttnGPT2LMHeadModel, StructAttnT5ForConditionalGeneration, bolt_model_class()):
+        assert cls is None or not cls.is_backend_compatible(), cls  # (None: chronos-forecasting not installed)
+
+
 def test_save_and_load_with_remote_code_without_the_plugin(tmp_path):
     from test_remote_code import run_isolated
 
@@ -405,6 +424,7 @@ def test_save_and_load_with_remote_code_without_the_plugin(tmp_path):
             assert type(base).__module__.startswith("transformers_modules"), type(base).__module__
             hidden = base(expected["ids"]).last_hidden_state
             print(name, "base_model", type(base).__name__, float((hidden - expected["hidden"]).abs().max()))
+            print(name, "backend_compatible", type(model).is_backend_compatible() or type(base).is_backend_compatible())
     """, tmp_path)
     for _, name, _ in checks:
         result = dict(re.findall(rf"{name} (\w+) (\S+)", out))  # the trust prompt shares a line with one of them
@@ -412,6 +432,7 @@ def test_save_and_load_with_remote_code_without_the_plugin(tmp_path):
         assert float(result["max_diff"]) <= 1e-12
         assert result["generate_equal"] == "True"
         assert result["cache_layer"] == "MLRKeyCacheLayer"  # the hierarchical key cache, from remote code
+        assert result["backend_compatible"] == "False"  # no serving engine's attention backend takes it over
         # the documented outcome of a stock-class load (stated in README.md and config.mlr_notice): a dense model
         assert float(result["stock_dense_diff"]) > 1e-6
         base_name, base_diff = re.search(rf"{name} base_model (\w+) (\S+)", out).groups()

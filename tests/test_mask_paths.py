@@ -149,12 +149,20 @@ def test_patched_decoders_refuse_additive_2d_masks_and_read_float_keep_masks(arc
     keep = torch.ones(2, 12, dtype=torch.long)
     keep[1, :4] = 0
     positions = (keep.cumsum(-1) - 1).clamp(min=0)
-    for low in (float("-inf"), torch.finfo(torch.float64).min):
+    message = "attention_mask must be a keep-mask holding only 0 and 1"
+    for low in (float("-inf"), torch.finfo(torch.float64).min, -1e4):
         additive = torch.zeros(2, 12, dtype=torch.float64).masked_fill(keep == 0, low)
         for use_cache in (True, False):
-            with pytest.raises(ValueError, match="attention_mask must be a keep-mask holding only 0 and 1") as raised:
+            with pytest.raises(ValueError, match=message) as raised:
                 model(ids, attention_mask=additive, position_ids=positions, use_cache=use_cache)
             assert "\n" not in str(raised.value)
+        # after a prefill the same rule, not a complaint about hidden cached tokens
+        cache = DynamicCache(config=model.config)
+        model(ids[:, :8], attention_mask=keep[:, :8], position_ids=positions[:, :8], cache=cache)
+        for end in (9, 12):  # a decode step, a chunk
+            with pytest.raises(ValueError, match=message) as raised:
+                model(ids[:, 8:end], attention_mask=additive[:, :end], position_ids=positions[:, 8:end], cache=cache)
+            assert "\n" not in str(raised.value) and "hides a cached" not in str(raised.value)
     expected = model(ids, attention_mask=keep, position_ids=positions).logits
     torch.testing.assert_close(model(ids, attention_mask=keep.double(), position_ids=positions).logits, expected,
                                **EXACT)
@@ -213,3 +221,104 @@ def test_positions_that_restart_after_cached_real_tokens_are_refused(family):
     cache = DynamicCache(config=model.config)  # the continuation itself is fine
     model(ids[:, :10], cache=cache)
     model(ids[:, 10:12], position_ids=torch.tensor([[10, 11]] * 2), cache=cache)
+
+
+# ------------------------------------------------------------------------------------ mask shapes: per head, broadcast
+
+
+def _per_head(length: int, heads: int, batch: int = 2) -> torch.Tensor:
+    """(B, H, T, T) bool masks whose heads differ: head h sees a window of h + 2 keys, and the last head also hides
+    one pair inside its window."""
+    query = torch.arange(length)[:, None]
+    key = torch.arange(length)[None]
+    causal = key <= query
+    masks = torch.stack([causal & (key > query - 2 - head) for head in range(heads)])
+    masks[-1] &= ~((query == length - 1) & (key == length - 2))
+    return masks[None].expand(batch, heads, length, length)
+
+
+def _static(mask: torch.Tensor, slots: int = 20) -> torch.Tensor:
+    wide = torch.zeros(*mask.shape[:-1], slots, dtype=torch.bool)
+    wide[..., :mask.shape[-1]] = mask
+    return wide
+
+
+def _every_path(model, ids, mask) -> dict:
+    """Logits of ``ids`` under ``mask`` on every path: uncached, the cache of an eval forward, a dynamic and a static
+    cache fed in a prefill, a chunk and single tokens."""
+    return {"uncached": model(ids, attention_mask=mask, use_cache=False).logits,
+            "eval cache": model(ids, attention_mask=mask).logits,
+            "dynamic": _in_pieces(model, ids, mask, DynamicCache(config=model.config)),
+            "static": _in_pieces(model, ids, _static(mask), StaticCache(config=model.config, max_cache_len=20))}
+
+
+def test_per_head_4d_masks_are_applied_per_head_on_every_path(llama):
+    """A (B, H, T, T) mask whose heads differ is applied per query head (grouped-query heads included) on every path,
+    as stock Llama applies it: never head 0's mask for every head."""
+    stock, one_level, mlr, eager = llama
+    heads = stock.config.num_attention_heads
+    assert heads > stock.config.num_key_value_heads  # grouped-query: the mask is per query head
+    ids = torch.randint(3, 61, (2, LENGTH), generator=torch.Generator().manual_seed(11))
+    mask = _per_head(LENGTH, heads)
+    expected = stock(ids, attention_mask=mask, use_cache=False).logits
+    head_zero = stock(ids, attention_mask=mask[:, :1], use_cache=False).logits
+    assert (expected - head_zero).abs().max() > 1e-3  # the heads' masks matter
+    for path, logits in _every_path(one_level, ids, mask).items():
+        torch.testing.assert_close(logits, expected, **EXACT, msg=path)
+    reference = eager(ids, attention_mask=mask, use_cache=False).logits  # materialised, uncached
+    assert (reference - mlr(ids, attention_mask=mask[:, :1], use_cache=False).logits).abs().max() > 1e-3
+    for path, logits in _every_path(mlr, ids, mask).items():
+        torch.testing.assert_close(logits, reference, **EXACT, msg=path)
+    torch.testing.assert_close(_in_pieces(eager, ids, mask, DynamicCache(config=eager.config)), reference, **EXACT)
+
+
+def test_gpt2_mlr_applies_per_head_4d_masks_as_its_dense_twin_does():
+    dense = tiny_lm("dense").double()
+    one_level = tiny_lm("mlr", mlr_ranks=[16]).double()
+    one_level.load_state_dict(dense.state_dict())
+    ids = torch.randint(2, 61, (2, LENGTH), generator=torch.Generator().manual_seed(12))
+    mask = _per_head(LENGTH, dense.config.n_head)
+    expected = dense(ids, attention_mask=mask, use_cache=False).logits
+    assert (expected - dense(ids, attention_mask=mask[:, :1], use_cache=False).logits).abs().max() > 1e-3
+    for path, logits in _every_path(one_level, ids, mask).items():
+        torch.testing.assert_close(logits, expected, **EXACT, msg=path)
+    mlr = tiny_lm("mlr").double()
+    reference = mlr(ids, attention_mask=mask, use_cache=False).logits
+    for path, logits in _every_path(mlr, ids, mask).items():
+        torch.testing.assert_close(logits, reference, **EXACT, msg=path)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_mask_of_batch_or_heads_one_is_broadcast(llama, family):
+    """A (1, 1, T, K), (1, H, T, K) or (B, 1, T, K) mask is broadcast over the batch and the heads, as SDPA and stock
+    models broadcast it: equal to the mask expanded to (B, H, T, K), on every path."""
+    model = tiny_lm("mlr").double() if family == "gpt2" else llama[2]
+    heads = model.config.num_attention_heads
+    ids = torch.randint(3, 61, (2, LENGTH), generator=torch.Generator().manual_seed(13))
+    window = _masks(LENGTH, batch=1)["window"]
+    for mask in (window, _per_head(LENGTH, heads, batch=1)):
+        full = mask.expand(2, heads, LENGTH, LENGTH)
+        expected = model(ids, attention_mask=full, use_cache=False).logits
+        for path, logits in _every_path(model, ids, mask).items():
+            torch.testing.assert_close(logits, expected, **EXACT, msg=f"{tuple(mask.shape)} {path}")
+    if family == "llama":
+        stock = llama[0]
+        torch.testing.assert_close(stock(ids, attention_mask=window, use_cache=False).logits,
+                                   stock(ids, attention_mask=window.expand(2, 1, -1, -1), use_cache=False).logits,
+                                   **EXACT)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_mask_shapes_outside_the_rule_are_one_line_naming_attention_mask(llama, family):
+    model = tiny_lm("mlr").double() if family == "gpt2" else llama[2]
+    heads = model.config.num_attention_heads
+    ids = torch.randint(3, 61, (2, 6), generator=torch.Generator().manual_seed(14))
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()
+    cases = [causal.expand(3, 1, 6, 6), causal.expand(2, heads + 1, 6, 6), causal[:5].expand(2, 1, 5, 6),
+             causal[:, :5].expand(2, 1, 6, 5), causal.expand(2, 6, 6), torch.ones(3, 6, dtype=torch.long)]
+    for mask in cases:
+        for use_cache in (True, False):
+            with pytest.raises(ValueError, match="attention_mask") as raised:
+                model(ids, attention_mask=mask, use_cache=use_cache)
+            message = str(raised.value)
+            assert "\n" not in message and str(tuple(mask.shape)) in message, message

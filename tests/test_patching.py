@@ -305,6 +305,19 @@ def test_patch_refuses_bad_requests():
             num_hidden_layers=1, hidden_size=16, num_attention_heads=2, intermediate_size=16, vocab_size=20)))
 
 
+@pytest.mark.parametrize("kind", ["t5", "decoder"])
+@pytest.mark.parametrize("typo, meant", [("target", "targets"), ("allow_identiy", "allow_identity"),
+                                         ("inti", "init"), ("mlr_block_step", "mlr_block_steps")])
+def test_a_typo_of_patch_s_own_keywords_gets_did_you_mean(kind, typo, meant):
+    """patch's own keywords (targets, init, allow_identity, mlr_block_steps, attention) are candidates of the "did
+    you mean" as much as the config fields, for T5 and for decoders, in one line."""
+    model = tiny_t5() if kind == "t5" else tiny_decoder("llama")
+    fields = MLR if kind == "t5" else dict(mlr_ranks=[8, 4, 4], mlr_block_sizes=[8, 4])
+    with pytest.raises(ValueError, match=f"unknown keyword '{typo}'.*did you mean {meant}\\?") as raised:
+        hf_structattn.patch(model, **{typo: "x"}, **fields)
+    assert "\n" not in str(raised.value)
+
+
 def _train_copy_task(model, steps=300):
     """Teach a tiny T5 to reverse 24-token sequences (enough structure for attention to matter)."""
     torch.manual_seed(0)

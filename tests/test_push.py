@@ -2,7 +2,9 @@
 ``--to-folder``). The run is a real tiny ``train_clm`` run; only the Hub's network boundary (``HfApi.whoami`` /
 ``create_repo`` / ``upload_folder``) is replaced, as in tests/test_recipes.py."""
 
-import fnmatch
+import json
+import pickle
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +40,15 @@ def finished_run(tmp_path_factory):
     return out
 
 
+def upload_folder_sends(folder_path, allow_patterns=None, ignore_patterns=None, **_) -> list[str]:
+    """What ``HfApi.upload_folder`` sends from a folder: every file its listing finds (``glob("**/*")``, files and
+    symlinks to files), filtered by huggingface_hub's own ``filter_repo_objects`` with the call's patterns."""
+    from huggingface_hub.utils import filter_repo_objects
+
+    listing = sorted(p.relative_to(folder_path).as_posix() for p in Path(folder_path).glob("**/*") if p.is_file())
+    return list(filter_repo_objects(listing, allow_patterns=allow_patterns, ignore_patterns=ignore_patterns))
+
+
 @pytest.fixture
 def fake_hub(monkeypatch):
     """The network boundary of the upload: records the calls, uploads nothing."""
@@ -54,9 +65,8 @@ def fake_hub(monkeypatch):
         return huggingface_hub.RepoUrl(f"https://huggingface.co/{repo_id}")
 
     def fake_upload_folder(self, *, repo_id, folder_path, **kwargs):
-        listing = sorted(p.relative_to(folder_path).as_posix() for p in Path(folder_path).rglob("*") if p.is_file())
-        sent = [p for p in listing if not any(fnmatch.fnmatch(p, pat) for pat in kwargs["ignore_patterns"])]
-        calls.append(("upload_folder", repo_id, dict(kwargs, folder_path=folder_path, sent=sent)))
+        calls.append(("upload_folder", repo_id, dict(kwargs, folder_path=folder_path,
+                                                     sent=upload_folder_sends(folder_path, **kwargs))))
 
     monkeypatch.setattr(huggingface_hub.HfApi, "whoami", fake_whoami)
     monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", fake_create_repo)
@@ -183,3 +193,112 @@ def test_push_help_answers_without_importing_torch():
     assert result.returncode == 0, result.stderr
     assert "--dry-run" in result.stdout and "--to-folder" in result.stdout and "``" not in result.stdout
     assert result.stdout.strip().endswith("torch imported: False")
+
+
+# ------------------------------------------------------------------------------------ what a finished run is
+
+
+def _copy(finished_run, folder: Path) -> Path:
+    shutil.copytree(finished_run, folder, symlinks=True)
+    return folder
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:len(path.read_bytes()) // 2])
+
+
+def _edit_config(out: Path, **values) -> None:
+    config = json.loads((out / "config.json").read_text())
+    config.update(values)
+    (out / "config.json").write_text(json.dumps(config))
+
+
+def _symlink_config_from_outside(out: Path) -> None:
+    outside = out.parent / "config_elsewhere.json"
+    (out / "config.json").rename(outside)
+    (out / "config.json").symlink_to(outside)
+
+
+NOT_FINISHED = {
+    "half-written weights": (lambda out: _truncate(out / "model.safetensors"),
+                             "model.safetensors is not a complete safetensors file"),
+    "unparsable config": (lambda out: (out / "config.json").write_text('{"n_embd": 32, "n_la'),
+                          "config.json is not valid JSON"),
+    "weights of another config": (lambda out: _edit_config(out, vocab_size=300),
+                                  "transformer.wte.weight has shape [257, 32], the model config.json describes "
+                                  "[300, 32]"),
+    "a layer more than the weights": (lambda out: _edit_config(out, n_layer=3, layer_types=None),
+                                      "lack transformer.h.2."),
+    "a recipe run that did not finish": (lambda out: (out / "final_metrics.json").unlink(),
+                                         "is a recipe run that did not finish (no final_metrics.json)"),
+    "config.json symlinked from outside": (_symlink_config_from_outside, "config.json is a symlink to"),
+}
+
+
+@pytest.mark.parametrize("case", list(NOT_FINISHED))
+def test_push_refuses_what_is_not_a_finished_run_in_one_line(finished_run, tmp_path, fake_hub, capsys, case):
+    """A push, its dry run and its rehearsal refuse, with exit status 2 and one line naming the file, a folder whose
+    weights are half-written or do not match its config, whose config does not parse, whose run did not finish, or
+    whose config is a symlink out of it; nothing reaches the Hub, nothing is copied."""
+    out = _copy(finished_run, tmp_path / "run")
+    make, message = NOT_FINISHED[case]
+    make(out)
+    for extra in ([], ["--dry-run"], ["--to-folder", str(tmp_path / "rehearsal")]):
+        args = ["push", str(out)] + (["--repo-id", REPO] if "--to-folder" not in extra else []) + extra
+        assert main(args) == 2, extra
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], (extra, err)
+    assert fake_hub == [] and not (tmp_path / "rehearsal").exists()
+
+
+def test_push_refuses_the_staging_folder_of_a_killed_patch(finished_run, tmp_path, fake_hub, capsys):
+    staging = _copy(finished_run, tmp_path / ".tiny-mlr.partial-4242-0123abcd")
+    assert main(["push", str(staging), "--repo-id", REPO]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is the staging folder of a write that did not finish" in err[0], err
+    assert fake_hub == []
+
+
+def test_push_skips_pickles_staging_folders_and_symlinks_out_and_lists_them(finished_run, tmp_path, fake_hub,
+                                                                            capsys):
+    """Pickles by content whatever their name (training_args.bin, optimizer.bin, *.pt, *.pickle, a protocol-0 pickle
+    named .txt), a killed write's staging folder inside the run, a file and a folder symlinked from outside: none is
+    uploaded, copied or listed as sent, and each is listed as skipped with why. A .bin that is not a pickle is
+    uploaded (content, not name)."""
+    import torch
+
+    assert main(["push", str(finished_run), "--repo-id", REPO, "--dry-run"]) == 0
+    clean = sorted(_dry_run_listing(capsys.readouterr().out))
+    out = _copy(finished_run, tmp_path / "run")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("SECRET-7f3a")
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "shared" / "notes.md").write_text("outside")
+    (out / "training_args.bin").write_bytes(pickle.dumps({"lr": 1e-3}, protocol=4))
+    torch.save({"state": {}, "param_groups": []}, out / "optimizer.bin")
+    torch.save(torch.zeros(2), out / "extra.pt")
+    (out / "run_state.pickle").write_bytes(pickle.dumps([1, 2], protocol=2))
+    (out / "notes.txt").write_bytes(pickle.dumps({"a": 1}, protocol=0))
+    (out / ".tiny.partial-4242-0123abcd").mkdir()
+    (out / ".tiny.partial-4242-0123abcd" / "model.safetensors").write_bytes(b"half")
+    (out / "linked.txt").symlink_to(secret)
+    (out / "shared").symlink_to(tmp_path / "shared")
+    (out / "vocab.bin").write_bytes(bytes(range(256)))
+    planted = ["training_args.bin", "optimizer.bin", "extra.pt", "run_state.pickle", "notes.txt",
+               ".tiny.partial-4242-0123abcd/", "linked.txt", "shared/"]
+
+    assert main(["push", str(out), "--repo-id", REPO]) == 0
+    sent = fake_hub[-1][2]["sent"]
+    assert sorted(sent) == sorted(clean + ["vocab.bin"]), sent
+    printed = capsys.readouterr().out
+    skipped = {line.split()[0] for line in printed.split("skipped (not uploaded)")[1].splitlines()[1:] if line}
+    assert set(planted) <= skipped, printed
+    assert "a pickle" in printed and "outside the folder" in printed and "staging folder" in printed
+
+    assert main(["push", str(out), "--repo-id", REPO, "--dry-run"]) == 0
+    assert sorted(_dry_run_listing(capsys.readouterr().out)) == sorted(sent)
+    target = tmp_path / "rehearsal"
+    assert main(["push", str(out), "--to-folder", str(target)]) == 0
+    copied = sorted(p.relative_to(target).as_posix() for p in target.rglob("*") if p.is_file())
+    assert copied == sorted(sent) and "SECRET-7f3a" not in "".join(p.read_text(errors="ignore")
+                                                           for p in target.rglob("*") if p.is_file())

@@ -230,6 +230,25 @@ def test_resume_latest_of_a_finished_run_says_it_is_complete(interrupted_and_res
     assert after == before
 
 
+def test_a_run_whose_final_save_was_killed_is_not_complete_and_resume_writes_it_again(tmp_path, monkeypatch,
+                                                                                       capsys):
+    """The resume's "already complete" uses the one definition of a finished run (push's): a run whose final
+    model.safetensors is half-written (the save killed midway) is not complete; --resume_from latest loads the last
+    checkpoint, trains nothing and writes the outputs again, the same weights as the first time."""
+    out = tmp_path / "run"
+    code, lines = _resume_via_entry_point(out, monkeypatch, capsys, "--max_steps", 2)
+    assert code == 0, lines
+    expected = {name: tensor.clone() for name, tensor in weights(out).items()}  # (load_file maps the file)
+    _truncate(out / "model.safetensors")
+    code, lines = _resume_via_entry_point(out, monkeypatch, capsys, "--max_steps", 2, "--resume_from", "latest")
+    assert code == 0, lines
+    from hf_structattn.training.outputs import finished_run
+
+    finished_run(out)  # a finished run again
+    got = weights(out)
+    assert got.keys() == expected.keys() and all(torch.equal(got[name], expected[name]) for name in expected)
+
+
 COMMON_BAD_ARGUMENTS = [
     (["--max_steps", "-5"], "--max_steps must be >= 1, got -5"),
     (["--max_steps", "many"], "--max_steps: invalid int value: 'many'"),
@@ -666,11 +685,17 @@ def _truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[:len(path.read_bytes()) // 2])
 
 
+def _scramble(path: Path) -> None:
+    """The same number of bytes, none of them the file's: a corruption that every size check passes."""
+    path.write_bytes(bytes(255 - byte for byte in path.read_bytes()))
+
+
 CORRUPTIONS = {
     "model missing": ("model.safetensors", lambda p: p.unlink(), "missing"),
     "model truncated": ("model.safetensors", _truncate, "truncated ("),
     "optimizer missing": ("optimizer.bin", lambda p: p.unlink(), "missing"),
     "optimizer truncated": ("optimizer.bin", _truncate, "truncated ("),
+    "optimizer corrupt": ("optimizer.bin", _scramble, "cannot be loaded ("),
     "run.json empty": ("run.json", lambda p: p.write_text(""), "empty"),
     "run.json invalid": ("run.json", lambda p: p.write_text('{"step": 4, "configuration": '), "invalid JSON at line 1"),
     "RNG state missing": ("rng_state_0.safetensors", lambda p: p.unlink(), "missing"),
@@ -701,6 +726,44 @@ def test_a_corrupt_checkpoint_is_one_line_exit_2_naming_the_file_and_the_previou
                                           out / "checkpoints" / "checkpoint_0")
     assert code == 0, lines
     assert json.loads((out / "final_metrics.json").read_text())["resumed_at"] == 2
+
+
+def test_resuming_a_run_killed_while_logging_drops_the_half_written_line_with_a_note(two_checkpoints, tmp_path,
+                                                                                     monkeypatch, capsys):
+    """A run killed while it wrote metrics.jsonl leaves half a line: the resume drops that line with a one-line note
+    (no JSONDecodeError traceback) and continues; the log then parses line by line and holds each step once."""
+    out = tmp_path / "run"
+    shutil.copytree(two_checkpoints, out)
+    log = out / "metrics.jsonl"
+    log.write_text(log.read_text() + '{"step": 5, "train/lo')
+    code, lines = _resume_via_entry_point(out, monkeypatch, capsys, "--resume_from", "latest")
+    assert code == 0, lines
+    notes = [line for line in lines if "metrics.jsonl" in line]
+    assert len(notes) == 1 and "dropped its last line" in notes[0] and "line " in notes[0], lines
+    steps = [json.loads(line).get("step") for line in log.read_text().splitlines() if "train/loss" in line]
+    assert steps == sorted(set(steps)) and steps[-1] == json.loads((out / "final_metrics.json").read_text())["step"]
+
+
+def test_the_metrics_reader_drops_only_a_half_written_last_line(tmp_path, capsys):
+    """One reader for the resume's cut (truncate_log) and the plots (read_jsonl): a last line that does not parse is
+    dropped with a note naming the file and the line; any other line that does not parse is one line naming both."""
+    from hf_structattn.training.args import ConfigError
+    from hf_structattn.training.loop import truncate_log
+    from hf_structattn.training.tracking import read_jsonl
+
+    log = tmp_path / "metrics.jsonl"
+    good = [{"event": "config", "config": {}}, {"step": 1, "train/loss": 2.0}, {"step": 2, "train/loss": 1.5}]
+    text = "".join(json.dumps(record) + "\n" for record in good)
+    log.write_text(text + '{"step": 3, "train/l')
+    assert read_jsonl(log) == good[1:]
+    assert "metrics.jsonl: dropped its last line (line 4)" in capsys.readouterr().err
+    truncate_log(log, 2)
+    assert log.read_text() == text
+    log.write_text(text[:-1] + ",\n" + text)  # a bad line in the middle is not a half-written one
+    for read in (read_jsonl, lambda path: truncate_log(path, 2)):
+        with pytest.raises(ConfigError, match=rf"{re.escape(str(log))}: line 3 is not valid JSON") as raised:
+            read(log)
+        assert "\n" not in str(raised.value)
 
 
 class _Plant:
@@ -766,8 +829,6 @@ RECIPE_CODE_FILE = {"train_clm": "modeling_structattn_gpt2.py", "train_icl": "mo
 @pytest.mark.parametrize("recipe_name", list(RECIPES))
 def test_push_to_hub_checks_the_hub_first_and_uploads_the_output_folder(tmp_path, monkeypatch, recipe_name):
     """Only the Hub network boundary (HfApi.whoami / create_repo / upload_folder) is replaced."""
-    import fnmatch
-
     import huggingface_hub
 
     recipe = RECIPES[recipe_name]
@@ -802,8 +863,9 @@ def test_push_to_hub_checks_the_hub_first_and_uploads_the_output_folder(tmp_path
     assert calls[1][1] == "someone/tiny-mlr" and calls[1][2]["exist_ok"] is True
     upload = calls[2][2]
     assert calls[2][1] == "someone/tiny-mlr" and upload["folder_path"] == str(out)
-    listing = {p for p in upload["listing"] if not any(fnmatch.fnmatch(p, pattern)
-                                                      for pattern in upload["ignore_patterns"])}
+    from test_push import upload_folder_sends
+
+    listing = set(upload_folder_sends(**upload))
     assert any(p.startswith("checkpoints/") for p in upload["listing"])  # there were checkpoints: left out
     assert not any(p.startswith(("checkpoints/", "source/", "base_tiny_chronos_t5/")) for p in listing)
     assert "run_config.json" not in listing and not any(p.endswith(".pkl") for p in listing)

@@ -100,6 +100,45 @@ def test_cached_decoding_logits_equal_uncached_across_block_boundaries(average_l
     assert layers[0].rings[1].shape[-2] == 4 and layers[0].keys.shape[-2] == 19
 
 
+def test_decoder_masks_follow_the_mask_shape_rule_and_encoder_masks_are_2d():
+    """The mask-shape rule in T5's decoder: a (B, 1, T, T), a (1, 1, T, T) (broadcast over the batch) and a per-head
+    (B, H, T, T) decoder_attention_mask give, cached (chunks and steps) and uncached, what the mask expanded to
+    (B, H, T, T) gives uncached; heads that differ are applied per head. The encoder's attention_mask, which T5
+    applies to the cross-attention too, must be 2-D: a 4-D one is one line (stock T5 fails with a raw error)."""
+    model = tiny_t5(**MLR).double()
+    ids, mask = _padded_batch()
+    decoder_ids = torch.randint(2, 50, (2, 12), generator=torch.Generator().manual_seed(4))
+    query, key = torch.arange(12)[:, None], torch.arange(12)[None]
+    windows = torch.stack([(key <= query) & (key > query - 2 - head) for head in range(BASE["num_heads"])])
+    encoder_out = model.encoder(input_ids=ids, attention_mask=mask)
+
+    def logits(decoder_mask, use_cache):
+        if not use_cache:
+            return model(encoder_outputs=encoder_out, attention_mask=mask, decoder_input_ids=decoder_ids,
+                         decoder_attention_mask=decoder_mask, use_cache=False).logits
+        cache, steps = model.new_cache(), []
+        for start, end in [(0, 5), (5, 9), (9, 10), (10, 11), (11, 12)]:
+            steps.append(model(encoder_outputs=encoder_out, attention_mask=mask,
+                               decoder_input_ids=decoder_ids[:, start:end], cache=cache, use_cache=True,
+                               decoder_attention_mask=decoder_mask[:, :, start:end, :end]).logits)
+        return torch.cat(steps, 1)
+
+    for decoder_mask in (windows[:1][None], windows[None]):  # one window for every head, one per head
+        expected = logits(decoder_mask.expand(2, BASE["num_heads"], 12, 12), use_cache=False)
+        for given in (decoder_mask, decoder_mask.expand(2, -1, -1, -1)):
+            for use_cache in (False, True):
+                torch.testing.assert_close(logits(given, use_cache), expected, **EXACT)
+    per_head = logits(windows[None], use_cache=False)
+    assert (per_head - logits(windows[:1][None], use_cache=False)).abs().max() > 1e-3
+    with pytest.raises(ValueError, match=r"attention_mask of a T5 encoder-decoder must be the encoder's \(2, 21\) "
+                                         r"keep-mask") as raised:
+        model(input_ids=ids, attention_mask=torch.ones(2, 1, 21, 21, dtype=torch.bool), decoder_input_ids=decoder_ids)
+    assert "\n" not in str(raised.value)
+    with pytest.raises(ValueError, match=r"a 4-D attention_mask must have shape \(2 or 1, 1 or 4, 12, >= 12\)"):
+        model(encoder_outputs=encoder_out, attention_mask=mask, decoder_input_ids=decoder_ids,
+              decoder_attention_mask=windows[None, :3], use_cache=False)
+
+
 @pytest.mark.parametrize("fields", [MLR, dict(decoder_attention="bilinear_mlr", cross_attention="bilinear_btt",
                                                encoder_attention="bilinear_mlr", bilinear_mlr_ranks=[4, 2])])
 def test_generate_same_with_and_without_cache(fields):

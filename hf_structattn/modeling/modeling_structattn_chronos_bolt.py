@@ -70,6 +70,7 @@ def bolt_model_class():
         """
 
         config_class = StructAttnChronosBoltConfig
+        _supports_attention_backend = False  # as every class of this package (structattn_pretrained)
 
         def __init__(self, config: StructAttnChronosBoltConfig):
             for field in ("encoder_attention", "decoder_attention", "cross_attention"):

@@ -256,17 +256,12 @@ class StructAttnGPT2Model(StructAttnGPT2PreTrainedModel):
         if position_ids is not None:
             position_ids = check_positions(position_ids, batch, length, inputs_embeds.device, "position_ids")
         if attention_mask is not None and attention_mask.dim() == 2:
-            if attention_mask.shape[0] not in (1, batch) or attention_mask.is_complex():
-                raise ValueError(f"attention_mask must have shape ({batch}, cached + new tokens) (batch, key "
-                                 f"positions; 1 = attend), got {attention_mask.dtype} {tuple(attention_mask.shape)}")
             attention_mask = attention_mask.to(inputs_embeds.device)
-        elif attention_mask is not None and attention_mask.dim() != 4:
-            raise ValueError(f"attention_mask must be a (batch, cached + new tokens) keep-mask or transformers' "
-                             f"4-D mask, got shape {tuple(attention_mask.shape)}")
-        # the step plan: positions, padding and the host facts every layer shares, checked with one host read
+        # the step plan: the mask's shape (``check_mask_shape``), positions, padding and the host facts every layer
+        # shares, checked with one host read
         step = prepare_step(self, cache=cache, batch=batch, length=length, device=inputs_embeds.device,
                             position_ids=position_ids, attention_mask=attention_mask,
-                            max_positions=("n_positions", self.config.n_positions))
+                            max_positions=("n_positions", self.config.n_positions), heads=self.config.n_head)
         if position_ids is None:  # continuing the cache: the plan's positions (no row is continued behind them)
             position_ids = step.positions[:1]
         if attention_mask is not None and attention_mask.dim() == 2:

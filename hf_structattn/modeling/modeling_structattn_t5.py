@@ -32,7 +32,7 @@ from .configuration_structattn_t5 import StructAttnT5Config
 from .structattn_attention import install_mlr_attention, mlr_geometry_of
 from .structattn_step import STEP_KEY
 from .structattn_prepare import forward_with_step, prepare_step
-from .structattn_geometry import keep_mask, mask_value, softmax_dtype
+from .structattn_geometry import check_mask_shape, keep_mask, mask_value, softmax_dtype
 from .structattn_ops import fused_attention
 from .structattn_pretrained import StructAttnPreTrainedMixin
 from .structattn_qk import StructuredQueryKey, init_structured_query_key
@@ -185,10 +185,11 @@ def install_t5_structured_attention(model: nn.Module, config) -> int:
     return changed
 
 
-def _check_inputs(kwargs: dict) -> None:
-    """One-line errors for inputs T5 would misread: empty sequences and encoder masks of the wrong length or holding
-    values other than 0 and 1 (additive masks read as keep-masks would be silently inverted). Keep-masks may be
-    bool, integer or 0/1 float. The decoder's mask is checked by the step plan."""
+def _check_inputs(kwargs: dict, heads: int, cross_attention: bool) -> None:
+    """One-line errors for inputs T5 would misread: empty sequences, encoder masks of a shape outside the mask rule
+    (``check_mask_shape``; with a decoder only a 2-D one, which T5 applies to the cross-attention too) and 2-D
+    encoder masks holding values other than 0 and 1 (additive masks read as keep-masks would be silently inverted).
+    Keep-masks may be bool, integer or 0/1 float. The decoder's mask is checked by the step plan."""
     for tokens_name, embeds_name in (("input_ids", "inputs_embeds"), ("decoder_input_ids", "decoder_inputs_embeds")):
         tokens = kwargs.get(tokens_name)
         tokens = kwargs.get(embeds_name) if tokens is None else tokens
@@ -198,8 +199,14 @@ def _check_inputs(kwargs: dict) -> None:
     tokens = kwargs.get("input_ids")
     tokens = kwargs.get("inputs_embeds") if tokens is None else tokens
     mask = kwargs.get("attention_mask")
-    if tokens is not None and mask is not None and mask.dim() == 2 and not torch.compiler.is_compiling():
-        keep_mask(mask, tokens.shape[0], tokens.shape[1], name="attention_mask")
+    if tokens is not None and isinstance(mask, torch.Tensor):
+        if cross_attention and mask.dim() == 4:
+            raise ValueError(f"attention_mask of a T5 encoder-decoder must be the encoder's ({tokens.shape[0]}, "
+                             f"{tokens.shape[1]}) keep-mask (T5 applies it to the cross-attention too), got "
+                             f"{tuple(mask.shape)}; pass 4-D masks to the decoder as decoder_attention_mask")
+        check_mask_shape(mask, tokens.shape[0], heads, tokens.shape[1], past=0)
+        if mask.dim() == 2 and not torch.compiler.is_compiling():
+            keep_mask(mask, tokens.shape[0], tokens.shape[1], name="attention_mask")
 
 
 def _prepare(self, kwargs: dict) -> dict:
@@ -208,7 +215,7 @@ def _prepare(self, kwargs: dict) -> dict:
     counting each row's real tokens) under ``STEP_KEY``, with the relative bias of its MLR self-attention over every
     token index (T5 sizes the bias by the key length ``cache.update`` returns, which an MLR layer keeps to the
     chunk)."""
-    _check_inputs(kwargs)
+    _check_inputs(kwargs, self.config.num_heads, hasattr(self, "decoder"))
     if not hasattr(self, "decoder"):
         return kwargs
     cache = kwargs.get("cache")
@@ -228,7 +235,7 @@ def _prepare(self, kwargs: dict) -> dict:
     batch, length = tokens.shape[:2]
     mask = kwargs.get("decoder_attention_mask")
     step = prepare_step(self, cache=cache, batch=batch, length=length, device=tokens.device, attention_mask=mask,
-                        count_positions=True)
+                        count_positions=True, heads=self.config.num_heads)
     target = step.cache
     attention = self.decoder.block[0].layer[0].SelfAttention
     if target is not None and step.positions is not None and self.structattn_cache_geometries() and \

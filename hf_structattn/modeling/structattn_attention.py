@@ -41,7 +41,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .structattn_cache import MLRCacheView
 from .structattn_decoder_spec import stock_layer_geometry
-from .structattn_geometry import MLRGeometry, mask_allowed, mask_value, softmax_dtype
+from .structattn_geometry import MLRGeometry, mask_allowed, mask_value, own_key_allowed, softmax_dtype
 from .structattn_install import (  # noqa: F401  (the installation API, re-exported: where every family finds it)
     BILINEAR_ATTENTION,
     BILINEAR_EAGER_ATTENTION,
@@ -89,19 +89,17 @@ def _warn_once(key: str, message: str) -> None:
 def key_validity(attention_mask: Optional[torch.Tensor], batch: int, key_length: int) -> Optional[torch.Tensor]:
     """(B, K) bool padding flags of the keys (True = real) from the mask transformers built, or None (no padding).
 
-    A 4-D mask's last query row allows every real key (a causal mask's last query is the newest position, and a
-    bidirectional mask's rows are all alike); a 2-D mask is a key keep-mask; a float 4-D mask is additive
-    (``mask_allowed``)."""
+    A 4-D mask's last query row allows every real key in some head (a causal mask's last query is the newest
+    position, and a bidirectional mask's rows are all alike); a 2-D mask is a key keep-mask; a float 4-D mask is
+    additive (``mask_allowed``)."""
     if attention_mask is None:
         return None
     if attention_mask.dim() == 4:
-        row = attention_mask[:, 0, -1, :]
-    elif attention_mask.dim() == 2:
-        row = attention_mask
-    else:
-        raise ValueError(f"MLR attention got a {attention_mask.dim()}-D attention mask of shape "
-                         f"{tuple(attention_mask.shape)}; it reads a (B, K) key mask or transformers' 4-D mask")
-    return mask_allowed(row)[:, -key_length:].expand(batch, key_length)
+        return mask_allowed(attention_mask[:, :, -1, -key_length:]).any(1).expand(batch, key_length)
+    if attention_mask.dim() == 2:
+        return mask_allowed(attention_mask)[:, -key_length:].expand(batch, key_length)
+    raise ValueError(f"MLR attention got a {attention_mask.dim()}-D attention mask of shape "
+                     f"{tuple(attention_mask.shape)}; it reads a (B, K) key mask or transformers' 4-D mask")
 
 
 MASK_REFUSED = ("MLR attention got a 4-D attention mask that allows keys the MLR key cache does not hold ({what}); "
@@ -127,7 +125,8 @@ def _is_standard_mask(attention_mask: Optional[torch.Tensor], valid: Optional[to
         offset = key_length - query_length if query_offset is None else query_offset
         future = torch.ones(query_length, key_length, dtype=torch.bool, device=attention_mask.device).triu_(1 + offset)
         expected = expected & ~future
-    expected = expected[..., -allowed.shape[-2]:, :].expand_as(allowed)
+    # a mask of batch or heads 1 is broadcast (``check_mask_shape``): compare at the shape both broadcast to
+    expected, allowed = torch.broadcast_tensors(expected[..., -allowed.shape[-2]:, :], allowed)
     # a query with no real key at all (a padding query) may be given no key or every key (transformers unmasks such
     # rows to avoid NaN) -- but not some keys: that is a packed sequence, whose earlier segments would look like
     # padding to the last row that ``key_validity`` reads
@@ -136,15 +135,19 @@ def _is_standard_mask(attention_mask: Optional[torch.Tensor], valid: Optional[to
     return bool(torch.where(rows, allowed == expected, padding_row_ok).all())
 
 
-def _own_key_allowed(allowed: torch.Tensor, offset: int) -> torch.Tensor:
-    """(B, T) whether each query may see its own key (column ``offset + i``): a custom mask's real tokens."""
-    length = allowed.shape[-2]
-    rows = torch.arange(length, device=allowed.device)
-    return allowed[:, 0][:, rows, rows + offset]
-
-
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, mask_value(dtype))
+
+
+def _group_major(bias: torch.Tensor, kv_heads: int, groups: int) -> torch.Tensor:
+    """A bias or additive mask (B | 1, 1 | Hq, T, K) over query heads, at the rows of a grouped-query read: query
+    head ``h * groups + g`` is row ``g * T + i`` of KV head ``h``, so (B | 1, 1 | Hk, groups * T, K). One head is
+    repeated over the groups; per-head masks go to their rows (a reshape, no copy)."""
+    if groups == 1 or bias.dim() != 4:
+        return bias
+    if bias.shape[1] == 1:
+        return bias.repeat(1, 1, groups, 1)
+    return bias.reshape(bias.shape[0], kv_heads, groups * bias.shape[2], bias.shape[3])
 
 
 def _mlr_mask(*args, **kwargs):
@@ -267,8 +270,8 @@ def _uncached(module, query, key, value, geometry, scales, positions, valid, bia
         groups = q_heads // key.shape[1]
         rows = query.reshape(batch, key.shape[1], groups * length, width)
         key_valid = valid if valid is not None else torch.ones(batch, length, dtype=torch.bool, device=query.device)
-        if bias is not None and bias.dim() == 4 and groups > 1 and bias.shape[-2] == length:
-            bias = bias.repeat(1, 1, groups, 1)  # rows are group-major: row g * T + i
+        if bias is not None and bias.shape[-2] == length:
+            bias = _group_major(bias, key.shape[1], groups)
         out = mlr_attention_full_keys(rows, key, value, geometry=geometry, scales=scales,
                                       query_positions=positions.repeat(1, groups), key_positions=positions,
                                       key_valid=key_valid, causal=causal, bias=bias)
@@ -325,8 +328,9 @@ def _token_shift(positions: torch.Tensor, valid: torch.Tensor, tokens, base: int
 
 
 def _slot_mask(attention_mask: torch.Tensor, view, step, slots: int) -> Optional[torch.Tensor]:
-    """A caller's 4-D mask (B | 1, 1, c, K) over the tokens (token order) read at the cache's slots: None when it
-    is the causal + padding mask of what the cache holds (nothing to apply), else (B, 1, c, S) bool in slot order.
+    """A caller's 4-D mask (B | 1, 1 | Hq, c, K) over the tokens (token order) read at the cache's slots: None when
+    it is the causal + padding mask of what the cache holds (nothing to apply), else (B, 1 | Hq, c, S) bool in slot
+    order (a per-head mask stays per head).
     A mask that allows a key the cache does not hold (a padding token, which is never stored, a future key, an
     empty slot) for a real query is refused. Computed once per forward (the layers of one geometry hold the same
     positions; the comparison reads back from the device: only for a caller's own 4-D mask)."""
@@ -344,13 +348,13 @@ def _make_slot_mask(attention_mask, view, step, slots: int):
     if allowed.shape[-2] != chunk:
         raise ValueError(MASK_REFUSED.format(what=f"mask of shape {tuple(attention_mask.shape)} for {chunk} new "
                                                   f"tokens"))
-    key_length = allowed.shape[-1]
-    allowed = allowed[:, :1].expand(batch, 1, chunk, key_length)
+    heads, key_length = allowed.shape[1], allowed.shape[-1]  # one mask for every head, or one per query head
+    allowed = allowed.expand(batch, heads, chunk, key_length)
     base = view.layout.base
     shift = _token_shift(positions, valid, view.tokens, base)
     column = torch.arange(slots, device=allowed.device) + shift[:, None]  # (B, S): the token held in slot s
     inside = (column >= 0) & (column < key_length)
-    index = column.clamp(min=0, max=key_length - 1)[:, None, None, :].expand(batch, 1, chunk, slots)
+    index = column.clamp(min=0, max=key_length - 1)[:, None, None, :].expand(batch, heads, chunk, slots)
     gathered = allowed.gather(-1, index) & inside[:, None, None, :]
     slot_positions = torch.arange(slots, device=allowed.device) + base
     held = (slot_positions >= view.first_positions[:, None, None]) & \
@@ -395,7 +399,7 @@ def _read_cache(module, query, view: MLRCacheView, attention_mask, geometry, sca
             slot_bias = F.pad(slot_bias, (0, slots - slot_bias.shape[-1]))
     mask = _slot_mask(attention_mask, view, step, slots) if custom else None
     if mask is not None:
-        additive = _additive(mask, softmax_dtype(query.dtype)).repeat(1, 1, groups, 1)  # rows are group-major
+        additive = _group_major(_additive(mask, softmax_dtype(query.dtype)), kv_heads, groups)
         slot_bias = additive if slot_bias is None else slot_bias + additive
     out, weights = mlr_cached_attention(query, view, plan, scales, bias=slot_bias, return_weights=eager,
                                         dropout=dropout)
@@ -516,7 +520,7 @@ def _forward(module, query, key, value, attention_mask, scaling, dropout, eager,
         # the caller's own 4-D mask (a window, a bidirectional or block overlay, a hidden pair): applied as given,
         # blocks from the positions; a token is real iff it may see itself
         allowed = mask_allowed(attention_mask)
-        own = _own_key_allowed(allowed, written - length).expand(batch, length)
+        own = own_key_allowed(attention_mask, written - length).expand(batch, length)
         valid_keys = own if key_length == length else None
     query, key = _reorder(query, key, geometry)
     valid_queries = None
@@ -547,7 +551,7 @@ def _forward(module, query, key, value, attention_mask, scaling, dropout, eager,
     key_valid = key_valid.expand(batch, key_length)
     key_positions = _key_positions(positions, valid_queries, written, key_length)
     if allowed is not None:  # keys in token order: the mask applies as given (rows are group-major)
-        additive = _additive(allowed, softmax_dtype(rows.dtype)).repeat(1, 1, groups, 1)
+        additive = _group_major(_additive(allowed, softmax_dtype(rows.dtype)), kv_heads, groups)
         bias = additive if bias is None else bias + additive
     out = mlr_attention_full_keys(rows, key, value, geometry=geometry, scales=scales,
                                   query_positions=positions.repeat(1, groups), key_positions=key_positions,

@@ -70,6 +70,37 @@ class MLRCacheView:
     plan: MLRPlan
 
 
+def _geometry_fields(geometry: MLRGeometry) -> dict:
+    """What a cache layer's geometry fixes, field by field, as the refusals print it."""
+    scales = geometry.level_scales
+    return {"ranks": f"ranks {list(geometry.ranks)}", "blocks": f"blocks {list(geometry.block_sizes)}",
+            "level scales": "level scales " + ("of the attention module" if scales is None else
+                                               "[" + ", ".join(f"{scale:g}" for scale in scales) + "]"),
+            "level averaging": f"level averaging {'on' if geometry.average_levels else 'off'}",
+            "dim order": "dim order " + ("identity" if geometry.dim_order is None else str(list(geometry.dim_order)))}
+
+
+def held_geometry(geometry: MLRGeometry) -> str:
+    """``MLR keys of ranks [...], blocks [...]``: what a written MLR cache layer holds, for one-line refusals."""
+    fields = _geometry_fields(geometry)
+    return f"MLR keys of {fields['ranks']}, {fields['blocks']}"
+
+
+def geometry_mismatch(held: Optional[MLRGeometry], geometry: MLRGeometry) -> str:
+    """The one-line refusal of a written cache layer read by a model layer of another geometry: ranks and blocks of
+    both, and every other field that differs (level scales, level averaging, dim order), named."""
+    new = _geometry_fields(geometry)
+    if held is None:
+        return (f"this cache layer holds no MLR keys; the model's layer is MLR with {new['ranks']}, {new['blocks']}: "
+                f"a cache is read only by a model of the geometry that wrote it (start from a new cache)")
+    old = _geometry_fields(held)
+    differing = [name for name in old if old[name] != new[name]]
+    shown = ["ranks", "blocks"] + [name for name in differing if name not in ("ranks", "blocks")]
+    return (f"this cache layer holds MLR keys of {', '.join(old[name] for name in shown)}; the model's layer is MLR "
+            f"with {', '.join(new[name] for name in shown)} (they differ in {' and '.join(differing)}): a cache is "
+            f"read only by a model of the geometry that wrote it (start from a new cache)")
+
+
 class MLRCacheLayerMixin(RollbackMixin):
     """Storage shared by ``MLRKeyCacheLayer`` (dynamic) and ``MLRStaticKeyCacheLayer`` (static). Subclasses provide
     ``_allocate(like_keys, like_values, capacity)``, ``_ensure_capacity(slots, like_keys, like_values)``,
@@ -97,11 +128,7 @@ class MLRCacheLayerMixin(RollbackMixin):
         if self.geometry == geometry:
             return
         if self.get_seq_length() > 0:
-            held = "no MLR keys" if self.geometry is None else \
-                f"MLR keys of ranks {list(self.geometry.ranks)}, blocks {list(self.geometry.block_sizes)}"
-            raise ValueError(f"this cache layer holds {held}; the model's layer is MLR with ranks "
-                             f"{list(geometry.ranks)}, blocks {list(geometry.block_sizes)}: a cache is read only by "
-                             f"a model of the geometry that wrote it (start from a new cache)")
+            raise ValueError(geometry_mismatch(self.geometry, geometry))
         if self.is_initialized:  # early_initialization allocated plain buffers: drop them
             self._drop_storage()
         self.geometry = geometry

@@ -81,8 +81,8 @@ def _num_cache_layers(self) -> int:
 def _check_inputs(kwargs: dict, tokens: torch.Tensor) -> None:
     """One-line errors naming the argument for inputs the attention would misread or fail on with a raw error:
     empty inputs (no token, or a batch of 0), token ids that are not integers, ``position_ids`` of the wrong shape
-    or dtype and attention masks of the wrong shape. Shapes only: the values (a 2-D mask holding values other than 0
-    and 1, its length against the cache's) are checked by the step plan with its one host read."""
+    or dtype, an attention mask that is not a tensor. The mask's shape (``check_mask_shape``) and values (a 2-D mask
+    holding values other than 0 and 1, its length against the cache's) are checked by the step plan."""
     name = "input_ids" if kwargs.get("input_ids") is not None else "inputs_embeds"
     if name == "input_ids" and (tokens.dim() != 2 or tokens.dtype.is_floating_point or tokens.dtype == torch.bool):
         raise ValueError(f"input_ids must be an integer tensor of shape (batch, length), got {tokens.dtype} "
@@ -103,19 +103,8 @@ def _check_inputs(kwargs: dict, tokens: torch.Tensor) -> None:
     mask = kwargs.get("attention_mask")
     if mask is None or isinstance(mask, dict):
         return
-    if not isinstance(mask, torch.Tensor):
+    if not isinstance(mask, torch.Tensor):  # its shape: ``check_mask_shape``, in the step plan
         raise ValueError(f"attention_mask must be a tensor, got {type(mask).__name__}")
-    if mask.dim() == 2:
-        if mask.shape[0] not in (1, batch) or mask.is_complex():
-            raise ValueError(f"attention_mask must have shape ({batch}, cached + new tokens) (batch, cached + new "
-                             f"tokens; 1 = attend), got {mask.dtype} {tuple(mask.shape)}")
-    elif mask.dim() == 4:
-        if mask.shape[0] not in (1, batch) or mask.shape[2] != length:
-            raise ValueError(f"a 4-D attention_mask must have shape ({batch}, 1, {length}, >= cached + new tokens) "
-                             f"(batch, 1, new tokens, cached + new tokens), got {tuple(mask.shape)}")
-    else:
-        raise ValueError(f"attention_mask must be a (batch, cached + new tokens) keep-mask or transformers' 4-D "
-                         f"mask, got shape {tuple(mask.shape)}")
 
 
 def _prepare(self, kwargs: dict) -> dict:
@@ -138,7 +127,8 @@ def _prepare(self, kwargs: dict) -> dict:
     batch, length = tokens.shape[:2]
     mask = kwargs.get("attention_mask")
     step = prepare_step(self, cache=cache, batch=batch, length=length, device=tokens.device,
-                        position_ids=kwargs.get("position_ids"), attention_mask=mask)
+                        position_ids=kwargs.get("position_ids"), attention_mask=mask,
+                        heads=config.num_attention_heads)
     kwargs[STEP_KEY] = step
     return kwargs
 

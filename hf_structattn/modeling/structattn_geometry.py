@@ -99,12 +99,55 @@ def mask_allowed(mask: torch.Tensor) -> torch.Tensor:
     return mask == 0 if mask.is_floating_point() else mask != 0
 
 
+def own_key_allowed(mask: torch.Tensor, offset) -> torch.Tensor:
+    """(B | 1, T) whether each of the T queries of a 4-D mask (B | 1, H | 1, T, K) may see its own key, column
+    ``offset + i`` (clamped to the mask), in at least one head: a caller's 4-D mask's real tokens."""
+    length = mask.shape[-2]
+    rows = torch.arange(length, device=mask.device)
+    columns = (rows + offset).clamp(max=mask.shape[-1] - 1)
+    return mask_allowed(mask[..., rows, columns]).any(1)
+
+
+def check_mask_shape(mask: torch.Tensor, batch: int, heads: Optional[int], length: int, past: Optional[int] = None,
+                     name: str = "attention_mask") -> None:
+    """The one rule for the shape of a model's attention mask, in every family (GPT-2, T5, patched decoders) and on
+    every path (uncached, prefill, chunk, decode step):
+
+    * 2-D ``(B | 1, cached + new tokens)``: a keep-mask over the keys; one row is broadcast over the batch;
+    * 4-D ``(B | 1, 1 | H, new tokens, >= cached + new tokens)`` (wider: a static cache's slots): a batch of one is
+      broadcast over the batch, one head over the heads, and H masks are applied one per query head;
+    * anything else is refused with one line naming the argument, its shape and the accepted shapes.
+
+    ``heads``: the query heads (None: not checked); ``past``: the cached tokens, None while not known on the host
+    (then only the new tokens are counted)."""
+    shape = tuple(mask.shape)
+    covered = length if past is None else past + length
+    if mask.is_complex():
+        raise ValueError(f"{name} must be a bool, integer or float mask, got {mask.dtype} of shape {shape}")
+    if mask.dim() == 2:
+        if shape[0] not in (1, batch) or (shape[1] != covered if past is not None else shape[1] < covered):
+            expected = f"({batch}, {covered})" if past is not None else f"({batch}, cached + new tokens)"
+            raise ValueError(f"{name} must have shape {expected} (batch, cached + new tokens; 1 = attend; a batch of "
+                             f"1 is broadcast), got {shape}")
+    elif mask.dim() == 4:
+        if shape[0] not in (1, batch) or (heads is not None and shape[1] not in (1, heads)) or \
+                shape[2] != length or shape[3] < covered:
+            head_dim = "1" if heads is None or heads == 1 else f"1 or {heads}"
+            raise ValueError(f"a 4-D {name} must have shape ({batch} or 1, {head_dim}, {length}, >= {covered}) "
+                             f"(batch, heads, new tokens, cached + new tokens; a batch or head axis of 1 is "
+                             f"broadcast), got {shape}")
+    else:
+        raise ValueError(f"{name} must be a (batch, cached + new tokens) keep-mask or a 4-D (batch, heads, new tokens, "
+                         f"cached + new tokens) mask, got shape {shape}")
+
+
 def check_additive_mask(mask: torch.Tensor, name: str = "attention_mask") -> None:
-    """Refuse a float mask holding a score bias (a value other than 0 and at most ``MASKED_AT_MOST``): MLR attention
-    applies masks by which pairs attend, so a bias would be dropped silently. One host read (eager only)."""
+    """Refuse a float mask holding a score bias (a value other than 0 and at most ``MASKED_AT_MOST``) or NaN: MLR
+    attention applies masks by which pairs attend, so a bias would be dropped silently and a NaN read as masked.
+    One host read (eager only)."""
     if torch.compiler.is_compiling() or not mask.is_floating_point():
         return
-    bias = (mask != 0) & (mask > MASKED_AT_MOST)
+    bias = ~((mask == 0) | (mask <= MASKED_AT_MOST))  # NaN is neither
     if bool(bias.any()):
         value = float(mask[bias].flatten()[0])
         raise ValueError(f"{name} is a float (additive) mask holding {value}: MLR attention reads a float mask as 0 = "

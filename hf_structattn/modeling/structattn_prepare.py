@@ -10,8 +10,8 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer, EncoderDecoderCache, StaticLayer
 from transformers.utils.deprecation import deprecate_kwarg
 
-from .structattn_cache import MLR_CACHE_LAYERS, MLRKeyCacheLayer, MLRStaticKeyCacheLayer
-from .structattn_geometry import check_additive_mask, mask_allowed
+from .structattn_cache import MLR_CACHE_LAYERS, MLRKeyCacheLayer, MLRStaticKeyCacheLayer, held_geometry
+from .structattn_geometry import check_additive_mask, check_mask_shape, own_key_allowed
 from .structattn_step import STEP_KEY, MLRStep, build_step, plain_step
 
 
@@ -78,6 +78,15 @@ def prepare_structattn_cache(cache: Optional[Cache], geometries: dict, *, reserv
     if num_layers is not None:
         for part in (target, cache.cross_attention_cache) if isinstance(cache, EncoderDecoderCache) else (target,):
             _extend_layers(part, num_layers)
+    for layer_idx, layer in enumerate(target.layers):
+        if layer_idx not in geometries and isinstance(layer, MLR_CACHE_LAYERS) and layer.is_bound:
+            # the hierarchical form of another model's MLR layer (an unbound MLR layer holds full keys, as a plain one)
+            if layer.get_seq_length() > 0:
+                raise ValueError(f"cache layer {layer_idx} holds {held_geometry(layer.geometry)}, written by an MLR "
+                                 f"model; this model's layer {layer_idx} is not MLR: a cache is read only by a model "
+                                 f"of the geometry that wrote it (start from a new cache)")
+            target.layers[layer_idx] = StaticLayer(max_cache_len=layer.max_cache_len) if layer.is_static else \
+                DynamicLayer()
     for layer_idx, geometry in geometries.items():
         if layer_idx >= len(target.layers):
             continue
@@ -112,43 +121,30 @@ def set_rollback_window(cache: Cache, tokens: Optional[int]) -> None:
 
 
 def new_token_validity(mask: Optional[torch.Tensor], past, length: int) -> Optional[torch.Tensor]:
-    """(B, T) padding flags of the new tokens from a 2-D keep-mask or transformers' 4-D mask (a new token is real
-    iff its own key is allowed: the diagonal of its rows, at column ``past + i``), or None."""
+    """(B, T) padding flags of the new tokens from a 2-D keep-mask or a 4-D mask (a new token is real iff its own key
+    is allowed in some head: the diagonal of its rows, at column ``past + i``), or None."""
     if mask is None:
         return None
     if mask.dim() == 2:
         return mask[:, -length:].bool()
     if mask.dim() != 4 or mask.shape[-2] != length:
         return None
-    rows = torch.arange(length, device=mask.device)
-    own = mask[:, 0][:, rows, (rows + past).clamp(max=mask.shape[-1] - 1)]  # (a short mask is refused after the read)
-    return mask_allowed(own)
-
-
-def _check_mask_length(mask: torch.Tensor, batch: int, length: int, past: Optional[int]) -> None:
-    """One-line errors for a 2-D keep-mask that does not cover the cached and new tokens, or a 4-D mask that does not
-    reach them (``past``: the cached tokens, None when not yet known on the host: then only the new tokens)."""
-    covered = length if past is None else past + length
-    if mask.dim() == 2 and (mask.shape[-1] != covered if past is not None else mask.shape[-1] < covered):
-        shape = f"({batch}, {covered})" if past is not None else f"({batch}, cached + new tokens)"
-        raise ValueError(f"attention_mask must have shape {shape} (batch, cached + new tokens; 1 = attend), got "
-                         f"{tuple(mask.shape)}")
-    if mask.dim() == 4 and mask.shape[-1] < covered:
-        raise ValueError(f"a 4-D attention_mask must have shape ({batch}, 1, {length}, >= {covered}) (batch, 1, new "
-                         f"tokens, cached + new tokens), got {tuple(mask.shape)}")
+    return own_key_allowed(mask, past)
 
 
 def prepare_step(model, *, cache: Optional[Cache], batch: int, length: int, device,
                  position_ids: Optional[torch.Tensor] = None, attention_mask: Optional[torch.Tensor] = None,
-                 count_positions: bool = False, max_positions: Optional[tuple] = None) -> MLRStep:
+                 count_positions: bool = False, max_positions: Optional[tuple] = None,
+                 heads: Optional[int] = None) -> MLRStep:
     """The step plan of one forward of ``model`` (any family: ``model.structattn_cache_geometries()`` names its MLR
     layers). ``cache``: the forward's cache (its self-attention part is used; its MLR layers get their hierarchical
     form here unless tracing); ``position_ids``: the given (B, T) | (1, T) positions, or None (continue the cache, or
     with ``count_positions`` count each row's real tokens: T5); ``attention_mask``: the caller's 2-D keep-mask over
-    cached + new tokens or 4-D mask, or None; ``max_positions``: (field, limit) of a learned position table.
+    cached + new tokens or 4-D mask, or None; ``max_positions``: (field, limit) of a learned position table;
+    ``heads``: the model's query heads (the mask's head axis is 1 or that).
 
-    Checks the mask's length against the cache once the plan has read the cache's length back (the one host read
-    of the forward)."""
+    Checks the mask's shape (``check_mask_shape``, the one rule) against the cache once the plan has read the cache's
+    length back (the one host read of the forward)."""
     tracing = torch.compiler.is_compiling()
     target = self_attention_cache(cache)
     layer_geometries = model.structattn_cache_geometries()
@@ -168,7 +164,7 @@ def prepare_step(model, *, cache: Optional[Cache], batch: int, length: int, devi
     if not isinstance(attention_mask, torch.Tensor):
         attention_mask = None
     if attention_mask is not None:
-        _check_mask_length(attention_mask, batch, length, None if isinstance(past, torch.Tensor) else past)
+        check_mask_shape(attention_mask, batch, heads, length, None if isinstance(past, torch.Tensor) else past)
     if attention_mask is not None and attention_mask.dim() == 2:
         valid = attention_mask[:, -length:].bool().to(device).expand(batch, length)
         key_mask = attention_mask
@@ -184,14 +180,14 @@ def prepare_step(model, *, cache: Optional[Cache], batch: int, length: int, devi
                           key_mask=key_mask, standard_masks=standard, checked_mask=checked, past=past,
                           max_positions=max_positions)
         if attention_mask is not None and isinstance(past, torch.Tensor) and step.tokens is not None:
-            _check_mask_length(attention_mask, batch, length, step.tokens)
+            check_mask_shape(attention_mask, batch, heads, length, step.tokens)
         return step
     step = build_step(cache=target, positions=positions, valid=valid, batch=batch, length=length, device=device,
                       key_mask=key_mask, standard_masks=standard, checked_mask=checked,
                       embedding_positions=positions if max_positions is not None else None,
                       max_positions=max_positions)
     if step.facts is not None and attention_mask is not None and isinstance(past, torch.Tensor):
-        _check_mask_length(attention_mask, batch, length, step.facts.tokens_before)
+        check_mask_shape(attention_mask, batch, heads, length, step.facts.tokens_before)
     return step
 
 

@@ -39,6 +39,12 @@ def _rollback_window(generation_config, model_kwargs: dict, generation_mode) -> 
 class StructAttnPreTrainedMixin:
     """Mixin placed before the transformers base class. Subclasses set ``structattn_auto_map`` (may be empty)."""
 
+    # transformers' flag by which serving engines (the transformers backends of vLLM and TGI) run a model with their
+    # own attention function and paged cache: that would replace MLR attention (a silent dense model) or feed it a
+    # cache layout it does not know. No serving engine is tested end to end, so no class of this package claims it
+    # (the stock class a patched decoder is built on does).
+    _supports_attention_backend = False
+
     structattn_auto_map: dict = {}
     # positions beyond which the model has no embedding (learned absolute positions), or None
     structattn_max_positions_field: Optional[str] = None

@@ -394,10 +394,9 @@ def _host_facts(positions, valid, last, first, tokens_before, checked_mask, max_
     if kept is not None:
         parts.append(kept)
     values = torch.cat(parts).tolist()  # the one host read of the forward
+    kept_rows = None
     if kept is not None:
-        _refuse_hidden_cached_tokens(values[-batch:], last_rows=values[batch * length:batch * length + batch],
-                                     first_rows=values[batch * length + batch:batch * length + 2 * batch])
-        values = values[:-batch]
+        kept_rows, values = values[-batch:], values[:-batch]
     count = batch * length
     rows = [values[row * length:(row + 1) * length] for row in range(batch)]
     old, firsts, rest = values[count:count + batch], values[count + batch:count + 2 * batch], values[count + 2 * batch:]
@@ -408,6 +407,10 @@ def _host_facts(positions, valid, last, first, tokens_before, checked_mask, max_
     bad_mask = False
     if checked_mask is not None:
         bad_mask, rest = bool(rest[0]), rest[1:]
+    if bad_mask:  # an additive 2-D mask is refused as such, also over a cache (its columns are not a keep-mask)
+        _refuse_bad_inputs(bad_mask)
+    if kept_rows is not None:
+        _refuse_hidden_cached_tokens(kept_rows, last_rows=old, first_rows=firsts)
     if isinstance(tokens_before, torch.Tensor):
         tokens_before = rest[0]
     reals = [[position for position, real in zip(row, flag) if real] for row, flag in zip(rows, flags)]
@@ -454,7 +457,7 @@ def _refuse_hidden_cached_tokens(kept_rows: list, last_rows: list, first_rows: l
         if kept < held:
             raise ValueError(f"attention_mask hides a cached real token of row {row}: the MLR cache holds its "
                              f"{held} real tokens, the mask keeps {kept} of the cached columns; a cached token cannot "
-                             f"be hidden afterwards (run the forward with use_cache=False, or start a new cache)")
+                             f"be hidden afterwards (run the whole sequence with use_cache=False, or start a new cache)")
 
 
 def _refuse_gap(row: int, last: int, positions, valid) -> None:

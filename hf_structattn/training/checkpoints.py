@@ -387,5 +387,23 @@ def load_checkpoint(accelerator, path: Path, scheduler) -> None:
         scheduler.load_state_dict(json.loads((path / SCHEDULER_STATE).read_text(encoding="utf-8")))
         load_rng_state(path / RNG_STATE.format(rank=accelerator.process_index))
     except Exception as error:
-        raise _with_previous(CheckpointError(f"{path}: cannot be loaded ({_first_line(error)})"), path,
-                             accelerator.num_processes) from None
+        raise _with_previous(CheckpointError(f"{_unloadable_file(path)}: cannot be loaded ({_first_line(error)})"),
+                             path, accelerator.num_processes) from None
+
+
+def _unloadable_file(path: Path) -> Path:
+    """The first file of a verified checkpoint that does not load on its own (accelerate's error does not say which:
+    tried only after a load failed, with the same safe loaders), or the folder when each file loads alone."""
+    from safetensors.torch import load_file
+
+    for file in sorted(p for p in path.rglob("*") if p.is_file()):
+        try:
+            if file.suffix == ".safetensors":
+                load_file(str(file))
+            elif file.suffix in (".bin", ".pt"):
+                torch.load(file, map_location="cpu", weights_only=True)
+            elif file.suffix == ".json":
+                json.loads(file.read_text(encoding="utf-8"))
+        except Exception:
+            return file
+    return path

@@ -32,10 +32,10 @@ from accelerate import Accelerator, PartialState
 from accelerate.utils import LoggerType, ProjectConfiguration, parse_flag_from_env, set_seed
 from tqdm.auto import tqdm
 
-from .args import ConfigError, RunComplete, arg, configuration_differences, run_configuration
+from .args import ConfigError, RunComplete, RunFailure, arg, configuration_differences, run_configuration
 from .checkpoints import (CHECKPOINT_STATE, CheckpointWriter, checkpoint_dirs, load_checkpoint,  # noqa: F401
                           remove_partial_checkpoints, resolve_checkpoint)
-from .tracking import JSONLTracker
+from .tracking import JSONLTracker, read_log_lines
 
 RUN_CONFIG = "run_config.json"   # in the output folder
 LR_SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_min_lr", "cosine_with_restarts",
@@ -184,7 +184,8 @@ def prepare_output_dir(args: CommonArgs, recipe: str, state: PartialState) -> Op
                               f"{'; '.join(differences)}. Resume with the same settings, or start a new run in "
                               "another --output_dir")
         finished = out / "final_metrics.json"
-        if checkpoint_state["step"] >= args.max_steps and finished.exists():
+        if checkpoint_state["step"] >= args.max_steps and is_finished_run(out):
+            # (not finished -- the final save killed midway: the resume from the last checkpoint writes it again)
             raise RunComplete(f"the run in {out} is already complete ({checkpoint.name} is at step "
                               f"{checkpoint_state['step']} of {args.max_steps}, final metrics in {finished}); "
                               f"nothing to train. To upload it (again): hf-structattn push {out} --repo-id USER/NAME")
@@ -210,16 +211,24 @@ def prepare_output_dir(args: CommonArgs, recipe: str, state: PartialState) -> Op
     return checkpoint
 
 
+def is_finished_run(out: Path) -> bool:
+    """Whether ``out`` is a finished run by the one definition push and the final upload use
+    (:func:`.outputs.finished_run`)."""
+    from .outputs import NotAFinishedRun, finished_run
+
+    try:
+        finished_run(out)
+    except NotAFinishedRun:
+        return False
+    return True
+
+
 def truncate_log(path: Path, last_step: int) -> None:
     """Keep the records of steps ``<= last_step`` (and config events): a resumed run replays the rest."""
     if not path.exists():
         return
-    kept = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            record = json.loads(line)
-            if record.get("step") is None or record["step"] <= last_step:
-                kept.append(line)
+    kept = [line for line, record in read_log_lines(path)
+            if record.get("step") is None or record["step"] <= last_step]
     path.write_text("".join(f"{line}\n" for line in kept))
 
 
@@ -469,12 +478,18 @@ def finish_run(accelerator: Accelerator, args: CommonArgs, model, result: TrainR
     state_dict = accelerator.get_state_dict(model)  # a collective under FSDP: every rank takes part
     out = Path(args.output_dir)
     if accelerator.is_main_process:
-        from .outputs import push_to_hub, write_metrics_json
+        from .outputs import NotAFinishedRun, describe_skipped, finished_run, push_to_hub, write_metrics_json
 
         cost_table = save_outputs(summary, state_dict)
         write_metrics_json(out, summary)
         if args.push_to_hub:
-            summary["hub_repo_id"] = push_to_hub(out, args.hub_model_id, private=args.hub_private)
+            try:
+                run = finished_run(out)  # the one definition of what an upload sends
+            except NotAFinishedRun as error:
+                raise RunFailure(f"--push_to_hub: not uploading {out}: {error}") from None
+            for line in describe_skipped(run):
+                print(line, flush=True)
+            summary["hub_repo_id"] = push_to_hub(run, args.hub_model_id, private=args.hub_private)
         print_summary(summary, out, cost_table)
     accelerator.wait_for_everyone()
     accelerator.end_training()

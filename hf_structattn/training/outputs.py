@@ -1,18 +1,281 @@
-"""What a recipe leaves behind: model card, plots, metrics file, and the optional Hub upload."""
+"""What a recipe leaves behind: model card, plots, metrics file, and the optional Hub upload of a finished run."""
 
 from __future__ import annotations
 
+import fnmatch
 import json
+import os
+import pickletools
+import re
 import socket
+import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from .args import ConfigError, RunFailure, run_configuration
 from .tracking import read_jsonl
 
-# what upload_folder leaves out: resumable training state is not part of the published model
+# never uploaded: resumable training state, the recipes' sources and bookkeeping are not part of the published model
 HUB_IGNORE_PATTERNS = ["checkpoints/*", "checkpoints/**", "base_tiny_chronos_t5/*", "source/*", "source/**", "*.pkl",
                        "run_config.json"]
+# huggingface_hub's own defaults (``hf_api.DEFAULT_IGNORE_PATTERNS``), which upload_folder adds to any
+_HUB_DEFAULT_IGNORE = [".git", ".git/*", "*/.git", "**/.git/**", ".cache/huggingface", ".cache/huggingface/*",
+                       "*/.cache/huggingface", "**/.cache/huggingface/**"]
+# the staging folder of a write killed midway: a patch's ``.OUT.partial-<pid>-<8 hex>`` (cli.save_atomically), a
+# checkpoint's ``.checkpoint_<i>.partial`` (training.checkpoints)
+_STAGING = re.compile(r"\..+\.partial(-\d+-[0-9a-f]{8})?")
+_WEIGHTS_INDEX = "model.safetensors.index.json"
+_PICKLE_SCAN_BYTES = 16 * 2**20  # protocol 0/1 pickles (no magic bytes) are parsed up to this size
+
+
+class NotAFinishedRun(ConfigError):
+    """What makes a folder not a finished run, in one line naming the file."""
+
+
+@dataclass(frozen=True)
+class UploadFile:
+    path: str  # relative to the output folder, with forward slashes (its path in the repository)
+    size: int
+
+
+@dataclass(frozen=True)
+class FinishedRun:
+    """A folder that passed :func:`finished_run`: the files an upload sends and what it leaves out, with why."""
+
+    folder: Path
+    files: tuple  # UploadFile, sorted by path
+    skipped: tuple  # (path relative to the folder, a trailing "/" for a folder; why it is not uploaded)
+
+
+def is_pickle(path: str | os.PathLike) -> bool:
+    """Whether a file is a pickle by its content, whatever its name (``training_args.bin``, ``optimizer.bin``,
+    ``*.pt``, ``*.pickle``): a pickle of protocol 2 to 5 (its PROTO opcode), a zip holding one (``torch.save``'s
+    format), or, up to 16 MiB, the opcodes of protocol 0 or 1 read to their STOP."""
+    with open(path, "rb") as handle:
+        head = handle.read(2)
+        if _pickle_head(head):
+            return True
+        if head == b"PK":
+            try:
+                with zipfile.ZipFile(path) as archive:
+                    return any(name.endswith(".pkl") or _pickle_head(archive.open(name).read(2))
+                               for name in archive.namelist() if not name.endswith("/"))
+            except (zipfile.BadZipFile, OSError):
+                return False
+        handle.seek(0)
+        data = handle.read(_PICKLE_SCAN_BYTES + 1)
+    if len(data) > _PICKLE_SCAN_BYTES:
+        return False
+    try:
+        return any(opcode.name == "STOP" for opcode, _, _ in pickletools.genops(data))
+    except Exception:  # not opcodes: not a pickle
+        return False
+
+
+def _pickle_head(head: bytes) -> bool:
+    """The PROTO opcode of pickle protocols 2 to 5."""
+    return head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")
+
+
+def _ignored(path: str) -> bool:
+    return any(fnmatch.fnmatch(path, pattern) for pattern in HUB_IGNORE_PATTERNS + _HUB_DEFAULT_IGNORE)
+
+
+def _inside(target: Path, folder: Path) -> bool:
+    return target == folder or folder in target.parents
+
+
+def _walk(out: Path) -> tuple[list, list]:
+    """(files to check, skipped) of ``out``: the staging folders of killed writes, symlinked folders, symlinks to
+    files outside ``out``, the ignore patterns and pickles are skipped with why."""
+    root = out.resolve()
+    files, skipped = [], []
+    for folder, dirnames, filenames in os.walk(out):
+        base = Path(folder)
+        for name in sorted(dirnames):
+            path = base / name
+            relative = path.relative_to(out).as_posix()
+            if path.is_symlink():
+                skipped.append((relative + "/", f"a symlinked folder (to {os.path.realpath(path)})"))
+                dirnames.remove(name)
+            elif _STAGING.fullmatch(name):
+                skipped.append((relative + "/", "the staging folder of a write that did not finish"))
+                dirnames.remove(name)
+            elif _ignored(relative + "/x"):
+                skipped.append((relative + "/", "training state or sources, not part of the published model"))
+                dirnames.remove(name)
+        for name in sorted(filenames):
+            path = base / name
+            relative = path.relative_to(out).as_posix()
+            if path.is_symlink() and not _inside(path.resolve(), root):
+                skipped.append((relative, f"a symlink to {path.resolve()}, outside the folder"))
+            elif not path.is_file():
+                skipped.append((relative, "not a regular file"))
+            elif _ignored(relative):
+                skipped.append((relative, "a pickle (by name): not published" if relative.endswith(".pkl") else
+                                "bookkeeping, not part of the published model"))
+            elif not relative.endswith(".safetensors") and is_pickle(path):
+                skipped.append((relative, "a pickle (unpickling runs code): not published"))
+            else:
+                files.append(relative)
+    return sorted(files), sorted(skipped)
+
+
+def finished_run(output_dir: str | os.PathLike, name: str = "OUTPUT_DIR") -> FinishedRun:
+    """The one definition of a finished run (a recipe's output folder or a patched checkpoint), used by
+    ``hf-structattn push`` (and its ``--dry-run`` / ``--to-folder``), the recipes' ``--push_to_hub`` and the
+    ``--resume_from`` check that a run is complete:
+
+    * ``config.json`` parses as a JSON object, and a recipe run (``run_config.json``) wrote ``final_metrics.json``;
+    * the weights are safetensors (``model.safetensors``, or the shards of ``model.safetensors.index.json``) whose
+      headers parse (a save killed midway leaves a file the header does not cover) and hold every tensor, of its
+      shape, of the model ``config.json`` describes (built on the meta device);
+    * the folder is not the staging folder of a write that did not finish, and no essential file is a symlink out
+      of it.
+
+    What is not uploaded is skipped and listed: pickles by content whatever their name, staging folders inside,
+    symlinked folders, symlinks to files outside, the recipes' ignore patterns (checkpoints, sources,
+    bookkeeping). Anything else is a one-line :class:`NotAFinishedRun` naming the file."""
+    out = Path(output_dir)
+    if not out.exists():
+        raise NotAFinishedRun(f"{name} {out} does not exist")
+    if not out.is_dir():
+        raise NotAFinishedRun(f"{name} {out} is not a directory")
+    if _STAGING.fullmatch(out.resolve().name):
+        raise NotAFinishedRun(f"{name} {out} is the staging folder of a write that did not finish (a patch or a "
+                              f"checkpoint save killed midway): not a finished run; write it again")
+    files, skipped = _walk(out)
+    listed = set(files)
+    for essential in ("config.json", "model.safetensors", _WEIGHTS_INDEX):
+        why = dict(skipped).get(essential)
+        if why is not None and (out / essential).is_symlink():
+            raise NotAFinishedRun(f"{out / essential} is {why}: copy the file into the folder")
+    if "config.json" not in listed:
+        raise NotAFinishedRun(f"{name} {out} holds no config.json: not a finished run or checkpoint folder")
+    config_path = out / "config.json"
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise NotAFinishedRun(f"{config_path} is not valid JSON ({' '.join(str(error).split())}): not a finished "
+                              f"run") from None
+    if not isinstance(config, dict):
+        raise NotAFinishedRun(f"{config_path} holds a JSON {type(config).__name__}, not an object: not a finished run")
+    if (out / "run_config.json").is_file() and "final_metrics.json" not in listed:
+        raise NotAFinishedRun(f"{name} {out} is a recipe run that did not finish (no final_metrics.json): continue it "
+                              f"with --resume_from latest")
+    tensors = _weights(out, listed, skipped, name)
+    _check_against_config(out, config, tensors)
+    uploads = tuple(UploadFile(path, (out / path).stat().st_size) for path in files)
+    return FinishedRun(out, uploads, tuple(skipped))
+
+
+def _weights(out: Path, listed: set, skipped: list, name: str) -> dict:
+    """{tensor name: (file, shape)} of the folder's safetensors weights; every ``*.safetensors`` file's header must
+    parse."""
+    from safetensors import safe_open
+
+    if _WEIGHTS_INDEX in listed:
+        index_path = out / _WEIGHTS_INDEX
+        try:
+            weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
+            shards = sorted(set(weight_map.values()))
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as error:
+            raise NotAFinishedRun(f"{index_path} is not a safetensors index ({type(error).__name__}: "
+                                  f"{' '.join(str(error).split())})") from None
+        for shard in shards:
+            if shard not in listed:
+                raise NotAFinishedRun(f"{out / shard}, a shard {_WEIGHTS_INDEX} lists, is missing: not a finished run")
+        weights = shards
+    elif "model.safetensors" in listed:
+        weights = ["model.safetensors"]
+    else:
+        pickled = [path for path, _ in skipped if path.startswith("pytorch_model")]
+        hint = f" ({pickled[0]} is a pickle, not uploaded: save with safetensors)" if pickled else ""
+        raise NotAFinishedRun(f"{name} {out} holds no weights (model.safetensors or {_WEIGHTS_INDEX}){hint}: not a "
+                              f"finished run or checkpoint folder")
+    tensors = {}
+    for path in sorted(listed):
+        if not path.endswith(".safetensors"):
+            continue
+        try:
+            with safe_open(str(out / path), framework="pt") as handle:
+                shapes = {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
+        except Exception as error:  # safetensors' own SafetensorError
+            raise NotAFinishedRun(f"{out / path} is not a complete safetensors file ({' '.join(str(error).split())}): "
+                                  f"its save did not finish; not a finished run") from None
+        if path in weights:
+            tensors.update({key: (path, shape) for key, shape in shapes.items()})
+    return tensors
+
+
+def _model_class(architecture: Optional[str]):
+    """The model class ``config.json``'s ``architectures[0]`` names, from this package (GPT-2 / T5 families, patched
+    ``MLR<Arch>``, Chronos-Bolt) or transformers; None when it cannot be built here."""
+    import transformers
+
+    import hf_structattn
+    from ..modeling import structattn_decoder
+    from ..modeling.modeling_structattn_chronos_bolt import BOLT_MODEL_CLASS_NAME, bolt_model_class
+
+    if not isinstance(architecture, str):
+        return None
+    if architecture == BOLT_MODEL_CLASS_NAME:
+        return bolt_model_class()
+    for source in (hf_structattn, structattn_decoder, transformers):
+        try:
+            cls = getattr(source, architecture)
+        except AttributeError:
+            continue
+        if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
+            return cls
+    return None
+
+
+def _check_against_config(out: Path, config: dict, tensors: dict) -> None:
+    """The weights hold every tensor of the model ``config.json`` describes, of its shape (tied tensors once)."""
+    import torch
+
+    architecture = (config.get("architectures") or [None])[0]
+    cls = _model_class(architecture)
+    if cls is None:
+        raise NotAFinishedRun(f"{out / 'config.json'} names the architecture {architecture!r}, which cannot be built "
+                              f"here (hf_structattn, transformers, chronos-forecasting for Chronos-Bolt), so its "
+                              f"weights cannot be checked against it")
+    try:
+        model_config = cls.config_class.from_dict(config)
+        with torch.device("meta"):
+            model = cls(model_config)
+    except Exception as error:
+        raise NotAFinishedRun(f"{out / 'config.json'} does not build its model {architecture} "
+                              f"({type(error).__name__}: {' '.join(str(error).split())})") from None
+    groups: dict = {}  # tied parameters are one tensor under several names: saved once
+    for key, value in model.state_dict(keep_vars=True).items():
+        groups.setdefault(id(value), []).append((key, tuple(value.shape)))
+    for group in groups.values():
+        present = [(key, shape) for key, shape in group if key in tensors]
+        if not present:
+            raise NotAFinishedRun(f"the weights of {out} lack {group[0][0]}, a tensor of the model config.json "
+                                  f"describes: not the weights of this config")
+        for key, shape in present:
+            file, stored = tensors[key]
+            if stored != shape:
+                raise NotAFinishedRun(f"{out / file}: {key} has shape {list(stored)}, the model config.json describes "
+                                      f"{list(shape)}: not the weights of this config")
+
+
+def describe_skipped(run: FinishedRun) -> list[str]:
+    """The lines that list what an upload of ``run`` leaves out, and why (none when nothing is)."""
+    if not run.skipped:
+        return []
+    width = max(len(path) for path, _ in run.skipped)
+    return [f"skipped (not uploaded): {len(run.skipped)} entries"] + [
+        f"  {path:<{width}}  {why}" for path, why in run.skipped]
+
+
+def _literal(path: str) -> str:
+    """An fnmatch pattern that matches ``path`` only (upload_folder's allow_patterns are fnmatch patterns)."""
+    return re.sub(r"([*?\[])", r"[\1]", path)
 
 
 def write_plots(output_dir: str | Path, log_path: Optional[str | Path] = None, loss_key: str = "train/loss",
@@ -179,15 +442,17 @@ def check_hub_access(repo_id: str, private: bool = False, flag: str = "--push_to
     return getattr(repo, "repo_id", repo_id)
 
 
-def push_to_hub(output_dir: str | Path, repo_id: str, private: bool = False,
+def push_to_hub(run: FinishedRun, repo_id: str, private: bool = False,
                 commit_message: str = "Upload model trained with hf_structattn") -> str:
-    """``HfApi().upload_folder`` of the output folder (checkpoints and bookkeeping left out; the repository was
+    """``HfApi().upload_folder`` of exactly the files of a finished run (:func:`finished_run`; the repository was
     created by :func:`check_hub_access` before training). Returns the repository id. A failed upload is one
     :class:`RunFailure` line (the trained run stays on disk)."""
     from huggingface_hub import HfApi
 
+    output_dir = run.folder
     try:
         HfApi().upload_folder(repo_id=repo_id, folder_path=str(output_dir), commit_message=commit_message,
+                              allow_patterns=[_literal(f.path) for f in run.files],
                               ignore_patterns=HUB_IGNORE_PATTERNS, repo_type="model")
     except Exception as error:
         what = "the Hub is unreachable" if is_network_error(error) else "the Hub refused it"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -64,14 +65,35 @@ class JSONLTracker(GeneralTracker):
         self._file.close()
 
 
+def read_log_lines(path: str | os.PathLike) -> list[tuple[str, dict]]:
+    """The one reader of a run's ``metrics.jsonl``: (line, record) of every non-empty line. A last line that does not
+    parse (a run killed while it wrote it) is dropped with a one-line note on stderr; any other line that does not
+    parse is a one-line :class:`.args.ConfigError` naming the file and the line."""
+    from .args import ConfigError
+
+    lines = [(number, line) for number, line in enumerate(Path(path).read_text().splitlines(), 1) if line.strip()]
+    pairs = []
+    for index, (number, line) in enumerate(lines):
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict):
+                raise ValueError(f"a JSON {type(record).__name__}, not an object")
+        except ValueError as error:  # json.JSONDecodeError included
+            if index == len(lines) - 1:
+                print(f"note: {path}: dropped its last line (line {number}), which is not a complete record (the run "
+                      f"was stopped while logging): {line[:60]!r}", file=sys.stderr, flush=True)
+                break
+            raise ConfigError(f"{path}: line {number} is not valid JSON ({' '.join(str(error).split())}); only a "
+                              f"half-written last line is dropped") from None
+        pairs.append((line, record))
+    return pairs
+
+
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
     """Metric records of a run (config events dropped); for a step logged more than once with the same keys
     (a run resumed from an earlier checkpoint), the last record wins."""
     records: dict[tuple, dict] = {}
-    for line in Path(path).read_text().splitlines():
-        if not line.strip():
-            continue
-        record = json.loads(line)
+    for _, record in read_log_lines(path):
         if record.get("event") == "config":
             continue
         key = (record.get("step"), tuple(sorted(k for k in record if k != "time")))
