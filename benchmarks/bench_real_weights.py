@@ -17,7 +17,7 @@ For each rank setting (``--ranks``, blocks dyadic from ``--mlr_max_length``) and
 are appended to ``--results`` (JSON lines) as they finish and printed; a rerun skips the rows already there for the
 same windows and versions (resumable). One torch thread by default.
 
-    python benchmarks/bench_real_weights.py [--ranks 32,16,8,8 16,16,16,16 8,8,16,16] [--orders frequency index
+    python benchmarks/bench_real_weights.py [--ranks 32,16,8,8 16,16,16,16 16,8,8,8,8,8,8] [--orders frequency index
         contribution] [--windows 16] [--results benchmarks/results/real_weights.jsonl]
 """
 
@@ -37,12 +37,12 @@ import hf_structattn
 from hf_structattn.flops import decoder_cache_report
 from hf_structattn.modeling.structattn_decoder_spec import LEVEL_ORDERS
 from hf_structattn.real_weights import (SOURCE_RECORD, RealWeightsUnavailable, load_smollm2, smollm2_folder,
-                                        token_windows)
+                                        splits_digest, token_windows)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_generation import header_line  # noqa: E402
 
-DEFAULT_RANKS = ["32,16,8,8", "16,16,16,16", "8,8,16,16"]
+DEFAULT_RANKS = ["32,16,8,8", "16,16,16,16", "16,8,8,8,8,8,8"]
 BUCKETS = ((1, 256), (257, 512), (513, 1024), (1025, 2048))  # predicted-token positions (1 = the second token)
 
 
@@ -80,7 +80,8 @@ def bucket_gaps(patched_losses: torch.Tensor, stock_losses: torch.Tensor) -> dic
 
 def run_key(args, windows: torch.Tensor, source: dict) -> dict:
     """What a stored row must share with this run to be reused."""
-    return {"model_sha256": source["gguf_sha256"], "windows": int(windows.shape[0]), "length": int(windows.shape[1]),
+    return {"model_sha256": source["gguf_sha256"], "text_sha1": splits_digest(), "windows": int(windows.shape[0]),
+            "length": int(windows.shape[1]),
             "mlr_max_length": args.mlr_max_length, "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "calibration_windows": args.calibration_windows}
 
@@ -131,6 +132,12 @@ def main(argv=None) -> int:
         return 1
     source = json.loads((folder / SOURCE_RECORD).read_text())
     model, tokenizer = load_smollm2(torch.float32)
+    for ranks in args.ranks:  # every setting checked before the first forward (ranks, pairs, blocks)
+        try:
+            hf_structattn.decoder_patching.plan_decoder_patch(model, mlr_ranks=ranks,
+                                                              mlr_max_length=args.mlr_max_length)
+        except ValueError as error:
+            parser.error(f"--ranks {','.join(map(str, ranks))}: {error}")
     windows = token_windows(tokenizer, "heldout", args.length, args.windows)
     calibration = token_windows(tokenizer, "calibration", args.length, args.calibration_windows)
     key = run_key(args, windows, source)

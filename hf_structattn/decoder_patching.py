@@ -202,7 +202,7 @@ def plan_decoder_patch(model, attention: str = "mlr", *, mlr_ranks: Optional[Seq
                          f"does not commute with RoPE or q/k norms)")
     if sliding_window_layers not in SLIDING_WINDOW_CHOICES:
         raise ValueError(f"sliding_window_layers={sliding_window_layers!r} is not one of {SLIDING_WINDOW_CHOICES}")
-    check_level_order_and_calibration(level_order, calibration_ids, getattr(model.config, "vocab_size", None))
+    check_level_order_and_calibration(level_order, calibration_ids, model.config)
     _refuse_unsupported(model)
     if mlr_ranks is None:
         raise ValueError("mlr_ranks (r_1..r_L summing to the head dim) is required to patch a decoder")
@@ -265,18 +265,20 @@ def plan_decoder_patch(model, attention: str = "mlr", *, mlr_ranks: Optional[Seq
     return new_config
 
 
-def check_level_order_and_calibration(level_order, calibration_ids, vocab_size: Optional[int] = None) -> None:
+def check_level_order_and_calibration(level_order, calibration_ids, config=None) -> None:
     """One-line ValueErrors for a ``level_order`` that is not one of ``LEVEL_ORDERS``, for "contribution" without
-    ``calibration_ids`` and for ``calibration_ids`` given with another order (they would be ignored)."""
+    ``calibration_ids``, for ``calibration_ids`` given with another order (they would be ignored) and, with the
+    model's ``config``, for ids outside its vocabulary or windows longer than its positions."""
     check_level_order(level_order)
     if level_order == "contribution":
         if calibration_ids is None:
             raise ValueError("level_order='contribution' ranks the RoPE pairs by their q/k norms on calibration text: "
                              "pass calibration_ids (token ids, (tokens,) or (windows, tokens)), or choose "
                              "level_order='frequency'")
-        from .qk_contribution import check_calibration_ids
+        from .qk_contribution import check_calibration_ids, max_positions
 
-        check_calibration_ids(calibration_ids, vocab_size)
+        check_calibration_ids(calibration_ids, getattr(config, "vocab_size", None),
+                              None if config is None else max_positions(config))
     elif calibration_ids is not None:
         raise ValueError(f"calibration_ids is used by level_order='contribution' only; level_order={level_order!r} "
                          f"would ignore it")
@@ -284,13 +286,15 @@ def check_level_order_and_calibration(level_order, calibration_ids, vocab_size: 
 
 def weightless_check_fields(fields: dict) -> dict:
     """``patch`` keywords for a check on a model without weights (the meta device: ``hf-structattn patch`` and the
-    recipe check their arguments before loading any weight): the level order and calibration ids are checked here,
-    and "contribution", which needs the weights, is replaced by "frequency" (the same pairs, another order: every
-    other check is the same)."""
+    recipe check their arguments before loading any weight): ``level_order`` and, when given, ``calibration_ids``
+    are checked here, and "contribution", which needs the weights, is replaced by "frequency" (the same pairs in
+    another order: every other check is the same). Whether "contribution" has calibration text is the caller's to
+    check (the CLI asks for ``--calibration-text``, the recipe takes training windows)."""
     fields = dict(fields)
-    level_order = fields.get("level_order", DEFAULT_LEVEL_ORDER)
+    level_order = check_level_order(fields.get("level_order", DEFAULT_LEVEL_ORDER))
     calibration_ids = fields.pop("calibration_ids", None)
-    check_level_order_and_calibration(level_order, calibration_ids)
+    if calibration_ids is not None:
+        check_level_order_and_calibration(level_order, calibration_ids)
     if level_order == "contribution":
         fields["level_order"] = "frequency"
     return fields
@@ -375,6 +379,7 @@ def tiny_decoder(arch: str, seed: int = 0, vocab_size: int = 61, dtype: torch.dt
     return model
 
 
-__all__ = ["DEFAULT_LEVEL_ORDER", "LEVEL_ORDERS", "TINY_DECODERS", "check_level_order_and_calibration", "drift_report",
-           "find_rotary", "is_decoder_architecture", "is_patchable_decoder", "patch_decoder", "register_local",
-           "sliding_layers", "tiny_decoder", "weightless_check_fields"]
+__all__ = ["DEFAULT_LEVEL_ORDER", "LEVEL_ORDERS", "TINY_DECODERS", "check_level_order",
+           "check_level_order_and_calibration", "drift_report", "find_rotary", "is_decoder_architecture",
+           "is_patchable_decoder", "patch_decoder", "register_local", "sliding_layers", "tiny_decoder",
+           "weightless_check_fields"]

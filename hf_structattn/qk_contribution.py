@@ -91,20 +91,30 @@ def _qk_probe_attention(module, query, key, value, attention_mask, **kwargs):
 ALL_ATTENTION_FUNCTIONS.register(QK_PROBE_ATTENTION, _qk_probe_attention)
 
 
-def check_calibration_ids(calibration_ids, vocab_size: Optional[int]) -> torch.Tensor:
-    """``calibration_ids`` as a (N, T) long tensor, or a one-line ValueError naming it."""
+def max_positions(config) -> Optional[int]:
+    """The longest sequence a decoder config states (``max_position_embeddings`` or GPT-2's ``n_positions``)."""
+    return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+
+
+def check_calibration_ids(calibration_ids, vocab_size: Optional[int], max_positions: Optional[int] = None
+                          ) -> torch.Tensor:
+    """``calibration_ids`` as a (N, T) long tensor, or a one-line ValueError naming it (not integer token ids, no
+    token, ids outside ``[0, vocab_size)``, windows longer than the model's ``max_positions``)."""
     if not isinstance(calibration_ids, torch.Tensor) or calibration_ids.is_floating_point() or \
             calibration_ids.is_complex() or calibration_ids.dtype == torch.bool or calibration_ids.dim() not in (1, 2):
         described = (f"{calibration_ids.dtype} tensor of shape {tuple(calibration_ids.shape)}"
                      if isinstance(calibration_ids, torch.Tensor) else type(calibration_ids).__name__)
         raise ValueError(f"calibration_ids must be an integer tensor of token ids, (tokens,) or (windows, tokens); "
                          f"got {described}")
-    ids = calibration_ids.long().reshape(-1, calibration_ids.shape[-1])
-    if ids.numel() == 0:
+    if calibration_ids.numel() == 0:
         raise ValueError(f"calibration_ids of shape {tuple(calibration_ids.shape)} holds no token")
+    ids = calibration_ids.long().reshape(-1, calibration_ids.shape[-1])
     if int(ids.min()) < 0 or (vocab_size is not None and int(ids.max()) >= vocab_size):
         raise ValueError(f"calibration_ids holds ids in [{int(ids.min())}, {int(ids.max())}], outside the model's "
                          f"vocabulary [0, {vocab_size})")
+    if max_positions is not None and ids.shape[1] > max_positions:
+        raise ValueError(f"calibration_ids has windows of {ids.shape[1]} tokens, more than the model's "
+                         f"{max_positions} positions: pass (windows, tokens) with shorter windows")
     return ids
 
 
@@ -117,7 +127,7 @@ def measure_qk_contributions(model, calibration_ids: torch.Tensor, groups: Seque
     if any(tensor.is_meta for tensor in model.parameters()):
         raise ValueError("level_order='contribution' measures q and k on calibration text and needs the model's "
                          "weights; this model is on the meta device")
-    ids = check_calibration_ids(calibration_ids, getattr(model.config, "vocab_size", None))
+    ids = check_calibration_ids(calibration_ids, getattr(model.config, "vocab_size", None), max_positions(model.config))
     probe = convert_model(model, type(model), copy.deepcopy(model.config), clone=False).eval()
     record = QKNormRecord(groups, head_dim)
     modules = attention_modules(probe)

@@ -22,9 +22,9 @@ split by topic into three sets, deterministically (:func:`split_topics`). Topics
 contains ``if``, ``specialnames`` contains ``customization``), so the unit is the paragraph (text between blank
 lines): each paragraph belongs to the first topic, in the sha1 order of the topic names, that contains it, and
 topics in that order fill ``heldout`` until it holds at least 35 % of the unique text, then ``calibration`` until
-at least 8 %, and the rest is ``finetune``. Every paragraph is in exactly one set, so **no held-out paragraph appears
-in the calibration or fine-tuning text**. :func:`split_text` returns a set's text, :func:`token_windows` its
-non-overlapping token windows. On CPython 3.11: held-out 25 topics, 136,626 characters (34,561 SmolLM2 tokens: 16
+the two hold at least 43 %, and the rest is ``finetune``. Every paragraph is in exactly one set, so **no held-out
+paragraph appears in the calibration or fine-tuning text**. :func:`split_text` returns a set's text,
+:func:`token_windows` its non-overlapping token windows. On CPython 3.11: held-out 25 topics, 136,626 characters (34,561 SmolLM2 tokens: 16
 windows of 2,048), calibration 14 topics, 24,067 characters (5,838 tokens), fine-tuning 40 topics, 209,688
 characters (51,241 tokens); ``python -m hf_structattn.real_weights splits`` lists them.
 """
@@ -56,7 +56,7 @@ PACKAGES_FOLDER = "real-weights-packages"
 SOURCE_RECORD = "hf_structattn_source.json"  # written last into the folder: what was converted, from where
 INSTALL_ENV = "HF_STRUCTATTN_REAL_WEIGHTS"
 SPLITS = ("calibration", "finetune", "heldout")
-HELDOUT_SHARE, CALIBRATION_SHARE = 0.35, 0.08
+HELDOUT_SHARE, CALIBRATION_SHARE = 0.35, 0.08  # calibration: held-out + calibration >= 43 %
 
 
 class RealWeightsUnavailable(RuntimeError):
@@ -254,7 +254,7 @@ def _paragraphs(text: str) -> list:
 def _split_paragraphs() -> dict:
     """{split: [(topic, [its paragraphs that belong to the split])]}: each paragraph belongs to the first topic, in the
     sha1 order of topic names, that contains it; topics in that order fill ``heldout`` until it holds >= 35 % of the
-    unique text, then ``calibration`` until >= 8 %, the rest is ``finetune``."""
+    unique text, then ``calibration`` until the two hold >= 43 %, the rest is ``finetune``."""
     topics = _topics()
     ordered = sorted(topics, key=lambda name: hashlib.sha1(name.encode()).hexdigest())
     seen, fresh = set(), {}
@@ -286,6 +286,14 @@ def split_text(split: str) -> str:
         raise ValueError(f"split={split!r} is not one of {SPLITS}")
     members = sorted(_split_paragraphs()[split])
     return "\n\n".join(paragraph for _, paragraphs in members for paragraph in paragraphs) + "\n"
+
+
+def splits_digest() -> str:
+    """sha1 (12 hex digits) of the three splits' texts: what a stored measurement on them must match."""
+    digest = hashlib.sha1()
+    for split in SPLITS:
+        digest.update(split_text(split).encode())
+    return digest.hexdigest()[:12]
 
 
 def split_tokens(tokenizer, split: str) -> torch.Tensor:
