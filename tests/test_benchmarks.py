@@ -425,7 +425,8 @@ def test_bench_real_weights_scores_table_and_resume(tmp_path):
     windows = torch.randint(1, 61, (2, 40), generator=torch.Generator().manual_seed(0))
     stock = bench_real_weights.window_scores(model, windows)
     assert stock["losses"].shape == stock["argmax"].shape == (2, 39)
-    reference = torch.nn.functional.cross_entropy(model(windows).logits[0, :-1].float(), windows[0, 1:])
+    with torch.no_grad():
+        reference = torch.nn.functional.cross_entropy(model(windows).logits[0, :-1].float(), windows[0, 1:])
     assert float(stock["losses"][0].mean()) == pytest.approx(float(reference), rel=1e-6)
     patched = hf_structattn.patch(model, mlr_ranks=[8, 4, 4], mlr_block_sizes=[16, 8])
     scores = bench_real_weights.window_scores(patched, windows)
