@@ -84,7 +84,7 @@ from hf_structattn.training.sweep import (SHARD_MINUTES, run_table, ArmSpec, Sta
                                           device_name, edge_extensions, finish_pilot, lower_in_every_seed, majority,
                                           pack_shards, probe_markdown, read_run_jsons, read_shard_records,
                                           run_cpu_shard, run_name, run_unit, runnable_shards, shard_rate, shard_table,
-                                          step_timing)
+                                          step_timing, merge_timing)
 
 ARMS = ("dense", "mlr", "mlr_flat")
 WIDTHS, HEADS, D_KV, LAYERS = (128, 256, 512), 8, 64, 4
@@ -105,7 +105,9 @@ TINY = dict(width=32, heads=2, d_kv=16, layers=1, context=64, horizon=16, n_toke
 # the CPU design (module docstring)
 CPU_WIDTH, CPU_SEEDS, CPU_GRID_SEEDS, CPU_STEPS, CPU_GRID_STEPS = 128, (0, 1, 2), (0,), 1000, 250
 CPU_RESULTS = Path("results/chronos_cpu")
-CPU_COMPILED = False  # compile the CPU design's training step (only where the measured saving is >= 25 %)
+# the arms whose training step the CPU design compiles: those whose measured saving is >= 25 % (`time --design cpu`,
+# results/chronos_cpu/step_timing.json: dense 29 %, MLR 63 % of the thread time per step)
+CPU_COMPILED = ("dense_D128", "mlr_D128")
 # a CPU shard's rates until the CPU pilot's results/chronos_cpu/pilot.json measures them (thread seconds, one
 # thread): 32 windows at the measured 3.37 (dense) and 2.86 (MLR) windows a second; an evaluation of the ~90
 # held-out windows at 3x the training rate; setup: the seed's 1,024 GP series and the model
@@ -476,10 +478,11 @@ def cpu_report(args) -> None:
 def run_cpu(args, shard_id: str) -> bool:
     results = Path(args.results)
     table, _ = cpu_shard_map(results)
+    compiled = all(s["rate"] in CPU_COMPILED for s in table.get(shard_id, [])) and not args.eager
     return run_cpu_shard(shard_id, table,
                          lambda segment: arm_spec(segment["chronos_arm"], CPU_WIDTH, segment["seed"],
                                                   name=segment["arm"]),
-                         Path(args.out), results, args.budget_s, compile_step=CPU_COMPILED and not args.eager)
+                         Path(args.out), results, args.budget_s, compile_step=compiled)
 
 
 def cpu_pilot_command(args) -> dict:
@@ -490,7 +493,7 @@ def cpu_pilot_command(args) -> dict:
     arm_spec("dense", width, 0, tiny=args.tiny, batch=batch)  # builds seed 0's task (cached): the data setup
     setup_s = time.thread_time() - thread
     arms = [(f"{arm}_D{width}", (lambda arm=arm: arm_spec(arm, width, 0, tiny=args.tiny, batch=batch)),
-             CPU_COMPILED and not args.eager and not args.tiny, batch) for arm in CLAIM_ARMS]
+             f"{arm}_D{width}" in CPU_COMPILED and not args.eager and not args.tiny, batch) for arm in CLAIM_ARMS]
     assumed = {key: ASSUMED_CPU_RATES.get(key, {"step_s": 1.0, "eval_s": 1.0, "setup_s": 1.0}) for key, *_ in arms}
     summary = {"command": "pilot --design cpu", "tiny": args.tiny, "batch": batch, "units": "windows"}
     return cpu_pilot(arms, setup_s, Path(args.out), None if args.tiny else Path(args.results), args.budget_s,
@@ -499,7 +502,7 @@ def cpu_pilot_command(args) -> dict:
 
 def time_command(args) -> list[dict]:
     """Eager against compiled training steps of the CPU design's arms (``step_timing``: one thread, thread clock,
-    interleaved after warm-up, the compile apart); written to ``results/step_timing.json``."""
+    interleaved after warm-up, the compile apart); merged into ``results/step_timing.json``."""
     arms = args.arms or list(CLAIM_ARMS)
     rows = step_timing([arm_spec(arm, CPU_WIDTH, 0) for arm in arms], repeats=5)
     print("| arm | D | eager s/step | compiled s/step | saving | compile s (thread / wall) |")
@@ -507,10 +510,7 @@ def time_command(args) -> list[dict]:
     for row in rows:
         print(f"| {row['arm']} | {CPU_WIDTH} | {row['eager_ms'] / 1000:.2f} | {row['compiled_ms'] / 1000:.2f} | "
               f"{100 * row['saving']:.0f} % | {row['compile_thread_s']:.0f} / {row['compile_s']:.0f} |")
-    out = Path(args.results) / "step_timing.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": cpu_model(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-                               "batch": BATCH, "context": CONTEXT, "rows": rows}, indent=1))
+    merge_timing(Path(args.results) / "step_timing.json", rows, {"batch": BATCH, "context": CONTEXT})
     return rows
 
 

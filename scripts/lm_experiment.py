@@ -53,7 +53,8 @@ CPU design (``--design cpu``, registered before any of its runs; what differs fr
 * a unit is one run (stacking saves little on a CPU); shards of at most ``CPU_SHARD_MINUTES`` CPU-minutes of one
   thread at the committed CPU pilot's rates (``results/lm_cpu/pilot.json``), a longer run cut into segments that
   continue each other's checkpoint (``hf_structattn.training.sweep.cpu_shards``): g (grid), x (edge), s (scored);
-  the D = 256 steps are compiled (``torch.compile`` of the whole step) where the measured saving was >= 25 %;
+  a training step is compiled (``torch.compile`` of the whole step) where the measured saving was >= 25 %
+  (``CPU.compiled``: every variant at D = 128, MLR at D = 256);
 * rule: the same comparison at the one width -- YES when MLR is lower than dense, SWA and global + SWA by >= 0.01
   bits/byte in both seeds; NO when some baseline is lower than MLR by >= 0.01 in both seeds; UNDECIDED otherwise;
   PARTIAL until the 8 scored runs exist (:func:`verdict` with ``widths=(256,)``: NO needs a majority of the widths,
@@ -89,7 +90,7 @@ from hf_structattn.training.sweep import (SHARD_MINUTES, run_table, ArmSpec, Sta
                                           device_name, edge_extensions, finish_pilot, lower_in_every_seed, majority,
                                           pack_shards, probe_markdown, read_run_jsons, read_shard_records,
                                           run_cpu_shard, run_name, run_unit, runnable_shards, shard_rate, shard_table,
-                                          step_timing)
+                                          step_timing, merge_timing)
 
 WIDTHS, LAYERS, SEQ_LEN, HEAD_DIM, BATCH = (128, 256, 384), 6, 1024, 64, 16
 DENSE_STEPS, EVALS_PER_RUN, EVAL_WINDOWS = 4000, 8, 128
@@ -115,7 +116,8 @@ TINY = dict(width=32, head_dim=16, seq_len=64, layers=2, batch=4, steps=6, eval_
 class Design:
     """A registered form of the design (module docstring): the widths its rule reads, the seeds of its scored runs
     and of its D = 128 LR grid, the batch, dense steps per width (``dense_steps``: (width, steps) pairs, the grid
-    width's included), the widths whose training step is compiled, the committed results and the working folder."""
+    width's included), the arms (``<variant>_D<width>``) whose training step is compiled, the committed results and
+    the working folder."""
 
     name: str
     widths: tuple
@@ -137,8 +139,11 @@ class Design:
 
 GPU = Design("gpu", WIDTHS, SEEDS, SEEDS, BATCH, tuple((w, DENSE_STEPS) for w in WIDTHS), (), RESULTS,
              "outputs/lm_equal_flops")
-CPU = Design("cpu", (256,), (0, 1), (0,), 4, ((128, 488), (256, 2440)), (256,), Path("results/lm_cpu"),
-             "outputs/lm_cpu")
+# compiled: the arms whose measured saving was >= 25 % of the thread time per step (`time --design cpu`,
+# results/lm_cpu/step_timing.json): every variant at D = 128 (25-68 %), MLR at D = 256 (65 %; dense 23 %, SWA 22 %,
+# global + SWA 17 % stay eager)
+CPU = Design("cpu", (256,), (0, 1), (0,), 4, ((128, 488), (256, 2440)),
+             tuple(f"{variant}_D128" for variant in COMPARED) + ("mlr_D256",), Path("results/lm_cpu"), "outputs/lm_cpu")
 DESIGNS = {"gpu": GPU, "cpu": CPU}
 # a CPU shard's rates until the CPU pilot's results/lm_cpu/pilot.json measures them (thread seconds, one thread):
 # D = 256 from the measured tokens/s (dense 1,440, MLR 1,455, SWA 1,141 at batch 4 x 1024; global + SWA their
@@ -515,9 +520,8 @@ def run_cpu(args, shard_id: str, design: Design = CPU) -> bool:
             data["corpus"], data["windows"] = load_data()
         return cpu_spec(segment, data["corpus"], data["windows"], design)
 
-    compiled = {s["width"] in design.compiled and not args.eager for s in table.get(shard_id, [])}
-    return run_cpu_shard(shard_id, table, spec_of, Path(args.out), results, args.budget_s,
-                         compile_step=compiled == {True})
+    compiled = all(s["rate"] in design.compiled for s in table.get(shard_id, [])) and not args.eager
+    return run_cpu_shard(shard_id, table, spec_of, Path(args.out), results, args.budget_s, compile_step=compiled)
 
 
 def cpu_pilot_command(args, design: Design = CPU) -> dict:
@@ -538,7 +542,7 @@ def cpu_pilot_command(args, design: Design = CPU) -> dict:
     setup_s = time.thread_time() - thread
     arms = [(f"{variant}_D{width}",
              (lambda variant=variant, width=width: arm_spec(variant, width, corpus, windows, batch=batch, **size)),
-             width in design.compiled and not args.eager and not args.tiny, batch * size["seq_len"])
+             f"{variant}_D{width}" in design.compiled and not args.eager and not args.tiny, batch * size["seq_len"])
             for width in widths for variant in COMPARED]
     assumed = {key: ASSUMED_CPU_RATES.get(key, {"step_s": 1.0, "eval_s": 1.0, "setup_s": 1.0}) for key, *_ in arms}
     summary = {"command": "pilot --design cpu", "tiny": args.tiny, "batch": batch, "seq_len": size["seq_len"],
@@ -548,21 +552,21 @@ def cpu_pilot_command(args, design: Design = CPU) -> dict:
 
 
 def time_command(args, design: Design = CPU) -> list[dict]:
-    """Eager against compiled training steps of the design's D = 256 runs (``step_timing``: one thread, thread
-    clock, interleaved after warm-up, the compile apart); written to ``results/step_timing.json``."""
+    """Eager against compiled training steps of the design's arms (``--arms``: variants, at D = 256, or
+    ``<variant>_D<width>``; default the four variants at D = 256), by ``step_timing`` (one thread, thread clock,
+    interleaved after warm-up, the compile apart); the rows are merged into ``results/step_timing.json``."""
     corpus, windows = load_data(max_train_bytes=2_000_000, max_validation_bytes=200_000, eval_windows=4)
-    width = max(design.widths)
-    variants = args.arms or list(COMPARED)
-    rows = step_timing([arm_spec(v, width, corpus, windows, batch=design.batch) for v in variants], repeats=5)
-    print("| variant | D | eager s/step | compiled s/step | saving | compile s (thread / wall) |")
-    print("|---|---|---|---|---|---|")
+    keys = [arm if "_D" in arm else f"{arm}_D{max(design.widths)}" for arm in (args.arms or COMPARED)]
+    specs = [arm_spec(key.split("_D")[0], int(key.split("_D")[1]), corpus, windows, batch=design.batch)
+             for key in keys]
+    rows = step_timing(specs, repeats=5)
+    print("| arm | eager s/step | compiled s/step | saving | compile s (thread / wall) |")
+    print("|---|---|---|---|---|")
     for row in rows:
-        print(f"| {row['arm']} | {width} | {row['eager_ms'] / 1000:.2f} | {row['compiled_ms'] / 1000:.2f} | "
+        print(f"| {row['arm']} | {row['eager_ms'] / 1000:.2f} | {row['compiled_ms'] / 1000:.2f} | "
               f"{100 * row['saving']:.0f} % | {row['compile_thread_s']:.0f} / {row['compile_s']:.0f} |")
     out = Path(args.results) / "step_timing.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": cpu_model(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-                               "batch": design.batch, "seq_len": SEQ_LEN, "rows": rows}, indent=1))
+    merge_timing(out, rows, {"batch": design.batch, "seq_len": SEQ_LEN})
     return rows
 
 

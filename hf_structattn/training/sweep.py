@@ -581,7 +581,7 @@ def run_cpu_shard(shard_id: str, shards: dict, spec_of: Callable[[dict], ArmSpec
         "reached": {}, "done": False}
     thread, wall = time.thread_time(), time.perf_counter()
     names = {path.stem for path in Path(results).glob("*_lr*_s*.json")}
-    finished = True
+    finished, trained = True, False
     for segment in shards[shard_id]:
         run = segment_run(segment)
         if run is None:
@@ -601,7 +601,11 @@ def run_cpu_shard(shard_id: str, shards: dict, spec_of: Callable[[dict], ArmSpec
         arm = StackedArm(spec, [segment["lr"]], [segment["seed"]], segment["steps"], segment["eval_every"], work,
                          "cpu", checkpoint_every=max(1, segment["steps"] // checkpoints), chunk=chunk, dtype=dtype,
                          compile_step=compile_step)
-        complete = arm.run_until(left, until=segment["until"]) if left is None or left > 0 else False
+        # a budget spent by earlier segments of this command stops it before the next; the first always trains (at
+        # least up to its first checkpoint, evaluation or chunk end)
+        complete = arm.run_until(left if left is None or left > 0 or not trained else 0.0, until=segment["until"]) \
+            if left is None or left > 0 or not trained else False
+        trained = True
         if complete:
             arm.finish(results=results)
         record["reached"][run] = arm.step
@@ -775,6 +779,16 @@ def step_timing(specs: Sequence[ArmSpec], repeats: int = 5, warmup: int = 1, run
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
+
+
+def merge_timing(path: Path, rows: list[dict], fields: dict) -> None:
+    """Write ``rows`` into the timing record ``path``, replacing earlier rows of the same arms."""
+    record = json.loads(path.read_text()) if path.exists() else {"rows": []}
+    kept = [row for row in record["rows"] if row["arm"] not in {r["arm"] for r in rows}]
+    record.update(machine=cpu_model(), torch=torch.__version__, threads=torch.get_num_threads(), **fields,
+                  rows=kept + [dict(row, machine=cpu_model()) for row in rows])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1))
 
 
 # ------------------------------------------------------------------------------------ the design scripts' shared CLI
