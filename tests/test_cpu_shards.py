@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from hf_structattn.training.sweep import (ArmSpec, StackedArm, cpu_rates, cpu_shards, evaluations_between,
+from hf_structattn.training.sweep import (ArmSpec, StackedArm, cpu_pilot, cpu_rates, cpu_shards, evaluations_between,
                                           lower_in_every_seed, majority, read_run_jsons, read_shard_records,
                                           run_cpu_shard, run_minutes, runnable_shards, segment_done)
 
@@ -50,7 +50,7 @@ def test_a_run_with_an_unknown_learning_rate_is_never_ready_and_dependencies_ord
     assert runnable_shards(table, names, records) == []
 
 
-def _spec(name="tiny"):
+def _spec(name="tiny", dtype=torch.float64):
     """A real model (2-layer MLP regressor) whose loss and evaluation are float64 functions of its batches."""
     def build(seed):
         torch.manual_seed(seed)
@@ -58,7 +58,7 @@ def _spec(name="tiny"):
 
     def batch(seed, step):
         generator = torch.Generator().manual_seed(1000 * seed + step)
-        x = torch.randn(16, 3, generator=generator, dtype=torch.float64)
+        x = torch.randn(16, 3, generator=generator, dtype=dtype)
         return x, x.sum(-1, keepdim=True).sin()
 
     def loss(forward, batch):
@@ -123,3 +123,25 @@ def test_the_shards_are_sized_by_a_committed_cpu_pilot_and_the_rule_helpers(tmp_
     assert lower_in_every_seed(best, "m", "d", 1, (0, 1), 0.01)
     assert not lower_in_every_seed(best, "m", "d", 1, (0, 1), 0.02)
     assert majority(1, (256,)) and majority(2, (1, 2, 3)) and not majority(1, (1, 2, 3))
+
+
+def test_the_cpu_pilot_measures_each_arm_and_refuses_to_resize_shards_that_have_started(tmp_path):
+    import time
+
+    def spec():
+        return _spec(dtype=torch.float32)  # the pilot builds float32 models, as the shards do
+
+    arms = [("r", spec, False, 16), ("left", spec, False, 16)]
+    assumed = {key: {"step_s": 9.0, "eval_s": 9.0, "setup_s": 9.0} for key in ("r", "left")}
+    summary = cpu_pilot(arms[:1], 0.5, tmp_path / "out", tmp_path / "results", 60.0, time.perf_counter(), assumed)
+    arm = summary["arms"]["r"]
+    assert arm["measured"] and 0 < arm["step_s"] < 1 and arm["eval_s"] > 0 and arm["setup_s"] >= 0.5
+    assert len(arm["losses"]) == 7 and arm["units_per_s"] == pytest.approx(16 / arm["step_s"], rel=1e-2)
+    rates, _ = cpu_rates(tmp_path / "results", assumed)
+    assert rates["r"]["step_s"] == arm["step_s"] and rates["left"] == assumed["left"]
+    late = cpu_pilot(arms, 0.0, tmp_path / "late", None, 0.0, time.perf_counter() - 1, assumed)  # budget spent
+    assert not late["arms"]["left"]["measured"] and late["arms"]["left"]["step_s"] == 9.0
+    (tmp_path / "results" / "shards").mkdir()
+    (tmp_path / "results" / "shards" / "s1.json").write_text(json.dumps({"thread_s": 1.0}))
+    with pytest.raises(SystemExit, match="has shard records"):
+        cpu_pilot(arms, 0.0, tmp_path / "again", tmp_path / "results", 60.0, time.perf_counter(), assumed)

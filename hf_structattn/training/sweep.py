@@ -645,6 +645,10 @@ def cpu_pilot(arms: Sequence[tuple[str, Callable[[], ArmSpec], bool, float]], se
     the first step's excess over a step) size the shards (:func:`cpu_rates`); an arm the budget leaves out keeps its
     ``assumed`` rate and is marked so. Writes ``pilot.json`` and ``pilot.md`` to ``out`` and, with ``results``,
     ``results/pilot.json`` (committed)."""
+    if results is not None and not (summary or {}).get("tiny") and read_shard_records(results):
+        raise SystemExit(f"pilot: {results} has shard records; the committed pilot.json fixed their layout (a new "
+                         "pilot would re-cut the shards under runs in progress): write the pilot elsewhere "
+                         "(--results) or remove the records first")
     summary = dict(summary or {})
     summary.update(design="cpu", machine=cpu_model(), threads=torch.get_num_threads(), torch=torch.__version__,
                    steps_timed=steps, budget_s=budget_s, data_setup_s=round(setup_s, 1), arms={})
@@ -676,7 +680,7 @@ def cpu_pilot(arms: Sequence[tuple[str, Callable[[], ArmSpec], bool, float]], se
         step_wall_s = sum(w for _, w in timings[2:]) / steps
         summary["arms"][key] = {
             "measured": True, "compiled": compiled, "step_s": round(step_s, 4), "step_wall_s": round(step_wall_s, 4),
-            "units_per_s": round(units / step_s, 1), "eval_s": round(eval_s, 2), "eval_wall_s": round(eval_wall_s, 2),
+            "units_per_s": round(units / step_s, 1), "eval_s": round(eval_s, 4), "eval_wall_s": round(eval_wall_s, 4),
             "first_step_s": round(timings[0][0], 2), "first_step_wall_s": round(timings[0][1], 2),
             "setup_s": round(setup_s + build_s + max(0.0, timings[0][0] - step_s), 1), "losses": losses,
             "evaluation": metrics, "flops_per_step": spec.flops_per_step,
