@@ -634,6 +634,27 @@ def one_thread() -> None:
     inductor_config.compile_threads = 1
 
 
+def cpu_pilot_markdown(summary: dict) -> str:
+    """The markdown table of a CPU pilot's summary (:func:`cpu_pilot`)."""
+    def rate(value):
+        return f"{value:,.1f}" if value < 100 else f"{value:,.0f}"
+
+    lines = [f"### CPU pilot ({summary['machine']}, one thread, torch {summary['torch']})", "",
+             f"{summary['steps_timed']} timed steps per arm after two warm-up steps; thread clock (wall in brackets); "
+             f"wall {summary['wall_s']:.0f} s in all.", "",
+             f"| arm | step | s a step | {summary.get('units', 'units')} a second | evaluation s | first step s | "
+             "setup s |", "|---|---|---|---|---|---|---|"]
+    for key, arm in summary["arms"].items():
+        mode = "compiled" if arm["compiled"] else "eager"
+        if not arm["measured"]:
+            lines.append(f"| {key} | {mode} | not measured (budget): assumed {arm['step_s']:.3f} | - | - | - | - |")
+            continue
+        lines.append(f"| {key} | {mode} | {arm['step_s']:.3f} ({arm['step_wall_s']:.3f}) | {rate(arm['units_per_s'])} "
+                     f"| {arm['eval_s']:.1f} ({arm['eval_wall_s']:.1f}) | {arm['first_step_s']:.1f} "
+                     f"({arm['first_step_wall_s']:.1f}) | {arm['setup_s']:.0f} |")
+    return "\n".join(lines)
+
+
 def cpu_pilot(arms: Sequence[tuple[str, Callable[[], ArmSpec], bool, float]], setup_s: float, out: Path,
               results: Optional[Path], budget_s: float, started: float, assumed: dict, steps: int = 5,
               summary: Optional[dict] = None) -> dict:
@@ -685,23 +706,10 @@ def cpu_pilot(arms: Sequence[tuple[str, Callable[[], ArmSpec], bool, float]], se
             "setup_s": round(setup_s + build_s + max(0.0, timings[0][0] - step_s), 1), "losses": losses,
             "evaluation": metrics, "flops_per_step": spec.flops_per_step,
             "flops_per_s": round(spec.flops_per_step / step_s, 1)}
-        print(f"pilot {key}: {step_s:.3f} s a step ({units / step_s:,.0f} a second), evaluation {eval_s:.1f} s, "
+        print(f"pilot {key}: {step_s:.3f} s a step ({units / step_s:,.1f} a second), evaluation {eval_s:.1f} s, "
               f"first step {timings[0][0]:.1f} s (thread)", flush=True)
     summary["wall_s"] = round(time.perf_counter() - started, 1)
-    lines = [f"### CPU pilot ({summary['machine']}, one thread, torch {summary['torch']})", "",
-             f"{steps} timed steps per arm after two warm-up steps; thread clock (wall in brackets); wall "
-             f"{summary['wall_s']:.0f} s in all.", "",
-             "| arm | step | s a step | per second | evaluation s | first step s | setup s |",
-             "|---|---|---|---|---|---|---|"]
-    for key, arm in summary["arms"].items():
-        if not arm["measured"]:
-            lines.append(f"| {key} | {'compiled' if arm['compiled'] else 'eager'} | not measured (budget): assumed "
-                         f"{arm['step_s']:.3f} | - | - | - | - |")
-            continue
-        lines.append(f"| {key} | {'compiled' if arm['compiled'] else 'eager'} | {arm['step_s']:.3f} "
-                     f"({arm['step_wall_s']:.3f}) | {arm['units_per_s']:,.0f} | {arm['eval_s']:.1f} "
-                     f"({arm['eval_wall_s']:.1f}) | {arm['first_step_s']:.1f} ({arm['first_step_wall_s']:.1f}) | "
-                     f"{arm['setup_s']:.0f} |")
+    lines = cpu_pilot_markdown(summary).splitlines()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "pilot.json").write_text(json.dumps(summary, indent=1))
