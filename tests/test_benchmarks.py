@@ -1,11 +1,14 @@
 """The measurement tooling at toy sizes: the allocated-cache-bytes helper, bench_cache_memory, bench_memory (and the
 fused op's forward pieces it motivated), bench_generation's decode cells, bench_speculative, bench_real_weights'
-scores, table and resume (its model is the real-weights tier's) and scripts/compare_runs.py."""
+scores, table and resume (its model is the real-weights tier's), bench_real_checkpoint's recovery run and table, and
+scripts/compare_runs.py."""
 
 import json
+import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +29,7 @@ import bench_decoder_patching  # noqa: E402
 import bench_decode_ab  # noqa: E402
 import bench_generation  # noqa: E402
 import bench_memory  # noqa: E402
+import bench_real_checkpoint  # noqa: E402
 import bench_real_weights  # noqa: E402
 import bench_speculative  # noqa: E402
 import compare_runs  # noqa: E402
@@ -441,3 +445,68 @@ def test_bench_real_weights_scores_table_and_resume(tmp_path):
     results = tmp_path / "rows.jsonl"
     results.write_text(json.dumps(row) + "\n" + json.dumps({**row, "key": {"run": 2}, "level_order": "index"}) + "\n")
     assert list(bench_real_weights.read_rows(results, {"run": 1})) == [("8,4,4", "frequency")]
+
+
+# ------------------------------------------------------------------------------------------ bench_real_checkpoint
+
+
+def test_bench_real_checkpoint_recovery_runs_the_recipe_and_reads_its_curve(tmp_path):
+    """The recovery part on a tiny Llama with a byte tokenizer: the recipe runs in-process with the benchmark's own
+    arguments (2,048-token windows, distillation, cosine), resumes nothing when done, and the curve is the recipe's
+    evaluations; quality() is perplexity / stock and top-1 agreement, computed here from the logits."""
+    import types
+
+    from hf_structattn.tokenization import build_byte_tokenizer
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=257, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096,
+                                      bos_token_id=256, eos_token_id=256, pad_token_id=256)
+    source = tmp_path / "source"
+    transformers.LlamaForCausalLM(config).save_pretrained(source)
+    build_byte_tokenizer().save_pretrained(source)
+    texts = tmp_path / "text"
+    for split, name in (("finetune", "decoder_patching.py"), ("heldout", "flops.py")):
+        (texts / split).mkdir(parents=True)
+        (texts / split / "a.txt").write_text((Path(ROOT) / "hf_structattn" / name).read_text()[:12000])
+    args = types.SimpleNamespace(learning_rate=1e-3, recovery_steps=2, eval_every=1, work=str(tmp_path / "work"))
+    run = bench_real_checkpoint.recovery(args, [16, 8, 8], texts, source)
+    assert [point["step"] for point in run["curve"]] == [0, 1, 2] and run["steps"] == 2
+    assert all(point["kl_to_stock"] >= 0 and 0 <= point["top1"] <= 1 for point in run["curve"])
+    assert run["curve"][0]["cpu_minutes"] == 0 < run["cpu_minutes"]
+    saved = json.loads((Path(run["folder"]) / "config.json").read_text())
+    assert saved["mlr_ranks"] == [16, 8, 8] and saved["mlr_block_sizes"] == [1024, 512]
+    recipe_args = json.loads((Path(run["folder"]) / "run_config.json").read_text())["args"]
+    assert (recipe_args["objective"], recipe_args["lr_schedule"], recipe_args["seq_len"]) == ("distill", "cosine", 2048)
+    assert bench_real_checkpoint.recovery(args, [16, 8, 8], texts, source)["curve"] == run["curve"]  # done: not rerun
+
+    stock = transformers.LlamaForCausalLM.from_pretrained(source).eval()
+    patched = transformers.AutoModelForCausalLM.from_pretrained(run["folder"], trust_remote_code=True).eval()
+    windows = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(1))
+    stock_scores = bench_real_checkpoint.window_scores(stock, windows)
+    quality = bench_real_checkpoint.quality(patched, windows, stock_scores)
+    with torch.no_grad():
+        logits = {name: model(windows).logits[:, :-1].double() for name, model in (("stock", stock), ("mlr", patched))}
+    loss = {name: torch.nn.functional.cross_entropy(value.transpose(1, 2), windows[:, 1:]).item()
+            for name, value in logits.items()}
+    agreement = (logits["stock"].argmax(-1) == logits["mlr"].argmax(-1)).double().mean().item()
+    assert quality["perplexity_ratio"] == pytest.approx(math.exp(loss["mlr"] - loss["stock"]), rel=1e-5)
+    assert quality["top1_agreement"] == pytest.approx(agreement)
+
+
+def test_bench_real_checkpoint_table_has_one_cell_per_column():
+    found = {("drift", "32,16,8,8"): {"key_cache_ratio": 0.672, "kv_cache_ratio": 0.836, "perplexity_ratio": 1.026,
+                                      "top1_agreement": 0.96},
+             ("recovery", "32,16,8,8"): {"cpu_minutes": 21.0, "steps": 40, "perplexity_ratio": 1.01,
+                                         "top1_agreement": 0.97, "curve": [{"step": 0, "cpu_minutes": 0.0,
+                                                                            "kl_to_stock": 0.03, "top1": 0.95}]},
+             ("decode", "32,16,8,8"): {"allocated_key_ratio": 0.672, "eager_stock_ms": 50.0, "eager_mlr_ms": 60.0,
+                                       "compiled_stock_ms": 30.0, "compiled_mlr_ms": 33.0},
+             ("chat", "32,16,8,8"): {"stock": "Paris.", "before": "Paris!", "after": "Paris."}}
+    lines = bench_real_checkpoint.table(["32,16,8,8", "16,16,16,16"], found, 11.08).splitlines()
+    rows = [line for line in lines[:5] if line.startswith("|")]
+    assert rows[3] == ("| 32\\|16\\|8\\|8 | 0.672 (0.672) | 0.836 | 1.0260 | 0.960 | 21 (40) | 1.0100 | 0.970 | "
+                       "50.0 / 60.0 | 30.0 / 33.0 |")
+    assert rows[4].startswith("| 16\\|16\\|16\\|16 | - (-) | - | - | - | - |")
+    assert all(row.count("|") - row.count("\\|") == rows[0].count("|") for row in rows)
+    assert "* 32|16|8|8, after recovery: 'Paris.'" in lines
