@@ -5,14 +5,15 @@
 #   bash scripts/reproduce.sh --designs [--device cuda] [--jobs N] [--only icl|lm|chronos]
 #       The decisive designs, each with a rule coded before it runs, every shard in order, then its report (verdict
 #       lines; the designs' shards one at a time: `plan --shards` and `shard ID` of each script):
-#         icl:     scripts/icl_rank_experiment.py run --d 4 (6 arms x 3 LRs x 3 seeds x 20k steps, the runs of an arm
-#                  stacked into one model; --jobs arms at a time), then report
+#         icl:     scripts/icl_rank_experiment.py run --d 4 (the decisive design's 14 runs: arms (i), (iii), (v), (ii),
+#                  seeds 1-3, 20k or 40k steps, the runs of an arm stacked into one model; --jobs arms at a time),
+#                  then report
 #         lm:      scripts/lm_experiment.py run (4 variants at equal FLOPs, muP, 2 seeds; 3 LRs at D = 128, the
 #                  best transferred to D = 256 and 384), report
 #         chronos: scripts/chronos_experiment.py run (dense / MLR x 3 widths x 3 seeds x 3 LRs, Chronos-T5's 8 x 64
 #                  heads; then the logit-scale ablation), report
-#       GPU work on one H100 (estimates, docs/results.md): icl 10-22 min eager with --jobs 6, 3-6 min if its CUDA
-#       graphs engage; lm 8 shards of ~5-6 min; chronos 10 + 5 shards of ~5-8 min. Every command resumes when rerun
+#       GPU work on one H100 (estimates, `plan --shards` of each script): icl 4 shards of ~6-12 min with CUDA
+#       graphs; lm 8 shards of ~5-6 min; chronos 10 + 5 shards of ~5-8 min. Every command resumes when rerun
 #       and skips the runs that have a results file: results/<design>/ (committed); working files and checkpoints
 #       under $REPRODUCE_OUT (default outputs/reproduce); reports in $REPRODUCE_OUT/<name>_report.txt.
 #   bash scripts/reproduce.sh --pilots [--device cuda]
