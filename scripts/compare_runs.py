@@ -173,8 +173,8 @@ def table(rows: list, args, threads: int) -> str:
             f"the formula, but the whole K+V cache is {base['formula_kv_bytes'] / 1024:.0f} KiB, which a core "
             f"reads in microseconds, against {step_ms:.2f} ms per step: a decode step of this small model is bound "
             "by per-op dispatch (a few hundred small ops), so the ratio measures the per-op overhead of the decode "
-            "path, not memory traffic. Cache bytes allocated include reserved slots, positions and flags, and can "
-            "exceed the formula.")
+            "path, not memory traffic. Cache bytes allocated include slots reserved ahead of the tokens written, two "
+            "positions per row and layer and the geometry's index constants, and can exceed the formula.")
     return "\n".join(lines + [""] + notes)
 
 

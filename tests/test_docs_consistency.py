@@ -5,10 +5,19 @@
 * every link from README.md into docs/ names an existing section;
 * no document (README.md, docs/*.md, recipes/README.md) names a commit hash, an absolute path of a machine or a UTC
   launch time: history lives in CHANGELOG.md, and a reader's checkout is not ours;
-* README's Layout names every file of the checkpoint payload (hf_structattn/modeling/) and none that is gone.
+* README's Layout names every file of the checkpoint payload (hf_structattn/modeling/) and none that is gone;
+* a quantity that several documents quote (``QUANTITIES``: a measured ratio and every place that repeats it) has the
+  same number everywhere, the number of the measured table;
+* every ``--flag`` given to a recipe (``recipes/NAME.py ...``) in the documents' code (blocks and inline code, the
+  comment lines that continue a recipe command included) and in ``scripts/*.sh`` (through the variables and
+  functions a recipe command expands) is one the recipe's argument parser accepts;
+* docs/config_reference.md is what ``scripts/config_reference.py`` generates from the config classes, lists every
+  config field, and describes every ``mlr_*`` field a patched decoder's config gets or its code reads.
 """
 
+import importlib
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -130,3 +139,244 @@ def test_readme_layout_names_every_payload_file():
     payload = {path.name for path in (ROOT / "hf_structattn" / "modeling").glob("*.py")}
     assert listed == payload, (f"in hf_structattn/modeling/ but not in README's Layout: {sorted(payload - listed)}; "
                                f"in the Layout but gone: {sorted(listed - payload)}")
+
+
+
+# ---------------------------------------------------------------- one quantity, one number in every document
+# (name, the numbers, {document: [pattern, ...]}): each pattern matches its document exactly once (a space in a pattern
+# matches any run of whitespace, so a quote may wrap) and its groups are the numbers as that document gives them. The
+# first place named is the measured table, whose command the table's section names; the others repeat it.
+QUANTITIES = [
+    ("patched Llama eager decode / stock at prompts 512 and 2048 (benchmarks/bench_decoder_patching.py)",
+     ("1.15", "0.91"), {
+         "docs/benchmarks.md": [r"\| 512 \| MLR \| [\d.]+ \| [\d.]+ \| \*\*([\d.]+)x\*\* \|.*?"
+                                r"\| 2048 \| MLR \| [\d.]+ \| [\d.]+ \| \*\*([\d.]+)x\*\* \|",
+                                r"patched Llama eager decode vs stock \| ([\d.]+)x at prompt 512, ([\d.]+)x at 2048"],
+         "docs/patching.md": [r"decode ([\d.]+)x stock at prompt 512 and ([\d.]+)x at 2048"],
+         "README.md": [r"([\d.]+)x stock for a patched 4-layer Llama at prompt 512 \(([\d.]+)x at 2048\)"],
+     }),
+    ("the main job's decode / dense (scripts/run.sh, scripts/compare_runs.py)", ("1.26",), {
+        "docs/benchmarks.md": [r"## The main job.*?\| mlr \| [\d.]+ \| [\d,]+ \| [^|]+ \| ([\d.]+) \[",
+                               r"decode ([\d.]+)x dense \(Intel Xeon VM\) \| \[The main job\]"],
+        "README.md": [r"\| mlr \| [\d.]+ \| [\d,]+ \| [^|]+ \| ([\d.]+) \[",
+                      r"([\d.]+)x on the main job's 4-layer, 128-wide model",
+                      r"([\d.]+)x dense on the main job's 4-layer 128-wide model"],
+    }),
+    ("the main job's validation bits/byte, dense and MLR (scripts/run.sh)", ("3.499", "3.182"), {
+        "docs/benchmarks.md": [r"## The main job.*?\| dense \| ([\d.]+) \|.*?\| mlr \| ([\d.]+) \|",
+                               r"against ([\d.]+) and ([\d.]+) here\)",
+                               r"MLR (?P<b>[\d.]+) vs dense (?P<a>[\d.]+) bits/byte after 500 steps"],
+        "README.md": [r"\| dense \| ([\d.]+) \|.*?\| mlr \| ([\d.]+) \|"],
+    }),
+    ("the fused MLR op, forward + backward / SDPA at T = 1024 and 4096 (benchmarks/bench_attention.py)",
+     ("1.20", "0.96"), {
+         "docs/benchmarks.md": [r"\*\*forward \+ backward: ms.*?\| MLR fused [^|]*\| [^|]*\(([\d.]+)x\) \| "
+                                r"[^|]*\(([\d.]+)x\) \|",
+                                r"forward \+ backward vs SDPA \| MLR ([\d.]+)x at T = 1024, ([\d.]+)x at 4096"],
+         "README.md": [r"at 4096; forward \+ backward ([\d.]+)x and ([\d.]+)x"],
+     }),
+]
+
+
+def quoted_numbers(text: str, pattern: str) -> list:
+    """The numbers each match of ``pattern`` quotes (named groups a, b, ... in that order, else the groups in order)."""
+    found = []
+    for match in re.finditer(pattern.replace(" ", r"\s+"), text, re.S):
+        named = match.groupdict()
+        found.append(tuple(named[key] for key in sorted(named)) if named else match.groups())
+    return found
+
+
+@pytest.mark.parametrize("name, value, places", QUANTITIES, ids=[quantity[0].split(" (")[0] for quantity in QUANTITIES])
+def test_a_quantity_quoted_in_several_documents_has_one_number(name, value, places):
+    problems = []
+    for doc, patterns in places.items():
+        text = (ROOT / doc).read_text()
+        for pattern in patterns:
+            found = quoted_numbers(text, pattern)
+            if len(found) != 1:
+                problems.append(f"{doc}: {len(found)} quotes of {name!r} in the registered form {pattern!r} (update "
+                                f"the pattern in QUANTITIES if the sentence was reworded)")
+            elif found[0] != value:
+                problems.append(f"{doc} gives {name} as {', '.join(found[0])}, the measured table {', '.join(value)}")
+    assert not problems, "\n".join(problems)
+
+
+# ---------------------------------------------------------------- recipe flags in the documents and the scripts
+RECIPE = re.compile(r"recipes/(\w+)\.py")
+FLAG = re.compile(r"(?<![\w-])--([A-Za-z][\w-]*)")
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
+INLINE = re.compile(r"(?<!`)`([^`\n]*recipes/\w+\.py[^`\n]*)`(?!`)")
+COMMAND_END = re.compile(r"\s(?:\||;|&&|\d?>)\s")
+# a flag a document gives that the recipe refuses, left for the document's owner: (document, recipe, flag). The test
+# below fails once the document no longer has it, so that the exemption goes too.
+KNOWN_REFUSED: set = set()
+
+
+def recipe_options(recipe: str) -> set:
+    """Every option string the recipe's argument parser accepts (``--max_steps`` and ``--max-steps``, ``--config``)."""
+    from hf_structattn.training.args import RecipeArgumentParser
+
+    source = (ROOT / "recipes" / f"{recipe}.py").read_text()
+    module = importlib.import_module(re.search(r"from (hf_structattn\.training\.\w+) import main", source).group(1))
+    classes = re.search(r"parse_recipe_args\((\w+), (\w+)", Path(module.__file__).read_text()).groups()
+    parser = RecipeArgumentParser([getattr(module, name) for name in classes])
+    return set(parser._option_string_actions)
+
+
+def flags_after_recipes(text: str) -> list:
+    """(recipe, flag) for each ``--flag`` after ``recipes/NAME.py`` on a command line of ``text`` (a code block or
+    inline code; backslash continuations joined), and on the comment lines right after such a command, which a doc
+    uses to list more arguments of it (``# mlr: --attention mlr ...``); another command ends the recipe's lines."""
+    found, current = [], None
+    for line in text.replace("\\\n", " ").splitlines():
+        calls = list(RECIPE.finditer(line))
+        if calls:
+            current = calls[-1].group(1)
+            for index, call in enumerate(calls):
+                end = calls[index + 1].start() if index + 1 < len(calls) else len(line)
+                rest = COMMAND_END.split(line[call.end():end])[0]
+                found += [(call.group(1), "--" + flag.split("=")[0]) for flag in FLAG.findall(rest)]
+        elif current and line.lstrip().startswith("#"):
+            found += [(current, "--" + flag.split("=")[0]) for flag in FLAG.findall(line)]
+        elif line.strip():
+            current = None
+    return found
+
+
+def document_recipe_flags(text: str) -> list:
+    blocks = [body for language, body in FENCE.findall(text) if language != "python"]
+    spans = INLINE.findall(FENCE.sub("", text))
+    return [pair for part in blocks + spans for pair in flags_after_recipes(part)]
+
+
+SHELL_STRING = r'"(?:\\.|[^"\\])*"|' + r"'[^']*'"
+
+
+def _balanced(code: str, start: int) -> str:
+    depth = 0
+    for index in range(start, len(code)):
+        depth += {"(": 1, ")": -1}.get(code[index], 0)
+        if depth == 0:
+            return code[start:index + 1]
+    return code[start:]
+
+
+def shell_expansions(text: str, code: str, seen: set) -> list:
+    """The values assigned to the variables (``NAME=...``, ``local NAME=...``, ``NAME[key]=...``, ``NAME=( ... )``)
+    and the bodies of the functions (``$(name ...)``) that ``text`` expands, recursively."""
+    out = []
+    for name in re.findall(r"\$\{?\(?(\w+)", text):
+        if name in seen:
+            continue
+        seen.add(name)
+        values = []
+        for match in re.finditer(rf"(?:^|[\s;])(?:local\s+)?{name}(?:\[[^\]]*\])?=", code, re.M):
+            rest = code[match.end():]
+            quoted = re.match(SHELL_STRING, rest)
+            values.append(quoted.group(0) if quoted else _balanced(rest, 0) if rest.startswith("(") else
+                          rest.split(None, 1)[0] if rest.strip() else "")
+        values += re.findall(rf"^{name}\(\)\s*\{{(.*?)^\}}", code, re.M | re.S)
+        for value in values:
+            out += [value] + shell_expansions(value, code, seen)
+    return out
+
+
+def shell_recipe_flags(text: str) -> list:
+    """(recipe, flag) for every ``--flag`` a recipe command of a shell script gets: on its line, and in the variables
+    and functions that line expands (comments dropped)."""
+    code = "\n".join(re.sub(r"(^|\s)#\s.*$", "", line) for line in text.splitlines()
+                     if not line.lstrip().startswith("#")).replace("\\\n", " ")
+    found = []
+    for line in code.splitlines():
+        for call in RECIPE.finditer(line):
+            rest = COMMAND_END.split(line[call.end():])[0]
+            words = [rest] + shell_expansions(rest, code, set())
+            found += [(call.group(1), "--" + flag.split("=")[0]) for word in words for flag in FLAG.findall(word)]
+    return found
+
+
+RECIPE_SOURCES = [*DOCUMENTS, *sorted((ROOT / "scripts").glob("*.sh"))]
+
+
+@pytest.mark.parametrize("path", RECIPE_SOURCES, ids=lambda path: str(path.relative_to(ROOT)))
+def test_every_recipe_flag_in_the_docs_and_scripts_is_one_the_recipe_accepts(path):
+    text = path.read_text()
+    pairs = shell_recipe_flags(text) if path.suffix == ".sh" else document_recipe_flags(text)
+    where = str(path.relative_to(ROOT))
+    options = {}
+    refused = sorted({f"recipes/{recipe}.py {flag}" for recipe, flag in pairs
+                      if flag not in options.setdefault(recipe, recipe_options(recipe))
+                      and (where, recipe, flag) not in KNOWN_REFUSED})
+    assert not refused, f"{where} gives flags the recipes refuse (`python recipes/NAME.py --help` lists theirs): {refused}"
+    for document, recipe, flag in KNOWN_REFUSED:
+        if document == where:
+            assert (recipe, flag) in pairs, (f"{where} no longer gives recipes/{recipe}.py {flag}: remove it from "
+                                             f"KNOWN_REFUSED")
+
+
+def test_the_recipe_flag_checks_find_what_they_look_for():
+    block = ("accelerate launch --quiet --config_file c.yaml recipes/train_clm.py --config x.yaml \\\n"
+             "    --max_steps 5 --seq-len=3 | tee log --not_this\n# mlr: --attention mlr\necho --other\n# --not_this\n")
+    assert flags_after_recipes(block) == [("train_clm", "--config"), ("train_clm", "--max_steps"),
+                                          ("train_clm", "--seq-len"), ("train_clm", "--attention")]
+    assert document_recipe_flags("use `recipes/finetune_patched.py --level_order` or `--x`") == [
+        ("finetune_patched", "--level_order")]
+    script = ('COMMON="--config a.yaml\n  --seed 0"\nV[mlr]=\'--attention mlr\'\nargs_of() {\n  echo "--n_head 8"\n}\n'
+              'local args="--chronos_config {\\"a\\":1} --seed 1"\n# python recipes/train_icl.py --commented\n'
+              'python recipes/train_clm.py $COMMON ${V[$v]} $(args_of) $args --n_embd "$d" > log 2>&1\n')
+    assert sorted(flag for _, flag in shell_recipe_flags(script)) == sorted(
+        ["--config", "--seed", "--attention", "--n_head", "--chronos_config", "--seed", "--n_embd"])
+    assert "--attention_layers" not in recipe_options("train_clm") and "--layer_types" in recipe_options("train_clm")
+    assert {"--max_steps", "--max-steps", "--config"} <= recipe_options("finetune_patched")
+
+
+# ---------------------------------------------------------------- the config reference (docs/config_reference.md)
+CONFIG_REFERENCE = ROOT / "docs" / "config_reference.md"
+
+
+def config_reference():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        return importlib.import_module("config_reference")
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+
+
+def test_the_config_reference_lists_every_field_of_every_config():
+    module = config_reference()
+    text = CONFIG_REFERENCE.read_text()
+    missing = []
+    for config_class, *_ in module.config_classes():
+        section = sections(CONFIG_REFERENCE)[slug(config_class.__name__)]
+        missing += [f"{config_class.__name__}.{field.name}" for field in module.own_fields(config_class)
+                    if f"| `{field.name}` |" not in section]
+    section = sections(CONFIG_REFERENCE)[slug("Patched decoders: `MLR<Arch>Config`")]
+    missing += [f"MLR<Arch>Config.{row[0]}" for row in module.PATCHED_DECODER_FIELDS if f"| `{row[0]}` |" not in section]
+    assert not missing, f"docs/config_reference.md lacks {missing}: run python scripts/config_reference.py"
+    assert "[docs/config_reference.md](docs/config_reference.md)" in README.read_text()
+    assert "[config_reference.md](config_reference.md)" in (ROOT / "docs" / "models.md").read_text()
+
+
+def test_the_config_reference_is_what_the_generator_writes():
+    import transformers
+
+    recorded = re.search(r"from the config classes \(transformers ([\w.]+)\)", CONFIG_REFERENCE.read_text())
+    if recorded and recorded.group(1) != transformers.__version__:
+        pytest.skip(f"docs/config_reference.md was generated with transformers {recorded.group(1)}, whose docstrings "
+                    f"give the architecture fields' meanings; {transformers.__version__} is installed")
+    assert CONFIG_REFERENCE.read_text() == config_reference().render(), (
+        "docs/config_reference.md differs from the code: run python scripts/config_reference.py")
+
+
+def test_the_config_reference_describes_every_mlr_field_of_a_patched_decoder():
+    from hf_structattn.modeling.structattn_decoder import MLR_FIELDS
+
+    patcher = (ROOT / "hf_structattn" / "decoder_patching.py").read_text()
+    payload = "".join(path.read_text() for path in (ROOT / "hf_structattn" / "modeling").glob("structattn_decoder*.py"))
+    used = set(MLR_FIELDS) | set(re.findall(r"new_config\.(mlr_\w+) =", patcher))
+    used |= set(re.findall(r"getattr\(\w*config\w*, \"(mlr_\w+)\"", payload))
+    used |= set(re.findall(r"\bconfig\.(mlr_\w+)\b(?!\s*\()", payload))
+    described = {row[0] for row in config_reference().PATCHED_DECODER_FIELDS}
+    assert used == described, (f"set or read but not described in scripts/config_reference.py's PATCHED_DECODER_FIELDS: "
+                               f"{sorted(used - described)}; described but used nowhere: {sorted(described - used)}")

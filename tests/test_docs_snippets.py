@@ -3,7 +3,8 @@
 A document's ```python blocks run in order in one fresh interpreter (a later block may use what an earlier block of
 the same document defined, as a reader would), in an empty temporary folder, offline, with the checkout importable.
 A snippet that needs a model builds a tiny one locally; nothing is downloaded. README.md and docs/models.md show what
-their commented prints print; docs/patching.md's table of cache bytes is what its snippet prints.
+their commented prints print; docs/patching.md's table of cache bytes is what its snippet prints. No snippet prints a
+Python warning (a library's notice is filtered where the snippet causes it, with the reason beside the filter).
 
 docs/patching.md's real-checkpoint guide (the bash blocks after a ``<!-- tests/test_docs_snippets.py runs this block``
 comment) runs as written, except for the listed edits: the download becomes a tiny local model of the same head dim,
@@ -20,6 +21,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 DOCUMENTS = [ROOT / "README.md", ROOT / "recipes" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.M | re.S)
+WARNING = re.compile(r"\b\w*Warning: ")  # how Python prints a warning: "file.py:12: FutureWarning: ..."
 PRINTED = re.compile(r"^[ \t]*print\(.*?\)[ \t]+#[ \t]*(\S.*?)[ \t]*$", re.M)  # print(...)  # what it prints
 
 
@@ -43,6 +45,8 @@ def test_python_snippets_run_as_written(path, tmp_path):
     result = subprocess.run([sys.executable, "-c", program], cwd=tmp_path, env=env, capture_output=True, text=True,
                             timeout=900)
     assert result.returncode == 0, f"{path.name}: {result.stderr[-3000:]}"
+    warned = [line for line in result.stderr.splitlines() if WARNING.search(line)]
+    assert not warned, f"{path.name}'s snippets print warnings:\n" + "\n".join(warned)
     if path.name == "README.md":  # the README shows what it prints: each commented print's output appears as written
         for expected in PRINTED.findall(program):
             assert expected in result.stdout, (expected, result.stdout[-2000:])

@@ -1,8 +1,9 @@
-"""PEFT LoRA on structured-attention models (docs/models.md, "Fine-tuning with PEFT"): an MLR GPT-2-family model
-and an MLR-patched Llama, in float64. The adapter changes the output; training it moves only the adapter; merged
-weights give the adapter's logits exactly; the cached generation of the adapted model equals its uncached forward;
-the merged model saves with its code and reloads with ``trust_remote_code``; the adapter saves alone and reloads
-onto a fresh base."""
+"""PEFT LoRA on structured-attention models (docs/models.md, "Fine-tuning with PEFT"), in float64. On an MLR
+GPT-2-family model and an MLR-patched Llama: the adapter changes the output; training it moves only the adapter;
+merged weights give the adapter's logits exactly; the cached generation of the adapted model equals its uncached
+forward; the merged model saves with its code and reloads with ``trust_remote_code``; the adapter saves alone and
+reloads onto a fresh base. On an MLR T5: the adapter changes the output, the merged model gives its logits and
+reloads with ``trust_remote_code``."""
 
 import pytest
 import torch

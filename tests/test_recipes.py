@@ -1155,12 +1155,53 @@ def test_finetune_patched_reports_drift_recovers_and_saves_a_loadable_model(tmp_
         assert tokenizer_config["model_max_length"] == reloaded.config.max_position_embeddings == 4096
     card = (out / "README.md").read_text()
     assert "Drift of the patch before fine-tuning" in card and str(tmp_path) not in card
+    # the card says first what a stock load gives, as the card of patch / save_pretrained does, and its snippet loads
+    # the tokenizer with remote code too (where hf_structattn is not installed, AutoTokenizer reads the auto_map)
+    assert card_paragraphs(card)[1].startswith("> **WARNING: this is not a stock LlamaForCausalLM.**")
+    assert "AutoTokenizer.from_pretrained(path, trust_remote_code=True)" in card
     # the saved model is the trained one: its validation loss is the run's final evaluation
     from hf_structattn.training.data import eval_windows
     from hf_structattn.training.decoder_ft import load_corpus, validation_loss
 
     windows = eval_windows(load_corpus(recipe.parse(recipe.argv(out))).validation, 32, 4)
     assert validation_loss(reloaded, windows, 4) == pytest.approx(result["eval_loss"], rel=1e-5)
+
+
+def card_paragraphs(card: str) -> list:
+    """The paragraphs of a model card below its YAML front matter (the first one is its title)."""
+    body = card.split("\n---\n", 1)[1] if card.startswith("---\n") else card
+    return [part.strip() for part in body.split("\n\n") if part.strip()]
+
+
+def test_the_finetune_patched_card_starts_with_the_warning_of_the_patched_model_card(tmp_path):
+    from huggingface_hub import ModelCard
+
+    import hf_structattn
+    from hf_structattn.decoder_patching import tiny_decoder
+    from hf_structattn.modeling.structattn_decoder import CARD_WARNING
+    from hf_structattn.training.args import parse_recipe_args
+    from hf_structattn.training.decoder_ft import (PatchedFinetuneArgs, PatchedModelArgs, loading_snippet,
+                                                   saved_card_warning)
+    from hf_structattn.training.outputs import write_model_card
+
+    with pytest.raises(ValueError, match="holds no 'WARNING: this is not a stock' paragraph"):
+        saved_card_warning(tmp_path)
+    patched = hf_structattn.patch(tiny_decoder("llama"), mlr_ranks=[8, 4, 4], mlr_block_sizes=[16, 8])
+    patched.save_pretrained(tmp_path)
+    notice = saved_card_warning(tmp_path)  # the paragraph save_pretrained wrote, word for word
+    assert notice.startswith(f"> **{CARD_WARNING} LlamaForCausalLM.**") and notice in card_paragraphs(
+        (tmp_path / "README.md").read_text())
+    args = parse_recipe_args(PatchedFinetuneArgs, PatchedModelArgs, ["--output_dir", str(tmp_path)],
+                             prog="finetune_patched.py")
+    snippet = loading_snippet("someone/tiny-mlr", "def ")
+    write_model_card(tmp_path, args, recipe="finetune_patched", title="MLRLlamaForCausalLM: a title",
+                     summary="A summary.", config={}, data="some text", metrics={}, usage=snippet,
+                     pipeline_tag="text-generation", notice=notice)
+    card = (tmp_path / "README.md").read_text()
+    assert card_paragraphs(card)[:3] == ["# MLRLlamaForCausalLM: a title", notice, "A summary."]
+    assert ModelCard.load(tmp_path / "README.md").data.library_name == "transformers"  # still a valid card
+    assert "tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=True)" in snippet
+    assert "model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)" in snippet
 
 
 def test_the_distillation_loss_is_the_kl_from_the_source_and_pulls_towards_it():

@@ -395,13 +395,30 @@ def patched_flops_per_token(model, seq_len: int) -> float:
 
 
 def loading_snippet(path_hint: str, prompt: str) -> str:
+    # the tokenizer too: AutoTokenizer reads config.json, whose auto_map names the checkpoint's code, and without the
+    # flag asks "Do you wish to run the custom code?" where hf_structattn is not installed
     return f"""from transformers import AutoModelForCausalLM, AutoTokenizer
 
 path = "{path_hint}"  # this folder, or its Hub id
-tokenizer = AutoTokenizer.from_pretrained(path)
+tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=True)
 model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)  # hf_structattn need not be installed
 ids = tokenizer({prompt!r}, return_tensors="pt", add_special_tokens=False).input_ids
 print(tokenizer.decode(model.generate(ids, max_new_tokens=64, do_sample=False)[0]))"""
+
+
+def saved_card_warning(folder) -> str:
+    """The WARNING paragraph that a patched decoder's ``save_pretrained`` put into ``folder/README.md`` (the payload's
+    ``structattn_decoder.MODEL_CARD``: the checkpoint is not the stock model, and the stock class by name loads it
+    dense). The recipe's own card starts with it too, so the warning has one text, written in one place."""
+    from ..modeling.structattn_decoder import CARD_WARNING
+
+    card = Path(folder) / "README.md"
+    text = card.read_text(encoding="utf-8") if card.is_file() else ""
+    paragraph = next((part.strip() for part in text.split("\n\n") if CARD_WARNING in part), None)
+    if paragraph is None:
+        raise ValueError(f"{card} holds no {CARD_WARNING!r} paragraph: save the patched model with save_pretrained "
+                         f"before writing the recipe's card")
+    return paragraph
 
 
 # ------------------------------------------------------------------------------------------ the recipe
@@ -513,6 +530,7 @@ def main(argv=None) -> dict:
             f"{loss_before:.4f} before and {loss_after:.4f} after fine-tuning.")
         write_plots(out, loss_key="train/loss", eval_key="eval/loss")
         config = unwrapped.config
+        notice = saved_card_warning(out)  # read before write_model_card replaces the card save_pretrained wrote
         write_model_card(
             out, args, recipe=RECIPE, title=f"{type(unwrapped).__name__}: MLR attention patched into a decoder",
             summary=(f"`{summary['source']}` ({config.model_type}) converted to multi-level low-rank attention "
@@ -526,13 +544,14 @@ def main(argv=None) -> dict:
             metrics={k: v for k, v in summary.items() if k.startswith(("eval_", "loss_")) or
                      k in ("step", "train_seconds")},
             usage=loading_snippet(args.hub_model_id or "path/to/this/folder", args.sample_prompt),
-            cost_markdown=cost, flops_per_token=flops_per_token, extra_sections=sections)
+            cost_markdown=cost, flops_per_token=flops_per_token, extra_sections=sections, notice=notice)
         return cost
 
     return finish_run(accelerator, args, model, result, summary, save_outputs)
 
 
-__all__ = ["PatchedFinetuneArgs", "PatchedModelArgs", "calibration_fields", "main"]
+__all__ = ["PatchedFinetuneArgs", "PatchedModelArgs", "calibration_fields", "loading_snippet", "main",
+           "saved_card_warning"]
 
 if __name__ == "__main__":
     run_main(main, "finetune_patched.py")

@@ -342,10 +342,12 @@ def write_model_card(output_dir: str | Path, args, *, recipe: str, title: str, s
                      metrics: dict, usage: str, pipeline_tag: str, eval_results: list[tuple] = (),
                      dataset_type: str = "custom", datasets: Optional[list[str]] = None,
                      cost_markdown: Optional[str] = None, flops_per_token: Optional[float] = None,
-                     extra_sections: Optional[dict] = None, tags: tuple = ()) -> Path:
+                     extra_sections: Optional[dict] = None, tags: tuple = (), notice: str = "") -> Path:
     """README.md through ``huggingface_hub.ModelCard`` with ``ModelCardData`` metadata (license, library_name,
     pipeline_tag, tags, datasets where known, model-index from ``eval_results`` = [(task_type, metric_type,
-    metric_name, value)]), then the variant/config, data, metrics, FLOPs and cache tables and a loading snippet."""
+    metric_name, value)]), then the variant/config, data, metrics, FLOPs and cache tables and a loading snippet.
+    ``notice`` (markdown) is the card's first paragraph under its title: a patched decoder's WARNING that it is not
+    the stock model (``decoder_ft.saved_card_warning``)."""
     from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
     model_name = (args.hub_model_id or Path(args.output_dir).name).split("/")[-1]
@@ -355,7 +357,7 @@ def write_model_card(output_dir: str | Path, args, *, recipe: str, title: str, s
     card_data = ModelCardData(license="apache-2.0", library_name="transformers", pipeline_tag=pipeline_tag,
                               tags=["hf_structattn", "structured-attention", "custom_code", *tags],
                               datasets=datasets or None, model_name=model_name, eval_results=results or None)
-    lines = [f"# {title}", "", summary, ""]
+    lines = [f"# {title}", "", *([notice.strip(), ""] if notice else []), summary, ""]
     lines += ["## Loading", "", "```python", usage.strip(), "```", ""]
     lines += ["## Evaluation", "", "| metric | value |", "|---|---:|"]
     lines += [f"| {k} | {_fmt(v)} |" for k, v in metrics.items() if not isinstance(v, (list, dict))]
