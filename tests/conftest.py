@@ -64,3 +64,16 @@ def float64_default():
 @pytest.fixture
 def tiny_model_factory():
     return tiny_lm
+
+
+@pytest.fixture
+def logged_warnings(caplog):
+    """The warnings this package logs once per message (transformers' ``logger.warning_once``): ``caplog`` with the
+    once-cache cleared first, so that an earlier test's warning does not hide this test's."""
+    import logging
+
+    import transformers.utils.logging  # noqa: F401  (installs ``Logger.warning_once``)
+
+    logging.Logger.warning_once.cache_clear()
+    caplog.set_level(logging.WARNING)
+    return caplog

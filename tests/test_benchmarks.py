@@ -264,16 +264,24 @@ def test_bench_decode_ab_main_job_model_has_the_main_jobs_config():
         bench_decode_ab.parse_args(["--against", "HEAD", "--model", "main-job", "--prompt", "250", "--steps", "10"])
 
 
-def test_bench_trace_calls_counts_one_attention_modules_step(capsys):
-    """The trace of one decode step: counts for every model, consistent with their definitions, and the patched
-    decoder runs more Python than stock Llama (it adds the MLR cache's write and the MLR read)."""
+def test_bench_trace_calls_counts_the_first_and_a_later_layer_and_the_whole_forward(capsys):
+    """The trace of eager decode steps: counts for every model, consistent with their definitions; the forward's
+    whole plan is made before its first layer, so the first MLR layer runs what a later one runs and re-enters no
+    payload file; a patched 8-layer Llama's whole forward runs at most 1.15x stock Llama's Python calls."""
     import bench_trace_calls
 
     results = bench_trace_calls.main([])
     stock = results["stock Llama (DynamicCache, SDPA)"]
-    for counts in results.values():
-        assert 0 < counts["files"] <= counts["calls"] and counts["re-entries"] <= counts["file changes"]
-    assert results["patched Llama (MLR 8|4|2|2)"]["calls"] > stock["calls"]
+    for result in results.values():
+        for counts in result.values():
+            assert 0 <= counts["package files"] <= counts["package runs"] <= counts["package calls"] <= \
+                counts["calls"] and counts["re-entries"] < max(counts["package runs"], 1)
+    patched = results["patched Llama, 8 layers (MLR 8|4|2|2)"]
+    for name in ("GPT-2 MLR (main job's model)", "patched Llama, 8 layers (MLR 8|4|2|2)"):
+        first, later = results[name]["first layer"], results[name]["later layer"]
+        assert first["package calls"] - later["package calls"] <= 5 and first["re-entries"] == 0, (name, first, later)
+    assert patched["later layer"]["calls"] > stock["later layer"]["calls"]  # the MLR write and read
+    assert patched["forward"]["calls"] <= 1.15 * stock["forward"]["calls"], (patched, stock)
     assert "| stock Llama (DynamicCache, SDPA) |" in capsys.readouterr().out
 
 

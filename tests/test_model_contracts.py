@@ -536,19 +536,16 @@ def test_gpt2_config_does_not_inherit_token_ids_outside_its_vocabulary(recwarn):
     assert StructAttnGPT2Config(n_layer=1).eos_token_id == 50256  # the full GPT-2 vocabulary keeps GPT-2's ids
 
 
-def test_right_padded_generate_warns_once_and_continues_the_rows(recwarn):
-    from hf_structattn.modeling import structattn_step
-
+def test_right_padded_generate_warns_once_and_continues_the_rows(logged_warnings):
     model = tiny_lm("mlr").double()
     ids = _ids(2, 10, vocab=61)
     mask = torch.ones_like(ids)
     mask[1, 7:] = 0  # right padding
-    structattn_step._WARNED_BEHIND.clear()
     out = model.generate(ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False,
                          pad_token_id=1)
     model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=1)
-    warned = [w for w in recwarn if "right padding" in str(w.message)]
-    assert len(warned) == 1 and "padding_side='left'" in str(warned[0].message)
+    warned = [record.getMessage() for record in logged_warnings.records if "right padding" in record.getMessage()]
+    assert len(warned) == 1 and "padding_side='left'" in warned[0]
     alone = model.generate(ids[:1], max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=1)
     assert torch.equal(out[0], alone[0])  # the unpadded row is unaffected
     # transformers repeats the right-padded row's positions after its padding; uncached MLR continues the row as the
