@@ -73,6 +73,17 @@ def build_parser() -> argparse.ArgumentParser:
     patch.add_argument("--layers", type=_int_list, help="decoders only: layers to convert, e.g. 0,1,2 (default all)")
     patch.add_argument("--sliding-window-layers", choices=("refuse", "replace"),
                        help="decoders only: refuse (default) or replace sliding-window layers by global MLR layers")
+    # no argparse choices: hf_structattn.patch names the field and the closest value in one line
+    patch.add_argument("--level-order",
+                       help="decoders only: which RoPE pairs form which level, whole pairs per level: frequency "
+                            "(default: unrotated dims, then the pairs from the lowest frequency up), index (the "
+                            "pairs in the model's dim order), contribution (pairs ranked by q/k norms on "
+                            "--calibration-text)")
+    patch.add_argument("--calibration-text", metavar="FILE",
+                       help="decoders, --level-order contribution only: a UTF-8 text file, tokenized with SRC_DIR's "
+                            "tokenizer, whose first --calibration-tokens tokens the stock model runs on")
+    patch.add_argument("--calibration-tokens", type=int, default=4096,
+                       help="tokens of --calibration-text used, in windows of up to 2048 (default 4096)")
     patch.add_argument("--allow-identity", action="store_true",
                        help="accept a patch that changes nothing (one level, or blocks covering the whole context)")
     add_push_parser(commands)

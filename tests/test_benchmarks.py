@@ -1,6 +1,6 @@
 """The measurement tooling at toy sizes: the allocated-cache-bytes helper, bench_cache_memory, bench_memory (and the
-fused op's forward pieces it motivated), bench_generation's decode cells, bench_speculative and
-scripts/compare_runs.py."""
+fused op's forward pieces it motivated), bench_generation's decode cells, bench_speculative, bench_real_weights'
+scores, table and resume (its model is the real-weights tier's) and scripts/compare_runs.py."""
 
 import json
 import os
@@ -26,6 +26,7 @@ import bench_decoder_patching  # noqa: E402
 import bench_decode_ab  # noqa: E402
 import bench_generation  # noqa: E402
 import bench_memory  # noqa: E402
+import bench_real_weights  # noqa: E402
 import bench_speculative  # noqa: E402
 import compare_runs  # noqa: E402
 
@@ -420,3 +421,31 @@ def test_bench_decoder_patching_times_compiled_static_decode_of_stock_and_patche
     # stock attention is one SDPA call; the patched step is MLR's compiled formulation (library baddbmm matmuls)
     assert any("scaled_dot_product_attention" in code and "baddbmm" not in code for code in codes)
     assert any("baddbmm" in code and "scaled_dot_product_attention" not in code for code in codes)
+
+
+# ------------------------------------------------------------------------------------------ bench_real_weights
+
+
+def test_bench_real_weights_scores_table_and_resume(tmp_path):
+    from hf_structattn.decoder_patching import tiny_decoder
+
+    model = tiny_decoder("llama")
+    windows = torch.randint(1, 61, (2, 40), generator=torch.Generator().manual_seed(0))
+    stock = bench_real_weights.window_scores(model, windows)
+    assert stock["losses"].shape == stock["argmax"].shape == (2, 39)
+    with torch.no_grad():
+        reference = torch.nn.functional.cross_entropy(model(windows).logits[0, :-1].float(), windows[0, 1:])
+    assert float(stock["losses"][0].mean()) == pytest.approx(float(reference), rel=1e-6)
+    patched = hf_structattn.patch(model, mlr_ranks=[8, 4, 4], mlr_block_sizes=[16, 8])
+    scores = bench_real_weights.window_scores(patched, windows)
+    gaps = bench_real_weights.bucket_gaps(scores["losses"], stock["losses"])
+    assert list(gaps) == ["1-39"] and gaps["1-39"] == pytest.approx(float((scores["losses"] - stock["losses"]).mean()))
+    row = {"key": {"run": 1}, "ranks": "8,4,4", "level_order": "frequency", "key_cache_ratio": 0.5,
+           "kv_cache_ratio": 0.75, "perplexity": 12.0, "perplexity_ratio": 1.02, "top1_agreement": 0.9,
+           "added_nats_by_position": gaps}
+    lines = bench_real_weights.table([row], 11.0).splitlines()
+    assert lines[-1].startswith("| 8\\|4\\|4 | frequency | 0.500 | 0.750 | 12.000 | 1.0200 | 0.900 | 1-39: ")
+    assert all(line.count("|") - line.count("\\|") == lines[0].count("|") for line in lines)
+    results = tmp_path / "rows.jsonl"
+    results.write_text(json.dumps(row) + "\n" + json.dumps({**row, "key": {"run": 2}, "level_order": "index"}) + "\n")
+    assert list(bench_real_weights.read_rows(results, {"run": 1})) == [("8,4,4", "frequency")]

@@ -193,9 +193,11 @@ def test_rope_levels_depend_only_on_relative_position(arch):
 def test_pair_splitting_ranks_are_refused():
     with pytest.raises(ValueError, match="splits a RoPE rotation pair"):
         patched("llama", ranks=[7, 9], blocks=[16])
+    # Phi-3's partial rotary 0.5: the default level order puts its 8 unrotated dims first, then its 4 pairs
+    # (tests/test_level_order.py has the "index" order, pairs first)
     with pytest.raises(ValueError, match="splits a RoPE rotation pair"):
-        patched("phi3", ranks=[3, 13], blocks=[16])  # 8 rotated dims (partial rotary 0.5)
-    patched("phi3", ranks=[9, 7], blocks=[16])  # the boundary lies in the unrotated dims: allowed
+        patched("phi3", ranks=[9, 7], blocks=[16])
+    patched("phi3", ranks=[3, 13], blocks=[16])  # the boundary lies in the unrotated dims: allowed
     patched("gpt2", ranks=[7, 9], blocks=[16])  # no RoPE: any split
 
 

@@ -280,6 +280,9 @@ RECIPE_BAD_ARGUMENTS = {
                          (["--layers", "5"], "patch: layers: 5 is not a layer index in [0, 2)"),
                          (["--mlr_max_length", "64"], "--mlr_block_sizes [16, 8] and --mlr_max_length 64: give one"),
                          (["--sliding_window_layers", "keep"], "--sliding_window_layers 'keep' is not one of"),
+                         (["--level_order", "frequncy"], "--level_order='frequncy' is not one of 'frequency', "
+                                                         "'index', 'contribution' (did you mean 'frequency'?)"),
+                         (["--calibration_windows", "0"], "--calibration_windows must be >= 1, got 0"),
                          (["--pretrain_steps", "-1"], "--pretrain_steps must be >= 0, got -1"),
                          (["--seq_len", "5000"], "--seq_len 5000 exceeds the source's max_position_embeddings=4096"),
                          (["--model_path", "no/such"], "--model_path no/such: not a model folder"),
@@ -1154,6 +1157,32 @@ def test_finetune_patched_reports_drift_recovers_and_saves_a_loadable_model(tmp_
 
     windows = eval_windows(load_corpus(recipe.parse(recipe.argv(out))).validation, 32, 4)
     assert validation_loss(reloaded, windows, 4) == pytest.approx(result["eval_loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("level_order", ["contribution", "index"])
+def test_finetune_patched_patches_as_patch_does(tmp_path, level_order):
+    """The recipe's patch is hf_structattn.patch with the same keywords and default: its saved level order equals
+    patch's on the same source (contribution: calibrated on the first --calibration_windows training windows)."""
+    import transformers
+
+    import hf_structattn
+    from hf_structattn.training.decoder_ft import load_corpus
+
+    recipe = RECIPES["finetune_patched"]
+    out = tmp_path / "run"
+    recipe.run(out, "--pretrain_steps", 2, "--max_steps", 1, "--eval_every", 0, "--checkpoint_every", 0,
+               "--sample_new_tokens", 0, "--eval_windows", 2, "--level_order", level_order,
+               "--calibration_windows", 3)
+    saved = transformers.AutoModelForCausalLM.from_pretrained(out).config
+    source = transformers.AutoModelForCausalLM.from_pretrained(out / "source")
+    args = recipe.parse(recipe.argv(out))
+    train = load_corpus(args).train
+    extra = {"calibration_ids": train[:3 * args.seq_len].view(3, args.seq_len)} if level_order == "contribution" \
+        else {}
+    expected = hf_structattn.patch(source, mlr_ranks=saved.mlr_ranks, mlr_block_sizes=saved.mlr_block_sizes,
+                                   level_order=level_order, **extra).config
+    assert saved.mlr_patch["level_order"] == level_order and saved.mlr_dim_order == expected.mlr_dim_order
+    assert saved.mlr_patch.get("calibration_tokens") == (3 * args.seq_len if extra else None)
 
 
 @pytest.mark.parametrize("config_name", sorted(p.name for p in (ROOT / "configs").iterdir()

@@ -6,10 +6,12 @@ attention is MLR in the layers their config names. Part of the checkpoint payloa
 * ``mlr_ranks`` (r_1..r_L, sum = head dim) and ``mlr_block_sizes`` (b_2..b_L, nested);
 * ``mlr_layers``: indices of the MLR layers (None: every layer); the others run the model's attention unchanged.
   (The architecture's own ``layer_types`` keeps its meaning: Qwen2 and Gemma-3 key masks and RoPE by it.)
-* ``mlr_dim_order``: the head-dim order in which level slices are taken (None: identity). For RoPE models it lists
-  complete rotation pairs first (``[0, d/2, 1, d/2 + 1, ...]`` for half-split RoPE, then unrotated dims), so every
+* ``mlr_dim_order``: the head-dim order in which level slices are taken (None: identity), by a level-order rule
+  (``structattn_decoder_spec.LEVEL_ORDERS``; ``mlr_patch["level_order"]`` records which): for RoPE models every level
+  holds complete rotation pairs (by default the unrotated dims, then the pairs from the lowest frequency up), so every
   level's score depends on relative position only; applied to q and k at run time (weights are never re-based: a
-  rotation of W_Q/W_K does not commute with RoPE);
+  rotation of W_Q/W_K does not commute with RoPE). A stock model run with ``attn_implementation="mlr"`` finds it on
+  first use by ``config.mlr_level_order`` (default ``DEFAULT_LEVEL_ORDER``);
 * ``mlr_level_scales``: per-level logit multipliers (None: the module's own ``scaling`` on every level, so
   ``mlr_ranks=[head_dim]`` is the stock model).
 
@@ -29,14 +31,20 @@ import transformers
 from transformers.cache_utils import DynamicCache
 
 from .structattn_decoder_spec import (  # noqa: F401  (the decoder spec, re-exported for the patcher and flops)
+    DEFAULT_LEVEL_ORDER,
+    LEVEL_ORDERS,
     attention_modules,
-    check_pair_complete_levels,
+    check_level_order,
+    check_levels_hold_whole_pairs,
     decoder_geometries,
     decoder_geometry,
+    level_dim_order,
     mlr_layer_indices,
     model_rotary,
+    rotary_dims,
     rotary_pair_order,
     stock_layer_geometry,
+    stored_dim_order,
 )
 from .structattn_config_rules import announce_config, one_line_field_errors
 from .structattn_inputs import check_positions
@@ -268,7 +276,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["CLASS_PREFIX", "MODEL_TYPE_PREFIX", "attention_modules", "auto_map_of", "base_model_name",
-           "check_pair_complete_levels", "decoder_geometry",
-           "decoder_geometries", "mlr_config_class", "mlr_layer_indices", "mlr_model_class", "model_rotary",
-           "rotary_pair_order", "stock_layer_geometry"]
+__all__ = ["CLASS_PREFIX", "DEFAULT_LEVEL_ORDER", "LEVEL_ORDERS", "MODEL_TYPE_PREFIX", "attention_modules",
+           "auto_map_of", "base_model_name", "check_level_order", "check_levels_hold_whole_pairs", "decoder_geometry",
+           "decoder_geometries", "level_dim_order", "mlr_config_class", "mlr_layer_indices", "mlr_model_class",
+           "model_rotary", "rotary_dims", "rotary_pair_order", "stock_layer_geometry", "stored_dim_order"]

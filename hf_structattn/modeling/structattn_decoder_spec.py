@@ -54,27 +54,67 @@ def attention_modules(model: torch.nn.Module) -> dict:
             and not getattr(module, "is_cross_attention", False)}
 
 
-# ------------------------------------------------------------------------------------------- RoPE pairs
+# ------------------------------------------------------------------------------------------- RoPE pairs and levels
+
+# Which head dims go to which level (``level_order``), whole RoPE rotation pairs per level in every rule:
+#   "frequency":    position-free dims first (the unrotated dims of partial RoPE, in index order), then the rotation
+#                   pairs from the lowest rotation frequency to the highest. A pretrained model's long-range
+#                   attention lives in its slow pairs, which the global level then holds.
+#   "index":        the pairs in the model's own dim order (for transformers' RoPE: highest frequency first), then the
+#                   unrotated dims: the order of hf_structattn before level_order existed.
+#   "contribution": position-free dims first, then the pairs, each part ranked by its measured contribution to the
+#                   attention scores (MHA2MLA's rule: mean |q| x mean |k| of the dims, per query head, summed over
+#                   heads and layers, largest first); needs calibration text (hf_structattn.patch's calibration_ids).
+# A model without RoPE has only position-free dims: "frequency" is then the index order, "contribution" ranks its dims.
+LEVEL_ORDERS = ("frequency", "index", "contribution")
+# The default, chosen by measurement on real weights (SmolLM2-135M, ranks 32|16|8|8 at a 2,048-token context:
+# benchmarks/results/real_weights.md, benchmarks/bench_real_weights.py).
+DEFAULT_LEVEL_ORDER = "frequency"
+
+
+def check_level_order(level_order) -> str:
+    """``level_order`` itself, or a one-line ValueError naming it (with the closest valid value)."""
+    if isinstance(level_order, str) and level_order in LEVEL_ORDERS:
+        return level_order
+    import difflib
+
+    close = difflib.get_close_matches(str(level_order).lower(), LEVEL_ORDERS, n=1, cutoff=0.5)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise ValueError(f"level_order={level_order!r} is not one of {', '.join(map(repr, LEVEL_ORDERS))}{hint}")
+
+
+class RotaryDims:
+    """The RoPE structure of a head, found numerically from a model's own rotary embedding: ``pairs`` [(a, b), ...]
+    (dims that rotate together, by first dim), ``frequencies`` (radians per position of each pair, averaged over the
+    layer types asked for) and ``unrotated`` (dims that never move: position-free)."""
+
+    def __init__(self, pairs: list, frequencies: list, unrotated: list):
+        self.pairs, self.frequencies, self.unrotated = pairs, frequencies, unrotated
+
+    @property
+    def rotated_dims(self) -> int:
+        return 2 * len(self.pairs)
+
+    def groups(self) -> list:
+        """Every head dim once, as level units: the pairs (2-tuples) then the unrotated dims (1-tuples)."""
+        return [tuple(pair) for pair in self.pairs] + [(dim,) for dim in self.unrotated]
 
 
 @torch.no_grad()
-def rotary_pair_order(rotary, apply_rotary_pos_emb, head_dim: int, layer_types=(None,)) -> tuple[list, int]:
-    """Head-dim order with complete rotation pairs first, found numerically from a model's own rotary embedding.
-
-    Each basis vector e_i of the head dim is rotated by ``apply_rotary_pos_emb`` at a few positions; dims that
-    rotate together form a pair, dims that never move are unrotated. Works for half-split, interleaved and
-    partial RoPE. Returns (``[a_1, b_1, a_2, b_2, ..., unrotated...]`` with pairs ordered by their first dim, i.e.
-    the model's own frequency order; the number of rotated dims). Raises ValueError when the rotation couples
-    more than two dims.
-    """
+def rotary_dims(rotary, apply_rotary_pos_emb, head_dim: int, layer_types=(None,)) -> RotaryDims:
+    """The ``RotaryDims`` of a model with RoPE (half-split, interleaved, partial, per-layer-type RoPE alike): each
+    basis vector e_i of the head dim is rotated by ``apply_rotary_pos_emb`` at a few positions; dims that rotate
+    together form a pair, dims that never move are unrotated; a pair's frequency is its rotation angle from position
+    0 to 1. Raises ValueError when the rotation couples more than two dims."""
     with torch.device("cpu"):  # numbers, also inside a meta-device context (from_pretrained, patch on meta)
-        return _rotary_pair_order(rotary, apply_rotary_pos_emb, head_dim, layer_types)
+        return _rotary_dims(rotary, apply_rotary_pos_emb, head_dim, layer_types)
 
 
-def _rotary_pair_order(rotary, apply_rotary_pos_emb, head_dim: int, layer_types) -> tuple[list, int]:
+def _rotary_dims(rotary, apply_rotary_pos_emb, head_dim: int, layer_types) -> RotaryDims:
     basis = torch.eye(head_dim, dtype=torch.float64)[None, None]  # (1, 1, d, d): query "token" i is e_i
     takes_layer_type = "layer_type" in inspect.signature(rotary.forward).parameters
     moved = torch.zeros(head_dim, head_dim, dtype=torch.bool)
+    first_step = []  # per layer type: (d, d) basis vectors rotated by one position
     for layer_type in layer_types:
         for position in (1, 3, 17, 1001):
             position_ids = torch.full((1, head_dim), position, dtype=torch.long)
@@ -82,6 +122,8 @@ def _rotary_pair_order(rotary, apply_rotary_pos_emb, head_dim: int, layer_types)
             cos, sin = rotary(basis, position_ids, **extra)
             rotated, _ = apply_rotary_pos_emb(basis, basis, cos.to(torch.float64), sin.to(torch.float64))
             moved |= rotated[0, 0].abs() > 1e-9
+            if position == 1:
+                first_step.append(rotated[0, 0])
     moved |= torch.eye(head_dim, dtype=torch.bool)
     pairs, unrotated, seen = [], [], set()
     for dim in range(head_dim):
@@ -94,19 +136,68 @@ def _rotary_pair_order(rotary, apply_rotary_pos_emb, head_dim: int, layer_types)
         elif dim not in seen:
             pairs.append((dim, partners[0]))
             seen.update((dim, partners[0]))
-    return [dim for pair in pairs for dim in pair] + unrotated, 2 * len(pairs)
+    # the angle of e_a after one position, atan2(|<R e_a, e_b>|, <R e_a, e_a>) (scale-free: attention factors cancel)
+    frequencies = [sum(float(torch.atan2(step[a, b].abs(), step[a, a])) for step in first_step) / len(first_step)
+                   for a, b in pairs]
+    return RotaryDims(pairs, frequencies, unrotated)
 
 
-def check_pair_complete_levels(ranks, rotated_dims: int) -> None:
-    """Level slices of the pair-first order must not split a rotation pair: every level boundary inside the
-    first ``rotated_dims`` dims falls at an even offset."""
-    boundary = 0
-    for level, rank in enumerate(ranks[:-1], start=1):
-        boundary += rank
-        if boundary < rotated_dims and boundary % 2:
-            raise ValueError(f"mlr_ranks={list(ranks)} splits a RoPE rotation pair: level {level} ends at head dim "
-                             f"{boundary} of the pair-ordered head ({rotated_dims // 2} pairs first); within the "
-                             f"rotated dims every level must hold whole pairs (even boundaries)")
+def rotary_pair_order(rotary, apply_rotary_pos_emb, head_dim: int, layer_types=(None,)) -> tuple[list, int]:
+    """The ``"index"`` level order of a RoPE model: ``[a_1, b_1, a_2, b_2, ..., unrotated...]`` with pairs ordered by
+    their first dim (the model's own order), and the number of rotated dims."""
+    dims = rotary_dims(rotary, apply_rotary_pos_emb, head_dim, layer_types)
+    return level_dim_order(dims, head_dim, "index"), dims.rotated_dims
+
+
+def level_dim_order(dims: Optional[RotaryDims], head_dim: int, level_order: str,
+                    contributions: Optional[dict] = None) -> list:
+    """The head-dim order whose consecutive level slices are the levels (``config.mlr_dim_order``), by
+    ``level_order`` (see ``LEVEL_ORDERS``). ``dims``: the head's RoPE structure, None for a model without RoPE (all
+    dims position-free). ``contributions``: {group (a tuple of dims, ``RotaryDims.groups``): score} for
+    ``"contribution"``. Ties keep the index order."""
+    level_order = check_level_order(level_order)
+    dims = dims or RotaryDims([], [], list(range(head_dim)))
+    pairs, unrotated = [tuple(pair) for pair in dims.pairs], [(dim,) for dim in dims.unrotated]
+    if level_order == "index":
+        groups = pairs + unrotated
+    elif level_order == "frequency":
+        by_frequency = sorted(range(len(pairs)), key=lambda index: (dims.frequencies[index], index))
+        groups = unrotated + [pairs[index] for index in by_frequency]
+    else:
+        if contributions is None or set(contributions) != set(pairs + unrotated):
+            raise ValueError("level_order='contribution' needs a measured contribution of every RoPE pair and "
+                             "unrotated dim (calibration text)")
+
+        def ranked(part):
+            return sorted(part, key=lambda group: (-contributions[group], group))
+
+        groups = ranked(unrotated) + ranked(pairs)
+    return [dim for group in groups for dim in group]
+
+
+def stored_dim_order(order: list) -> Optional[list]:
+    """``config.mlr_dim_order`` for a level order: None for the identity (no permutation at run time)."""
+    return None if order == list(range(len(order))) else order
+
+
+def check_levels_hold_whole_pairs(ranks, dim_order, dims: Optional[RotaryDims], level_order: str = "index") -> None:
+    """Every RoPE rotation pair lies inside one level slice of ``dim_order`` (ValueError naming mlr_ranks
+    otherwise), so that each level's score depends on relative position only."""
+    if dims is None or not dims.pairs:
+        return
+    level_of, start = {}, 0
+    for level, rank in enumerate(ranks, start=1):
+        for dim in dim_order[start:start + rank]:
+            level_of[dim] = level
+        start += rank
+    for a, b in dims.pairs:
+        if level_of[a] != level_of[b]:
+            offset = sum(ranks[:level_of[a]])
+            raise ValueError(f"mlr_ranks={list(ranks)} splits a RoPE rotation pair: level {level_of[a]} ends at head "
+                             f"dim {offset} of the level-ordered head (level_order={level_order!r}: "
+                             f"{len(dims.unrotated)} unrotated dims and {len(dims.pairs)} pairs, "
+                             f"{'pairs first' if level_order == 'index' else 'unrotated dims first'}); every level "
+                             f"must hold whole pairs (even boundaries within the pairs)")
 
 
 def model_rotary(module):
@@ -131,12 +222,18 @@ def stock_layer_geometry(module: torch.nn.Module) -> Optional[MLRGeometry]:
     if getattr(module, "layer_idx", None) not in mlr_layer_indices(config):
         return None
     if not hasattr(config, "mlr_dim_order"):
+        level_order = check_level_order(getattr(config, "mlr_level_order", DEFAULT_LEVEL_ORDER))
+        if level_order == "contribution":
+            raise ValueError("config.mlr_level_order='contribution' needs calibration text, which a stock model loaded "
+                             "with attn_implementation='mlr' does not have: patch it with hf_structattn.patch(model, "
+                             "level_order='contribution', calibration_ids=...)")
         found = model_rotary(module)
         head_dim = getattr(module, "head_dim", None) or getattr(module, "head_size")
         layer_types = tuple(sorted(set(getattr(config, "layer_types", None) or [None])))
-        order, rotated = (None, 0) if found is None else rotary_pair_order(*found, head_dim, layer_types)
-        check_pair_complete_levels(list(config.mlr_ranks), rotated)
-        config.mlr_dim_order = order
+        dims = None if found is None else rotary_dims(*found, head_dim, layer_types)
+        order = level_dim_order(dims, head_dim, level_order)
+        check_levels_hold_whole_pairs(list(config.mlr_ranks), order, dims, level_order)
+        config.mlr_dim_order = stored_dim_order(order)
     return decoder_geometry(config)
 
 
@@ -144,5 +241,7 @@ def stock_layer_geometry(module: torch.nn.Module) -> Optional[MLRGeometry]:
 if all(resolver.__module__ != __name__ for resolver in STOCK_GEOMETRY_RESOLVERS):
     STOCK_GEOMETRY_RESOLVERS.append(stock_layer_geometry)
 
-__all__ = ["attention_modules", "check_pair_complete_levels", "decoder_geometries", "decoder_geometry",
-           "dispatches_attention", "mlr_layer_indices", "model_rotary", "rotary_pair_order", "stock_layer_geometry"]
+__all__ = ["DEFAULT_LEVEL_ORDER", "LEVEL_ORDERS", "RotaryDims", "attention_modules", "check_level_order",
+           "check_levels_hold_whole_pairs", "decoder_geometries", "decoder_geometry", "dispatches_attention",
+           "level_dim_order", "mlr_layer_indices", "model_rotary", "rotary_dims", "rotary_pair_order",
+           "stock_layer_geometry", "stored_dim_order"]

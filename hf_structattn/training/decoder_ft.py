@@ -4,8 +4,9 @@
    ``model`` fields and trained dense for ``--pretrain_steps`` on the same corpus (saved to ``OUTPUT/source``: the
    "pretrained" model; a resumed run loads it from there).
 2. ``hf_structattn.patch`` converts it (``--mlr_ranks``, ``--mlr_block_sizes`` or ``--mlr_max_length``,
-   ``--layers``, ``--sliding_window_layers``); the drift before fine-tuning is measured on validation windows
-   (``drift_report``: logit differences, top-1 agreement) and as the validation-loss gap to the source.
+   ``--layers``, ``--sliding_window_layers``, ``--level_order`` with patch's default; ``contribution`` is calibrated
+   on the first ``--calibration_windows`` training windows); the drift before fine-tuning is measured on validation
+   windows (``drift_report``: logit differences, top-1 agreement) and as the validation-loss gap to the source.
 3. Fine-tuning on the shared recipe loop (:mod:`.loop`: AdamW, ``transformers.get_scheduler``, checkpoints and exact
    resume, trackers) on the embedded corpus (the Python standard library's sources) or ``--text_files``; the loss gap
    to the source after it. (The default tiny source is itself undertrained, so fine-tuning also continues its
@@ -28,6 +29,7 @@ from typing import Optional
 import torch
 import transformers
 
+from ..modeling.structattn_decoder_spec import DEFAULT_LEVEL_ORDER, check_level_order
 from .args import ConfigError, arg, model_args_dataclass, parse_recipe_args, run_main
 from .loop import CommonArgs, build_optimizer, build_scheduler, finish_run, rank_share, start_run, train
 
@@ -77,6 +79,12 @@ class PatchedFinetuneArgs(CommonArgs):
     layers: Optional[list[int]] = arg("indices of the layers to convert (none: all)", default=None)
     sliding_window_layers: str = arg("what to do with sliding-window layers: refuse or replace (by global MLR "
                                      "layers)", default="refuse")
+    level_order: str = arg("which RoPE pairs form which level (hf_structattn.patch's level_order, same default): "
+                           "frequency (unrotated dims, then the pairs from the lowest frequency up), index (the "
+                           "pairs in the model's dim order) or contribution (pairs ranked by q/k norms on "
+                           "--calibration_windows training windows)", default=DEFAULT_LEVEL_ORDER)
+    calibration_windows: int = arg("training windows of seq_len tokens (the first ones) that level_order "
+                                   "contribution measures the pairs on", default=4)
     text_files: Optional[list[str]] = arg("local UTF-8 text files (datasets' text loader, one document per file) "
                                           "instead of the standard library", default=None)
     validation_percent: float = arg("percent of documents held out (split by sha1 of their name)", default=5.0)
@@ -105,6 +113,12 @@ class PatchedFinetuneArgs(CommonArgs):
             raise ConfigError(f"--sample_new_tokens must be >= 0, got {self.sample_new_tokens}")
         if not 0 < self.validation_percent < 100:
             raise ConfigError(f"--validation_percent must be in (0, 100), got {self.validation_percent}")
+        try:
+            check_level_order(self.level_order)
+        except ValueError as error:
+            raise ConfigError(f"--{error}") from None
+        if self.calibration_windows < 1:
+            raise ConfigError(f"--calibration_windows must be >= 1, got {self.calibration_windows}")
         if self.sliding_window_layers not in SLIDING_WINDOW_CHOICES:
             raise ConfigError(f"--sliding_window_layers {self.sliding_window_layers!r} is not one of "
                               f"{', '.join(SLIDING_WINDOW_CHOICES)}")
@@ -118,11 +132,13 @@ class PatchedFinetuneArgs(CommonArgs):
         check_text_files(self.text_files)
 
     def patch_fields(self) -> dict:
-        """Keywords of ``hf_structattn.patch`` for this run."""
+        """Keywords of ``hf_structattn.patch`` for this run (``calibration_ids`` for ``level_order="contribution"``
+        are added by :func:`calibration_fields` once the training tokens exist)."""
         blocks = self.mlr_block_sizes
         return dict(mlr_ranks=list(self.mlr_ranks), mlr_block_sizes=blocks,
                     mlr_max_length=None if blocks is not None else (self.mlr_max_length or self.seq_len),
-                    layers=self.layers, sliding_window_layers=self.sliding_window_layers)
+                    layers=self.layers, sliding_window_layers=self.sliding_window_layers,
+                    level_order=self.level_order)
 
     def source_config(self):
         """The source model's config: the checkpoint's, or the tiny Llama's from the model fields."""
@@ -181,12 +197,26 @@ def dry_run_patch(config, fields: dict) -> None:
                 setattr(model.get_submodule(parent_name), attribute, type(module)(config=module.config))
     except Exception:  # an architecture that cannot be built this way: patch() checks it when the run loads it
         return
+    from ..decoder_patching import weightless_check_fields
+
     try:
-        hf_structattn.patch(model, attention="mlr", **fields)
+        hf_structattn.patch(model, attention="mlr", **weightless_check_fields(fields))
     except ValueError as error:
         raise ConfigError(f"patch: {' '.join(str(error).split())}") from None
     except (NotImplementedError, RuntimeError):  # meta tensors the patcher cannot handle: checked at load time
         return
+
+
+def calibration_fields(args: PatchedFinetuneArgs, train_tokens: torch.Tensor) -> dict:
+    """``{"calibration_ids": (calibration_windows, seq_len)}``, the first training windows, for
+    ``level_order="contribution"``; {} for the other orders."""
+    if args.level_order != "contribution":
+        return {}
+    count = min(args.calibration_windows, train_tokens.numel() // args.seq_len)
+    if count < 1:
+        raise ConfigError(f"--level_order contribution: the training text holds {train_tokens.numel()} tokens, not "
+                          f"one window of --seq_len {args.seq_len}")
+    return {"calibration_ids": train_tokens[:count * args.seq_len].view(count, args.seq_len)}
 
 
 # ------------------------------------------------------------------------------------------ data and model
@@ -354,7 +384,8 @@ def main(argv=None) -> dict:
     source, tokenizer, train_tokens, validation_tokens = source_model(accelerator, args, corpus)
     windows = eval_windows(validation_tokens, args.seq_len, args.eval_windows)
     try:
-        patched = hf_structattn.patch(source, attention="mlr", **args.patch_fields())
+        patched = hf_structattn.patch(source, attention="mlr", **args.patch_fields(),
+                                      **calibration_fields(args, train_tokens))
     except ValueError as error:  # not caught by the dry run (e.g. an architecture the meta device cannot build)
         raise ConfigError(f"patch: {' '.join(str(error).split())}") from None
     source.eval()
@@ -439,7 +470,8 @@ def main(argv=None) -> dict:
             out, args, recipe=RECIPE, title=f"{type(unwrapped).__name__}: MLR attention patched into a decoder",
             summary=(f"`{summary['source']}` ({config.model_type}) converted to multi-level low-rank attention "
                      f"(Kuang et al., ICML 2025) by `hf_structattn.patch` (ranks {config.mlr_ranks}, blocks "
-                     f"{config.mlr_block_sizes}, layers {'all' if config.mlr_layers is None else config.mlr_layers})"
+                     f"{config.mlr_block_sizes}, layers {'all' if config.mlr_layers is None else config.mlr_layers}, "
+                     f"level order {config.mlr_patch['level_order']})"
                      f" and fine-tuned {result.step} steps ({result.step * tokens_per_step:,} tokens) with "
                      f"`recipes/finetune_patched.py` of hf_structattn."),
             config=config.to_dict(), data=corpus.description, pipeline_tag="text-generation",
@@ -453,7 +485,7 @@ def main(argv=None) -> dict:
     return finish_run(accelerator, args, model, result, summary, save_outputs)
 
 
-__all__ = ["PatchedFinetuneArgs", "PatchedModelArgs", "main"]
+__all__ = ["PatchedFinetuneArgs", "PatchedModelArgs", "calibration_fields", "main"]
 
 if __name__ == "__main__":
     run_main(main, "finetune_patched.py")

