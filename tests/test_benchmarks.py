@@ -286,6 +286,24 @@ def test_bench_trace_calls_counts_the_first_and_a_later_layer_and_the_whole_forw
     assert "| stock Llama (DynamicCache, SDPA) |" in capsys.readouterr().out
 
 
+def test_bench_checkpoint_code_lists_what_each_family_ships():
+    """Each family's checkpoint ships the code its family runs: the patched-decoder spec only with patched decoders,
+    the GPT-2 family's bilinear attention functions only with it, the configuration files not with patched decoders
+    (their configs are transformers' own); the Triton kernel with every family (the uncached op runs it on CUDA; it
+    is imported on the first CUDA call only)."""
+    import bench_checkpoint_code
+
+    results = bench_checkpoint_code.main([])
+    gpt2, t5 = results["GPT-2 family"], results["T5 family"]
+    decoder = results["patched decoder (MLRLlama)"]
+    assert "structattn_decoder_spec.py" not in gpt2 and "structattn_decoder_spec.py" not in t5
+    assert "structattn_decoder_spec.py" in decoder and "structattn_decoder.py" in decoder
+    assert "structattn_bilinear_attention.py" in gpt2
+    assert not any(name.startswith("configuration_") or name.startswith("structattn_bilinear") for name in decoder)
+    assert all("structattn_triton.py" in files and "structattn_mlr_plan.py" in files for files in results.values())
+    assert all(count > 0 for files in results.values() for count in files.values())
+
+
 def test_bench_decode_ab_restores_the_registries_it_writes_to():
     """Importing the old payload registers its attention functions and cache layers under the shared names; after
     ``main`` this process's own are registered again."""

@@ -26,7 +26,8 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_structattn_gpt2 import StructAttnGPT2Config
-from .structattn_attention import install_bilinear_attention, install_mlr_attention
+from .structattn_attention import install_mlr_attention
+from .structattn_bilinear_attention import install_bilinear_attention
 from .structattn_config_rules import BILINEAR_BTT_ATTENTION, BILINEAR_MLR_ATTENTION, MLR_ATTENTION, SLIDING_ATTENTION
 from .structattn_inputs import check_positions
 from .structattn_step import STEP_KEY

@@ -9,9 +9,8 @@ geometry)`` gives the layer's attention module an ``MLRLayerConfig``, the model'
 * anything else (``"sdpa"``, flash, flex, ...) -> ``"mlr"``: the fused exact op (CPU flash kernel per level group,
   Triton on CUDA), the decode step and the chunk path over the hierarchical cache; no probabilities.
 
-The bilinear MLR / BTT layers of the GPT-2 family dispatch the same way (``install_bilinear_attention``) to
-``"bilinear"`` (the fused kernel on zero-padded q/k: their query/key width differs from the value width) and
-``"bilinear_eager"`` (materialised).
+The bilinear MLR / BTT layers of the GPT-2 family dispatch the same way to functions of their own
+(``structattn_bilinear_attention``, which only that family's checkpoints ship).
 
 The model's config keeps the name the user chose (``config._attn_implementation == "eager"`` stays true, and every
 other layer runs stock eager attention), so ``set_attn_implementation`` and ``from_pretrained(...,
@@ -43,14 +42,10 @@ from transformers.utils import logging
 from .structattn_cache import MLRCacheView
 from .structattn_geometry import MLRGeometry
 from .structattn_install import (  # noqa: F401  (the installation API, re-exported: where every family finds it)
-    BILINEAR_ATTENTION,
-    BILINEAR_EAGER_ATTENTION,
     MLR_ATTENTION,
     MLR_EAGER_ATTENTION,
     STOCK_GEOMETRY_RESOLVERS,
-    BilinearLayerConfig,
     MLRLayerConfig,
-    install_bilinear_attention,
     install_mlr_attention,
     mlr_geometry_of,
     mlr_implementation,
@@ -69,7 +64,6 @@ from .structattn_masks import (
 from .structattn_mlr import PositionLayout, mlr_attention
 from .structattn_mlr_cached import mlr_cached_attention
 from .structattn_mlr_math import mlr_attention_full_keys
-from .structattn_ops import eager_attention_forward, fused_attention
 from .structattn_step import REFUSED_ARGUMENTS, STEP_KEY, continue_runs, refuse_unsupported_arguments
 
 logger = logging.get_logger(__name__)
@@ -428,32 +422,10 @@ def mlr_eager_attention_forward(module, query: torch.Tensor, key: torch.Tensor, 
     return _forward(module, query, key, value, attention_mask, scaling, dropout, True, kwargs)
 
 
-def bilinear_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                               attention_mask: Optional[torch.Tensor], scaling: Optional[float] = None,
-                               dropout: float = 0.0, **kwargs):
-    """``"bilinear"`` in ``AttentionInterface``: attention whose query/key width E differs from the value width (the
-    bilinear MLR / BTT layers) with the fused kernel on zero-padded q/k. query (B, H, T, E); key (B, H, S, E); value
-    (B, H, S, dv); attention_mask: transformers' bool keep-mask or additive mask, or None (causal). Returns
-    ((B, T, H, dv), None)."""
-    allowed = attention_mask if attention_mask is not None and attention_mask.dtype == torch.bool else None
-    bias = attention_mask if attention_mask is not None and attention_mask.dtype != torch.bool else None
-    out = fused_attention(query, key, value, scale=1.0 if scaling is None else scaling,
-                          causal=attention_mask is None and getattr(module, "is_causal", True), allowed=allowed,
-                          bias=bias, dropout=dropout)
-    return out.transpose(1, 2), None
-
-
 ALL_ATTENTION_FUNCTIONS.register(MLR_ATTENTION, mlr_attention_forward)
 ALL_ATTENTION_FUNCTIONS.register(MLR_EAGER_ATTENTION, mlr_eager_attention_forward)
 ALL_MASK_ATTENTION_FUNCTIONS.register(MLR_ATTENTION, _mlr_mask)
 ALL_MASK_ATTENTION_FUNCTIONS.register(MLR_EAGER_ATTENTION, _mlr_eager_mask)
-ALL_ATTENTION_FUNCTIONS.register(BILINEAR_ATTENTION, bilinear_attention_forward)
-# materialised: the scores of any q/k width (masking and softmax in promote_types(dtype, float32))
-ALL_ATTENTION_FUNCTIONS.register(BILINEAR_EAGER_ATTENTION, eager_attention_forward)
-ALL_MASK_ATTENTION_FUNCTIONS.register(BILINEAR_ATTENTION, _mlr_mask)
-ALL_MASK_ATTENTION_FUNCTIONS.register(BILINEAR_EAGER_ATTENTION, _mlr_eager_mask)
 
-__all__ = ["BILINEAR_ATTENTION", "BILINEAR_EAGER_ATTENTION", "BilinearLayerConfig", "MLRLayerConfig", "MLR_ATTENTION",
-           "MLR_EAGER_ATTENTION", "bilinear_attention_forward",
-           "install_bilinear_attention", "install_mlr_attention",
-           "mlr_attention_forward", "mlr_eager_attention_forward", "mlr_geometry_of", "mlr_implementation"]
+__all__ = ["MLRLayerConfig", "MLR_ATTENTION", "MLR_EAGER_ATTENTION", "install_mlr_attention", "mlr_attention_forward",
+           "mlr_eager_attention_forward", "mlr_geometry_of", "mlr_implementation"]

@@ -1,8 +1,9 @@
-"""How a layer gets this package's attention functions: ``install_mlr_attention(module, geometry)`` and
-``install_bilinear_attention(module)`` replace the attention module's ``config`` by a view of the model's config
-(``MLRLayerConfig``, ``BilinearLayerConfig``) whose ``_attn_implementation`` names the function of the same kind that
-``structattn_attention`` registers in transformers' ``AttentionInterface``; the module's own forward then dispatches
-through ``ALL_ATTENTION_FUNCTIONS`` exactly as it would for SDPA. Part of the checkpoint payload."""
+"""How a layer gets this package's MLR attention: ``install_mlr_attention(module, geometry)`` replaces the attention
+module's ``config`` by a view of the model's config (``MLRLayerConfig``, a ``LayerConfigView``) whose
+``_attn_implementation`` names the function of the same kind that ``structattn_attention`` registers in transformers'
+``AttentionInterface``; the module's own forward then dispatches through ``ALL_ATTENTION_FUNCTIONS`` exactly as it
+would for SDPA (the GPT-2 family's bilinear layers get theirs the same way: ``structattn_bilinear_attention``). Part of
+the checkpoint payload."""
 
 from typing import Optional
 
@@ -12,8 +13,6 @@ from .structattn_geometry import MLRGeometry
 
 MLR_ATTENTION = "mlr"
 MLR_EAGER_ATTENTION = "mlr_eager"
-BILINEAR_ATTENTION = "bilinear"
-BILINEAR_EAGER_ATTENTION = "bilinear_eager"
 
 
 def mlr_implementation(implementation: Optional[str]) -> str:
@@ -21,7 +20,7 @@ def mlr_implementation(implementation: Optional[str]) -> str:
     return MLR_EAGER_ATTENTION if implementation in ("eager", MLR_EAGER_ATTENTION) else MLR_ATTENTION
 
 
-class _LayerConfigView:
+class LayerConfigView:
     """The config a layer's attention module reads: every attribute is the model's (stack's) config's, read live,
     except ``_attn_implementation``, which names this package's function of the same kind (``implementation``).
     Writes go to the model's config."""
@@ -67,8 +66,8 @@ class _LayerConfigView:
         return f"{type(self).__name__}({type(self.base_config).__name__}{''.join(f', {e}' for e in self._extra())})"
 
 
-class MLRLayerConfig(_LayerConfigView):
-    """The config an MLR layer's attention module reads (``_LayerConfigView``): ``_attn_implementation`` names the MLR
+class MLRLayerConfig(LayerConfigView):
+    """The config an MLR layer's attention module reads (``LayerConfigView``): ``_attn_implementation`` names the MLR
     function of the same kind (``mlr_implementation``); ``mlr_geometry`` is the layer's ``MLRGeometry``,
     ``mlr_scaling`` the module's ``scaling`` (what it hands the attention function; None: 1/sqrt(r)) and
     ``mlr_query_groups`` its query heads per key-value head, which the forward's plan reads before the layers run."""
@@ -83,35 +82,13 @@ class MLRLayerConfig(_LayerConfigView):
         return (self.mlr_geometry, self.mlr_scaling, self.mlr_query_groups)
 
 
-def bilinear_implementation(implementation: Optional[str]) -> str:
-    """The bilinear attention function standing in for a transformers attention implementation name."""
-    return BILINEAR_EAGER_ATTENTION if implementation in ("eager", BILINEAR_EAGER_ATTENTION) else BILINEAR_ATTENTION
-
-
-class BilinearLayerConfig(_LayerConfigView):
-    """The config a bilinear MLR / BTT layer's attention module reads (``_LayerConfigView``): ``_attn_implementation``
-    names the bilinear function of the same kind (their query/key width differs from the value width, which
-    transformers' functions do not take)."""
-
-    implementation = staticmethod(bilinear_implementation)
-
-
-def install_bilinear_attention(module: torch.nn.Module) -> None:
-    """Make ``module`` (an attention module that dispatches through ``ALL_ATTENTION_FUNCTIONS``, whose structured
-    queries carry the logit scales) run the bilinear attention functions."""
-    config = module.config
-    if isinstance(config, _LayerConfigView):
-        config = config.base_config
-    module.config = BilinearLayerConfig(config)
-
-
 def install_mlr_attention(module: torch.nn.Module, geometry: MLRGeometry) -> None:
     """Make ``module`` (any attention module that dispatches through ``ALL_ATTENTION_FUNCTIONS`` with
     ``self.config._attn_implementation``) run MLR attention of ``geometry``. Its parameters are untouched. Its
     ``scaling`` and query groups (``num_key_value_groups``) are read now: the model's layers are installed when it is
     built (``post_init``), and the model keeps what it installed (``StructAttnPreTrainedMixin``)."""
     config = module.config
-    if isinstance(config, _LayerConfigView):
+    if isinstance(config, LayerConfigView):
         config = config.base_config
     scaling = getattr(module, "scaling", None)
     module.config = MLRLayerConfig(config, geometry, None if scaling is None else float(scaling),
@@ -130,6 +107,5 @@ def mlr_geometry_of(module: torch.nn.Module) -> Optional[MLRGeometry]:
 STOCK_GEOMETRY_RESOLVERS: list = []
 
 
-__all__ = ["BILINEAR_ATTENTION", "BILINEAR_EAGER_ATTENTION", "BilinearLayerConfig", "MLRLayerConfig", "MLR_ATTENTION",
-           "MLR_EAGER_ATTENTION", "bilinear_implementation", "install_bilinear_attention", "install_mlr_attention",
-           "STOCK_GEOMETRY_RESOLVERS", "mlr_geometry_of", "mlr_implementation"]
+__all__ = ["LayerConfigView", "MLRLayerConfig", "MLR_ATTENTION", "MLR_EAGER_ATTENTION", "STOCK_GEOMETRY_RESOLVERS",
+           "install_mlr_attention", "mlr_geometry_of", "mlr_implementation"]

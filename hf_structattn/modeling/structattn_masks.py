@@ -8,9 +8,6 @@ from typing import Optional
 
 import torch
 
-MASK_VALUE = -1e30
-"""Legacy float32-only fill; use ``mask_value(dtype)`` (finite in every dtype) in new code."""
-
 
 def mask_value(dtype: torch.dtype) -> float:
     """Additive value for masked pairs, finite in ``dtype``: half its lowest value, so a mask plus a bias (or a
@@ -250,6 +247,6 @@ def slot_mask(attention_mask: torch.Tensor, positions: torch.Tensor, real: torch
     return None if bool(((gathered == held) | ~real[:, None, :, None]).all()) else gathered & held
 
 
-__all__ = ["MASKED_AT_MOST", "MASK_REFUSED", "MASK_VALUE", "additive_mask", "check_additive_mask", "check_mask_shape",
+__all__ = ["MASKED_AT_MOST", "MASK_REFUSED", "additive_mask", "check_additive_mask", "check_mask_shape",
            "group_major", "is_standard_mask", "keep_mask", "key_validity", "mask_allowed", "mask_value",
            "own_key_allowed", "slot_bias", "slot_mask", "softmax_dtype", "token_shift"]

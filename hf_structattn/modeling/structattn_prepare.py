@@ -60,24 +60,6 @@ def key_cache_bytes(cache: Cache) -> int:
     return total
 
 
-# Bilinear layers cache their (structured, wider) keys like any full-attention layer: transformers' plain layers,
-# registered under this package's layer types so that ``DynamicCache(config=...)`` and ``StaticCache`` build them.
-class BilinearMLRKeyCacheLayer(DynamicLayer):
-    _layer_type = "bilinear_mlr_attention"
-
-
-class BilinearMLRStaticKeyCacheLayer(StaticLayer):
-    _layer_type = "bilinear_mlr_attention"
-
-
-class BilinearBTTKeyCacheLayer(DynamicLayer):
-    _layer_type = "bilinear_btt_attention"
-
-
-class BilinearBTTStaticKeyCacheLayer(StaticLayer):
-    _layer_type = "bilinear_btt_attention"
-
-
 def _extend_layers(cache: Cache, num_layers: int) -> None:
     """Give ``cache`` one layer per model layer: a lazily replicated cache gets its layers now, and a cache built from
     a config that counts fewer layers than the stack it serves (transformers 5.24 sizes a T5 cache by ``num_layers``,
