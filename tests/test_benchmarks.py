@@ -304,6 +304,19 @@ def test_bench_checkpoint_code_lists_what_each_family_ships():
     assert all(count > 0 for files in results.values() for count in files.values())
 
 
+def test_bench_half_read_times_both_reads_and_restores_the_dtypes():
+    """Both reads of half-precision decode steps are timed against the float64 model (errors at bfloat16's
+    resolution), and the dtypes the in-step read takes are this process's again afterwards."""
+    import bench_half_read
+    from hf_structattn.modeling import structattn_mlr_plan
+
+    before = structattn_mlr_plan.READ_DTYPES
+    result = bench_half_read.main(["--prompt", "16", "--steps", "2", "--warmup", "1"])
+    assert structattn_mlr_plan.READ_DTYPES is before and torch.bfloat16 in before
+    assert all(value > 0 for value in result["medians"].values()) and result["ratio"] > 0
+    assert all(error < 0.1 for error in result["errors"].values())
+
+
 def test_bench_decode_ab_restores_the_registries_it_writes_to():
     """Importing the old payload registers its attention functions and cache layers under the shared names; after
     ``main`` this process's own are registered again."""

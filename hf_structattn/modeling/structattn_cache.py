@@ -233,7 +233,7 @@ class MLRCacheLayerMixin(RollbackMixin):
         if self.base is None:  # a static layer after ``reset``: placed afresh
             self.base = self._base_for(facts)
         cached = self._flat  # (inline: every MLR layer of every forward comes here)
-        storages = cached[1] if cached is not None and cached[0] is self._fine else self._flat_views()[0]
+        storages = cached[1] if cached is not None and cached[0] is self._fine else self._storages()
         capacity = storages[0].shape[2]
         if facts is not None:  # the slots in use, and (dynamic) at least the tokens seen: ``keys`` exposes them
             needed = max(facts.newest - self.base + 1, 1)
@@ -241,7 +241,7 @@ class MLRCacheLayerMixin(RollbackMixin):
                 needed = max(needed, facts.tokens_before + chunk)
             if needed > capacity:
                 self._ensure_capacity(needed, storages[0], storages[1])
-                storages = self._flat_views()[0]
+                storages = self._storages()
                 capacity = storages[0].shape[2]
         keys = storages[0]
         return self.base, capacity, storages[1].shape[-1], keys.dtype, keys.shape[1], self._record_past
@@ -373,8 +373,11 @@ class MLRCacheLayerMixin(RollbackMixin):
         return storages, views
 
     def _storages(self) -> tuple:
-        """(keys (B, H, C, r_1), values (B, H, C, dv), fine (B, H, F)): the whole storages."""
-        return self._flat_views()[0]
+        """(keys (B, H, C, r_1), values (B, H, C, dv), fine (B, H, F)): the whole storages (no flat views made)."""
+        cached = self._flat
+        if cached is not None and cached[0] is self._fine:
+            return cached[1]
+        return self.keys_storage(), self.values_storage(), self._fine
 
     def _write_chunk(self, keys, values, layout: CacheLayout) -> Optional[torch.Tensor]:
         """Every real token of a chunk into its slot and ring entries (padding is not stored: see ``ChunkWrite``)

@@ -91,11 +91,15 @@ def _in_step(query: torch.Tensor, view: MLRCacheView, read: InStepRead) -> torch
         target = targets.get((start, used))
         if target is None:  # groups over the same slots share one slice of the scores
             target = targets[start, used] = scores.narrow(2, start, used)
-        alpha = 1.0 if alphas is None else alphas[index + 1]
         if accumulate:
-            target.baddbmm_(level_query, ring, alpha=alpha)
+            if alphas is None:  # (an ``alpha`` keyword costs the call its parsing: every group of every layer)
+                target.baddbmm_(level_query, ring)
+            else:
+                target.baddbmm_(level_query, ring, alpha=alphas[index + 1])
+        elif alphas is None:
+            target.add_(torch.bmm(level_query, ring))
         else:
-            target.add_(torch.bmm(level_query, ring), alpha=alpha)
+            target.add_(torch.bmm(level_query, ring), alpha=alphas[index + 1])
     if read.additive is not None:
         tokens = read.additive.shape[-2] if read.additive.dim() == 5 else 1
         shaped = scores.view(batch, heads, rows, slots) if tokens == 1 else \

@@ -28,8 +28,7 @@ dims of position ``p`` at entry ``(p - base) % b_l``, stored dim-major in one fl
 (``MLRGeometry.fine_layout``).
 """
 
-from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
 
@@ -39,8 +38,7 @@ from .structattn_mlr_levels import depth_weight
 from .structattn_step import NO_POSITION, MLRStep
 
 
-@dataclass(frozen=True)
-class MLRPlan:
+class MLRPlan(NamedTuple):
     """One forward's plan for the MLR cache layers of one geometry.
 
     positions: (B, c) the new tokens' MLR positions; valid: (B, c) bool padding flags as the step has them (None:
@@ -71,12 +69,15 @@ class MLRPlan:
     dim_order: Optional[torch.Tensor]
 
 
-def make_plan(step: MLRStep, geometry: MLRGeometry, real: torch.Tensor) -> MLRPlan:
-    """The plan of ``step``'s forward for the MLR cache layers of ``geometry``; real: the step's (B, c) padding
-    flags."""
+def make_plan(step: MLRStep, geometry: MLRGeometry) -> MLRPlan:
+    """The plan of ``step``'s forward for the MLR cache layers of ``geometry``."""
     facts = step.facts
     positions = step.positions
-    chunk = positions.shape[1]
+    batch, chunk = positions.shape
+    real = step.valid
+    if real is None:  # (read-only flags; in the geometry's bounded memo: no op per forward)
+        real = geometry.tensors.get(("all real", batch, chunk, positions.device),
+                                    lambda: torch.ones(batch, chunk, dtype=torch.bool, device=positions.device))
     newest = None if facts is None else facts.shared_newest
     sizes = geometry.block_sizes
     host_write = newest is not None and (not sizes or chunk <= min(sizes))
@@ -90,8 +91,7 @@ def make_plan(step: MLRStep, geometry: MLRGeometry, real: torch.Tensor) -> MLRPl
                    geometry.dim_order_index(positions.device))
 
 
-@dataclass(frozen=True)
-class ChunkWrite:
+class ChunkWrite(NamedTuple):
     """Where a chunk's tokens go when they are not known on the host (rows at different positions, padding, long
     chunks, tracing), for every MLR layer of one layout (positions only).
 
@@ -117,8 +117,7 @@ class ChunkWrite:
     log_source: Optional[torch.Tensor]
 
 
-@dataclass(frozen=True)
-class CacheLayout:
+class CacheLayout(NamedTuple):
     """What the writes and reads of one forward need over MLR cache layers of one storage shape.
 
     plan: the geometry's ``MLRPlan``; base, capacity, ring_widths: of the layers after this forward's growth;
@@ -272,8 +271,7 @@ def read_formulation(plan: MLRPlan, *, contiguous: bool, dtype: torch.dtype, bia
     return GeneralRead
 
 
-@dataclass(frozen=True)
-class InStepRead:
+class InStepRead(NamedTuple):
     """The in-step read (``structattn_mlr_cached._in_step``) of one layout: rows in step, the chunk inside one block
     at every level, eager.
 
@@ -379,8 +377,7 @@ def plan_in_step_read(layout: CacheLayout, scales: tuple, dtype: torch.dtype) ->
                       query_scale, multiplier, additive, zero)
 
 
-@dataclass(frozen=True)
-class GeneralRead:
+class GeneralRead(NamedTuple):
     """The general read (``structattn_mlr_cached._general``) of one layout and query grouping: any rows, any chunk
     (eager or traced). The finer levels' key sources, in the order their scores are concatenated: every level's ring
     entries (the block of each row's newest cached position, as written before the chunk: entries the chunk
@@ -476,8 +473,7 @@ def _general_read_constants(geometry: MLRGeometry, ring_widths: Sequence[int], c
     return geometry.tensors.get(("general read", tuple(ring_widths), chunk, device), make)
 
 
-@dataclass(frozen=True)
-class TracedRead:
+class TracedRead(NamedTuple):
     """The traced read of one token per row (``structattn_mlr_cached._traced``): work: the softmax dtype; ranks,
     block_sizes: the geometry's; ring_widths: the layout's; query_scale: (r,) the per-dim level scales in the storage
     dtype, or None when the (one) level scale is in ``multiplier``; current_block: (B, L-1, 1, 1, S) whether a slot
@@ -524,8 +520,7 @@ def plan_traced_read(layout: CacheLayout, scales: tuple, dtype: torch.dtype) -> 
                       additive[:, None, None, :])
 
 
-@dataclass(frozen=True)
-class LayerPlan:
+class LayerPlan(NamedTuple):
     """What an MLR cache layer writes and reads in this forward (layers of one layout and read share one): layout:
     its ``CacheLayout``; read: its read record, whose type is the formulation (None: the layer held nothing before the
     forward, so its chunk attends to itself with the uncached op); scaling: the attention module's ``scaling`` the

@@ -4,7 +4,6 @@ its first layer runs (``prepare_step``: the step's facts, every MLR cache layer'
 on a caller's mask, the caches' growth), shared by the GPT-2 family's forward, T5, patched decoders and the export
 recipe (``forward_with_step`` wraps a transformers forward with a family's preparation)."""
 
-import dataclasses
 import inspect
 from typing import Callable, Optional
 
@@ -231,7 +230,8 @@ def prepare_step(model, *, cache: Optional[Cache], batch: int, length: int, devi
         not tracing else None  # (read at the MLR layers' slots, where it may differ from what they hold)
     plans = plan_layers(step, target, layer_configs, custom_mask=caller_mask, position_bias=position_bias) \
         if layers else ()
-    return dataclasses.replace(step, layers=plans, custom_mask=custom, position_bias=position_bias)
+    return MLRStep(step.cache, step.positions, step.valid, facts, step.standard_masks, step.key_mask, position_bias,
+                   step.last_before, step.first_before, step.tokens, plans, custom)
 
 
 def plan_layers(step: MLRStep, target: Optional[Cache], layer_configs: dict, *,
@@ -249,7 +249,6 @@ def plan_layers(step: MLRStep, target: Optional[Cache], layer_configs: dict, *,
     tracing = torch.compiler.is_compiling()
     facts = step.facts
     chunk = step.positions.shape[1]
-    real = step.real()
     gradients = torch.is_grad_enabled()
     tokens_after = (facts.tokens_before if facts is not None else target.get_seq_length()) + chunk
     plans, layouts, layer_plans, made = [], [], [None] * len(target.layers), []
@@ -269,7 +268,7 @@ def plan_layers(step: MLRStep, target: Optional[Cache], layer_configs: dict, *,
                 plan = candidate
                 break
         if plan is None:
-            plan = make_plan(step, geometry, real)
+            plan = make_plan(step, geometry)
             plans.append(plan)
         base, capacity, value_width, dtype, kv_heads, record = layer.planned_storage(facts, chunk)
         layout = None
