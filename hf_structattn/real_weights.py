@@ -296,6 +296,22 @@ def splits_digest() -> str:
     return digest.hexdigest()[:12]
 
 
+def write_split(split: str, folder) -> list:
+    """Write one split as one UTF-8 file per topic, ``folder/<topic>.txt`` (its paragraphs of the split, joined by
+    blank lines), for recipes that read text files (``--text_files`` / ``--eval_text_files``); returns the paths."""
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r} is not one of {SPLITS}")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, paragraphs in sorted(_split_paragraphs()[split]):
+        if paragraphs:
+            path = folder / f"{name}.txt"
+            path.write_text("\n\n".join(paragraphs) + "\n", encoding="utf-8")
+            paths.append(path)
+    return paths
+
+
 def split_tokens(tokenizer, split: str) -> torch.Tensor:
     """(N,) token ids of :func:`split_text` (no special tokens added)."""
     return torch.tensor(tokenizer(split_text(split), add_special_tokens=False).input_ids, dtype=torch.long)
@@ -326,11 +342,18 @@ def main(argv=None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("prepare", help="install and convert the model (first use), print its folder")
     commands.add_parser("splits", help="print the topics and sizes of the text splits")
+    writer = commands.add_parser("write-split", help="write one split as one text file per topic into a folder")
+    writer.add_argument("split", choices=SPLITS)
+    writer.add_argument("folder")
     convert = commands.add_parser("_convert", help=argparse.SUPPRESS)
     convert.add_argument("out")
     args = parser.parse_args(argv)
     if args.command == "_convert":
         _convert_into(Path(args.out))
+        return 0
+    if args.command == "write-split":
+        paths = write_split(args.split, args.folder)
+        print(f"{len(paths)} files of the {args.split} split in {args.folder}")
         return 0
     if args.command == "prepare":
         try:

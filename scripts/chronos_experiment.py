@@ -42,11 +42,30 @@ at 2 or more widths; UNDECIDED otherwise; PARTIAL until every run it reads (edge
 file. Ablation (only when the claim is YES): SURVIVES when ``mlr_flat`` is also lower than ``dense`` at every width;
 CONFOUNDED when ``mlr_flat`` is not lower than ``dense`` at 2 or more widths; MIXED otherwise.
 
-    python scripts/chronos_experiment.py plan [--shards]                      # arms, FLOPs; shards and minutes
+CPU design (``--design cpu``, registered before any of its runs; what differs from the design above, which stays the
+default, ``--design gpu``):
+
+* one width, D = 128 (8 heads x 64, 4 + 4 layers, context 512, horizon 64, as above), arms ``dense`` and ``mlr``
+  only (no ablation), seeds {0, 1, 2}; 1,000 steps x 32 windows (half the steps above), the same schedule shape;
+* learning rate: the grid {3e-4, 1e-3, 3e-3} in seed 0 only, each grid run 250 steps (a quarter of a scored run,
+  its own warm-up and cosine), plus the edge extension (9e-5 or 9e-3, one run) when the arm's best grid LR is an
+  edge; each arm's best LR there (lowest final validation loss) is the LR of its three scored runs;
+* a unit is one run; shards of at most ``CPU_SHARD_MINUTES`` CPU-minutes of one thread at the committed CPU
+  pilot's rates (``results/chronos_cpu/pilot.json``), a longer run cut into segments (g grid, x edge, s scored);
+* rule: at the one width, YES when ``mlr``'s final validation loss is lower than ``dense``'s by >= 0.01 nats in all
+  three seeds; NO when ``dense``'s is lower by >= 0.01 in all three; UNDECIDED otherwise; PARTIAL until the six
+  scored runs exist (:func:`verdict` with ``widths=(128,)``). Equal steps, so MLR spends 0.919x dense's FLOPs: a
+  YES is "lower loss with fewer FLOPs"; a NO says dense is lower at equal steps, with 1.09x MLR's FLOPs. One
+  width: no claim about widths or scaling, and nothing about the logit-scale confound (no ``mlr_flat``).
+
+    python scripts/chronos_experiment.py plan [--shards] [--design cpu]       # arms, FLOPs; shards and minutes
     python scripts/chronos_experiment.py shard s1 --device cuda               # one shard (resumable, idempotent)
     python scripts/chronos_experiment.py report                               # table, verdicts, shards left
     python scripts/chronos_experiment.py pilot --device cuda --budget-s 170 --out outputs/chronos_pilot
     python scripts/chronos_experiment.py pilot --tiny --out DIR                # the CPU rehearsal of the pilot
+    python scripts/chronos_experiment.py shard g1 --design cpu                # a CPU shard (one thread, resumable)
+    python scripts/chronos_experiment.py pilot --design cpu                   # the CPU pilot: rates of both arms
+    python scripts/chronos_experiment.py time --design cpu                    # eager vs compiled step, thread clock
 """
 
 from __future__ import annotations
@@ -60,9 +79,12 @@ import numpy as np
 import torch
 
 from hf_structattn.flops import encoder_decoder_flops
-from hf_structattn.training.sweep import (SHARD_MINUTES, run_table, ArmSpec, StackedArm, design_arguments, device_name,
-                                          edge_extensions, finish_pilot, pack_shards, probe_markdown, read_run_jsons,
-                                          run_name, run_unit, shard_rate, shard_table)
+from hf_structattn.training.sweep import (SHARD_MINUTES, run_table, ArmSpec, StackedArm, cpu_model, cpu_pilot,
+                                          cpu_progress, cpu_rates, cpu_shard_lines, cpu_shards, design_arguments,
+                                          device_name, edge_extensions, finish_pilot, lower_in_every_seed, majority,
+                                          pack_shards, probe_markdown, read_run_jsons, read_shard_records,
+                                          run_cpu_shard, run_name, run_unit, runnable_shards, shard_rate, shard_table,
+                                          step_timing, merge_timing)
 
 ARMS = ("dense", "mlr", "mlr_flat")
 WIDTHS, HEADS, D_KV, LAYERS = (128, 256, 512), 8, 64, 4
@@ -80,6 +102,17 @@ CLAIM_ARMS = ("dense", "mlr")
 PILOT = dict(width=128, arms=("dense", "mlr"), steps=200, train_share=0.75)
 TINY = dict(width=32, heads=2, d_kv=16, layers=1, context=64, horizon=16, n_tokens=256, ranks=(8, 4, 4), steps=4,
             batch=4, synthetic_series=16, held_out_series=4, real_datasets=(), probe_width=48)
+# the CPU design (module docstring)
+CPU_WIDTH, CPU_SEEDS, CPU_GRID_SEEDS, CPU_STEPS, CPU_GRID_STEPS = 128, (0, 1, 2), (0,), 1000, 250
+CPU_RESULTS = Path("results/chronos_cpu")
+# the arms whose training step the CPU design compiles: those whose measured saving is >= 25 % (`time --design cpu`,
+# results/chronos_cpu/step_timing.json: dense 29 %, MLR 63 % of the thread time per step)
+CPU_COMPILED = ("dense_D128", "mlr_D128")
+# a CPU shard's rates until the CPU pilot's results/chronos_cpu/pilot.json measures them (thread seconds, one
+# thread): 32 windows at the measured 3.37 (dense) and 2.86 (MLR) windows a second; an evaluation of the ~90
+# held-out windows at 3x the training rate; setup: the seed's 1,024 GP series and the model
+ASSUMED_CPU_RATES = {f"{arm}_D{CPU_WIDTH}": {"step_s": 32 / rate, "eval_s": 90 / rate / 3, "setup_s": 120.0}
+                     for arm, rate in (("dense", 3.37), ("mlr", 2.86))}
 
 
 def flat_scales(ranks) -> list[float]:
@@ -180,7 +213,8 @@ def size_fields(tiny: bool) -> dict:
     return dict(heads=HEADS, d_kv=D_KV, layers=LAYERS, context=CONTEXT, horizon=HORIZON, n_tokens=N_TOKENS)
 
 
-def arm_spec(arm: str, width: int, seed: int, tiny: bool = False, batch: int = BATCH) -> ArmSpec:
+def arm_spec(arm: str, width: int, seed: int, tiny: bool = False, batch: int = BATCH,
+             name: str | None = None) -> ArmSpec:
     from hf_structattn.training.data import step_generator
     from hf_structattn.training.timeseries import sample_windows
 
@@ -202,7 +236,7 @@ def arm_spec(arm: str, width: int, seed: int, tiny: bool = False, batch: int = B
 
     flops = encoder_decoder_flops(model_config(arm, width, ranks, **size), eval_ids.shape[1],
                                   eval_labels.shape[1]) * batch
-    return ArmSpec(name=f"{arm}_D{width}", build=lambda _seed: build_model(arm, width, ranks, **size),
+    return ArmSpec(name=name or f"{arm}_D{width}", build=lambda _seed: build_model(arm, width, ranks, **size),
                    batch=batch_of, loss=seq2seq_loss, evaluate=make_evaluate(eval_ids, eval_labels),
                    flops_per_step=flops,
                    config={"arm": arm, "width": width, "ranks": list(ranks), "batch": batch, **size,
@@ -246,13 +280,13 @@ def _row(arm: str, width: int) -> dict:
     return next(row for row in design_rows() if row["arm"] == arm and row["width"] == width)
 
 
-def arm_lrs(runs: list[dict], arm: str, width: int) -> list[float] | None:
-    """The LRs of (arm, width): the grid plus the edge LRs its finished grid runs trigger; None until every grid
-    run (all seeds) has finished."""
-    grid = {(r["lr"], r["seed"]): r["final"]["loss"] for r in runs if r["arm"] == f"{arm}_D{width}"}
-    if any((lr, seed) not in grid for lr in LRS for seed in SEEDS):
+def arm_lrs(runs: list[dict], arm: str, width: int, seeds=SEEDS, name: str | None = None) -> list[float] | None:
+    """The LRs of (arm, width): the grid plus the edge LRs its finished grid runs (``seeds``; their results arm
+    ``name``, default ``<arm>_D<width>``) trigger; None until every grid run has finished."""
+    grid = {(r["lr"], r["seed"]): r["final"]["loss"] for r in runs if r["arm"] == (name or f"{arm}_D{width}")}
+    if any((lr, seed) not in grid for lr in LRS for seed in seeds):
         return None
-    best = [min(LRS, key=lambda lr: grid[lr, seed]) for seed in SEEDS]
+    best = [min(LRS, key=lambda lr: grid[lr, seed]) for seed in seeds]
     return list(LRS) + edge_extensions(best, LRS)
 
 
@@ -302,11 +336,12 @@ def scores(runs: list[dict]) -> dict:
 
 
 def _lower(best, first, second, width, seeds) -> bool:
-    return all(best[second, width, s] - best[first, width, s] >= MARGIN for s in seeds)
+    return lower_in_every_seed(best, first, second, width, seeds, MARGIN)
 
 
 def verdict(best: dict, widths=WIDTHS, seeds=SEEDS) -> str:
-    """The claim's rule (module docstring)."""
+    """The claim's rule (module docstring): YES, NO at a majority of ``widths`` (2 of the GPU design's 3, the CPU
+    design's one), UNDECIDED, PARTIAL."""
     needed = [(arm, w, s) for arm in CLAIM_ARMS for w in widths for s in seeds]
     missing = [key for key in needed if key not in best]
     if missing:
@@ -314,7 +349,7 @@ def verdict(best: dict, widths=WIDTHS, seeds=SEEDS) -> str:
     if all(_lower(best, "mlr", "dense", w, seeds) for w in widths):
         return "YES: MLR's validation loss is lower than dense's by >= 0.01 nats in every seed at every width"
     lost = [w for w in widths if _lower(best, "dense", "mlr", w, seeds)]
-    if len(lost) >= 2:
+    if majority(len(lost), widths):
         return f"NO: dense is lower than MLR by >= 0.01 nats in every seed at D = {lost}"
     unclear = [w for w in widths if not _lower(best, "mlr", "dense", w, seeds)]
     return f"UNDECIDED: MLR is not lower than dense in every seed at D = {unclear}"
@@ -369,6 +404,146 @@ def run_shard(args, shard_id: str) -> None:
             print(f"stopped by --budget-s in {unit['name']}; rerun the command to resume", flush=True)
             return
         print(f"done {unit['name']} at {time.perf_counter() - started:.0f} s", flush=True)
+
+
+# ------------------------------------------------------------------------------------------------------ the CPU design
+
+
+def grid_arm(arm: str) -> str:
+    """The results arm of the CPU design's LR grid runs (shorter than its scored runs, so named apart)."""
+    return f"{arm}_D{CPU_WIDTH}_grid"
+
+
+def cpu_lr(runs: list[dict], arm: str) -> float | None:
+    """The CPU design's LR of ``arm``: the lowest mean final validation loss over the grid seeds among the grid and
+    its edge LRs; None until all of those have finished."""
+    lrs = arm_lrs(runs, arm, CPU_WIDTH, CPU_GRID_SEEDS, grid_arm(arm))
+    values = {(r["lr"], r["seed"]): r["final"]["loss"] for r in runs if r["arm"] == grid_arm(arm)}
+    if lrs is None or any((lr, seed) not in values for lr in lrs for seed in CPU_GRID_SEEDS):
+        return None
+    return min(lrs, key=lambda lr: sum(values[lr, seed] for seed in CPU_GRID_SEEDS))
+
+
+def cpu_stages(runs: list[dict]) -> list[tuple[str, list[dict]]]:
+    """The CPU design's run units by stage (``hf_structattn.training.sweep.cpu_shards``): ``g`` the seed-0 LR grid,
+    ``x`` the edge LRs it triggers, ``s`` the scored runs (seed by seed, dense then MLR) at the arm's grid LR."""
+    def unit(arm, lr, seed, steps, grid):
+        name = grid_arm(arm) if grid else f"{arm}_D{CPU_WIDTH}"
+        return dict(name=f"{name} s{seed}" + (f" lr {lr:g}" if grid else ""), arm=name, chronos_arm=arm, lr=lr,
+                    seed=seed, steps=steps, eval_every=max(1, steps // EVALS_PER_RUN), rate=f"{arm}_D{CPU_WIDTH}")
+
+    grid = [unit(arm, lr, seed, CPU_GRID_STEPS, True) for arm in CLAIM_ARMS for seed in CPU_GRID_SEEDS for lr in LRS]
+    edges = [unit(arm, lr, seed, CPU_GRID_STEPS, True) for arm in CLAIM_ARMS
+             for lr in (arm_lrs(runs, arm, CPU_WIDTH, CPU_GRID_SEEDS, grid_arm(arm)) or [])[len(LRS):]
+             for seed in CPU_GRID_SEEDS]
+    scored = [unit(arm, cpu_lr(runs, arm), seed, CPU_STEPS, False) for seed in CPU_SEEDS for arm in CLAIM_ARMS]
+    return [("g", grid), ("x", edges), ("s", scored)]
+
+
+def cpu_shard_map(results: Path) -> tuple[dict, str]:
+    rates, source = cpu_rates(results, ASSUMED_CPU_RATES)
+    return cpu_shards(cpu_stages(read_run_jsons(results)), rates), source
+
+
+def cpu_scores(runs: list[dict]) -> dict:
+    """(arm, 128, seed) -> the final validation loss of the arm's scored run in that seed (at its grid LR)."""
+    best = {}
+    for arm in CLAIM_ARMS:
+        lr = cpu_lr(runs, arm)
+        for r in runs:
+            if lr is not None and r["arm"] == f"{arm}_D{CPU_WIDTH}" and r["lr"] == lr:
+                best[arm, CPU_WIDTH, r["seed"]] = r["final"]["loss"]
+    return best
+
+
+def cpu_report(args) -> None:
+    results = Path(args.results)
+    runs = read_run_jsons(results)
+    best = cpu_scores(runs)
+    grid = [dict(r, arm=f"{r['arm'][:-len('_grid')]} (grid)") for r in runs if r["arm"].endswith("_grid")]
+    print("\n".join(run_table([r for r in runs if not r["arm"].endswith("_grid")], best, CLAIM_ARMS, (CPU_WIDTH,),
+                              CPU_SEEDS, "loss", "arm")))
+    for r in sorted(grid, key=lambda r: (r["arm"], r["lr"])):
+        print(f"grid {r['arm']} lr {r['lr']:g} s{r['seed']}: {r['final']['loss']:.4f} after {r['steps']} steps")
+    for arm in CLAIM_ARMS:
+        lr = cpu_lr(runs, arm)
+        picked = "not yet (grid runs missing)" if lr is None else f"{lr:g}"
+        print(f"LR of {arm} (its best on the seed-0 grid): {picked}")
+    print(f"VERDICT (CPU design, D = {CPU_WIDTH}: MLR vs dense, Fig. 5):", verdict(best, (CPU_WIDTH,), CPU_SEEDS))
+    table, _ = cpu_shard_map(results)
+    print(cpu_progress(table, {r["name"] for r in runs}, read_shard_records(results),
+                       "python scripts/chronos_experiment.py shard {id} --design cpu"))
+
+
+def run_cpu(args, shard_id: str) -> bool:
+    results = Path(args.results)
+    table, _ = cpu_shard_map(results)
+    compiled = all(s["rate"] in CPU_COMPILED for s in table.get(shard_id, [])) and not args.eager
+    return run_cpu_shard(shard_id, table,
+                         lambda segment: arm_spec(segment["chronos_arm"], CPU_WIDTH, segment["seed"],
+                                                  name=segment["arm"]),
+                         Path(args.out), results, args.budget_s, compile_step=compiled)
+
+
+def cpu_pilot_command(args) -> dict:
+    """The CPU design's pilot: dense and MLR at D = 128 (seed 0's data), in the step mode the shards use, rates on
+    one thread (``hf_structattn.training.sweep.cpu_pilot``); ``--tiny``: the rehearsal at tiny size."""
+    started, thread = time.perf_counter(), time.thread_time()
+    width, batch = (TINY["width"], TINY["batch"]) if args.tiny else (CPU_WIDTH, BATCH)
+    arm_spec("dense", width, 0, tiny=args.tiny, batch=batch)  # builds seed 0's task (cached): the data setup
+    setup_s = time.thread_time() - thread
+    arms = [(f"{arm}_D{width}", (lambda arm=arm: arm_spec(arm, width, 0, tiny=args.tiny, batch=batch)),
+             f"{arm}_D{width}" in CPU_COMPILED and not args.eager and not args.tiny, batch) for arm in CLAIM_ARMS]
+    assumed = {key: ASSUMED_CPU_RATES.get(key, {"step_s": 1.0, "eval_s": 1.0, "setup_s": 1.0}) for key, *_ in arms}
+    summary = {"command": "pilot --design cpu", "tiny": args.tiny, "batch": batch, "units": "windows"}
+    return cpu_pilot(arms, setup_s, Path(args.out), None if args.tiny else Path(args.results), args.budget_s,
+                     started, assumed, steps=2 if args.tiny else 5, summary=summary)
+
+
+def time_command(args) -> list[dict]:
+    """Eager against compiled training steps of the CPU design's arms (``step_timing``: one thread, thread clock,
+    interleaved after warm-up, the compile apart); merged into ``results/step_timing.json``."""
+    arms = args.arms or list(CLAIM_ARMS)
+    rows = step_timing([arm_spec(arm, CPU_WIDTH, 0) for arm in arms], repeats=5)
+    print("| arm | D | eager s/step | compiled s/step | saving | compile s (thread / wall) |")
+    print("|---|---|---|---|---|---|")
+    for row in rows:
+        print(f"| {row['arm']} | {CPU_WIDTH} | {row['eager_ms'] / 1000:.2f} | {row['compiled_ms'] / 1000:.2f} | "
+              f"{100 * row['saving']:.0f} % | {row['compile_thread_s']:.0f} / {row['compile_s']:.0f} |")
+    merge_timing(Path(args.results) / "step_timing.json", rows, {"batch": BATCH, "context": CONTEXT})
+    return rows
+
+
+def cpu_main(args) -> None:
+    results = Path(args.results)
+    if args.command == "plan" and args.shards:
+        table, source = cpu_shard_map(results)
+        print("\n".join(cpu_shard_lines(table, source, {r["name"] for r in read_run_jsons(results)},
+                                         read_shard_records(results),
+                                         "python scripts/chronos_experiment.py shard {id} --design cpu")))
+    elif args.command == "plan":
+        rows = {row["arm"]: row for row in design_rows() if row["width"] == CPU_WIDTH}
+        for arm in CLAIM_ARMS:
+            per_step = rows[arm]["flops_per_step"]
+            print(f"{arm} D = {CPU_WIDTH}: {per_step / BATCH:.3g} training FLOPs per window; grid {len(LRS)} x "
+                  f"{CPU_GRID_STEPS} steps (seed {', '.join(map(str, CPU_GRID_SEEDS))}), scored {len(CPU_SEEDS)} x "
+                  f"{CPU_STEPS:,} steps: {per_step * (len(LRS) * CPU_GRID_STEPS + len(CPU_SEEDS) * CPU_STEPS):.3g} "
+                  f"FLOPs ({rows[arm]['run_flops'] / rows['dense']['run_flops']:.3f}x dense's)")
+    elif args.command == "shard":
+        run_cpu(args, args.shard_id)
+    elif args.command == "run":
+        while True:
+            runs = read_run_jsons(results)
+            ready = runnable_shards(cpu_shard_map(results)[0], {r["name"] for r in runs},
+                                    read_shard_records(results))
+            if not ready or not run_cpu(args, ready[0]):
+                break
+    elif args.command == "report":
+        cpu_report(args)
+    elif args.command == "time":
+        time_command(args)
+    else:
+        cpu_pilot_command(args)
 
 
 # ------------------------------------------------------------------------------------------------------- run, pilot
@@ -426,7 +601,14 @@ def pilot_markdown(summary: dict) -> str:
 
 def main(argv=None) -> None:
     args = design_arguments(argv, __doc__.split("\n\n")[0], "outputs/chronos_design", "outputs/chronos_pilot",
-                            str(RESULTS))
+                            str(RESULTS), designs={"gpu": (str(RESULTS), "outputs/chronos_design",
+                                                           "outputs/chronos_pilot"),
+                                                   "cpu": (str(CPU_RESULTS), "outputs/chronos_cpu",
+                                                           "outputs/chronos_cpu_pilot")})
+    if args.design == "cpu":
+        return cpu_main(args)
+    if args.command == "time":
+        raise SystemExit("time: the eager / compiled comparison is the CPU design's (--design cpu)")
     if args.command == "plan" and args.shards:
         results = Path(args.results)
         print("\n".join(shard_table(results, shards(results), unit_done, ASSUMED_H100_FLOPS_PER_S,

@@ -1,13 +1,18 @@
-"""The language-modelling claim (Kuang et al. 2025 §5.1, Fig. 4) as one decisive design: MLR attention reaches a
+"""The language-modelling claim (Kuang et al. 2025 §5.1, Fig. 4) as decisive designs: MLR attention reaches a
 lower validation loss than dense attention, sliding-window attention (SWA) and global + SWA at equal training FLOPs,
-at every width. Bilinear MLR and bilinear BTT are trained beside them and reported as observations (the paper makes
-no LM claim for them).
+at every width. Bilinear MLR and bilinear BTT are defined (the GPU pilot probes them) but not trained: the paper
+makes no LM claim for them.
 
-Design (fixed here, before any run):
+Two registered forms share the code below: the GPU design (``--design gpu``, the default; three widths, 8-minute
+H100 shards) and the CPU design (``--design cpu``; the paper's smallest width only, one-thread shards of at most
+about two CPU-hours; its differences are listed after the GPU design's).
+
+GPU design (fixed here, before any run):
 
 * byte-level LM (vocabulary 257) on the Python standard library's ``*.py`` sources of the interpreter that runs it
-  (built on the machine, nothing downloaded; 5 % of the files, chosen by a hash of their path, are held out), all
-  ~30 MB of training bytes (Python 3.11);
+  (built on the machine, nothing downloaded; 5 % of the files, chosen by a hash of their path, are held out, except
+  held-out files that are near-copies of a training file, which train: ``NEAR_COPY_JACCARD``,
+  ``hf_structattn.training.data.near_copy_flags``), all ~30 MB of training bytes (Python 3.11);
 * 6 layers, T = 1024, head dim 64, widths D in {128, 256, 384} (2, 4, 6 heads), q/k LayerNorm, no dropout;
 * muP (``hf_structattn.mup``: 1/r logits, 1/r_l per MLR level, zero read-outs, per-matrix LR multipliers at base
   width 128, untied LM head), AdamW (0.9, 0.95), clip 1, warm-up 5 % then cosine to 0.1x; seeds {0, 1} (a seed fixes
@@ -38,11 +43,31 @@ least 0.01 bits/byte in both seeds; the baseline is better when it is lower by a
 MLR is better than every baseline at every width. NO: at 2 or more of the 3 widths some baseline is better than
 MLR. UNDECIDED otherwise. PARTIAL until every run of the design (edge runs included) has its results file.
 
-    python scripts/lm_experiment.py plan [--shards]                       # arms, FLOPs; the shards and minutes
+CPU design (``--design cpu``, registered before any of its runs; what differs from the GPU design):
+
+* one scored width, D = 256 (4 heads of 64), seeds {0, 1}; batch 4 x 1024 tokens (the paper's batch); dense trains
+  2,440 steps (10.0M tokens), the others ``round(2440 * F_dense / F_variant)`` (equal FLOPs);
+* the LR grid {1e-3, 3e-3, 1e-2} at D = 128 in seed 0 only, each run 488 dense-equivalent steps (2.0M tokens for
+  dense, the others at equal FLOPs), plus the edge extension (one more LR, one run) when its best LR is an edge;
+  the variant's best LR there transfers to D = 256 (muP); the grid is not scored;
+* a unit is one run (stacking saves little on a CPU); shards of at most ``CPU_SHARD_MINUTES`` CPU-minutes of one
+  thread at the committed CPU pilot's rates (``results/lm_cpu/pilot.json``), a longer run cut into segments that
+  continue each other's checkpoint (``hf_structattn.training.sweep.cpu_shards``): g (grid), x (edge), s (scored);
+  a training step is compiled (``torch.compile`` of the whole step) where the measured saving was >= 25 %
+  (``CPU.compiled``: every variant at D = 128, MLR at D = 256);
+* rule: the same comparison at the one width -- YES when MLR is lower than dense, SWA and global + SWA by >= 0.01
+  bits/byte in both seeds; NO when some baseline is lower than MLR by >= 0.01 in both seeds; UNDECIDED otherwise;
+  PARTIAL until the 8 scored runs exist (:func:`verdict` with ``widths=(256,)``: NO needs a majority of the widths,
+  here the one). One width: it cannot say anything about scaling with width.
+
+    python scripts/lm_experiment.py plan [--shards] [--design cpu]        # arms, FLOPs; the shards and minutes
     python scripts/lm_experiment.py shard s1 --device cuda                # one shard (resumable, idempotent)
     python scripts/lm_experiment.py report                                # table, verdict, shards left
     python scripts/lm_experiment.py pilot --device cuda --budget-s 170 --out outputs/lm_pilot   # <= 3 min
     python scripts/lm_experiment.py pilot --tiny --out DIR                 # the CPU rehearsal of the pilot
+    python scripts/lm_experiment.py shard g1 --design cpu                 # a CPU shard (one thread, resumable)
+    python scripts/lm_experiment.py pilot --design cpu                    # the CPU pilot: rates of every arm
+    python scripts/lm_experiment.py time --design cpu                     # eager vs compiled step, thread clock
 """
 
 from __future__ import annotations
@@ -51,6 +76,7 @@ import json
 import math
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -58,9 +84,13 @@ import torch
 from hf_structattn import StructAttnGPT2Config, StructAttnGPT2LMHeadModel
 from hf_structattn.flops import flops_per_token
 from hf_structattn.mup import mup_config_overrides, mup_init_, mup_param_groups
-from hf_structattn.training.sweep import (SHARD_MINUTES, run_table, ArmSpec, StackedArm, design_arguments, device_name,
-                                          edge_extensions, finish_pilot, pack_shards, probe_markdown, read_run_jsons,
-                                          run_name, run_unit, shard_rate, shard_table)
+from hf_structattn.training.data import NEAR_COPY_JACCARD
+from hf_structattn.training.sweep import (SHARD_MINUTES, run_table, ArmSpec, StackedArm, cpu_model, cpu_pilot,
+                                          cpu_progress, cpu_rates, cpu_shard_lines, cpu_shards, design_arguments,
+                                          device_name, edge_extensions, finish_pilot, lower_in_every_seed, majority,
+                                          pack_shards, probe_markdown, read_run_jsons, read_shard_records,
+                                          run_cpu_shard, run_name, run_unit, runnable_shards, shard_rate, shard_table,
+                                          step_timing, merge_timing)
 
 WIDTHS, LAYERS, SEQ_LEN, HEAD_DIM, BATCH = (128, 256, 384), 6, 1024, 64, 16
 DENSE_STEPS, EVALS_PER_RUN, EVAL_WINDOWS = 4000, 8, 128
@@ -80,6 +110,50 @@ ASSUMED_H100_FLOPS_PER_S = 3e13
 PILOT = dict(width=128, variants=("dense", "mlr"), steps=300, eval_windows=16, train_share=0.75)
 TINY = dict(width=32, head_dim=16, seq_len=64, layers=2, batch=4, steps=6, eval_windows=4, variants=("dense", "mlr"),
             max_train_bytes=300_000, max_validation_bytes=50_000, probe_width=48)
+
+
+@dataclass(frozen=True)
+class Design:
+    """A registered form of the design (module docstring): the widths its rule reads, the seeds of its scored runs
+    and of its D = 128 LR grid, the batch, dense steps per width (``dense_steps``: (width, steps) pairs, the grid
+    width's included), the arms (``<variant>_D<width>``) whose training step is compiled, the committed results and
+    the working folder."""
+
+    name: str
+    widths: tuple
+    seeds: tuple
+    grid_seeds: tuple
+    batch: int
+    dense_steps: tuple
+    compiled: tuple
+    results: Path
+    out: str
+
+    @property
+    def all_widths(self) -> tuple:
+        return tuple(sorted({TUNE_WIDTH, *self.widths}))
+
+    def dense_steps_at(self, width: int) -> int:
+        return dict(self.dense_steps)[width]
+
+
+GPU = Design("gpu", WIDTHS, SEEDS, SEEDS, BATCH, tuple((w, DENSE_STEPS) for w in WIDTHS), (), RESULTS,
+             "outputs/lm_equal_flops")
+# compiled: the arms whose measured saving was >= 25 % of the thread time per step (`time --design cpu`,
+# results/lm_cpu/step_timing.json): every variant at D = 128 (25-68 %), MLR at D = 256 (65 %; dense 23 %, SWA 22 %,
+# global + SWA 17 % stay eager)
+CPU = Design("cpu", (256,), (0, 1), (0,), 4, ((128, 488), (256, 2440)),
+             tuple(f"{variant}_D128" for variant in COMPARED) + ("mlr_D256",), Path("results/lm_cpu"), "outputs/lm_cpu")
+DESIGNS = {"gpu": GPU, "cpu": CPU}
+# a CPU shard's rates until the CPU pilot's results/lm_cpu/pilot.json measures them (thread seconds, one thread):
+# D = 256 from the measured tokens/s (dense 1,440, MLR 1,455, SWA 1,141 at batch 4 x 1024; global + SWA their
+# 2:4 mix), an evaluation of 128 windows at 3x the training rate; D = 128 at 2.5x the D = 256 rate (a guess)
+_D256_STEP_S = {"dense": 4096 / 1440, "mlr": 4096 / 1455, "swa": 4096 / 1141,
+                "gswa": (2 * 4096 / 1440 + 4 * 4096 / 1141) / 6}
+ASSUMED_CPU_RATES = {f"{variant}_D{width}": {"step_s": step / (1 if width == 256 else 2.5),
+                                               "eval_s": 32 * step / 3 / (1 if width == 256 else 2.5),
+                                               "setup_s": 60.0}
+                     for variant, step in _D256_STEP_S.items() for width in (128, 256)}
 
 
 def variant_fields(variant: str, seq_len: int = SEQ_LEN, layers: int = LAYERS, head_dim: int = HEAD_DIM) -> dict:
@@ -186,36 +260,50 @@ def arm_spec(variant: str, width: int, corpus, windows, seq_len=SEQ_LEN, layers=
 
 
 def load_data(max_train_bytes=None, max_validation_bytes=None, seq_len=SEQ_LEN, eval_windows=EVAL_WINDOWS):
+    """The design's corpus (held-out files without near-copies of training files) and its evaluation windows."""
     from hf_structattn.training.data import eval_windows as spread_windows, load_stdlib_corpus
 
-    corpus = load_stdlib_corpus(max_train_bytes=max_train_bytes, max_validation_bytes=max_validation_bytes)
+    corpus = load_stdlib_corpus(max_train_bytes=max_train_bytes, max_validation_bytes=max_validation_bytes,
+                                near_copy_jaccard=NEAR_COPY_JACCARD)
     return corpus, spread_windows(corpus.validation, seq_len, eval_windows)
 
 
-def design_rows(widths=WIDTHS, variants=VARIANTS, dense_steps=DENSE_STEPS) -> list[dict]:
+def design_rows(design: Design = GPU, variants=VARIANTS) -> list[dict]:
+    """Per (width, variant) of ``design``: steps (equal FLOPs), FLOPs per step and per run."""
     rows = []
-    for width in widths:
+    for width in design.all_widths:
         for variant in variants:
-            steps = equal_flops_steps(variant, width, dense_steps)
-            per_step = flops_per_step(variant, width)
+            steps = equal_flops_steps(variant, width, design.dense_steps_at(width))
+            per_step = flops_per_step(variant, width, batch=design.batch)
             rows.append({"variant": variant, "width": width, "steps": steps, "flops_per_step": per_step,
                          "run_flops": steps * per_step})
     return rows
 
 
-def _row(variant: str, width: int) -> dict:
-    return next(row for row in design_rows((width,), (variant,)))
+def _row(variant: str, width: int, design: Design = GPU) -> dict:
+    return next(row for row in design_rows(design, (variant,)) if row["width"] == width)
 
 
 def plan(args) -> None:
-    rows = design_rows(variants=COMPARED)
+    design = DESIGNS[args.design]
+    rows = design_rows(design, COMPARED)
+    tokens = design.batch * SEQ_LEN
+    print(f"design {design.name}: batch {design.batch} x {SEQ_LEN} tokens\n")
     print("| variant | D | FLOPs/token (train) | steps (equal FLOPs) | tokens per run | FLOPs per run | runs |")
     print("|---|---|---|---|---|---|---|")
     for row in rows:
-        per_token = row["flops_per_step"] / (BATCH * SEQ_LEN)
-        runs = len(SEEDS) * (len(LRS) if row["width"] == TUNE_WIDTH else 1)
+        per_token = row["flops_per_step"] / tokens
+        grid = len(LRS) * len(design.grid_seeds) if row["width"] == TUNE_WIDTH else 0
+        runs = grid + (len(design.seeds) if row["width"] in design.widths and row["width"] != TUNE_WIDTH else 0)
         print(f"| {row['variant']} | {row['width']} | {per_token / 1e6:.1f} M | {row['steps']:,} | "
-              f"{row['steps'] * BATCH * SEQ_LEN / 1e6:.0f} M | {row['run_flops']:.3g} | {runs} |")
+              f"{row['steps'] * tokens / 1e6:.1f} M | {row['run_flops']:.3g} | {runs} |")
+    if design is CPU:
+        units = [unit for _, stage in cpu_stages([], design) for unit in stage]
+        total = sum(_row(u["variant"], u["width"], design)["run_flops"] for u in units)
+        print(f"\nplanned: {len(units)} runs, {total:.3g} training FLOPs (edge runs, if triggered, add at most "
+              f"{len(COMPARED) * len(design.grid_seeds)} runs at D = {TUNE_WIDTH}); `plan --shards --design cpu` "
+              "sizes the shards")
+        return
     units = [unit for members in shards(Path(args.results)).values() for unit in members]
     total = sum(unit["flops"] for unit in units)
     print(f"\nplanned: {sum(u['runs'] for u in units)} runs, {total:.3g} training FLOPs (edge runs, if triggered, "
@@ -225,24 +313,24 @@ def plan(args) -> None:
 # ------------------------------------------------------------------------------------------------- shards and rule
 
 
-def planned_lrs(runs: list[dict], variant: str) -> list[float] | None:
-    """The D = 128 LRs of ``variant``: the grid plus the edge LRs its finished grid runs trigger; None until every
-    grid run has finished."""
+def planned_lrs(runs: list[dict], variant: str, design: Design = GPU) -> list[float] | None:
+    """The D = 128 LRs of ``variant``: the grid plus the edge LRs its finished grid runs (the design's grid seeds)
+    trigger; None until every grid run has finished."""
     grid = {(r["lr"], r["seed"]): r for r in runs if r["arm"] == f"{variant}_D{TUNE_WIDTH}"}
-    if any((lr, seed) not in grid for lr in LRS for seed in SEEDS):
+    if any((lr, seed) not in grid for lr in LRS for seed in design.grid_seeds):
         return None
-    best = [min(LRS, key=lambda lr: grid[lr, seed]["final"]["bits_per_byte"]) for seed in SEEDS]
+    best = [min(LRS, key=lambda lr: grid[lr, seed]["final"]["bits_per_byte"]) for seed in design.grid_seeds]
     return list(LRS) + edge_extensions(best, LRS)
 
 
-def transfer_lr(runs: list[dict], variant: str) -> float | None:
-    """The LR ``variant`` runs at D = 256 and 384: the lowest mean bits/byte over the seeds at D = 128, over the
-    grid and its edge runs; None until all of those have finished."""
-    lrs = planned_lrs(runs, variant)
+def transfer_lr(runs: list[dict], variant: str, design: Design = GPU) -> float | None:
+    """The LR ``variant`` runs at the widths above D = 128: the lowest mean bits/byte over the grid seeds at
+    D = 128, over the grid and its edge runs; None until all of those have finished."""
+    lrs = planned_lrs(runs, variant, design)
     grid = {(r["lr"], r["seed"]): r["final"]["bits_per_byte"] for r in runs if r["arm"] == f"{variant}_D{TUNE_WIDTH}"}
-    if lrs is None or any((lr, seed) not in grid for lr in lrs for seed in SEEDS):
+    if lrs is None or any((lr, seed) not in grid for lr in lrs for seed in design.grid_seeds):
         return None
-    return min(lrs, key=lambda lr: sum(grid[lr, seed] for seed in SEEDS))
+    return min(lrs, key=lambda lr: sum(grid[lr, seed] for seed in design.grid_seeds))
 
 
 def shards(results: Path = RESULTS, limit: float | None = None) -> dict[str, list[dict]]:
@@ -293,16 +381,16 @@ def unit_done(unit: dict, runs: list[dict]) -> int:
     return 0 if lrs is None else sum(run_name(arm, lr, s) in names for lr in lrs for s in unit["seeds"])
 
 
-def scores(runs: list[dict]) -> dict:
-    """(variant, width, seed) -> score (module docstring's rule), for the (variant, width)s whose inputs are all
-    finished."""
+def scores(runs: list[dict], design: Design = GPU) -> dict:
+    """(variant, width, seed) -> score (module docstring's rule), for the (variant, width)s of ``design``'s rule
+    whose inputs are all finished."""
     best = {}
     for variant in COMPARED:
-        lrs, lr = planned_lrs(runs, variant), transfer_lr(runs, variant)
-        for width in WIDTHS:
+        lrs, lr = planned_lrs(runs, variant, design), transfer_lr(runs, variant, design)
+        for width in design.widths:
             values = {(r["lr"], r["seed"]): r["final"]["bits_per_byte"] for r in runs
                       if r["arm"] == f"{variant}_D{width}"}
-            for seed in SEEDS:
+            for seed in design.seeds:
                 if width == TUNE_WIDTH and lrs and all((x, seed) in values for x in lrs):
                     best[variant, width, seed] = min(values[x, seed] for x in lrs)
                 elif width != TUNE_WIDTH and lr is not None and (lr, seed) in values:
@@ -311,19 +399,20 @@ def scores(runs: list[dict]) -> dict:
 
 
 def verdict(best: dict, widths=WIDTHS, seeds=SEEDS) -> str:
-    """The rule of the module docstring on ``best`` ((variant, width, seed) -> score)."""
+    """The rule of the module docstring on ``best`` ((variant, width, seed) -> score): YES, NO at a majority of
+    ``widths`` (2 of the GPU design's 3, the CPU design's one), UNDECIDED, PARTIAL."""
     needed = [(v, w, s) for v in COMPARED for w in widths for s in seeds]
     missing = [key for key in needed if key not in best]
     if missing:
         return f"PARTIAL: {len(missing)} of {len(needed)} (variant, width, seed) scores still missing"
 
     def better(first, second, width):  # `first` lower than `second` by the margin in every seed
-        return all(best[second, width, s] - best[first, width, s] >= MARGIN for s in seeds)
+        return lower_in_every_seed(best, first, second, width, seeds, MARGIN)
 
     if all(better("mlr", base, w) for base in BASELINES for w in widths):
         return "YES: MLR is lower than dense, SWA and global+SWA by >= 0.01 bits/byte in both seeds at every width"
     lost_widths = [w for w in widths if any(better(base, "mlr", w) for base in BASELINES)]
-    if len(lost_widths) >= 2:
+    if majority(len(lost_widths), widths):
         return f"NO: a baseline is lower than MLR by >= 0.01 bits/byte in both seeds at D = {lost_widths}"
     reasons = [f"D = {w}: MLR vs {base}" for w in widths for base in BASELINES if not better("mlr", base, w)]
     return "UNDECIDED: no consistent 0.01 bits/byte gap at " + "; ".join(reasons)
@@ -372,6 +461,113 @@ def run_shard(args, shard_id: str) -> None:
             print(f"stopped by --budget-s in {unit['name']}; rerun the command to resume", flush=True)
             return
         print(f"done {unit['name']} (lrs {lrs}) at {time.perf_counter() - started:.0f} s", flush=True)
+
+
+# ------------------------------------------------------------------------------------------------------ the CPU design
+
+
+def cpu_stages(runs: list[dict], design: Design = CPU) -> list[tuple[str, list[dict]]]:
+    """The CPU design's run units by stage (:func:`hf_structattn.training.sweep.cpu_shards`): ``g`` the D = 128
+    grid (seed 0), ``x`` the edge LRs its finished runs trigger, ``s`` the scored D = 256 runs (seed 0 of every
+    variant, then seed 1) at their variant's transferred LR (None until the grid has picked it)."""
+    def unit(variant, width, lr, seed, label):
+        steps = equal_flops_steps(variant, width, design.dense_steps_at(width))
+        return dict(name=label, variant=variant, width=width, arm=f"{variant}_D{width}", lr=lr, seed=seed,
+                    steps=steps, eval_every=max(1, steps // EVALS_PER_RUN), rate=f"{variant}_D{width}")
+
+    grid = [unit(v, TUNE_WIDTH, lr, seed, f"{v}_D{TUNE_WIDTH} lr {lr:g} s{seed}")
+            for v in COMPARED for seed in design.grid_seeds for lr in LRS]
+    edges = [unit(v, TUNE_WIDTH, lr, seed, f"{v}_D{TUNE_WIDTH} lr {lr:g} s{seed}")
+             for v in COMPARED for lr in (planned_lrs(runs, v, design) or [])[len(LRS):] for seed in design.grid_seeds]
+    scored = [unit(v, width, transfer_lr(runs, v, design), seed, f"{v}_D{width} s{seed}")
+              for width in design.widths for seed in design.seeds for v in COMPARED]
+    return [("g", grid), ("x", edges), ("s", scored)]
+
+
+def cpu_shard_map(results: Path, design: Design = CPU) -> tuple[dict, str]:
+    """Shard id -> segments of the CPU design at the committed pilot's rates; and where the rates came from."""
+    rates, source = cpu_rates(results, ASSUMED_CPU_RATES)
+    return cpu_shards(cpu_stages(read_run_jsons(results), design), rates), source
+
+
+def cpu_report(args, design: Design = CPU) -> None:
+    results = Path(args.results)
+    runs = read_run_jsons(results)
+    best = scores(runs, design)
+    print("\n".join(run_table(runs, best, COMPARED, design.all_widths, design.seeds, "bits_per_byte", "variant")))
+    for variant in COMPARED:
+        lr = transfer_lr(runs, variant, design)
+        print(f"LR of {variant} at D = {', '.join(map(str, design.widths))} (its best at D = {TUNE_WIDTH}): "
+              f"{'not yet (grid runs missing)' if lr is None else f'{lr:g}'}")
+    print(f"VERDICT (CPU design, D = {', '.join(map(str, design.widths))}: MLR vs dense, SWA, global+SWA at equal "
+          "FLOPs):", verdict(best, design.widths, design.seeds))
+    table, _ = cpu_shard_map(results, design)
+    names, records = {r["name"] for r in runs}, read_shard_records(results)
+    print(cpu_progress(table, names, records, "python scripts/lm_experiment.py shard {id} --design cpu"))
+
+
+def cpu_spec(segment: dict, corpus, windows, design: Design = CPU) -> ArmSpec:
+    return arm_spec(segment["variant"], segment["width"], corpus, windows, batch=design.batch)
+
+
+def run_cpu(args, shard_id: str, design: Design = CPU) -> bool:
+    results = Path(args.results)
+    table, _ = cpu_shard_map(results, design)
+    data = {}
+
+    def spec_of(segment):
+        if not data:
+            data["corpus"], data["windows"] = load_data()
+        return cpu_spec(segment, data["corpus"], data["windows"], design)
+
+    compiled = all(s["rate"] in design.compiled for s in table.get(shard_id, [])) and not args.eager
+    return run_cpu_shard(shard_id, table, spec_of, Path(args.out), results, args.budget_s, compile_step=compiled)
+
+
+def cpu_pilot_command(args, design: Design = CPU) -> dict:
+    """The CPU design's pilot: every variant at D = 256 then D = 128, in the step mode its shards use (module
+    docstring), rates on one thread (``hf_structattn.training.sweep.cpu_pilot``); ``--tiny``: the rehearsal at
+    the tiny size (nothing is written to the results folder)."""
+    started = time.perf_counter()
+    thread = time.thread_time()
+    if args.tiny:
+        size = dict(seq_len=TINY["seq_len"], layers=TINY["layers"], head_dim=TINY["head_dim"])
+        corpus, windows = load_data(TINY["max_train_bytes"], TINY["max_validation_bytes"], TINY["seq_len"],
+                                    TINY["eval_windows"])
+        widths, batch = (TINY["width"],), TINY["batch"]
+    else:
+        size = dict(seq_len=SEQ_LEN, layers=LAYERS, head_dim=HEAD_DIM)
+        corpus, windows = load_data()
+        widths, batch = tuple(sorted(design.all_widths, reverse=True)), design.batch
+    setup_s = time.thread_time() - thread
+    arms = [(f"{variant}_D{width}",
+             (lambda variant=variant, width=width: arm_spec(variant, width, corpus, windows, batch=batch, **size)),
+             f"{variant}_D{width}" in design.compiled and not args.eager and not args.tiny, batch * size["seq_len"])
+            for width in widths for variant in COMPARED]
+    assumed = {key: ASSUMED_CPU_RATES.get(key, {"step_s": 1.0, "eval_s": 1.0, "setup_s": 1.0}) for key, *_ in arms}
+    summary = {"command": "pilot --design cpu", "tiny": args.tiny, "batch": batch, "seq_len": size["seq_len"],
+               "units": "tokens", "corpus": corpus.description}
+    return cpu_pilot(arms, setup_s, Path(args.out), None if args.tiny else Path(args.results), args.budget_s,
+                     started, assumed, steps=2 if args.tiny else 5, summary=summary)
+
+
+def time_command(args, design: Design = CPU) -> list[dict]:
+    """Eager against compiled training steps of the design's arms (``--arms``: variants, at D = 256, or
+    ``<variant>_D<width>``; default the four variants at D = 256), by ``step_timing`` (one thread, thread clock,
+    interleaved after warm-up, the compile apart); the rows are merged into ``results/step_timing.json``."""
+    corpus, windows = load_data(max_train_bytes=2_000_000, max_validation_bytes=200_000, eval_windows=4)
+    keys = [arm if "_D" in arm else f"{arm}_D{max(design.widths)}" for arm in (args.arms or COMPARED)]
+    specs = [arm_spec(key.split("_D")[0], int(key.split("_D")[1]), corpus, windows, batch=design.batch)
+             for key in keys]
+    rows = step_timing(specs, repeats=5)
+    print("| arm | eager s/step | compiled s/step | saving | compile s (thread / wall) |")
+    print("|---|---|---|---|---|")
+    for row in rows:
+        print(f"| {row['arm']} | {row['eager_ms'] / 1000:.2f} | {row['compiled_ms'] / 1000:.2f} | "
+              f"{100 * row['saving']:.0f} % | {row['compile_thread_s']:.0f} / {row['compile_s']:.0f} |")
+    out = Path(args.results) / "step_timing.json"
+    merge_timing(out, rows, {"batch": design.batch, "seq_len": SEQ_LEN})
+    return rows
 
 
 # ------------------------------------------------------------------------------------------------------- run, pilot
@@ -440,7 +636,12 @@ def pilot_markdown(summary: dict) -> str:
 
 def main(argv=None) -> None:
     args = design_arguments(argv, __doc__.split("\n\n")[0], "outputs/lm_equal_flops", "outputs/lm_pilot",
-                            str(RESULTS))
+                            str(RESULTS), designs={"gpu": (str(GPU.results), GPU.out, "outputs/lm_pilot"),
+                                                   "cpu": (str(CPU.results), CPU.out, "outputs/lm_cpu_pilot")})
+    if args.design == "cpu":
+        return cpu_main(args)
+    if args.command == "time":
+        raise SystemExit("time: the eager / compiled comparison is the CPU design's (--design cpu)")
     if args.command == "plan" and args.shards:
         results = Path(args.results)
         print("\n".join(shard_table(results, shards(results), unit_done, ASSUMED_H100_FLOPS_PER_S,
@@ -464,6 +665,33 @@ def main(argv=None) -> None:
         report(args)
     else:
         pilot(args)
+
+
+def cpu_main(args) -> None:
+    command = "python scripts/lm_experiment.py shard {id} --design cpu"
+    results = Path(args.results)
+    if args.command == "plan" and args.shards:
+        table, source = cpu_shard_map(results, CPU)
+        runs = read_run_jsons(results)
+        print("\n".join(cpu_shard_lines(table, source, {r["name"] for r in runs}, read_shard_records(results),
+                                         command)))
+    elif args.command == "plan":
+        plan(args)
+    elif args.command == "shard":
+        run_cpu(args, args.shard_id)
+    elif args.command == "run":  # the shards one after another, each as soon as what it needs is done
+        while True:
+            runs = read_run_jsons(results)
+            ready = runnable_shards(cpu_shard_map(results, CPU)[0], {r["name"] for r in runs},
+                                    read_shard_records(results))
+            if not ready or not run_cpu(args, ready[0]):
+                break
+    elif args.command == "report":
+        cpu_report(args)
+    elif args.command == "time":
+        time_command(args)
+    else:
+        cpu_pilot_command(args)
 
 
 if __name__ == "__main__":

@@ -255,3 +255,41 @@ def test_the_chronos_arms_stacked_equal_separate_runs_in_float64(arm_name, tmp_p
     arm, models = _stacked_equals_separate(spec, [1e-3, 1e-2, 3e-2], [0], tmp_path, frozen_after={0: 1})
     moved = [(arm.stack.run_state(1)[n] - arm.stack.run_state(2)[n]).abs().max() for n in arm.stack.run_state(1)]
     assert max(moved) > 1e-4  # per-run learning rates: the runs differ
+
+
+def test_an_eager_stacked_step_memoises_no_functorch_wrapped_tensor_in_the_mlr_geometry():
+    # a tensor made inside grad is wrapped; kept in the (shared) geometry memo it outlived its transform, and a later
+    # compiled step of another stack of the same geometry read it as an input without storage
+    import lm_experiment as lm
+    from hf_structattn.modeling.structattn_attention import mlr_geometry_of
+
+    torch.manual_seed(0)
+    model = lm.build_model("mlr", 32, seq_len=64, layers=1, head_dim=16)
+    geometry = mlr_geometry_of(model.transformer.h[0].attn)
+    geometry.tensors.entries.clear()
+    stack = StackedRuns(model, [model.state_dict()], [1e-3], lr_multipliers=lm.mup_multipliers(model))
+    ids = torch.randint(0, 257, (1, 2, 64), generator=torch.Generator().manual_seed(0))
+    stack.train_step(lm.lm_loss, (ids,), 1.0)
+    stack.evaluate(lm.window_nll_sum, (ids,))
+    assert geometry.tensors.entries  # the evaluation (no grad) memoised its scale vector
+    assert not any(torch._C._functorch.is_functorch_wrapped_tensor(value) for value in geometry.tensors.entries.values()
+                   if isinstance(value, torch.Tensor))
+
+
+@pytest.mark.slow
+def test_a_compiled_mlr_step_after_an_eager_one_of_the_same_geometry_equals_eager():
+    # the interleaving of the eager / compiled timing (training/sweep.step_timing): ~1-2 min, the compile
+    import copy
+
+    import lm_experiment as lm
+
+    torch.manual_seed(0)
+    model = lm.build_model("mlr", 32, seq_len=64, layers=1, head_dim=16).double()
+    states, multipliers = [model.state_dict()], lm.mup_multipliers(model)
+    eager = StackedRuns(copy.deepcopy(model), states, [1e-3], lr_multipliers=multipliers)
+    compiled = StackedRuns(copy.deepcopy(model), states, [1e-3], lr_multipliers=multipliers, compile_step=True)
+    for step in range(3):
+        ids = torch.randint(0, 257, (1, 2, 64), generator=torch.Generator().manual_seed(step))
+        torch.testing.assert_close(compiled.train_step(lm.lm_loss, (ids,), 1.0), eager.train_step(lm.lm_loss, (ids,),
+                                                                                                  1.0))
+    torch.testing.assert_close(compiled.flat, eager.flat, rtol=1e-10, atol=1e-13)

@@ -159,3 +159,74 @@ def test_the_pilot_runs_at_tiny_size_and_writes_its_summary(tmp_path, capsys):
     with pytest.raises(SystemExit):
         ce.main(["pilot", "--tiny", "--budget-s", "-1", "--out", str(tmp_path / "other")])
     assert "--budget-s must be positive, got -1.0" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------- the CPU design
+
+
+@pytest.fixture
+def threads():
+    """--design cpu sets one thread (and one compile thread) for the process: restore them after the test."""
+    import torch._inductor.config as inductor_config
+
+    before = torch.get_num_threads(), inductor_config.compile_threads
+    yield
+    torch.set_num_threads(before[0])
+    inductor_config.compile_threads = before[1]
+
+
+def _grid(arm, values, seed=0):
+    return [_run(ce.grid_arm(arm), lr, seed, value) for lr, value in values.items()]
+
+
+def test_the_cpu_design_picks_each_arms_lr_on_a_short_seed0_grid_and_scores_its_three_seeds():
+    stages = dict(ce.cpu_stages([]))
+    assert [u["name"] for u in stages["g"]] == [f"{arm}_D128_grid s0 lr {lr:g}" for arm in ("dense", "mlr")
+                                                for lr in ce.LRS]
+    assert all(u["steps"] == 250 for u in stages["g"]) and stages["x"] == []
+    assert [(u["chronos_arm"], u["seed"], u["steps"], u["lr"]) for u in stages["s"]] == \
+        [(arm, seed, 1000, None) for seed in (0, 1, 2) for arm in ("dense", "mlr")]
+    runs = _grid("dense", {3e-4: 3.0, 1e-3: 2.8, 3e-3: 2.9}) + _grid("mlr", {3e-4: 3.0, 1e-3: 2.9, 3e-3: 2.8})
+    assert ce.cpu_lr(runs, "dense") == 1e-3 and ce.cpu_lr(runs, "mlr") is None  # mlr's best is the top edge
+    assert [u["name"] for u in dict(ce.cpu_stages(runs))["x"]] == ["mlr_D128_grid s0 lr 0.009"]
+    runs += _grid("mlr", {9e-3: 2.7})
+    assert ce.cpu_lr(runs, "mlr") == 9e-3
+    assert {u["arm"]: u["lr"] for u in dict(ce.cpu_stages(runs))["s"]} == {"dense_D128": 1e-3, "mlr_D128": 9e-3}
+    # the grid runs are never scores; the scored runs at the arm's LR are
+    runs += [_run("dense_D128", 1e-3, seed, 3.0) for seed in (0, 1, 2)]
+    runs += [_run("mlr_D128", 9e-3, seed, 2.95) for seed in (0, 1)] + [_run("mlr_D128", 1e-3, 2, 1.0)]
+    best = ce.cpu_scores(runs)
+    assert set(best) == {("dense", 128, s) for s in (0, 1, 2)} | {("mlr", 128, 0), ("mlr", 128, 1)}
+    assert ce.verdict(best, (128,), ce.CPU_SEEDS) == "PARTIAL: 1 of 6 (arm, width, seed) scores still missing"
+
+
+def test_the_cpu_rule_at_one_width_in_every_regime():
+    def rule(gaps):  # dense minus mlr per seed
+        best = {("dense", 128, s): 3.0 for s in (0, 1, 2)}
+        best.update({("mlr", 128, s): 3.0 - gap for s, gap in enumerate(gaps)})
+        return ce.verdict(best, (128,), (0, 1, 2))
+
+    assert rule((0.02, 0.05, 0.011)).startswith("YES")
+    assert rule((-0.02, -0.05, -0.02)) == "NO: dense is lower than MLR by >= 0.01 nats in every seed at D = [128]"
+    assert rule((0.02, 0.05, 0.005)) == "UNDECIDED: MLR is not lower than dense in every seed at D = [128]"
+    assert rule((0.02, -0.05, 0.02)).startswith("UNDECIDED")
+
+
+def test_the_cpu_shards_fit_two_cpu_hours_and_the_rehearsal_of_the_cpu_pilot(tmp_path, capsys, threads):
+    from hf_structattn.training.sweep import CPU_SHARD_MINUTES
+
+    table, _ = ce.cpu_shard_map(tmp_path)
+    assert all(sum(s["minutes"] for s in members) <= CPU_SHARD_MINUTES for members in table.values())
+    scored = [s for sid, members in table.items() if sid.startswith("s") for s in members]
+    assert {(s["arm"], s["seed"]) for s in scored} == {(f"{a}_D128", seed) for a in ("dense", "mlr")
+                                                        for seed in (0, 1, 2)}
+    with pytest.raises(SystemExit, match="runs at a learning rate the design's grid picks"):
+        ce.main(["shard", "s1", "--design", "cpu", "--results", str(tmp_path), "--out", str(tmp_path / "work")])
+    ce.main(["pilot", "--design", "cpu", "--tiny", "--out", str(tmp_path / "pilot"), "--results",
+             str(tmp_path / "results")])
+    summary = json.loads((tmp_path / "pilot" / "pilot.json").read_text())
+    assert set(summary["arms"]) == {"dense_D32", "mlr_D32"} and summary["units"] == "windows"
+    assert all(arm["measured"] and arm["step_s"] > 0 and arm["eval_s"] > 0 for arm in summary["arms"].values())
+    assert not (tmp_path / "results").exists()
+    ce.main(["report", "--design", "cpu", "--results", str(tmp_path)])
+    assert "PARTIAL: 6 of 6" in capsys.readouterr().out

@@ -181,3 +181,111 @@ def test_a_shard_unit_writes_one_small_results_file_per_run_and_a_rerun_skips_th
     assert run_unit(spec, [1e-3, 3e-3], [0, 1], 2, 1, tmp_path / "other", results, "cpu", None)  # nothing to do
     assert {path.name: path.read_text() for path in results.glob("*.json")} == before
     assert not (tmp_path / "other").exists()
+
+
+# ------------------------------------------------------------------------------------------------- the CPU design
+
+
+def test_the_cpu_design_is_d256_at_equal_flops_with_a_short_seed0_grid_at_d128():
+    assert lm.CPU.widths == (256,) and lm.CPU.seeds == (0, 1) and lm.CPU.grid_seeds == (0,) and lm.CPU.batch == 4
+    rows = {(row["variant"], row["width"]): row for row in lm.design_rows(lm.CPU, lm.COMPARED)}
+    assert rows["dense", 256]["steps"] * 4 * 1024 == 9_994_240  # about 10M tokens per dense run
+    assert rows["dense", 128]["steps"] * 4 * 1024 == 1_998_848  # the grid: about 2M
+    for width in (128, 256):  # equal FLOPs within a width
+        dense = rows["dense", width]["run_flops"]
+        assert all(abs(rows[v, width]["run_flops"] - dense) <= rows[v, width]["flops_per_step"] / 2
+                   for v in lm.COMPARED)
+    stages = dict(lm.cpu_stages([]))
+    assert [u["name"] for u in stages["g"]][:3] == ["dense_D128 lr 0.001 s0", "dense_D128 lr 0.003 s0",
+                                                    "dense_D128 lr 0.01 s0"] and len(stages["g"]) == 12
+    assert stages["x"] == [] and len(stages["s"]) == 8
+    assert all(u["lr"] is None and u["width"] == 256 for u in stages["s"])  # transferred LRs: not known yet
+    assert [u["seed"] for u in stages["s"]] == [0, 0, 0, 0, 1, 1, 1, 1]
+
+
+def _cpu_grid(values: dict) -> list:
+    """{variant: {lr: bits/byte}} -> the CPU design's seed-0 grid runs at D = 128."""
+    return [_run(f"{variant}_D128", lr, 0, value) for variant, lrs in values.items() for lr, value in lrs.items()]
+
+
+def test_the_cpu_design_transfers_each_variants_seed0_best_and_extends_an_edge_pick(tmp_path):
+    inside = {1e-3: 2.5, 3e-3: 2.3, 1e-2: 2.4}
+    runs = _cpu_grid({"dense": inside, "swa": inside, "gswa": inside, "mlr": {1e-3: 2.5, 3e-3: 2.4, 1e-2: 2.3}})
+    assert [lm.transfer_lr(runs, v, lm.CPU) for v in ("dense", "swa", "gswa")] == [3e-3] * 3
+    assert lm.planned_lrs(runs, "mlr", lm.CPU) == [*lm.LRS, 0.033] and lm.transfer_lr(runs, "mlr", lm.CPU) is None
+    stages = dict(lm.cpu_stages(runs))
+    assert [u["name"] for u in stages["x"]] == ["mlr_D128 lr 0.033 s0"]
+    assert {u["variant"]: u["lr"] for u in stages["s"]} == {"dense": 3e-3, "swa": 3e-3, "gswa": 3e-3, "mlr": None}
+    runs.append(_run("mlr_D128", 0.033, 0, 2.35))
+    assert lm.transfer_lr(runs, "mlr", lm.CPU) == 1e-2  # the edge run did not beat the edge
+    # the rule reads the D = 256 runs at the transferred LR only, never the grid
+    runs += [_run(f"{v}_D256", lr, seed, 2.0 + 0.02 * (v != "mlr")) for v, lr in
+             (("dense", 3e-3), ("swa", 3e-3), ("gswa", 3e-3), ("mlr", 1e-2)) for seed in (0, 1)]
+    runs += [_run("mlr_D256", 3e-3, seed, 9.0) for seed in (0, 1)]  # not mlr's LR: ignored
+    best = lm.scores(runs, lm.CPU)
+    assert set(best) == {(v, 256, s) for v in lm.COMPARED for s in (0, 1)} and best["mlr", 256, 1] == 2.0
+    assert lm.verdict(best, lm.CPU.widths, lm.CPU.seeds).startswith("YES")
+
+
+def test_the_cpu_rule_at_one_width_in_every_regime():
+    def best(gaps):  # {baseline: (gap seed 0, gap seed 1)}, baseline minus MLR
+        table = {("mlr", 256, s): 2.0 for s in (0, 1)}
+        table.update({(b, 256, s): 2.0 + gaps.get(b, (0.05, 0.05))[s] for b in lm.BASELINES for s in (0, 1)})
+        return table
+
+    rule = lambda table: lm.verdict(table, (256,), (0, 1))  # noqa: E731
+    assert rule(best({})).startswith("YES")
+    assert rule(best({"swa": (-0.02, -0.03)})) == ("NO: a baseline is lower than MLR by >= 0.01 bits/byte in both "
+                                                    "seeds at D = [256]")
+    undecided = rule(best({"gswa": (0.05, 0.009)}))  # one seed inside the margin
+    assert undecided.startswith("UNDECIDED") and "D = 256: MLR vs gswa" in undecided
+    assert rule(best({"dense": (-0.05, 0.05)})).startswith("UNDECIDED")  # the seeds disagree
+    partial = best({})
+    del partial["swa", 256, 1]
+    assert rule(partial) == "PARTIAL: 1 of 8 (variant, width, seed) scores still missing"
+
+
+@pytest.fixture
+def threads():
+    """--design cpu sets one thread (and one compile thread) for the process: restore them after the test."""
+    import torch
+    import torch._inductor.config as inductor_config
+
+    before = torch.get_num_threads(), inductor_config.compile_threads
+    yield
+    torch.set_num_threads(before[0])
+    inductor_config.compile_threads = before[1]
+
+
+def test_the_cpu_shards_fit_two_cpu_hours_and_refuse_to_start_out_of_order(tmp_path, capsys, threads):
+    from hf_structattn.training.sweep import CPU_SHARD_MINUTES
+
+    table, source = lm.cpu_shard_map(tmp_path)
+    assert source.startswith("assumed") and all(sum(s["minutes"] for s in members) <= CPU_SHARD_MINUTES
+                                                 for members in table.values())
+    assert [sid for sid in table if sid.startswith("g")] == ["g1", "g2"]
+    scored = [s for sid, members in table.items() if sid.startswith("s") for s in members]
+    assert {s["name"] for s in scored} == {f"{v}_D256 s{seed}" for v in lm.COMPARED for seed in (0, 1)}
+    assert all(s["parts"] >= 2 for s in scored if s["variant"] == "swa")  # ~3 CPU-hours: cut in segments
+    with pytest.raises(SystemExit, match="runs at a learning rate the design's grid picks"):
+        lm.main(["shard", "s1", "--design", "cpu", "--results", str(tmp_path), "--out", str(tmp_path / "work")])
+    with pytest.raises(SystemExit):
+        lm.main(["shard", "s1", "--design", "cpu", "--device", "cuda"])
+    assert "--design cpu runs on the CPU" in capsys.readouterr().err
+    lm.main(["report", "--design", "cpu", "--results", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "PARTIAL: 8 of 8" in out and "ready to start (one process per core): python scripts/lm_experiment.py " \
+                                         "shard g1 --design cpu; python scripts/lm_experiment.py shard g2" in out
+
+
+def test_the_cpu_pilot_rehearsal_measures_every_variant_and_writes_no_results(tmp_path, threads):
+    lm.main(["pilot", "--design", "cpu", "--tiny", "--out", str(tmp_path / "pilot"), "--results",
+             str(tmp_path / "results")])
+    summary = json.loads((tmp_path / "pilot" / "pilot.json").read_text())
+    assert summary["design"] == "cpu" and summary["tiny"] and summary["threads"] == 1
+    assert set(summary["arms"]) == {f"{v}_D32" for v in lm.COMPARED}
+    for arm in summary["arms"].values():
+        assert arm["measured"] and arm["step_s"] > 0 and arm["eval_s"] > 0 and arm["units_per_s"] > 0
+        assert arm["evaluation"]["bits_per_byte"] < 8.1 and not arm["compiled"]
+    assert "held-out files that are near-copies" in summary["corpus"]
+    assert not (tmp_path / "results").exists()

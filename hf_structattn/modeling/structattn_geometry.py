@@ -17,15 +17,21 @@ from .structattn_config_rules import resolve_level_scales, validate_mlr_geometry
 _BUILT_GEOMETRIES: dict = {}
 
 
+_FUNCTORCH_WRAPPED = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
+
+
 def _is_traced(value) -> bool:
-    """Whether ``value`` (a tensor, or a dict / tuple of them) was made while torch.compile or torch.export traced:
-    a fake or functional tensor, or any tensor made inside a compiled region."""
+    """Whether ``value`` (a tensor, or a dict / tuple of them) was made while torch.compile or torch.export traced,
+    or inside a ``torch.func`` transform: a fake or functional tensor, any tensor made inside a compiled region, or
+    one that ``grad`` / ``vmap`` wrapped (a tensor made inside ``grad`` is one; kept, it outlives its transform and a
+    later compiled step reads it as an input without storage)."""
     if torch.compiler.is_compiling():
         return True
     if dataclasses.is_dataclass(value):
         value = tuple(getattr(value, item.name) for item in dataclasses.fields(value))
     values = value.values() if isinstance(value, dict) else value if isinstance(value, (tuple, list)) else (value,)
-    return any(isinstance(item, torch.Tensor) and (type(item) is not torch.Tensor or item.is_meta) for item in values)
+    return any(isinstance(item, torch.Tensor) and (type(item) is not torch.Tensor or item.is_meta or (
+        _FUNCTORCH_WRAPPED is not None and _FUNCTORCH_WRAPPED(item))) for item in values)
 
 
 class TensorMemo:

@@ -9,7 +9,12 @@
    windows (``drift_report``: logit differences, top-1 agreement) and as the validation-loss gap to the source.
 3. Fine-tuning on the shared recipe loop (:mod:`.loop`: AdamW, ``transformers.get_scheduler``, checkpoints and exact
    resume, trackers) on the embedded corpus (the Python standard library's sources) or ``--text_files``; the loss gap
-   to the source after it. (The default tiny source is itself undertrained, so fine-tuning also continues its
+   to the source after it. ``--objective distill`` (the default) trains the patched model towards the source's
+   next-token distributions (KL(source || patched) per token, the source kept in memory as the teacher): it recovers
+   what the patch moved and nothing else, where ``lm`` (next-token loss) also adapts the model to the corpus, so its
+   gap to the source mixes recovery with domain adaptation. Evaluations report the validation loss and, with
+   ``distill``, the KL to the source and the top-1 agreement with it; ``--eval_text_files`` evaluates on text of
+   its own (held out from the training files) instead of a split of the corpus. (The default tiny source is itself undertrained, so fine-tuning also continues its
    training and the gap usually turns negative; for a converged checkpoint the gap measures how much of the drift
    was recovered.)
 4. ``OUTPUT``: the patched, fine-tuned model saved with its code (loads with ``trust_remote_code=True``), the
@@ -34,6 +39,7 @@ from .args import ConfigError, arg, model_args_dataclass, parse_recipe_args, run
 from .loop import CommonArgs, build_optimizer, build_scheduler, finish_run, rank_share, start_run, train
 
 RECIPE = "finetune_patched"
+OBJECTIVES = ("distill", "lm")
 BYTE_VOCAB, BYTE_EOS = 257, 256  # hf_structattn.tokenization's byte tokenizer: 256 bytes + <|endoftext|>
 TINY_LLAMA = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=4096)
@@ -87,6 +93,10 @@ class PatchedFinetuneArgs(CommonArgs):
                                    "contribution measures the pairs on", default=4)
     text_files: Optional[list[str]] = arg("local UTF-8 text files (datasets' text loader, one document per file) "
                                           "instead of the standard library", default=None)
+    eval_text_files: Optional[list[str]] = arg("local UTF-8 text files to evaluate on, all of them (none: the "
+                                               "validation split of the training corpus)", default=None)
+    objective: str = arg("distill: KL from the source model's next-token distributions (recovers what the patch "
+                         "moved); lm: next-token loss on the corpus (also adapts to it)", default="distill")
     validation_percent: float = arg("percent of documents held out (split by sha1 of their name)", default=5.0)
     max_train_bytes: Optional[int] = arg("cap on training bytes (none: all)", default=4_000_000)
     max_validation_bytes: Optional[int] = arg("cap on validation bytes (none: all)", default=500_000)
@@ -117,6 +127,8 @@ class PatchedFinetuneArgs(CommonArgs):
             check_level_order(self.level_order)
         except ValueError as error:
             raise ConfigError(f"--{error}") from None
+        if self.objective not in OBJECTIVES:
+            raise ConfigError(f"--objective {self.objective!r} is not one of {', '.join(OBJECTIVES)}")
         if self.calibration_windows < 1:
             raise ConfigError(f"--calibration_windows must be >= 1, got {self.calibration_windows}")
         if self.sliding_window_layers not in SLIDING_WINDOW_CHOICES:
@@ -130,6 +142,7 @@ class PatchedFinetuneArgs(CommonArgs):
         from .data import check_text_files
 
         check_text_files(self.text_files)
+        check_text_files(self.eval_text_files)
 
     def patch_fields(self) -> dict:
         """Keywords of ``hf_structattn.patch`` for this run (``calibration_ids`` for ``level_order="contribution"``
@@ -223,12 +236,20 @@ def calibration_fields(args: PatchedFinetuneArgs, train_tokens: torch.Tensor) ->
 
 
 def load_corpus(args: PatchedFinetuneArgs):
+    """The training corpus; with ``--eval_text_files`` its validation is every one of those files instead."""
     from . import data
 
     common = dict(validation_percent=args.validation_percent, max_train_bytes=args.max_train_bytes,
                   max_validation_bytes=args.max_validation_bytes)
-    return (data.load_text_files_corpus(args.text_files, **common) if args.text_files
-            else data.load_stdlib_corpus(**common))
+    corpus = (data.load_text_files_corpus(args.text_files, **common) if args.text_files
+              else data.load_stdlib_corpus(**common))
+    if args.eval_text_files:
+        texts = [Path(file).read_text(encoding="utf-8") for file in sorted(args.eval_text_files)]
+        validation, count = data.encode_documents(texts, args.max_validation_bytes)
+        corpus = dataclasses.replace(corpus, validation=validation, validation_documents=count,
+                                     description=f"{corpus.description}; evaluated on {len(texts)} text file(s) of "
+                                                 "its own")
+    return corpus
 
 
 def encode_corpus(corpus, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
@@ -243,22 +264,37 @@ def encode_corpus(corpus, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
     return encode(corpus.train), encode(corpus.validation)
 
 
+def distillation_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean over tokens of KL(target || model) of next-token distributions: logits and target (B, T, V), in at
+    least float32."""
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    log_q = logits.to(dtype).flatten(0, 1).log_softmax(-1)
+    log_p = target.to(dtype).flatten(0, 1).log_softmax(-1)
+    return torch.nn.functional.kl_div(log_q, log_p, log_target=True, reduction="batchmean")
+
+
 @torch.no_grad()
-def window_losses(model, windows: torch.Tensor, batch_size: int) -> torch.Tensor:
-    """Mean next-token loss of each window (count,), float64."""
-    losses = []
+def window_scores(model, teacher, windows: torch.Tensor, batch_size: int) -> torch.Tensor:
+    """(3, count) float64 per window: mean next-token loss, and with a ``teacher`` the mean KL(teacher || model) and
+    the fraction of positions whose argmax is the teacher's (0 without one)."""
+    rows = []
     for start in range(0, windows.shape[0], batch_size):
         ids = windows[start:start + batch_size]
         logits = model(ids, use_cache=False).logits[:, :-1].float()
-        loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
-        losses.append(loss.mean(dim=1).double())
-    return torch.cat(losses)
+        loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none").mean(dim=1)
+        kl = top1 = torch.zeros_like(loss)
+        if teacher is not None:
+            target = teacher(ids, use_cache=False).logits[:, :-1].float()
+            kl = (target.log_softmax(-1).exp() * (target.log_softmax(-1) - logits.log_softmax(-1))).sum(-1).mean(1)
+            top1 = (target.argmax(-1) == logits.argmax(-1)).float().mean(dim=1)
+        rows.append(torch.stack([loss, kl, top1]).double())
+    return torch.cat(rows, dim=1)
 
 
 def validation_loss(model, windows: torch.Tensor, batch_size: int) -> float:
     was_training = model.training
     model.eval()
-    loss = float(window_losses(model, windows, batch_size).mean())
+    loss = float(window_scores(model, None, windows, batch_size)[0].mean())
     model.train(was_training)
     return loss
 
@@ -388,12 +424,17 @@ def main(argv=None) -> dict:
                                       **calibration_fields(args, train_tokens))
     except ValueError as error:  # not caught by the dry run (e.g. an architecture the meta device cannot build)
         raise ConfigError(f"patch: {' '.join(str(error).split())}") from None
-    source.eval()
+    source.eval().requires_grad_(False)
     drift = drift_report(source, patched.eval(), windows[:8])
     loss_source = validation_loss(source, windows, args.per_device_batch_size)
-    loss_before = validation_loss(patched, windows, args.per_device_batch_size)
+    before = window_scores(patched.eval(), source if args.objective == "distill" else None, windows,
+                           args.per_device_batch_size).mean(dim=1).tolist()
+    loss_before = before[0]
+    distill_before = dict(kl_to_source_before=before[1], top1_source_before=before[2]) \
+        if args.objective == "distill" else {}
     accelerator.print(f"source loss {loss_source:.4f}; patched before fine-tuning {loss_before:.4f} "
                       f"(logit_rel {drift['logit_rel']:.3f}, top-1 agreement {drift['top1_agreement']:.3f})")
+    teacher = source.to(accelerator.device) if args.objective == "distill" else None
     del source
     accelerator.print(f"data: {corpus.description}: {train_tokens.numel():,} train / "
                       f"{validation_tokens.numel():,} validation tokens")
@@ -406,14 +447,20 @@ def main(argv=None) -> dict:
                               args.gradient_accumulation_steps, args.seed * 7 + 1).to(device)
 
     def loss_fn(model_, ids):
-        return model_(ids, labels=ids, use_cache=False).loss
+        if teacher is None:
+            return model_(ids, labels=ids, use_cache=False).loss
+        logits = model_(ids, use_cache=False).logits
+        with torch.no_grad():
+            target = teacher(ids, use_cache=False).logits
+        return distillation_loss(logits, target)
 
     def eval_fn(unwrapped) -> dict:
         index, real = rank_share(windows.shape[0], rank, world)
-        losses = torch.zeros(windows.shape[0], dtype=torch.float64, device=device)
-        mine = window_losses(unwrapped, windows[index].to(device), args.per_device_batch_size)
-        losses[index[:real].to(device)] = mine[:real]
-        return {"loss": float(accelerator.reduce(losses, "sum").mean())}
+        sums = torch.zeros(3, windows.shape[0], dtype=torch.float64, device=device)  # loss, KL, top-1 agreement
+        mine = window_scores(unwrapped, teacher, windows[index].to(device), args.per_device_batch_size)
+        sums[:, index[:real].to(device)] = mine[:, :real]
+        loss, kl, top1 = accelerator.reduce(sums, "sum").mean(dim=1).tolist()
+        return {"loss": loss} if teacher is None else {"loss": loss, "kl_to_source": kl, "top1_source": top1}
 
     tokens_per_step = args.per_device_batch_size * world * args.gradient_accumulation_steps * args.seq_len
     flops_per_token = patched_flops_per_token(accelerator.unwrap_model(model), args.seq_len)
@@ -426,7 +473,7 @@ def main(argv=None) -> dict:
     summary = dict(source=Path(args.model_path).name if args.model_path else "tiny Llama pretrained here",
                    corpus=corpus.description, loss_source=loss_source, loss_patched_before=loss_before,
                    loss_patched_after=loss_after, loss_gap_before=loss_before - loss_source,
-                   loss_gap_after=loss_after - loss_source, drift=drift,
+                   loss_gap_after=loss_after - loss_source, drift=drift, objective=args.objective, **distill_before,
                    **{f"drift_{k}": v for k, v in drift.items()}, flops_per_token=flops_per_token,
                    tokens_per_step=tokens_per_step)
 

@@ -368,6 +368,8 @@ def train(accelerator: Accelerator, args: CommonArgs, model, optimizer, *,
         unwrapped.train(was_training)
         record = {f"eval/{k}": v for k, v in metrics.items()}
         record.update(tokens=step * tokens_per_step, flops=step * tokens_per_step * flops_per_token)
+        if step > start_step:  # the main thread's CPU seconds of the training steps so far in this process
+            record["train_cpu_s"] = time.thread_time() - cpu_started - eval_time["cpu"] - (time.thread_time() - cpu)
         accelerator.log(record, step=step)
         message = f"step {step}/{args.max_steps} eval: {_format_metrics(metrics)}"
         (progress.write(message) if progress is not None and not progress.disable else accelerator.print(message))

@@ -22,6 +22,7 @@ each of its runs has its committed record ``results/<...>/<run>.json`` (:func:`w
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -75,7 +76,7 @@ class StackedArm:
     def __init__(self, spec: ArmSpec, lrs: Sequence[float], seeds: Sequence[int], steps: int, eval_every: int,
                  root: Path, device: str = "cpu", warmup: Optional[int] = None, min_lr_ratio: float = 0.1,
                  max_grad_norm: float = 1.0, checkpoint_every: int = 1000, chunk: int = 50,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, compile_step: bool = False):
         for name, value in (("steps", steps), ("eval_every", eval_every), ("checkpoint_every", checkpoint_every),
                             ("chunk", chunk)):
             if value < 1:
@@ -99,12 +100,11 @@ class StackedArm:
         self.stack = StackedRuns(template, [models[seed].state_dict() for _, seed in self.runs],
                                  [lr for lr, _ in self.runs], betas=(0.9, 0.95), weight_decay=0.0,
                                  max_grad_norm=max_grad_norm, lr_multipliers=multipliers, device=self.device,
-                                 dtype=dtype, cuda_graphs=False)
+                                 dtype=dtype, cuda_graphs=False, compile_step=compile_step)
         self.run_seed = torch.tensor([self.seeds.index(seed) for _, seed in self.runs], device=self.device)
         self.step, self.wall_before, self.started = 0, 0.0, time.perf_counter()
-        seeds_text = "-".join(str(seed) for seed in self.seeds)
-        lrs_text = "-".join(f"{lr:g}" for lr in sorted({lr for lr, _ in self.runs}))
-        self.checkpoint = self.root / f"{spec.name}_lr{lrs_text}_s{seeds_text}.stack" / "checkpoint.pt"
+        self.checkpoint = self.stack_folder(self.root, spec.name, [lr for lr, _ in self.runs], self.seeds) / \
+            "checkpoint.pt"
         self.checkpoint.parent.mkdir(parents=True, exist_ok=True)
         if self.checkpoint.exists():
             state = torch.load(self.checkpoint, map_location=self.device, weights_only=True)
@@ -122,6 +122,19 @@ class StackedArm:
                 folder.mkdir(parents=True, exist_ok=True)
                 (folder / "progress.jsonl").write_text("")
             self.log_evaluation()
+
+    @staticmethod
+    def stack_folder(root: Path, name: str, lrs: Sequence[float], seeds: Sequence[int]) -> Path:
+        """The folder of the checkpoint of arm ``name``'s stack of ``lrs`` x ``seeds`` under ``root``."""
+        seeds_text = "-".join(str(seed) for seed in sorted({int(seed) for seed in seeds}))
+        lrs_text = "-".join(f"{lr:g}" for lr in sorted({float(lr) for lr in lrs}))
+        return Path(root) / f"{name}_lr{lrs_text}_s{seeds_text}.stack"
+
+    @staticmethod
+    def checkpoint_step(root: Path, name: str, lrs: Sequence[float], seeds: Sequence[int]) -> Optional[int]:
+        """The step of that stack's checkpoint (from its ``checkpoint.json``), None when it has none."""
+        marker = StackedArm.stack_folder(root, name, lrs, seeds) / "checkpoint.json"
+        return json.loads(marker.read_text())["step"] if marker.exists() else None
 
     def folders(self) -> list[Path]:
         return [self.root / run_name(self.spec.name, lr, seed) for lr, seed in self.runs]
@@ -143,10 +156,12 @@ class StackedArm:
             with (folder / "progress.jsonl").open("a") as log:
                 log.write(json.dumps(record) + "\n")
 
-    def advance(self) -> None:
-        """Train to the next evaluation, checkpoint or chunk end (the chunk's batches moved to the device at once)."""
+    def advance(self, until: Optional[int] = None) -> None:
+        """Train to the next evaluation, checkpoint, chunk end or step ``until`` (the chunk's batches moved to the
+        device at once)."""
         end = min(self.steps, (self.step // self.eval_every + 1) * self.eval_every,
-                  (self.step // self.checkpoint_every + 1) * self.checkpoint_every, self.step + self.chunk)
+                  (self.step // self.checkpoint_every + 1) * self.checkpoint_every, self.step + self.chunk,
+                  self.steps if until is None or until <= self.step else until)
         steps = range(self.step, end)
         per_step = [[self.spec.batch(seed, step) for seed in self.seeds] for step in steps]
         fields = len(per_step[0][0])
@@ -168,12 +183,20 @@ class StackedArm:
         torch.save({"config": self.config, "stack": self.stack.state_dict(), "step": self.step, "wall": self.wall},
                    temporary)
         os.replace(temporary, self.checkpoint)
+        marker = self.checkpoint.with_name("checkpoint.json.tmp")  # the step, readable without loading the state
+        marker.write_text(json.dumps({"step": self.step, "wall": self.wall}))
+        os.replace(marker, self.checkpoint.with_name("checkpoint.json"))
 
-    def run_until(self, budget_s: Optional[float] = None) -> bool:
-        """Train until finished (True) or until ``budget_s`` seconds of this process have passed (False, with a
-        checkpoint a rerun resumes from)."""
+    def run_until(self, budget_s: Optional[float] = None, until: Optional[int] = None) -> bool:
+        """Train until finished (True), until step ``until`` or until ``budget_s`` seconds of this process have
+        passed (False, with a checkpoint a rerun resumes from)."""
         while not self.finished:
-            self.advance()
+            if until is not None and self.step >= until:
+                if self.checkpoint_step(self.root, self.spec.name, [lr for lr, _ in self.runs], self.seeds) != \
+                        self.step:
+                    self.save_checkpoint()
+                return False
+            self.advance(until)
             if budget_s is not None and self.wall - self.wall_before > budget_s and not self.finished:
                 self.save_checkpoint()
                 return False
@@ -196,6 +219,7 @@ class StackedArm:
                 write_run_json(Path(results) / f"{run_name(self.spec.name, lr, seed)}.json", result, evals)
             out.append(result)
         self.checkpoint.unlink(missing_ok=True)
+        self.checkpoint.with_name("checkpoint.json").unlink(missing_ok=True)
         return out
 
 
@@ -271,14 +295,14 @@ def split_unit(unit: dict) -> list[dict]:
     raise ValueError(f"unit {unit['name']} is one run of {unit['flops']:.3g} FLOPs: it cannot fit a shard")
 
 
-def pack_shards(units: Sequence[dict], limit_flops: float) -> list[list[dict]]:
-    """Units (dicts with ``flops``) in order into the fewest shards of at most ``limit_flops`` each, as even as a
-    sequential split allows; a unit over the limit is split (:func:`split_unit`) until its parts fit, and a single
-    run over the limit is an error (the design must shrink)."""
+def pack_shards(units: Sequence[dict], limit_flops: float, key: str = "flops") -> list[list[dict]]:
+    """Units (dicts with ``flops``, or the cost named by ``key``) in order into the fewest shards of at most
+    ``limit_flops`` each, as even as a sequential split allows; a unit over the limit is split (:func:`split_unit`)
+    until its parts fit, and a single run over the limit is an error (the design must shrink)."""
     fitting, pending = [], list(units)
     while pending:
         unit = pending.pop(0)
-        if unit["flops"] > limit_flops:
+        if unit[key] > limit_flops:
             try:
                 pending[:0] = split_unit(unit)
             except ValueError as error:
@@ -286,13 +310,13 @@ def pack_shards(units: Sequence[dict], limit_flops: float) -> list[list[dict]]:
         else:
             fitting.append(unit)
     units = fitting
-    total = sum(unit["flops"] for unit in units)
+    total = sum(unit[key] for unit in units)
     count = max(1, math.ceil(total / limit_flops)) if units else 0
     while units:
         target, shards, current = total / count, [], []
         for unit in units:
-            if current and (sum(u["flops"] for u in current) + unit["flops"] > limit_flops
-                            or (sum(u["flops"] for u in current) >= target and len(shards) < count - 1)):
+            if current and (sum(u[key] for u in current) + unit[key] > limit_flops
+                            or (sum(u[key] for u in current) >= target and len(shards) < count - 1)):
                 shards.append(current)
                 current = []
             current.append(unit)
@@ -351,6 +375,353 @@ def shard_table(results: Path, shards: dict, done, assumed_rate: float, command:
     return lines
 
 
+def lower_in_every_seed(best: dict, first: str, second: str, width: int, seeds: Sequence[int],
+                        margin: float) -> bool:
+    """The designs' comparison: ``first`` is *lower* than ``second`` at ``width`` when its score is lower by at
+    least ``margin`` in every seed (``best[arm, width, seed]``, the rule's score)."""
+    return all(best[second, width, seed] - best[first, width, seed] >= margin for seed in seeds)
+
+
+def majority(count: int, widths: Sequence[int]) -> bool:
+    """More than half of ``widths``: the designs' NO needs a baseline lower at a majority of the widths (2 of 3;
+    the one width of a CPU design)."""
+    return 2 * count > len(widths)
+
+
+# ---------------------------------------------------------------------------------------------------- CPU designs
+#
+# A CPU design's unit is ONE run (stacking runs saves little on a CPU); its shards are sized in CPU-minutes of one
+# thread at the rates its committed CPU pilot measured (results/<design>/pilot.json). Short runs pack into shards of
+# at most CPU_SHARD_MINUTES; a longer run is cut into consecutive *segments* of equal steps, one shard each, the later
+# continuing the earlier's checkpoint in the working folder (--out, on the same machine). Every shard command writes a
+# small record, results/<design>/shards/<id>.json (the steps each run reached, thread and wall seconds), committed:
+# it is what says that a segment whose run has not finished is done.
+
+CPU_SHARD_MINUTES = 120.0  # at most about two CPU-hours of one thread, at the pilot's measured rates
+CPU_SHARD_BUDGET_S = 9_000.0  # a CPU shard's default --budget-s (wall): a shard stopped by it resumes when rerun
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; the platform's processor string elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def cpu_rates(results: Path, assumed: dict) -> tuple[dict, str]:
+    """Rate key -> {"step_s", "eval_s", "setup_s"} (thread seconds of one thread: a training step, an evaluation, a
+    shard process's setup) from the CPU pilot summary committed as ``results/pilot.json``, else ``assumed``; and
+    where they came from."""
+    pilot = Path(results) / "pilot.json"
+    if pilot.exists():
+        summary = json.loads(pilot.read_text())
+        if summary.get("design") == "cpu" and not summary.get("tiny"):
+            rates = dict(assumed)
+            rates.update({key: {name: arm[name] for name in ("step_s", "eval_s", "setup_s")}
+                          for key, arm in summary["arms"].items() if arm["measured"]})
+            left = sorted(key for key in assumed if key not in rates or not summary["arms"].get(key, {}).get(
+                "measured"))
+            return rates, (f"measured by the CPU pilot ({summary['machine']}, one thread)" +
+                           (f"; assumed for {', '.join(left)}" if left else ""))
+    return dict(assumed), "assumed (no CPU pilot committed yet)"
+
+
+def evaluations_between(steps: int, eval_every: int, start: int, until: int) -> int:
+    """The evaluations a :class:`StackedArm` of ``steps`` steps makes while it trains from ``start`` to ``until``
+    (the one at step 0 when ``start`` is 0, then every ``eval_every`` steps and at the end)."""
+    return (start == 0) + sum(1 for step in range(start + 1, until + 1) if step % eval_every == 0 or step == steps)
+
+
+def run_minutes(unit: dict, rates: dict, start: int = 0, until: Optional[int] = None) -> float:
+    """CPU minutes of steps ``start``..``until`` of a run unit ({"steps", "eval_every", "rate"}): its steps, its
+    evaluations in that range and one process setup, at ``rates[unit["rate"]]``."""
+    rate = rates[unit["rate"]]
+    until = unit["steps"] if until is None else until
+    evals = evaluations_between(unit["steps"], unit["eval_every"], start, until)
+    return ((until - start) * rate["step_s"] + evals * rate["eval_s"] + rate["setup_s"]) / 60
+
+
+def cpu_shards(stages: Sequence[tuple[str, Sequence[dict]]], rates: dict,
+               limit: float = CPU_SHARD_MINUTES) -> dict[str, list[dict]]:
+    """Shard id -> segments of a CPU design. ``stages``: (id prefix, run units) in order; a unit is a dict with
+    ``name`` (unique), ``arm``, ``lr`` (None until the design's rule picks it), ``seed``, ``steps``, ``eval_every``,
+    ``rate`` (a key of ``rates``). Within a stage, consecutive runs of at most ``limit`` minutes pack into shards
+    (:func:`pack_shards`); a longer run becomes ceil(minutes / limit) or more segments of equal steps, one shard each.
+    A segment is the unit with ``start``, ``until``, ``part``, ``parts``, ``minutes``, ``shard`` and ``after`` (the
+    shard of its previous segment, None for the first) added."""
+    out: dict[str, list[dict]] = {}
+    for prefix, units in stages:
+        shards, pending = [], []
+
+        def flush():
+            if pending:
+                whole = [dict(unit, start=0, until=unit["steps"], part=1, parts=1, minutes=run_minutes(unit, rates))
+                         for unit in pending]
+                shards.extend(pack_shards(whole, limit, key="minutes"))
+                pending.clear()
+
+        for unit in units:
+            minutes = run_minutes(unit, rates)
+            if minutes <= limit:
+                pending.append(unit)
+                continue
+            flush()
+            parts = math.ceil(minutes / limit)
+            while True:  # each segment pays its own setup: add a segment until all fit
+                bounds = [round(unit["steps"] * part / parts) for part in range(parts + 1)]
+                segments = [dict(unit, start=a, until=b, part=part, parts=parts,
+                                 minutes=run_minutes(unit, rates, a, b))
+                            for part, (a, b) in enumerate(zip(bounds, bounds[1:]), start=1)]
+                if all(segment["minutes"] <= limit for segment in segments):
+                    break
+                parts += 1
+            shards.extend([segment] for segment in segments)
+        flush()
+        for index, members in enumerate(shards, start=1):
+            out[f"{prefix}{index}"] = members
+    where = {}
+    for sid, members in out.items():
+        for segment in members:
+            segment["shard"] = sid
+            segment["after"] = where.get((segment["name"], segment["part"] - 1))
+            where[segment["name"], segment["part"]] = sid
+    return out
+
+
+def segment_run(segment: dict) -> Optional[str]:
+    """The results name of a segment's run, None while its learning rate is not known."""
+    return None if segment["lr"] is None else run_name(segment["arm"], segment["lr"], segment["seed"])
+
+
+def read_shard_records(results: Path) -> dict[str, dict]:
+    """Shard id -> its committed record (``results/shards/<id>.json``)."""
+    folder = Path(results) / "shards"
+    return {path.stem: json.loads(path.read_text()) for path in sorted(folder.glob("*.json"))} if folder.exists() \
+        else {}
+
+
+def segment_done(segment: dict, names: set, records: dict) -> bool:
+    """A segment is done when its run has its results file, or when its shard's record says the run reached the
+    segment's last step."""
+    run = segment_run(segment)
+    if run is None:
+        return False
+    if run in names:
+        return True
+    reached = records.get(segment["shard"], {}).get("reached", {})
+    return reached.get(run, 0) >= segment["until"]
+
+
+def runnable_shards(shards: dict, names: set, records: dict) -> list[str]:
+    """Ids of the shards not done whose runs' learning rates are known and whose earlier segments are done."""
+    done = {sid: all(segment_done(s, names, records) for s in members) for sid, members in shards.items()}
+    return [sid for sid, members in shards.items() if not done[sid] and
+            all(segment_run(s) is not None and (s["after"] is None or done[s["after"]]) for s in members)]
+
+
+def cpu_shard_lines(shards: dict, rates_source: str, names: set, records: dict, command: str,
+                    limit: float = CPU_SHARD_MINUTES) -> list[str]:
+    """Markdown lines: per shard its runs (steps), the shard it continues, done, estimated CPU minutes and, once it
+    ran, the thread minutes its record measured; ``command`` has ``{id}``."""
+    lines = [f"One process, one thread per shard; rates {rates_source}; a shard is at most {limit:g} CPU-minutes at "
+             "those rates (a run longer than that is cut into segments, each continuing the previous one's "
+             "checkpoint).", "",
+             "| shard | runs (steps) | after | done | CPU minutes (est.) | thread minutes (measured) | command |",
+             "|---|---|---|---|---|---|---|"]
+    for sid, members in shards.items():
+        runs = ", ".join(f"{s['name']}" + (f" lr {s['lr']:g}" if s["lr"] is not None and " lr " not in s["name"]
+                                            else "") + (f" steps {s['start']:,}-{s['until']:,}" if s["parts"] > 1
+                                                        else f" ({s['steps']:,})") for s in members)
+        after = ", ".join(sorted({s["after"] for s in members if s["after"]})) or "-"
+        done = sum(segment_done(s, names, records) for s in members)
+        record = records.get(sid)
+        measured = "-" if record is None else f"{record['thread_s'] / 60:.0f}"
+        lines.append(f"| {sid} | {runs} | {after} | {done}/{len(members)} | "
+                     f"{sum(s['minutes'] for s in members):.0f} | {measured} | `{command.format(id=sid)}` |")
+    total = sum(s["minutes"] for members in shards.values() for s in members)
+    lines += ["", f"{len(shards)} shards, {total / 60:.1f} CPU-hours at these rates."]
+    return lines
+
+
+def cpu_progress(table: dict, names: set, records: dict, command: str) -> str:
+    """Shards done, CPU-hours their records measured, shards left and the commands that can start now."""
+    done = [sid for sid, members in table.items() if all(segment_done(s, names, records) for s in members)]
+    spent = sum(record["thread_s"] for record in records.values()) / 3600
+    ready = runnable_shards(table, names, records)
+    left = [sid for sid in table if sid not in done]
+    text = (f"shards done: {len(done)} of {len(table)} ({spent:.1f} CPU-hours measured); left: "
+            f"{', '.join(left) or 'none'}")
+    if ready:
+        text += "\nready to start (one process per core): " + "; ".join(command.format(id=sid) for sid in ready[:2])
+    return text
+
+
+def run_cpu_shard(shard_id: str, shards: dict, spec_of: Callable[[dict], ArmSpec], work: Path, results: Path,
+                  budget_s: Optional[float], compile_step: bool = False, checkpoints: int = 10,
+                  dtype: torch.dtype = torch.float32, chunk: int = 50) -> bool:
+    """Train a CPU shard's segments in order (one thread; one run a segment, resumable): each from its run's
+    checkpoint in ``work`` (a segment that continues a run refuses to start before the previous segment has
+    reached its first step) to its last step, writing the run's results file when the run ends. ``spec_of(segment)``
+    builds the run's :class:`ArmSpec`; ``checkpoints`` per run (and one at every segment end); ``dtype`` and
+    ``chunk`` as :class:`StackedArm`'s (float64 is for tests). Writes the shard's
+    record (:func:`read_shard_records`) and returns True when every segment is done, False when ``budget_s``
+    (wall seconds) stopped it first (a rerun resumes)."""
+    if shard_id not in shards:
+        raise SystemExit(f"shard: unknown id {shard_id!r}; the shards now are {', '.join(shards)}")
+    records_path = Path(results) / "shards" / f"{shard_id}.json"
+    record = json.loads(records_path.read_text()) if records_path.exists() else {
+        "shard": shard_id, "machine": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "step_mode": "compiled" if compile_step else "eager", "invocations": 0, "thread_s": 0.0, "wall_s": 0.0,
+        "reached": {}, "done": False}
+    thread, wall = time.thread_time(), time.perf_counter()
+    names = {path.stem for path in Path(results).glob("*_lr*_s*.json")}
+    finished, trained = True, False
+    for segment in shards[shard_id]:
+        run = segment_run(segment)
+        if run is None:
+            raise SystemExit(f"shard {shard_id}: {segment['name']} runs at a learning rate the design's grid picks; "
+                             "its grid (and edge) runs must finish first (`report` says what is left)")
+        if run in names:
+            continue
+        at = StackedArm.checkpoint_step(work, segment["arm"], [segment["lr"]], [segment["seed"]])
+        if segment["start"] > 0 and (at or 0) < segment["start"]:
+            raise SystemExit(f"shard {shard_id}: {run} continues from step {segment['start']:,}, but its checkpoint "
+                             f"in {work} is at step {at or 0:,}: run shard {segment['after']} first (same --out)")
+        if at is not None and at >= segment["until"]:
+            record["reached"][run] = max(at, record["reached"].get(run, 0))
+            continue
+        spec = spec_of(segment)
+        left = None if budget_s is None else budget_s - (time.perf_counter() - wall)
+        arm = StackedArm(spec, [segment["lr"]], [segment["seed"]], segment["steps"], segment["eval_every"], work,
+                         "cpu", checkpoint_every=max(1, segment["steps"] // checkpoints), chunk=chunk, dtype=dtype,
+                         compile_step=compile_step)
+        # a budget spent by earlier segments of this command stops it before the next; the first always trains (at
+        # least up to its first checkpoint, evaluation or chunk end)
+        complete = arm.run_until(left if left is None or left > 0 or not trained else 0.0, until=segment["until"]) \
+            if left is None or left > 0 or not trained else False
+        trained = True
+        if complete:
+            arm.finish(results=results)
+        record["reached"][run] = arm.step
+        print(f"shard {shard_id}: {run} at step {arm.step:,} of {segment['steps']:,} "
+              f"(segment {segment['part']}/{segment['parts']}, to step {segment['until']:,})", flush=True)
+        if arm.step < segment["until"]:
+            finished = False
+            print(f"stopped by --budget-s; rerun the command to resume", flush=True)
+            break
+    record.update(invocations=record["invocations"] + 1, done=finished,
+                  thread_s=round(record["thread_s"] + time.thread_time() - thread, 1),
+                  wall_s=round(record["wall_s"] + time.perf_counter() - wall, 1))
+    records_path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = records_path.with_name(records_path.name + ".tmp")
+    temporary.write_text(json.dumps(record, indent=1))
+    os.replace(temporary, records_path)
+    return finished
+
+
+def one_thread() -> None:
+    """A CPU design's process: one intra-op thread, and torch.compile's code generation in this thread too (no pool
+    of compile workers on the other core), so that its thread clock counts all of its work."""
+    torch.set_num_threads(1)
+    import torch._inductor.config as inductor_config
+
+    inductor_config.compile_threads = 1
+
+
+def cpu_pilot_markdown(summary: dict) -> str:
+    """The markdown table of a CPU pilot's summary (:func:`cpu_pilot`)."""
+    def rate(value):
+        return f"{value:,.1f}" if value < 100 else f"{value:,.0f}"
+
+    lines = [f"### CPU pilot ({summary['machine']}, one thread, torch {summary['torch']})", "",
+             f"{summary['steps_timed']} timed steps per arm after two warm-up steps; thread clock (wall in brackets); "
+             f"wall {summary['wall_s']:.0f} s in all.", "",
+             f"| arm | step | s a step | {summary.get('units', 'units')} a second | evaluation s | first step s | "
+             "setup s |", "|---|---|---|---|---|---|---|"]
+    for key, arm in summary["arms"].items():
+        mode = "compiled" if arm["compiled"] else "eager"
+        if not arm["measured"]:
+            lines.append(f"| {key} | {mode} | not measured (budget): assumed {arm['step_s']:.3f} | - | - | - | - |")
+            continue
+        lines.append(f"| {key} | {mode} | {arm['step_s']:.3f} ({arm['step_wall_s']:.3f}) | {rate(arm['units_per_s'])} "
+                     f"| {arm['eval_s']:.1f} ({arm['eval_wall_s']:.1f}) | {arm['first_step_s']:.1f} "
+                     f"({arm['first_step_wall_s']:.1f}) | {arm['setup_s']:.0f} |")
+    return "\n".join(lines)
+
+
+def cpu_pilot(arms: Sequence[tuple[str, Callable[[], ArmSpec], bool, float]], setup_s: float, out: Path,
+              results: Optional[Path], budget_s: float, started: float, assumed: dict, steps: int = 5,
+              summary: Optional[dict] = None) -> dict:
+    """A CPU design's pilot: for each arm (rate key, spec builder, compiled?, units (tokens or windows) per step), in
+    order while ``budget_s`` wall seconds since ``started`` last, one run of seed 0 at lr 1e-3 built as the shards
+    build it (:class:`StackedRuns`, one run): its build, its first step (the compile, when compiled), one more
+    warm-up step, ``steps`` timed steps on its own batches and one evaluation, on the thread clock (wall beside it).
+    Its rates ({"step_s", "eval_s", "setup_s"}: ``setup_s`` = ``setup_s`` (the caller's data loading) + build +
+    the first step's excess over a step) size the shards (:func:`cpu_rates`); an arm the budget leaves out keeps its
+    ``assumed`` rate and is marked so. Writes ``pilot.json`` and ``pilot.md`` to ``out`` and, with ``results``,
+    ``results/pilot.json`` (committed)."""
+    if results is not None and not (summary or {}).get("tiny") and read_shard_records(results):
+        raise SystemExit(f"pilot: {results} has shard records; the committed pilot.json fixed their layout (a new "
+                         "pilot would re-cut the shards under runs in progress): write the pilot elsewhere "
+                         "(--results) or remove the records first")
+    summary = dict(summary or {})
+    summary.update(design="cpu", machine=cpu_model(), threads=torch.get_num_threads(), torch=torch.__version__,
+                   steps_timed=steps, budget_s=budget_s, data_setup_s=round(setup_s, 1), arms={})
+    for key, build_spec, compiled, units in arms:
+        if time.perf_counter() - started > budget_s:
+            summary["arms"][key] = {**assumed[key], "measured": False, "compiled": compiled}
+            continue
+        thread = time.thread_time()
+        spec = build_spec()
+        torch.manual_seed(0)
+        model = spec.build(0)
+        multipliers = spec.lr_multipliers(model) if spec.lr_multipliers else None
+        stack = StackedRuns(model, [model.state_dict()], [1e-3], lr_multipliers=multipliers, compile_step=compiled)
+        build_s = time.thread_time() - thread
+
+        def batch_of(step):
+            return tuple(field[None] for field in spec.batch(0, step))
+
+        timings, losses = [], []
+        for step in range(steps + 2):
+            batch = batch_of(step)
+            thread, wall = time.thread_time(), time.perf_counter()
+            losses.append(float(stack.train_step(spec.loss, batch, 1.0)[0]))
+            timings.append((time.thread_time() - thread, time.perf_counter() - wall))
+        thread, wall = time.thread_time(), time.perf_counter()
+        metrics = {name: float(value[0]) for name, value in spec.evaluate(stack).items()}
+        eval_s, eval_wall_s = time.thread_time() - thread, time.perf_counter() - wall
+        step_s = sum(t for t, _ in timings[2:]) / steps
+        step_wall_s = sum(w for _, w in timings[2:]) / steps
+        summary["arms"][key] = {
+            "measured": True, "compiled": compiled, "step_s": round(step_s, 4), "step_wall_s": round(step_wall_s, 4),
+            "units_per_s": round(units / step_s, 1), "eval_s": round(eval_s, 4), "eval_wall_s": round(eval_wall_s, 4),
+            "first_step_s": round(timings[0][0], 2), "first_step_wall_s": round(timings[0][1], 2),
+            "setup_s": round(setup_s + build_s + max(0.0, timings[0][0] - step_s), 1), "losses": losses,
+            "evaluation": metrics, "flops_per_step": spec.flops_per_step,
+            "flops_per_s": round(spec.flops_per_step / step_s, 1)}
+        print(f"pilot {key}: {step_s:.3f} s a step ({units / step_s:,.1f} a second), evaluation {eval_s:.1f} s, "
+              f"first step {timings[0][0]:.1f} s (thread)", flush=True)
+    summary["wall_s"] = round(time.perf_counter() - started, 1)
+    lines = cpu_pilot_markdown(summary).splitlines()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "pilot.json").write_text(json.dumps(summary, indent=1))
+    (out / "pilot.md").write_text("\n".join(lines) + "\n")
+    if results is not None and not summary.get("tiny"):
+        Path(results).mkdir(parents=True, exist_ok=True)
+        (Path(results) / "pilot.json").write_text(json.dumps(summary, indent=1))
+        (Path(results) / "pilot.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+    return summary
+
+
 def probe_arm(spec: ArmSpec, lrs: Sequence[float], device: str = "cpu", steps: int = 2) -> dict:
     """Train ``spec``'s runs (seed 0, ``lrs`` stacked) for ``steps`` steps without writing anything: the wall time of
     the last step and, on CUDA, the peak memory. An out-of-memory error is reported, not raised (a pilot checks
@@ -379,6 +750,57 @@ def probe_arm(spec: ArmSpec, lrs: Sequence[float], device: str = "cpu", steps: i
     finally:
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def step_timing(specs: Sequence[ArmSpec], repeats: int = 5, warmup: int = 1, runs: int = 1) -> list[dict]:
+    """Thread time (``time.thread_time``: this thread's CPU seconds, so other processes on the cores do not count) of
+    one training step of each spec's stack of ``runs`` runs, eager against compiled
+    (``StackedRuns(compile_step=True)``): both built from the same initial state, ``warmup`` steps each first (the
+    compiled stack's first step is the compile, timed apart in wall and thread seconds), then ``repeats`` steps of
+    each, interleaved step by step in one process, on the batch of the spec's step 0. Returns per spec
+    {"arm", "runs", "eager_ms", "compiled_ms", "eager_wall_ms", "compiled_wall_ms", "compile_s",
+    "compile_thread_s", "saving"} (``saving`` = 1 - compiled / eager thread time)."""
+    rows = []
+    for spec in specs:
+        torch.manual_seed(0)
+        template = spec.build(0)
+        multipliers = spec.lr_multipliers(template) if spec.lr_multipliers else None
+        states = [template.state_dict()] * runs
+        stacks = {mode: StackedRuns(copy.deepcopy(template), states, [1e-3] * runs, lr_multipliers=multipliers,
+                                    compile_step=mode == "compiled") for mode in ("eager", "compiled")}
+        batch = tuple(field[None].expand(runs, *field.shape).contiguous() for field in spec.batch(0, 0))
+        wall, thread = time.perf_counter(), time.thread_time()
+        stacks["compiled"].train_step(spec.loss, batch, 1.0)
+        compile_s, compile_thread_s = time.perf_counter() - wall, time.thread_time() - thread
+        for mode in ("eager", "compiled"):
+            for _ in range(warmup if mode == "eager" else warmup - 1):
+                stacks[mode].train_step(spec.loss, batch, 1.0)
+        totals = {(mode, clock): 0.0 for mode in stacks for clock in ("thread", "wall")}
+        for _ in range(repeats):
+            for mode, stack in stacks.items():
+                wall, thread = time.perf_counter(), time.thread_time()
+                stack.train_step(spec.loss, batch, 1.0)
+                totals[mode, "thread"] += time.thread_time() - thread
+                totals[mode, "wall"] += time.perf_counter() - wall
+        row = {"arm": spec.name, "runs": runs, "repeats": repeats, "compile_s": round(compile_s, 1),
+               "compile_thread_s": round(compile_thread_s, 1)}
+        for mode in stacks:
+            row[f"{mode}_ms"] = round(1000 * totals[mode, "thread"] / repeats, 1)
+            row[f"{mode}_wall_ms"] = round(1000 * totals[mode, "wall"] / repeats, 1)
+        row["saving"] = round(1 - row["compiled_ms"] / row["eager_ms"], 3)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def merge_timing(path: Path, rows: list[dict], fields: dict) -> None:
+    """Write ``rows`` into the timing record ``path``, replacing earlier rows of the same arms."""
+    record = json.loads(path.read_text()) if path.exists() else {"rows": []}
+    kept = [row for row in record["rows"] if row["arm"] not in {r["arm"] for r in rows}]
+    record.update(machine=cpu_model(), torch=torch.__version__, threads=torch.get_num_threads(), **fields,
+                  rows=kept + [dict(row, machine=cpu_model()) for row in rows])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1))
 
 
 # ------------------------------------------------------------------------------------ the design scripts' shared CLI
@@ -435,30 +857,44 @@ def probe_markdown(summary: dict, label: str) -> list:
     return lines
 
 
-def design_arguments(argv, description: str, design_out: str, pilot_out: str,
-                     results: str = "results") -> argparse.Namespace:
-    """The command line of a design script (``plan [--shards]``, ``shard ID``, ``run``, ``report``, ``pilot``),
-    checked: a positive budget, a cpu / cuda[:index] device that exists for ``shard``, ``run`` and ``pilot``, a new or
-    empty folder for a pilot, an id for ``shard``. Turns TF32 matmuls on for CUDA (the throughput the designs'
-    estimates assume)."""
+def design_arguments(argv, description: str, design_out: str, pilot_out: str, results: str = "results",
+                     designs: Optional[dict] = None) -> argparse.Namespace:
+    """The command line of a design script (``plan [--shards]``, ``shard ID``, ``run``, ``report``, ``pilot``,
+    ``time``), checked: a positive budget, a cpu / cuda[:index] device that exists for ``shard``, ``run`` and
+    ``pilot``, a new or empty folder for a pilot, an id for ``shard``. ``designs``: name -> (results, work folder,
+    pilot folder) of the script's registered designs (``--design``, the first the default); ``--design cpu`` runs
+    on one CPU thread (:func:`one_thread`), its shards with ``--budget-s`` :data:`CPU_SHARD_BUDGET_S` unless given
+    and its pilot with 1,100 s. Turns TF32 matmuls on for CUDA (the throughput the GPU designs' estimates assume)."""
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("command", choices=["plan", "shard", "run", "report", "pilot"])
+    parser.add_argument("command", choices=["plan", "shard", "run", "report", "pilot", "time"])
     parser.add_argument("shard_id", nargs="?", help="shard: its id (plan --shards lists them)")
+    parser.add_argument("--design", choices=list(designs or {"gpu": None}), default=next(iter(designs or {"gpu": 0})),
+                        help="the registered design (default: the first)")
     parser.add_argument("--shards", action="store_true", help="plan: the shards, their FLOPs and minutes")
-    parser.add_argument("--results", default=results, help=f"the committed results files (default {results})")
+    parser.add_argument("--results", help=f"the committed results files (default {results}, or the design's)")
     parser.add_argument("--out", help=f"working folder: progress, checkpoints (default {design_out}; pilot "
-                                      f"{pilot_out})")
+                                      f"{pilot_out}; or the design's)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:<index>")
     parser.add_argument("--budget-s", dest="budget_s", type=float, help="wall seconds (pilot default 170)")
     parser.add_argument("--tiny", action="store_true", help="pilot: the CPU rehearsal")
+    parser.add_argument("--eager", action="store_true", help="CPU design: do not compile the training step")
+    parser.add_argument("--arms", nargs="*", help="time: only these arms / variants")
     args = parser.parse_args(argv)
+    if designs:
+        results, design_out, pilot_out = designs[args.design]
+    cpu = args.design == "cpu"
+    args.results = args.results or results
     args.out = args.out or (pilot_out if args.command == "pilot" else design_out)
     if args.command == "pilot" and args.budget_s is None:
-        args.budget_s = 170.0
+        args.budget_s = 1_100.0 if cpu else 170.0
+    if args.command == "shard" and cpu and args.budget_s is None:
+        args.budget_s = CPU_SHARD_BUDGET_S
     if args.budget_s is not None and not args.budget_s > 0:
         parser.error(f"--budget-s must be positive, got {args.budget_s}")
     if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
         parser.error(f"--device must be cpu or cuda[:index], got {args.device!r}")
+    if cpu and args.device != "cpu":
+        parser.error("--design cpu runs on the CPU (--device cpu)")
     if args.command == "shard" and not args.shard_id:
         parser.error("shard needs an id (plan --shards lists them)")
     if args.device.startswith("cuda") and args.command in ("run", "shard", "pilot") and not torch.cuda.is_available():
@@ -467,4 +903,6 @@ def design_arguments(argv, description: str, design_out: str, pilot_out: str,
         parser.error(f"--out {args.out} is not empty: a pilot starts from scratch in a new folder")
     if args.device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = True
+    if cpu:
+        one_thread()
     return args
