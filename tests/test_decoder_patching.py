@@ -372,7 +372,7 @@ def test_mlr_classes_do_not_claim_serving_engines_attention_backends(arch):
 
 
 def test_save_and_load_with_remote_code_without_the_plugin(tmp_path):
-    from test_remote_code import run_isolated
+    from model_helpers import run_isolated
 
     checks = []
     for arch in ("llama", "gpt2"):  # one RoPE + GQA model, one learned-position model; one interpreter for both
@@ -548,7 +548,7 @@ def test_every_tested_architecture_reloads_bare_generates_and_saves(tmp_path):
     """Reloaded with trust_remote_code where hf_structattn cannot be imported (transformers builds its own subclass
     of a remote class), every tested architecture generates without a cache and saves again (a class found twice in
     the MRO made Phi-3 recurse forever)."""
-    from test_remote_code import run_isolated
+    from model_helpers import run_isolated
 
     paths = []
     for arch in ARCHS:

@@ -35,9 +35,9 @@ def test_install_records_the_geometry_the_module_scaling_and_its_query_groups():
     assert config.mlr_scaling == attention.scaling == attention.head_dim ** -0.5
     gpt2 = tiny_lm("mlr").transformer.h[0].attn
     assert gpt2.config.mlr_query_groups == 1 and gpt2.config.mlr_scaling == gpt2.scaling
-    from test_t5_models import MLR, tiny_t5
+    from model_helpers import T5_MLR, tiny_structattn_t5
 
-    t5 = tiny_t5(**MLR).decoder.block[0].layer[0].SelfAttention
+    t5 = tiny_structattn_t5(**T5_MLR).decoder.block[0].layer[0].SelfAttention
     assert t5.config.mlr_query_groups == 1 and t5.config.mlr_scaling == 1.0
 
 

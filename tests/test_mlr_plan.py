@@ -197,9 +197,9 @@ def test_a_plan_made_without_padding_flags_shares_the_geometrys_all_real_table()
 def test_a_t5_decoder_plans_its_relative_bias_at_the_slots():
     """T5's decoder self-attention over the MLR cache: its relative bias (here a stand-in over the token indices) is
     read at the cache's slots while the forward is planned (a general read carrying it), once for every layer."""
-    from test_t5_models import MLR, tiny_t5
+    from model_helpers import T5_MLR, tiny_structattn_t5
 
-    model = tiny_t5(**MLR).double()
+    model = tiny_structattn_t5(**T5_MLR).double()
     ids = torch.randint(2, 50, (2, 9), generator=torch.Generator().manual_seed(3))
     decoder_ids = torch.randint(2, 50, (2, 5), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():

@@ -1,10 +1,6 @@
 """Saved checkpoints load with trust_remote_code in an interpreter that cannot import hf_structattn."""
 
 import json
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -12,31 +8,7 @@ import torch
 from hf_structattn.tokenization import build_byte_tokenizer
 
 from conftest import tiny_lm
-
-BLOCK_IMPORT = textwrap.dedent("""
-    import importlib.abc, sys
-    class _Block(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name == "hf_structattn" or name.startswith("hf_structattn."):
-                raise ImportError("hf_structattn is deliberately not importable here")
-    sys.meta_path.insert(0, _Block())
-    try:
-        import hf_structattn  # noqa: F401
-    except ImportError:
-        pass
-    else:
-        raise SystemExit("hf_structattn was importable")
-""")
-
-
-def run_isolated(script: str, workdir) -> str:
-    """Run ``script`` in a fresh interpreter that cannot import hf_structattn; returns stdout."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(HF_MODULES_CACHE=str(workdir / "modules"), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    result = subprocess.run([sys.executable, "-c", BLOCK_IMPORT + textwrap.dedent(script)], cwd=workdir, env=env,
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
-    return result.stdout
+from model_helpers import run_isolated
 
 
 @pytest.mark.parametrize("variant", ["mixed", "bilinear_btt"])
