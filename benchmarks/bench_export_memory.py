@@ -19,7 +19,7 @@ import transformers
 
 from hf_structattn.decoder_patching import mlr_config_class
 from hf_structattn.flops import decoder_cache_report
-from hf_structattn.modeling.structattn_geometry import default_block_sizes
+from hf_structattn.modeling.structattn_config_rules import default_block_sizes
 
 RANKS = [32, 8, 8, 8, 4, 4]
 SHAPE = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,

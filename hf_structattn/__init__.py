@@ -13,7 +13,7 @@ from transformers import AutoConfig
 from .modeling.modeling_structattn_chronos_bolt import StructAttnChronosBoltConfig
 from .modeling.configuration_structattn_gpt2 import StructAttnGPT2Config
 from .modeling.configuration_structattn_t5 import StructAttnT5Config
-from .modeling.structattn_geometry import FIRST_CONFIG_HOOKS
+from .modeling.structattn_config_rules import FIRST_CONFIG_HOOKS
 
 __version__ = "0.1.0"
 
@@ -41,9 +41,9 @@ _LAZY = {
     "MLRKeyCacheLayer": "modeling.structattn_cache",
     "MLRStaticKeyCacheLayer": "modeling.structattn_cache",
     "MLRGeometry": "modeling.structattn_geometry",
-    "default_block_sizes": "modeling.structattn_geometry",
-    "resolve_level_scales": "modeling.structattn_geometry",
-    "validate_mlr_geometry": "modeling.structattn_geometry",
+    "default_block_sizes": "modeling.structattn_config_rules",
+    "resolve_level_scales": "modeling.structattn_config_rules",
+    "validate_mlr_geometry": "modeling.structattn_config_rules",
     "mlr_attention": "modeling.structattn_mlr",
     "mlr_exportable_decoder": "modeling.structattn_prepare",
     "mlr_attention_reference": "modeling.structattn_reference",

@@ -4,13 +4,13 @@ hf_structattn_cli`` runs it), which imports this module once a command runs.
 """
 
 import json
-import os
 import re
-import secrets
 import shutil
 from pathlib import Path
 
 import torch
+
+from .command_io import CliError, check_out_dir, save_atomically  # noqa: F401  (CliError: hf_structattn_cli's)
 
 # files the converted model writes itself, and the source's model card (it describes the unconverted model); weight
 # files of the source (single, sharded, other formats) never travel either
@@ -20,14 +20,6 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msg
 _SOURCE_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                    "pytorch_model.bin.index.json")
 _PATCHED_MODEL_TYPES = ("structattn_t5", "structattn_chronos_bolt")
-
-
-class CliError(Exception):
-    """A user-facing failure: one line on stderr, exit code ``code`` (2: bad input, 1: writing failed)."""
-
-    def __init__(self, message: str, code: int = 2):
-        super().__init__(message)
-        self.code = code
 
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
@@ -88,81 +80,12 @@ def _checkpoint_kind(src: Path, config: dict) -> str:
     return "t5"
 
 
-def _check_out_dir(out: Path) -> None:
-    if out.exists() and not out.is_dir():
-        raise CliError(f"OUT_DIR {out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()):
-        raise CliError(f"OUT_DIR {out} exists and is not empty")
-    for parent in out.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise CliError(f"OUT_DIR {out}: {parent} is not a directory")
-            break
-
-
 def _one_line(error: Exception) -> str:
     return f"{type(error).__name__}: {' '.join(str(error).split())}"
 
 
 def _is_weight_file(name: str) -> bool:
     return name.endswith(_WEIGHT_SUFFIXES)
-
-
-def _partial_pattern(out: Path) -> "re.Pattern":
-    return re.compile(rf"\.{re.escape(out.name)}\.partial-(\d+)-[0-9a-f]{{8}}")
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: alive
-        return True
-    except OverflowError:
-        return False
-    return True
-
-
-def remove_stale_partials(out: Path) -> list[Path]:
-    """Delete the hidden staging folders of earlier writes of ``out`` whose writer is gone (killed, e.g. by
-    ``kill -9``, which no ``finally`` survives): folders next to ``out`` named exactly
-    ``.<name>.partial-<pid>-<8 hex>`` (the pattern :func:`save_atomically` creates) whose process no longer exists.
-    Folders of a live writer, of another output, symlinks and files are left alone. Returns what was removed."""
-    if not out.parent.is_dir():
-        return []
-    pattern, removed = _partial_pattern(out), []
-    for entry in out.parent.iterdir():
-        match = pattern.fullmatch(entry.name)
-        if match is None or entry.is_symlink() or not entry.is_dir() or _process_alive(int(match.group(1))):
-            continue
-        shutil.rmtree(entry, ignore_errors=True)
-        removed.append(entry)
-    return removed
-
-
-def save_atomically(out: Path, write) -> None:
-    """Call ``write(folder)`` on a fresh hidden folder next to ``out`` and rename it to ``out`` (which must be
-    absent or empty). On any failure, interruption included, the folder and the parents this call created are
-    removed and the error is re-raised: ``out`` either appears complete or not at all. A process killed outright
-    (``kill -9``) cannot clean up; its folder is removed by the next write of the same ``out``
-    (:func:`remove_stale_partials`)."""
-    created = [parent for parent in out.parents if not parent.exists()]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_partials(out)
-    staging = out.parent / f".{out.name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
-    staging.mkdir()
-    try:
-        write(staging)
-        os.rename(staging, out)  # replaces an empty directory; fails (ENOTEMPTY) if someone filled it meanwhile
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        for parent in created:  # innermost first
-            try:
-                parent.rmdir()
-            except OSError:
-                break
-        raise
 
 
 def _synthetic_context(batch: int = 4, length: int = 96) -> torch.Tensor:
@@ -295,7 +218,7 @@ def patch_command(args) -> int:
 
     src, out = Path(args.src_dir), Path(args.out_dir)
     _check_source_dir(src)
-    _check_out_dir(out)
+    check_out_dir(out)
     config = _read_config(src)
     kind = _checkpoint_kind(src, config)
     fields = {}

@@ -38,7 +38,7 @@ from .modeling.structattn_decoder import (
     rotary_dims,
     stored_dim_order,
 )
-from .modeling.structattn_geometry import default_block_sizes, validate_mlr_geometry
+from .modeling.structattn_config_rules import default_block_sizes, validate_mlr_geometry
 
 ATTENTION_NAME = "mlr"
 SLIDING_WINDOW_CHOICES = ("refuse", "replace")

@@ -32,7 +32,7 @@ from typing import Any, Optional, Sequence
 
 from .modeling.structattn_bilinear import default_btt_factors as _default_btt_factors
 from .modeling.structattn_bilinear import validate_bilinear_mlr, validate_btt
-from .modeling.structattn_geometry import check_block_sizes, check_int, check_ranks, default_block_sizes
+from .modeling.structattn_config_rules import check_block_sizes, check_int, check_ranks, default_block_sizes
 
 VARIANTS = ("dense", "mlr", "bilinear_mlr", "bilinear_btt", "swa")
 

@@ -65,12 +65,12 @@ def describe(run) -> list[str]:
 def copy_to_folder(output_dir: str | Path, target: str | Path):
     """Copy exactly the files an upload would send into ``target`` (absent or empty; written atomically): the local
     rehearsal of a push. Returns the finished run."""
-    from .cli import CliError, _check_out_dir, save_atomically
+    from .command_io import CliError, check_out_dir, save_atomically
 
     run, dest = finished(output_dir), Path(target)
     out = run.folder
     try:
-        _check_out_dir(dest)
+        check_out_dir(dest)
     except CliError as error:
         raise PushError(str(error).replace("OUT_DIR", "--to-folder", 1)) from None
     if dest.resolve() == out.resolve() or out.resolve() in dest.resolve().parents:

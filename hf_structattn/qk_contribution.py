@@ -28,7 +28,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .conversion import convert_model
 from .modeling.structattn_decoder_spec import attention_modules
-from .modeling.structattn_install import _LayerConfigView
+from .modeling.structattn_install import LayerConfigView
 
 QK_PROBE_ATTENTION = "structattn_qk_probe"
 
@@ -65,7 +65,7 @@ class QKNormRecord:
         return {group: float(value) for group, value in zip(self.groups, total)}
 
 
-class _ProbeLayerConfig(_LayerConfigView):
+class _ProbeLayerConfig(LayerConfigView):
     """The config view a probed attention module reads: ``_attn_implementation`` names the probe, which finds the
     record here and the implementation to run in the model's own config."""
 

@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -66,6 +67,19 @@ def tiny_model_factory():
     return tiny_lm
 
 
+@pytest.fixture
+def logged_warnings(caplog):
+    """The warnings this package logs once per message (transformers' ``logger.warning_once``): ``caplog`` with the
+    once-cache cleared first, so that an earlier test's warning does not hide this test's."""
+    import logging
+
+    import transformers.utils.logging  # noqa: F401  (installs ``Logger.warning_once``)
+
+    logging.Logger.warning_once.cache_clear()
+    caplog.set_level(logging.WARNING)
+    return caplog
+
+
 @pytest.fixture(scope="session")
 def smollm2_folder():
     """The converted SmolLM2-135M-Instruct folder of the real-weights tier (``hf_structattn.real_weights``): installed
@@ -86,3 +100,12 @@ def smollm2(smollm2_folder):
     from hf_structattn.real_weights import load_smollm2
 
     return load_smollm2(torch.float32)
+
+
+def upload_folder_sends(folder_path, allow_patterns=None, ignore_patterns=None, **_) -> list[str]:
+    """What ``HfApi.upload_folder`` sends from a folder: every file its listing finds (``glob("**/*")``, files and
+    symlinks to files), filtered by huggingface_hub's own ``filter_repo_objects`` with the call's patterns."""
+    from huggingface_hub.utils import filter_repo_objects
+
+    listing = sorted(p.relative_to(folder_path).as_posix() for p in Path(folder_path).glob("**/*") if p.is_file())
+    return list(filter_repo_objects(listing, allow_patterns=allow_patterns, ignore_patterns=ignore_patterns))

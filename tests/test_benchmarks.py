@@ -269,17 +269,56 @@ def test_bench_decode_ab_main_job_model_has_the_main_jobs_config():
         bench_decode_ab.parse_args(["--against", "HEAD", "--model", "main-job", "--prompt", "250", "--steps", "10"])
 
 
-def test_bench_trace_calls_counts_one_attention_modules_step(capsys):
-    """The trace of one decode step: counts for every model, consistent with their definitions, and the patched
-    decoder runs more Python than stock Llama (it adds the MLR cache's write and the MLR read)."""
+def test_bench_trace_calls_counts_the_first_and_a_later_layer_and_the_whole_forward(capsys):
+    """The trace of eager decode steps: counts for every model, consistent with their definitions; the forward's
+    whole plan is made before its first layer, so the first MLR layer runs what a later one runs and re-enters no
+    payload file; a patched 8-layer Llama's whole forward runs at most 1.15x stock Llama's Python calls."""
     import bench_trace_calls
 
     results = bench_trace_calls.main([])
     stock = results["stock Llama (DynamicCache, SDPA)"]
-    for counts in results.values():
-        assert 0 < counts["files"] <= counts["calls"] and counts["re-entries"] <= counts["file changes"]
-    assert results["patched Llama (MLR 8|4|2|2)"]["calls"] > stock["calls"]
+    for result in results.values():
+        for counts in result.values():
+            assert 0 <= counts["package files"] <= counts["package runs"] <= counts["package calls"] <= \
+                counts["calls"] and counts["re-entries"] < max(counts["package runs"], 1)
+    patched = results["patched Llama, 8 layers (MLR 8|4|2|2)"]
+    for name in ("GPT-2 MLR (main job's model)", "patched Llama, 8 layers (MLR 8|4|2|2)"):
+        first, later = results[name]["first layer"], results[name]["later layer"]
+        assert first["package calls"] - later["package calls"] <= 5 and first["re-entries"] == 0, (name, first, later)
+    assert patched["later layer"]["calls"] > stock["later layer"]["calls"]  # the MLR write and read
+    assert patched["forward"]["calls"] <= 1.15 * stock["forward"]["calls"], (patched, stock)
     assert "| stock Llama (DynamicCache, SDPA) |" in capsys.readouterr().out
+
+
+def test_bench_checkpoint_code_lists_what_each_family_ships():
+    """Each family's checkpoint ships the code its family runs: the patched-decoder spec only with patched decoders,
+    the GPT-2 family's bilinear attention functions only with it, the configuration files not with patched decoders
+    (their configs are transformers' own); the Triton kernel with every family (the uncached op runs it on CUDA; it
+    is imported on the first CUDA call only)."""
+    import bench_checkpoint_code
+
+    results = bench_checkpoint_code.main([])
+    gpt2, t5 = results["GPT-2 family"], results["T5 family"]
+    decoder = results["patched decoder (MLRLlama)"]
+    assert "structattn_decoder_spec.py" not in gpt2 and "structattn_decoder_spec.py" not in t5
+    assert "structattn_decoder_spec.py" in decoder and "structattn_decoder.py" in decoder
+    assert "structattn_bilinear_attention.py" in gpt2
+    assert not any(name.startswith("configuration_") or name.startswith("structattn_bilinear") for name in decoder)
+    assert all("structattn_triton.py" in files and "structattn_mlr_plan.py" in files for files in results.values())
+    assert all(count > 0 for files in results.values() for count in files.values())
+
+
+def test_bench_half_read_times_both_reads_and_restores_the_dtypes():
+    """Both reads of half-precision decode steps are timed against the float64 model (errors at bfloat16's
+    resolution), and the dtypes the in-step read takes are this process's again afterwards."""
+    import bench_half_read
+    from hf_structattn.modeling import structattn_mlr_plan
+
+    before = structattn_mlr_plan.READ_DTYPES
+    result = bench_half_read.main(["--prompt", "16", "--steps", "2", "--warmup", "1"])
+    assert structattn_mlr_plan.READ_DTYPES is before and torch.bfloat16 in before
+    assert all(value > 0 for value in result["medians"].values()) and result["ratio"] > 0
+    assert all(error < 0.1 for error in result["errors"].values())
 
 
 def test_bench_decode_ab_restores_the_registries_it_writes_to():

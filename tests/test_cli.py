@@ -16,7 +16,7 @@ import transformers
 import hf_structattn
 from hf_structattn_cli import main
 
-from test_patching import contexts, tiny_bolt, tiny_t5
+from model_helpers import chronos_contexts, tiny_bolt, tiny_stock_t5
 
 chronos = pytest.importorskip("chronos")
 from chronos import BaseChronosPipeline  # noqa: E402
@@ -32,7 +32,7 @@ def _limit_file_size(limit_bytes):
 
 
 def test_failure_while_writing_leaves_no_out_dir_and_a_rerun_succeeds(tmp_path, capsys):
-    tiny_t5().save_pretrained(tmp_path / "t5")  # ~220 kB of weights
+    tiny_stock_t5().save_pretrained(tmp_path / "t5")  # ~220 kB of weights
     weights = (tmp_path / "t5" / "model.safetensors").stat().st_size
     limit = 64 * 1024  # config.json and the payload code fit, the weights do not: a real full-disk style failure
     assert weights > 2 * limit
@@ -56,7 +56,7 @@ def test_failure_while_writing_leaves_no_out_dir_and_a_rerun_succeeds(tmp_path, 
 
 def test_sharded_source_leaves_no_stale_weights_and_side_files_travel(tmp_path, capsys):
     source = tmp_path / "sharded"
-    original = tiny_t5()
+    original = tiny_stock_t5()
     original.save_pretrained(source, max_shard_size="60KB")
     shards = sorted(p.name for p in source.glob("model-*-of-*.safetensors"))
     assert len(shards) > 1 and (source / "model.safetensors.index.json").is_file()
@@ -96,7 +96,7 @@ def _expect_refusal(capsys, argv, *fragments):
 
 def test_unusable_source_or_out_dir_exits_2_with_one_line_and_writes_nothing(tmp_path, capsys):
     good = tmp_path / "t5"
-    tiny_t5().save_pretrained(good)
+    tiny_stock_t5().save_pretrained(good)
     out = tmp_path / "out"
 
     malformed = tmp_path / "malformed"
@@ -167,8 +167,8 @@ def test_bolt_block_sizes_in_time_steps_identity_refusal_and_chronos_reload(tmp_
     assert type(pipe.model).__name__ == "StructAttnChronosBoltModelForForecasting"
     expected = hf_structattn.patch(chronos.chronos_bolt.ChronosBoltPipeline.from_pretrained(source),
                                    mlr_ranks=[4, 2, 2], mlr_block_sizes=[8, 4])
-    torch.testing.assert_close(pipe.predict(contexts(), prediction_length=8),
-                               expected.predict(contexts(), prediction_length=8))
+    torch.testing.assert_close(pipe.predict(chronos_contexts(), prediction_length=8),
+                               expected.predict(chronos_contexts(), prediction_length=8))
 
     assert main(["patch", source, str(tmp_path / "identity"), *ranks, "--mlr-block-sizes", "64,32",
                  "--allow-identity"]) == 0
@@ -208,7 +208,7 @@ def test_decoder_output_names_decoder_fields_and_refuses_t5_only_options(tmp_pat
     _expect_refusal(capsys, ["patch", str(source), str(tmp_path / "b"), *MLR_ARGS[:2], "--mlr-block-sizes", "16,8",
                              "--targets", "encoder_self"], "--targets encoder_self", "decoder")
     t5 = tmp_path / "t5"
-    tiny_t5().save_pretrained(t5)
+    tiny_stock_t5().save_pretrained(t5)
     _expect_refusal(capsys, ["patch", str(t5), str(tmp_path / "c"), *MLR_ARGS, "--layers", "0"],
                     "--layers applies to transformers decoders only")
     assert not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
@@ -222,7 +222,7 @@ def test_a_kill_9_leaves_a_partial_folder_that_the_next_run_removes(tmp_path, ca
     folder, another output's folder and lookalike names stay."""
     big = tmp_path / "t5"
     # about 30 MB of weights, so that writing them takes long enough to be interrupted
-    tiny_t5(d_ff=3072, num_layers=3, num_decoder_layers=3).save_pretrained(big)
+    tiny_stock_t5(d_ff=3072, num_layers=3, num_decoder_layers=3).save_pretrained(big)
     env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS="1")
     for attempt in range(4):  # the kill must land while OUT is being written; retried when it did not
         out = tmp_path / f"out{attempt}"
@@ -268,7 +268,7 @@ def test_arguments_are_checked_against_config_json_before_any_weight_is_read(tmp
 
     llama, t5 = tmp_path / "llama", tmp_path / "t5"
     tiny_decoder("llama", vocab_size=64, dtype=torch.float32).save_pretrained(llama)  # head dim 16, RoPE
-    tiny_t5().save_pretrained(t5)  # d_kv 8
+    tiny_stock_t5().save_pretrained(t5)  # d_kv 8
     tiny_bolt(tmp_path / "bolt")  # context 64 steps in patches of 4: 16 patch tokens + [REG]
     for folder in (llama, t5, tmp_path / "bolt"):
         _break_weights(folder, how)

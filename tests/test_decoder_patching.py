@@ -14,7 +14,6 @@ from transformers import DynamicCache
 import hf_structattn
 from hf_structattn.decoder_patching import TINY_DECODERS, find_rotary, tiny_decoder
 from hf_structattn.flops import attention_cost_report, decoder_cache_report, key_cache_elements
-from hf_structattn.modeling import structattn_attention
 from hf_structattn.modeling.structattn_attention import mlr_attention_forward
 from hf_structattn.modeling.structattn_prepare import key_cache_bytes
 from hf_structattn.modeling.structattn_decoder import attention_modules, rotary_pair_order
@@ -247,16 +246,12 @@ def test_generate_keeps_the_hierarchical_key_cache_of_the_formula(arch):
     assert key_cache_bytes(cache) == 2 * expected  # batch 2
 
 
-def test_neox_generates_with_full_keys_and_says_so_once():
-    from hf_structattn.modeling import structattn_cache
-
+def test_neox_generates_with_full_keys_and_says_so_once(logged_warnings):
     _, mlr = patched("neox")
-    structattn_cache._WARNED_WITHOUT_KWARGS.clear()
     ids = torch.randint(3, VOCAB, (2, 12))
-    with pytest.warns(UserWarning, match="cache.update without kwargs") as record:
-        first = mlr.generate(ids, max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
-        mlr.generate(ids, max_new_tokens=6, do_sample=False)
-    assert sum("cache.update without kwargs" in str(w.message) for w in record) == 1
+    first = mlr.generate(ids, max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
+    mlr.generate(ids, max_new_tokens=6, do_sample=False)
+    assert sum("cache.update without kwargs" in record.getMessage() for record in logged_warnings.records) == 1
     assert all(not layer.is_bound and layer.keys.shape[-1] == HEAD_DIM for layer in first.cache.layers)
     assert torch.equal(first.sequences, mlr.generate(ids, max_new_tokens=6, do_sample=False, use_cache=False))
 
@@ -377,7 +372,7 @@ def test_mlr_classes_do_not_claim_serving_engines_attention_backends(arch):
 
 
 def test_save_and_load_with_remote_code_without_the_plugin(tmp_path):
-    from test_remote_code import run_isolated
+    from model_helpers import run_isolated
 
     checks = []
     for arch in ("llama", "gpt2"):  # one RoPE + GQA model, one learned-position model; one interpreter for both
@@ -553,7 +548,7 @@ def test_every_tested_architecture_reloads_bare_generates_and_saves(tmp_path):
     """Reloaded with trust_remote_code where hf_structattn cannot be imported (transformers builds its own subclass
     of a remote class), every tested architecture generates without a cache and saves again (a class found twice in
     the MRO made Phi-3 recurse forever)."""
-    from test_remote_code import run_isolated
+    from model_helpers import run_isolated
 
     paths = []
     for arch in ARCHS:
@@ -574,7 +569,7 @@ def test_every_tested_architecture_reloads_bare_generates_and_saves(tmp_path):
         assert f"{arch} ok True" in out, out[-3000:]
 
 
-def test_attention_dropout_is_applied_by_the_eager_implementation_and_warned_about_otherwise():
+def test_attention_dropout_is_applied_by_the_eager_implementation_and_warned_about_otherwise(logged_warnings):
     _, mlr = patched("llama")
     for module in attention_modules(mlr).values():
         module.attention_dropout = 0.5
@@ -589,9 +584,10 @@ def test_attention_dropout_is_applied_by_the_eager_implementation_and_warned_abo
     torch.testing.assert_close(mlr(ids, use_cache=False).logits, mlr(ids, use_cache=False).logits, atol=0, rtol=0)
     mlr.train()
     mlr.set_attn_implementation("sdpa")
-    structattn_attention._warned.discard("dropout")
-    with pytest.warns(UserWarning, match="only with attn_implementation='eager'"):
-        mlr(ids, use_cache=False)
+    mlr(ids, use_cache=False)
+    mlr(ids, use_cache=False)
+    assert sum("only with attn_implementation='eager'" in record.getMessage()
+               for record in logged_warnings.records) == 1
 
 
 def test_reports_state_the_rollback_log_bytes_speculative_decoding_allocates():

@@ -1,9 +1,8 @@
 """The hierarchical MLR key cache: storage (position-aligned slots, rings), the decode and chunk math over it against
-the naive reference, rollback for speculative decoding, what it allocates, static == dynamic, half precision and
-torch.compile."""
+the naive reference, what it allocates, static == dynamic, half precision and torch.compile (rollback:
+tests/test_rollback.py)."""
 
 import collections
-import copy
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ from hf_structattn.modeling.structattn_cache import MLRKeyCacheLayer, MLRStaticK
 from hf_structattn.modeling.structattn_prepare import key_cache_bytes
 
 from conftest import tiny_lm
-from test_mlr_cached import BLOCKS, EXACT, _attend, _geometry, _layer, _rows, _write
+from cache_helpers import EXACT, attend, cache_layer, make_rows, small_geometry, write
 
 
 class _OpCounter(TorchDispatchMode):
@@ -31,7 +30,7 @@ class _OpCounter(TorchDispatchMode):
 
 @pytest.mark.parametrize("family", ["gpt2", "gpt2_averaged", "llama"])
 @pytest.mark.parametrize("static", [False, True])
-@pytest.mark.parametrize("read", ["lane", "maps", "grad"])
+@pytest.mark.parametrize("read", ["in_step", "maps", "grad"])
 def test_model_decode_steps_of_rows_in_step_write_from_host_integers(family, static, read):
     """A model's eager decode step of rows in step (batch 3, no padding) writes each MLR layer's token with one
     ``index_copy_`` per storage (keys, values, rings) and none of the general write's indexed assignments -- also when the
@@ -61,7 +60,7 @@ def test_model_decode_steps_of_rows_in_step_write_from_host_integers(family, sta
             out = model(ids[:, index:index + 1], cache=cache, output_attentions=read == "maps")
         assert counter.ops["index_copy_"] == 3 * layers, (index, counter.ops)
         assert not any(counter.ops[name] for name in ("index_put_", "narrow_copy")), (index, counter.ops)
-        assert read != "lane" or not counter.ops["scatter_add_"], (index, counter.ops)
+        assert read != "in_step" or not counter.ops["scatter_add_"], (index, counter.ops)
         if read == "maps":
             width = 24 if static else index + 1  # a static cache's maps span its slots, as transformers' do
             assert all(maps.shape[-1] == width for maps in out.attentions)
@@ -92,14 +91,14 @@ def test_decode_steps_of_rows_in_step_still_refuse_what_mlr_refuses(argument, me
 def test_token_by_token_writes_store_what_one_chunk_write_stores(static, offsets):
     """The eager decode write (every row's token in one slot: narrowed copies and one ``index_copy_``; rows at
     different positions: indexed assignments) leaves the slots and rings a single 40-token write leaves."""
-    geometry = _geometry()
-    _, k, v, positions, valid = _rows(pads=(0, 0, 0), offsets=offsets)
-    stepwise, chunked = _layer(static, geometry), _layer(static, geometry)
-    _write(stepwise, k[:, :, :9], v[:, :, :9], positions[:, :9], valid[:, :9])
+    geometry = small_geometry()
+    _, k, v, positions, valid = make_rows(pads=(0, 0, 0), offsets=offsets)
+    stepwise, chunked = cache_layer(static, geometry), cache_layer(static, geometry)
+    write(stepwise, k[:, :, :9], v[:, :, :9], positions[:, :9], valid[:, :9])
     for index in range(9, 40):
-        _write(stepwise, k[:, :, index:index + 1], v[:, :, index:index + 1], positions[:, index:index + 1],
+        write(stepwise, k[:, :, index:index + 1], v[:, :, index:index + 1], positions[:, index:index + 1],
                valid[:, index:index + 1])
-    _write(chunked, k, v, positions, valid)
+    write(chunked, k, v, positions, valid)
     used = 40 + max(offsets)
     for got, expected in ((stepwise.keys_storage(), chunked.keys_storage()),
                           (stepwise.values_storage(), chunked.values_storage())):
@@ -111,10 +110,10 @@ def test_token_by_token_writes_store_what_one_chunk_write_stores(static, offsets
 
 
 def test_padding_is_not_stored_and_rows_are_position_aligned():
-    geometry = _geometry()
-    _, k, v, positions, valid = _rows(length=20)
+    geometry = small_geometry()
+    _, k, v, positions, valid = make_rows(length=20)
     layer = MLRKeyCacheLayer(geometry)
-    _write(layer, k, v, positions, valid)
+    write(layer, k, v, positions, valid)
     assert layer.base == 0 and layer.first_positions.tolist() == [0, 0, 3]
     assert layer.last_positions.tolist() == [19, 14, 9]
     assert layer.keys.shape[-2] == 20  # slots in use: the longest row
@@ -124,125 +123,11 @@ def test_padding_is_not_stored_and_rows_are_position_aligned():
 
 
 def test_non_contiguous_positions_in_a_cache_are_refused():
-    layer = MLRKeyCacheLayer(_geometry())
-    _, k, v, positions, valid = _rows(length=12, pads=(0, 0, 0), offsets=(0, 0, 0))
-    _write(layer, k[:, :, :6], v[:, :, :6], positions[:, :6], valid[:, :6])
+    layer = MLRKeyCacheLayer(small_geometry())
+    _, k, v, positions, valid = make_rows(length=12, pads=(0, 0, 0), offsets=(0, 0, 0))
+    write(layer, k[:, :, :6], v[:, :, :6], positions[:, :6], valid[:, :6])
     with pytest.raises(ValueError, match="consecutive increasing positions"):
-        _write(layer, k[:, :, 6:8], v[:, :, 6:8], positions[:, 6:8] + 2, valid[:, 6:8])
-
-
-@pytest.mark.parametrize("static", [False, True])
-@pytest.mark.parametrize("chunks", [[1] * 7, [7], [3, 1, 5], [4]])
-def test_crop_restores_the_state_of_the_shorter_prefix(static, chunks):
-    """Recording, then a draft written as decode steps or one verification chunk (longer than the finest block),
-    crossing block boundaries at every level, then crop: the layer equals one that never saw the draft. A crop of
-    at most the finest block's length after writes without padding ([4]: 2 tokens) restores every ring with one
-    indexed assignment."""
-    geometry = _geometry()
-    _, k, v, positions, valid = _rows(length=40, pads=(0, 5, 13), offsets=(0, 0, 3))
-    for prefix in (14, 29):  # the draft crosses the 16-block of rows 0 and 1; 29 + 7 crosses the 32 boundary
-        layer, clean = _layer(static, geometry), _layer(static, geometry)
-        for target in (layer, clean):
-            _write(target, k[:, :, :prefix], v[:, :, :prefix], positions[:, :prefix], valid[:, :prefix])
-        layer.activate_past_recording()
-        start = prefix
-        for size in chunks:
-            _write(layer, k[:, :, start:start + size], v[:, :, start:start + size], positions[:, start:start + size],
-                   valid[:, start:start + size])
-            start += size
-        keep = 2
-        layer.crop(-(start - prefix - keep))
-        _write(clean, k[:, :, prefix:prefix + keep], v[:, :, prefix:prefix + keep], positions[:, prefix:prefix + keep],
-               valid[:, prefix:prefix + keep])
-        assert int(layer.get_seq_length()) == int(clean.get_seq_length()) == prefix + keep
-        assert torch.equal(layer.last_positions, clean.last_positions)
-        for ours, theirs, size in zip(layer.rings, clean.rings, BLOCKS):
-            for row in range(3):  # entries of each row's current block (the others are stale and never read)
-                last, first = int(clean.last_positions[row]), int(clean.first_positions[row])
-                entries = [(p - clean.base) % size for p in range(max(last // size * size, first), last + 1)]
-                torch.testing.assert_close(ours[row][:, entries], theirs[row][:, entries], atol=0, rtol=0)
-        for row in range(3):  # each row's slots up to its newest position (later slots are future, never read)
-            slots = int(clean.last_positions[row]) - clean.base + 1
-            torch.testing.assert_close(layer.keys[row, :, :slots], clean.keys[row, :, :slots], atol=0, rtol=0)
-            torch.testing.assert_close(layer.values[row, :, :slots], clean.values[row, :, :slots], atol=0, rtol=0)
-
-
-def test_crop_beyond_what_was_recorded_is_refused():
-    layer = _layer(False, _geometry())
-    _, k, v, positions, valid = _rows(length=20, pads=(0, 0, 0), offsets=(0, 0, 0))
-    _write(layer, k[:, :, :10], v[:, :, :10], positions[:, :10], valid[:, :10])
-    with pytest.raises(ValueError, match="activate_past_recording"):
-        layer.crop(-1)
-    layer.crop(0)
-    layer.activate_past_recording()
-    _write(layer, k[:, :, 10:13], v[:, :, 10:13], positions[:, 10:13], valid[:, 10:13])
-    with pytest.raises(ValueError, match=r"only the 3 tokens written since the last crop"):
-        layer.crop(-4)
-    layer.crop(-3)
-    assert layer.get_seq_length() == 10 and layer.last_positions.tolist() == [9, 9, 9]
-
-
-@pytest.mark.parametrize("static", [False, True])
-def test_rollback_window_bounds_the_log_and_crops_within_it_exactly(static):
-    """With a rollback window of 5 tokens, a 30-token recorded prefill logs only its last 5 writes (the log does
-    not grow with the context); crop(-5) then restores the 25-token state exactly, crop(-6) is refused."""
-    geometry = _geometry()
-    _, k, v, positions, valid = _rows(length=40, pads=(0, 5, 13), offsets=(0, 0, 3))
-    layer, clean = _layer(static, geometry), _layer(static, geometry)
-    layer.rollback_window = 5
-    layer.activate_past_recording()
-    _write(layer, k[:, :, :30], v[:, :, :30], positions[:, :30], valid[:, :30])
-    _write(clean, k[:, :, :25], v[:, :, :25], positions[:, :25], valid[:, :25])
-    log_tokens = {tensor.shape[-2] if tensor.dim() == 4 else tensor.shape[-1]
-                  for tensor in layer.rollback_log.tensors()}
-    assert max(log_tokens) <= 5  # the log's fixed buffers are 5 tokens long
-    assert layer.rollback_log.tokens == 5
-    with pytest.raises(ValueError, match=r"only the 5 tokens"):
-        layer.crop(-6)
-    layer.crop(-5)
-    for target in (layer, clean):  # the next decode steps see the same state
-        _write(target, k[:, :, 25:28], v[:, :, 25:28], positions[:, 25:28], valid[:, 25:28])
-    assert torch.equal(layer.last_positions, clean.last_positions)
-    for ours, theirs, size in zip(layer.rings, clean.rings, BLOCKS):
-        for row in range(3):
-            last, first = int(clean.last_positions[row]), int(clean.first_positions[row])
-            entries = [(p - clean.base) % size for p in range(max(last // size * size, first), last + 1)]
-            torch.testing.assert_close(ours[row][:, entries], theirs[row][:, entries], atol=0, rtol=0)
-
-
-def test_generate_sets_the_rollback_window_from_the_draft_length():
-    model = tiny_lm("mlr", n_positions=128)
-    prompt = torch.randint(2, 61, (1, 40), generator=torch.Generator().manual_seed(1))
-    common = dict(max_new_tokens=6, do_sample=False, pad_token_id=1, return_dict_in_generate=True)
-    lookup = model.generate(prompt, prompt_lookup_num_tokens=4, **common)
-    plain = model.generate(prompt, **common)
-    assert [layer.rollback_window for layer in lookup.cache.layers] == [6, 6]  # the draft and one token, + 1
-    assert [layer.rollback_window for layer in plain.cache.layers] == [None, None]
-
-
-@pytest.mark.parametrize("variant", ["mlr", "mlr_avg_mup", "mixed"])
-def test_speculative_decoding_equals_greedy(variant):
-    """Prompt lookup and assisted decoding (an MLR assistant, whose own cache is rolled back too) give the greedy
-    tokens, with the dynamic and the static cache; drafts cross block boundaries at every level ("mixed" adds dense,
-    sliding-window and bilinear layers, whose transformers cache layers are cropped beside the MLR ones -- dynamic only:
-    transformers' StaticSlidingWindowLayer cannot be cropped once a cache is longer than its window, for any model)."""
-    model = tiny_lm(variant, n_positions=128).double()
-    with torch.no_grad():  # sharper than the tiny init, so that drafts are both accepted and rejected
-        for param in model.parameters():
-            param.mul_(4.0)
-    prompt = torch.randint(2, 61, (1, 30), generator=torch.Generator().manual_seed(1))
-    prompt = torch.cat([prompt, prompt[:, :12]], dim=1)  # repeats itself: prompt lookup finds candidates
-    common = dict(max_new_tokens=40, min_new_tokens=40, do_sample=False, pad_token_id=1)
-    greedy = model.generate(prompt, **common)
-    assistant = copy.deepcopy(model)
-    with torch.no_grad():
-        for param in assistant.parameters():
-            param.add_(torch.randn_like(param) * 0.05)
-    caches = ({},) if variant == "mixed" else ({}, dict(cache_implementation="static"))
-    for cache in caches:
-        lookup = model.generate(prompt, prompt_lookup_num_tokens=6, **common, **cache)
-        assisted = model.generate(prompt, assistant_model=assistant, **common, **cache)
-        assert torch.equal(lookup, greedy) and torch.equal(assisted, greedy), cache
+        write(layer, k[:, :, 6:8], v[:, :, 6:8], positions[:, 6:8] + 2, valid[:, 6:8])
 
 
 @pytest.mark.parametrize("variant", ["mlr", "mlr_avg_mup"])
@@ -301,19 +186,19 @@ def test_formula_bytes_and_layer_types():
 def test_half_precision_decode_is_finite_and_close_to_float32(dtype, compiled):
     """Masked fills and the softmax run in promote_types(dtype, float32): padded and unwritten slots never overflow;
     eagerly and in the formulation torch.compile traces (level-1 scores accumulated in float32 there too)."""
-    geometry = _geometry()
-    q, k, v, positions, valid = _rows(length=18, dtype=torch.float32)
-    torch._dynamo.reset()  # the traced ``_attend`` of other tests does not count against this one's recompile budget
-    attend = torch.compile(_attend, backend="eager", fullgraph=True) if compiled else _attend
+    geometry = small_geometry()
+    q, k, v, positions, valid = make_rows(length=18, dtype=torch.float32)
+    torch._dynamo.reset()  # the traced ``attend`` of other tests does not count against this one's recompile budget
+    read = torch.compile(attend, backend="eager", fullgraph=True) if compiled else attend
     results = {}
     for run_dtype in (torch.float32, dtype):
         layer, outputs = MLRStaticKeyCacheLayer(24, geometry), []
         cast = (lambda t: t.to(run_dtype))
-        _write(layer, cast(k[:, :, :6]), cast(v[:, :, :6]), positions[:, :6], valid[:, :6], traced=compiled)
+        write(layer, cast(k[:, :, :6]), cast(v[:, :, :6]), positions[:, :6], valid[:, :6], traced=compiled)
         for index in range(6, 18):
-            view = _write(layer, cast(k[:, :, index:index + 1]), cast(v[:, :, index:index + 1]),
+            view = write(layer, cast(k[:, :, index:index + 1]), cast(v[:, :, index:index + 1]),
                           positions[:, index:index + 1], valid[:, index:index + 1], traced=compiled)
-            outputs.append(attend(cast(q[:, :, :, index:index + 1]), view))
+            outputs.append(read(cast(q[:, :, :, index:index + 1]), view))
         results[run_dtype] = torch.stack(outputs)
     assert results[dtype].dtype == dtype and torch.isfinite(results[dtype]).all()
     eps = torch.finfo(dtype).eps

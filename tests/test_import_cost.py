@@ -1,7 +1,8 @@
 """What importing the package and starting the CLI load: the Triton kernels only once a Triton backend is asked for,
 and ``hf-structattn --help`` without torch. Each case runs in a fresh interpreter (``sys.modules`` of this test
-process already holds everything)."""
+process already holds everything). And the package's imports form no circle."""
 
+import ast
 import json
 import os
 import subprocess
@@ -90,3 +91,70 @@ print(json.dumps([code, 'torch' in sys.modules, 'transformers' in sys.modules]))
         assert ("--mlr-ranks" in result.stdout) == (argv[0] == "patch")
     else:
         assert exit_code == 2 and "--mlr-ranks: expected comma-separated integers, got '4,x'" in result.stderr
+
+
+def _package_imports() -> dict:
+    """{module: the package's modules it imports}, read from the source of every file under hf_structattn/ (imports
+    inside functions included: a lazy import still ties the two modules together). ``from package import name`` names
+    the submodule ``name`` when there is one, else the package; a module's own parent packages are not counted."""
+    files = {}
+    for path in (ROOT / "hf_structattn").rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+
+    def known(name: str) -> str:
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name
+
+    graph = {}
+    for module, path in files.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets.update(known(alias.name) for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                    base = f"{anchor}.{base}" if base else anchor
+                targets.update(f"{base}.{alias.name}" if f"{base}.{alias.name}" in files else known(base)
+                               for alias in node.names)
+        graph[module] = targets - {module, ""}
+    return graph
+
+
+def import_circles(graph: dict) -> list:
+    """The strongly connected components of more than one module (each holds at least one import circle)."""
+    order, low, stack, circles = {}, {}, [], []
+
+    def visit(module):
+        order[module] = low[module] = len(order)
+        stack.append(module)
+        for target in graph[module]:
+            if target not in order:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], order[target])
+        if low[module] == order[module]:
+            component = []
+            while not component or component[-1] != module:
+                component.append(stack.pop())
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for module in graph:
+        if module not in order:
+            visit(module)
+    return circles
+
+
+def test_the_package_has_no_import_circle():
+    graph = _package_imports()
+    assert "hf_structattn.command_io" in graph["hf_structattn.cli"] | graph["hf_structattn.hub"]
+    assert import_circles(graph) == []
+    # the check finds a circle where there is one (cli <-> hub before command_io existed)
+    assert import_circles({**graph, "hf_structattn.command_io": graph["hf_structattn.command_io"] |
+                           {"hf_structattn.hub"}}) != []

@@ -60,7 +60,7 @@ def test_previous_release_checkpoints_generate_with_the_hierarchical_cache(name)
 def test_previous_release_checkpoints_reload_bare_with_the_code_saved_beside_them(tmp_path):
     """Where hf_structattn is not importable, ``trust_remote_code=True`` loads each checkpoint with the payload code
     it carries (the release's own), as a user without the package does, and gives the release's logits."""
-    from test_remote_code import run_isolated
+    from model_helpers import run_isolated
 
     out = run_isolated(f"""
         import torch, transformers

@@ -262,7 +262,7 @@ def test_a_stock_checkpoint_run_with_attn_implementation_mlr_follows_mlr_level_o
 
 
 def test_the_order_is_saved_and_survives_a_remote_code_reload(tmp_path):
-    from test_remote_code import run_isolated
+    from model_helpers import run_isolated
 
     checks = []
     for arch, level_order in (("llama", "frequency"), ("neox", "contribution"), ("llama", "index")):

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_structattn import default_block_sizes, mlr_attention, mlr_attention_reference
-from hf_structattn.modeling.structattn_geometry import resolve_level_scales, validate_mlr_geometry
+from hf_structattn.modeling.structattn_config_rules import resolve_level_scales, validate_mlr_geometry
 
 TOL = {torch.float64: dict(atol=1e-10, rtol=1e-10), torch.float32: dict(atol=2e-5, rtol=2e-4)}
 

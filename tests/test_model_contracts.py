@@ -8,13 +8,13 @@ import transformers
 from hf_structattn import StructAttnT5Config, StructAttnT5ForConditionalGeneration
 
 from conftest import tiny_lm
-from test_t5_models import BASE, MLR, tiny_t5
+from model_helpers import T5_BASE, T5_MLR, tiny_structattn_t5
 
 GPT2_VARIANTS = ["dense", "mlr", "mlr_avg_mup", "bilinear_mlr", "bilinear_btt", "swa", "mixed"]
 T5_VARIANTS = {
     "dense": {},
-    "mlr": MLR,
-    "mlr_avg": dict(MLR, mlr_average_levels=True, mlr_scaling="mup"),
+    "mlr": T5_MLR,
+    "mlr_avg": dict(T5_MLR, mlr_average_levels=True, mlr_scaling="mup"),
     "bilinear": dict(encoder_attention="bilinear_mlr", decoder_attention="bilinear_btt",
                      cross_attention="bilinear_mlr", bilinear_mlr_ranks=[4, 4]),
 }
@@ -51,7 +51,7 @@ def test_gpt2_uncached_forward_honours_offset_and_per_row_positions(variant, tra
 def test_t5_mlr_unpadded_batch_with_bias_matches_rows_alone():
     """T = 9 with blocks 8|4, batch 2 and no padding mask: the (1, H, T, T) relative bias reaches the fused op
     unexpanded (the call-site workaround is gone)."""
-    model = tiny_t5(**MLR).double()
+    model = tiny_structattn_t5(**T5_MLR).double()
     ids = _ids(2, 9, vocab=50)
     decoder_ids = _ids(2, 9, seed=4, vocab=50)
     both = model(input_ids=ids, decoder_input_ids=decoder_ids, use_cache=False).logits
@@ -123,7 +123,7 @@ def test_gpt2_eager_low_precision_with_padding(variant, dtype):
 @pytest.mark.parametrize("variant", list(T5_VARIANTS))
 def test_t5_low_precision_forward_backward(variant, dtype):
     torch.manual_seed(0)  # T5's own init (float32 is ~2 eps from float64 on these logits)
-    model = StructAttnT5ForConditionalGeneration(StructAttnT5Config(**BASE, **T5_VARIANTS[variant])).eval()
+    model = StructAttnT5ForConditionalGeneration(StructAttnT5Config(**T5_BASE, **T5_VARIANTS[variant])).eval()
     ids = _ids(2, 21, vocab=50)
     mask = torch.ones_like(ids)
     mask[1, :6] = 0
@@ -153,7 +153,7 @@ def test_gpt2_autocast_training_step(variant, dtype):
 @pytest.mark.parametrize("variant", list(T5_VARIANTS))
 def test_t5_autocast_training_step(variant, dtype):
     torch.manual_seed(0)
-    config = StructAttnT5Config(**BASE, **T5_VARIANTS[variant], initializer_factor=0.3)
+    config = StructAttnT5Config(**T5_BASE, **T5_VARIANTS[variant], initializer_factor=0.3)
     model = StructAttnT5ForConditionalGeneration(config).train()
     ids = _ids(2, 21, vocab=50)
     mask = torch.ones_like(ids)
@@ -191,7 +191,7 @@ def test_gpt2_low_precision_generate(variant, dtype):
 @pytest.mark.parametrize("variant", list(T5_VARIANTS))
 def test_t5_low_precision_generate(variant, dtype):
     torch.manual_seed(0)
-    config = StructAttnT5Config(**BASE, **T5_VARIANTS[variant], initializer_factor=0.3)
+    config = StructAttnT5Config(**T5_BASE, **T5_VARIANTS[variant], initializer_factor=0.3)
     model = StructAttnT5ForConditionalGeneration(config).eval()
     exact_model = StructAttnT5ForConditionalGeneration(config).eval()
     exact_model.load_state_dict({k: v.to(dtype).float() for k, v in model.state_dict().items()})
@@ -271,10 +271,10 @@ def test_gpt2_output_attentions_with_a_filled_cache(variant):
 def test_t5_mlr_attentions_equal_transformers_t5_when_blocks_cover_the_sequence():
     """MLR whose blocks cover the whole sequence is dense attention: its probabilities must be T5's own."""
     torch.manual_seed(0)
-    config = transformers.T5Config(**BASE, attn_implementation="eager")
+    config = transformers.T5Config(**T5_BASE, attn_implementation="eager")
     reference = transformers.T5ForConditionalGeneration(config).double().eval()
     ours = StructAttnT5ForConditionalGeneration(StructAttnT5Config(
-        **BASE, attn_implementation="eager", encoder_attention="mlr", decoder_attention="mlr", mlr_ranks=[4, 2, 2],
+        **T5_BASE, attn_implementation="eager", encoder_attention="mlr", decoder_attention="mlr", mlr_ranks=[4, 2, 2],
         mlr_block_sizes=[64, 32])).double().eval()
     ours.load_state_dict(reference.state_dict())
     ids = _ids(2, 21, vocab=50)
@@ -294,7 +294,7 @@ def test_t5_mlr_attentions_equal_transformers_t5_when_blocks_cover_the_sequence(
 
 @pytest.mark.parametrize("variant", ["mlr", "bilinear"])
 def test_t5_output_attentions_every_structured_variant(variant):
-    model = tiny_t5(**T5_VARIANTS[variant], attn_implementation="eager").double()
+    model = tiny_structattn_t5(**T5_VARIANTS[variant], attn_implementation="eager").double()
     ids = _ids(2, 21, vocab=50)
     decoder_ids = _ids(2, 9, seed=5, vocab=50)
     out = model(input_ids=ids, decoder_input_ids=decoder_ids, output_attentions=True)
@@ -309,8 +309,8 @@ def test_t5_output_attentions_every_structured_variant(variant):
             torch.testing.assert_close(probabilities.sum(-1), torch.ones(2, 4, shape[0], dtype=torch.float64),
                                        **EXACT)
     # as transformers' T5: only the eager implementation returns probabilities
-    assert tiny_t5(**MLR)(input_ids=ids, decoder_input_ids=decoder_ids, output_attentions=True).encoder_attentions \
-        in ((), None)
+    model = tiny_structattn_t5(**T5_MLR)
+    assert model(input_ids=ids, decoder_input_ids=decoder_ids, output_attentions=True).encoder_attentions in ((), None)
 
 
 # ------------------------------------------------------------------------------------- bad input (items 12, 13)
@@ -343,7 +343,7 @@ def test_gpt2_bad_inputs_name_the_argument():
 
 
 def test_t5_bad_inputs_name_the_argument():
-    model = tiny_t5(**MLR)
+    model = tiny_structattn_t5(**T5_MLR)
     ids = _ids(2, 21, vocab=50)
     decoder_ids = _ids(2, 9, seed=5, vocab=50)
     with pytest.raises(ValueError, match=r"attention_mask must have shape \(2, 21\).*got \(2, 20\)"):
@@ -388,7 +388,7 @@ def test_gpt2_config_rejects_degenerate_numbers(fields, match):
 ])
 def test_t5_config_rejects_degenerate_numbers(fields, match):
     with pytest.raises(ValueError, match=match):
-        StructAttnT5Config(**{**BASE, **MLR, **fields})
+        StructAttnT5Config(**{**T5_BASE, **T5_MLR, **fields})
 
 
 def test_integer_numbers_are_numbers_in_every_config(tmp_path):
@@ -406,7 +406,7 @@ def test_integer_numbers_are_numbers_in_every_config(tmp_path):
                                               else float(value) for name, value in fields.items()})
         assert as_int.mlr_geometry() == as_float.mlr_geometry()
     for fields in (dict(mlr_scaling=2), dict(mlr_scaling=[1, 1, 1]), dict(layer_norm_epsilon=1)):
-        StructAttnT5Config(**{**BASE, **MLR, **fields})
+        StructAttnT5Config(**{**T5_BASE, **T5_MLR, **fields})
     model = tiny_lm("mlr", mlr_scaling=1).double()
     model.save_pretrained(tmp_path / "gpt2")
     path = tmp_path / "gpt2" / "config.json"
@@ -416,7 +416,7 @@ def test_integer_numbers_are_numbers_in_every_config(tmp_path):
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "gpt2", dtype=torch.float64)
     ids = _ids(2, 12)
     torch.testing.assert_close(loaded(ids).logits, model(ids).logits, **EXACT)
-    t5 = StructAttnT5Config(**BASE, **MLR)
+    t5 = StructAttnT5Config(**T5_BASE, **T5_MLR)
     t5.save_pretrained(tmp_path / "t5")
     path = tmp_path / "t5" / "config.json"
     written = json.loads(path.read_text())
@@ -431,7 +431,7 @@ def test_a_wrongly_typed_config_field_is_one_line_naming_field_and_value(family)
     from hf_structattn.modeling.structattn_decoder import mlr_config_class
 
     build = {"gpt2": lambda **fields: tiny_gpt2_config("mlr", **fields),
-             "t5": lambda **fields: StructAttnT5Config(**{**BASE, **MLR, **fields}),
+             "t5": lambda **fields: StructAttnT5Config(**{**T5_BASE, **T5_MLR, **fields}),
              "patched": lambda **fields: mlr_config_class(transformers.LlamaConfig)(**fields)}[family]
     cases = {"gpt2": [("n_embd", 32.0), ("mlr_ranks", "abc"), ("mlr_ranks", [8.0, 4, 2, 2]), ("qk_layernorm", "yes"),
                       ("mlr_average_levels", 1), ("sliding_window", "8"), ("attention", 3), ("mlr_scaling", None)],
@@ -457,7 +457,7 @@ def test_configs_changed_after_construction_cannot_be_saved_invalid(tmp_path):
     with pytest.raises(Exception, match=r"mlr_ranks=\[3, 3\] sums to 6, but the head dim is 16"):
         config.save_pretrained(tmp_path / "gpt2")
     assert not (tmp_path / "gpt2" / "config.json").exists()
-    t5_config = StructAttnT5Config(**BASE, **MLR)
+    t5_config = StructAttnT5Config(**T5_BASE, **T5_MLR)
     t5_config.mlr_block_sizes = [4, 8]
     with pytest.raises(Exception, match=r"mlr_block_sizes=\[4, 8\] are not nested"):
         t5_config.save_pretrained(tmp_path / "t5")
@@ -512,7 +512,7 @@ def test_gpt2_generate_with_every_row_padded_alike(variant):
 
 
 def test_t5_with_one_left_padded_row_equals_the_row_alone():
-    model = tiny_t5(**MLR).double()
+    model = tiny_structattn_t5(**T5_MLR).double()
     ids = _ids(1, 21, vocab=50)
     mask = torch.ones_like(ids)
     mask[0, :5] = 0
@@ -536,19 +536,16 @@ def test_gpt2_config_does_not_inherit_token_ids_outside_its_vocabulary(recwarn):
     assert StructAttnGPT2Config(n_layer=1).eos_token_id == 50256  # the full GPT-2 vocabulary keeps GPT-2's ids
 
 
-def test_right_padded_generate_warns_once_and_continues_the_rows(recwarn):
-    from hf_structattn.modeling import structattn_step
-
+def test_right_padded_generate_warns_once_and_continues_the_rows(logged_warnings):
     model = tiny_lm("mlr").double()
     ids = _ids(2, 10, vocab=61)
     mask = torch.ones_like(ids)
     mask[1, 7:] = 0  # right padding
-    structattn_step._WARNED_BEHIND.clear()
     out = model.generate(ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False,
                          pad_token_id=1)
     model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=1)
-    warned = [w for w in recwarn if "right padding" in str(w.message)]
-    assert len(warned) == 1 and "padding_side='left'" in str(warned[0].message)
+    warned = [record.getMessage() for record in logged_warnings.records if "right padding" in record.getMessage()]
+    assert len(warned) == 1 and "padding_side='left'" in warned[0]
     alone = model.generate(ids[:1], max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=1)
     assert torch.equal(out[0], alone[0])  # the unpadded row is unaffected
     # transformers repeats the right-padded row's positions after its padding; uncached MLR continues the row as the

@@ -18,50 +18,16 @@ from hf_structattn_cli import main
 from hf_structattn.decoder_patching import tiny_decoder
 from hf_structattn.patching import svd_align_qk
 
-from test_remote_code import run_isolated
+from model_helpers import (PATCH_MLR, chronos_contexts, run_isolated, tiny_bolt, tiny_chronos_t5, tiny_stock_t5,
+                           train_copy_task)
 
 chronos = pytest.importorskip("chronos")
 from chronos import BaseChronosPipeline, ChronosPipeline  # noqa: E402
 from chronos.chronos import left_pad_and_stack_1D  # noqa: E402
 from chronos.chronos_bolt import ChronosBoltModelForForecasting, ChronosBoltPipeline  # noqa: E402
 
-T5_FIELDS = dict(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=3, num_heads=4,
-                 feed_forward_proj="relu", dropout_rate=0.0, initializer_factor=0.5, pad_token_id=0, eos_token_id=1,
-                 decoder_start_token_id=0)
 ONE_LEVEL = dict(mlr_ranks=[8], mlr_block_sizes=[])
 LONG_BLOCKS = dict(mlr_ranks=[4, 2, 2], mlr_block_sizes=[256, 128])  # longer than every test sequence
-MLR = dict(mlr_ranks=[4, 2, 2], mlr_block_sizes=[8, 4])
-
-
-def tiny_t5(seed=0, **overrides):
-    torch.manual_seed(seed)
-    return transformers.T5ForConditionalGeneration(transformers.T5Config(**{**T5_FIELDS, **overrides})).eval()
-
-
-def tiny_chronos_t5(path):
-    chronos_config = dict(tokenizer_class="MeanScaleUniformBins", tokenizer_kwargs=dict(low_limit=-15.0, high_limit=15.0),
-                          n_tokens=64, n_special_tokens=2, pad_token_id=0, eos_token_id=1, use_eos_token=True,
-                          model_type="seq2seq", context_length=64, prediction_length=8, num_samples=4,
-                          temperature=1.0, top_k=50, top_p=1.0)
-    # num_decoder_layers == num_layers: transformers' own T5 generate() cannot size its cache otherwise
-    tiny_t5(chronos_config=chronos_config, num_decoder_layers=2).save_pretrained(path)
-    return ChronosPipeline.from_pretrained(path, device_map="cpu", dtype=torch.float32)
-
-
-def tiny_bolt(path):
-    config = transformers.T5Config(**{**T5_FIELDS, "vocab_size": 2}, chronos_pipeline_class="ChronosBoltPipeline",
-                                   chronos_config=dict(context_length=64, prediction_length=8, input_patch_size=4,
-                                                       input_patch_stride=4, quantiles=[0.1, 0.5, 0.9],
-                                                       use_reg_token=True))
-    config.architectures = ["ChronosBoltModelForForecasting"]
-    torch.manual_seed(0)
-    ChronosBoltModelForForecasting(config).save_pretrained(path)
-    return ChronosBoltPipeline.from_pretrained(path, device_map="cpu", dtype=torch.float32)
-
-
-def contexts():
-    t = torch.arange(60, dtype=torch.float32)
-    return [10 + 4 * torch.sin(t / 3), 5 + 0.1 * t[:37] + torch.cos(t[:37])]  # different lengths: left padding
 
 
 def t5_inputs():
@@ -75,7 +41,7 @@ def t5_inputs():
 @pytest.mark.parametrize("init", ["split", "svd"])
 @pytest.mark.parametrize("fields", [ONE_LEVEL, LONG_BLOCKS])
 def test_degenerate_patch_leaves_t5_unchanged(fields, init):
-    original = tiny_t5()
+    original = tiny_stock_t5()
     before = {k: v.clone() for k, v in original.state_dict().items()}
     patched = hf_structattn.patch(original, attention="mlr", init=init, allow_identity=True, **fields)
     assert type(patched).__name__ == "StructAttnT5ForConditionalGeneration"
@@ -107,8 +73,8 @@ def test_svd_alignment_keeps_every_q_dot_k_and_orders_singular_values():
 
 
 def test_patched_t5_reloads_remotely_and_generates_the_same(tmp_path):
-    original = tiny_t5().double()
-    patched = hf_structattn.patch(original, init="svd", **MLR)
+    original = tiny_stock_t5().double()
+    patched = hf_structattn.patch(original, init="svd", **PATCH_MLR)
     patched.save_pretrained(tmp_path / "ckpt")
     inputs = t5_inputs()
     # compared in float64 with a tolerance: another interpreter may pick other kernels (no bitwise comparison
@@ -137,17 +103,17 @@ def test_chronos_t5_patch_unchanged_then_remote_reload_predicts_the_same(tmp_pat
     one_level = hf_structattn.patch(pipe, attention="mlr", init="svd", allow_identity=True, **ONE_LEVEL)
     assert isinstance(one_level, ChronosPipeline)
     torch.manual_seed(0)
-    expected = pipe.predict(contexts(), prediction_length=8)
+    expected = pipe.predict(chronos_contexts(), prediction_length=8)
     torch.manual_seed(0)
-    torch.testing.assert_close(one_level.predict(contexts(), prediction_length=8), expected)
+    torch.testing.assert_close(one_level.predict(chronos_contexts(), prediction_length=8), expected)
 
-    patched = hf_structattn.patch(pipe, attention="mlr", **MLR)
-    report = hf_structattn.patch_report(pipe, patched, {"context": contexts(), "prediction_length": 8})
+    patched = hf_structattn.patch(pipe, attention="mlr", **PATCH_MLR)
+    report = hf_structattn.patch_report(pipe, patched, {"context": chronos_contexts(), "prediction_length": 8})
     assert report["logit_rel"] > 0  # MLR with blocks shorter than the contexts is a different function
     patched.model.model.save_pretrained(tmp_path / "patched")
     # the reload is compared through the model's float64 logits on the tokenised contexts (left-padded batch) with
     # a tolerance: samples drawn in another interpreter need not be bitwise equal
-    token_ids, mask, _ = patched.tokenizer.context_input_transform(left_pad_and_stack_1D(contexts()))
+    token_ids, mask, _ = patched.tokenizer.context_input_transform(left_pad_and_stack_1D(chronos_contexts()))
     inputs = dict(input_ids=token_ids, attention_mask=mask, decoder_input_ids=token_ids[:, -5:])
     torch.save({"inputs": inputs, "logits": patched.model.model.double()(**inputs).logits}, tmp_path / "ref.pt")
     out = run_isolated(f"""
@@ -170,13 +136,14 @@ def test_chronos_t5_patch_unchanged_then_remote_reload_predicts_the_same(tmp_pat
 
 def test_chronos_bolt_identity_patches_need_allow_identity_and_change_nothing(tmp_path):
     pipe = tiny_bolt(tmp_path / "bolt")  # context 64 steps in patches of 4: 16 patch tokens + [REG]
-    expected = pipe.predict(contexts(), prediction_length=8)
+    expected = pipe.predict(chronos_contexts(), prediction_length=8)
     for fields in (ONE_LEVEL, LONG_BLOCKS):
         with pytest.raises(ValueError, match="allow_identity=True"):
             hf_structattn.patch(pipe, **fields)
         for init in ("split", "svd"):
             same = hf_structattn.patch(pipe, init=init, allow_identity=True, **fields)
-            torch.testing.assert_close(same.predict(contexts(), prediction_length=8), expected, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(same.predict(chronos_contexts(), prediction_length=8), expected, atol=1e-5,
+                                       rtol=1e-5)
     # block sizes meant as time steps but read as patch tokens: the message gives both units and the way out
     with pytest.raises(ValueError, match=r"mlr_block_sizes=\[64, 32\] \(tokens = \[256, 128\] time steps at 4 time "
                                          r"steps per token\).*encoder_self 17 tokens.*mlr_block_steps"):
@@ -184,26 +151,26 @@ def test_chronos_bolt_identity_patches_need_allow_identity_and_change_nothing(tm
     with pytest.raises(ValueError, match=r"block\(s\) \[32\] cover"):  # one level of two is dense again
         hf_structattn.patch(pipe, mlr_ranks=[4, 2, 2], mlr_block_sizes=[32, 4])
     with pytest.raises(ValueError, match="decoder_self 1 tokens"):  # Bolt's decoder attends over one token
-        hf_structattn.patch(pipe, targets=("decoder_self",), **MLR)
+        hf_structattn.patch(pipe, targets=("decoder_self",), **PATCH_MLR)
 
 
 def test_block_sizes_in_time_steps_and_context_defaults_for_chronos(tmp_path):
     bolt = tiny_bolt(tmp_path / "bolt")
     by_steps = hf_structattn.patch(bolt, init="svd", mlr_ranks=[4, 2, 2], mlr_block_steps=[32, 16])
-    by_tokens = hf_structattn.patch(bolt, init="svd", **MLR)
+    by_tokens = hf_structattn.patch(bolt, init="svd", **PATCH_MLR)
     assert by_steps.model.config.mlr_block_sizes == [8, 4]
     assert by_steps.model.config.structattn_patch == {"source": "ChronosBoltPipeline", "init": "svd",
                                                       "time_steps_per_token": 4}
-    assert torch.equal(by_steps.predict(contexts(), prediction_length=8),
-                       by_tokens.predict(contexts(), prediction_length=8))
+    assert torch.equal(by_steps.predict(chronos_contexts(), prediction_length=8),
+                       by_tokens.predict(chronos_contexts(), prediction_length=8))
     # without block fields the dyadic blocks come from the context (16 patch tokens), not the generic 512
     assert hf_structattn.patch(bolt, mlr_ranks=[4, 2, 2]).model.config.resolved_mlr_block_sizes == [8, 4]
     with pytest.raises(ValueError, match=r"mlr_block_steps=\[30, 15\].*multiple of 4"):
         hf_structattn.patch(bolt, mlr_ranks=[4, 2, 2], mlr_block_steps=[30, 15])
     with pytest.raises(ValueError, match="not both"):
-        hf_structattn.patch(bolt, mlr_block_steps=[32, 16], **MLR)
+        hf_structattn.patch(bolt, mlr_block_steps=[32, 16], **PATCH_MLR)
     with pytest.raises(ValueError, match="no time axis"):
-        hf_structattn.patch(tiny_t5(), mlr_ranks=[4, 2, 2], mlr_block_steps=[8, 4])
+        hf_structattn.patch(tiny_stock_t5(), mlr_ranks=[4, 2, 2], mlr_block_steps=[8, 4])
     with pytest.raises(ValueError, match="no time axis"):  # nor is it silently ignored for a decoder
         hf_structattn.patch(tiny_decoder("llama"), mlr_ranks=[8, 4, 4], mlr_block_steps=[16, 8])
 
@@ -217,13 +184,13 @@ def test_block_sizes_in_time_steps_and_context_defaults_for_chronos(tmp_path):
 
 def test_patched_chronos_bolt_loads_as_mlr_through_chronos_entry_points(tmp_path):
     pipe = tiny_bolt(tmp_path / "bolt")
-    expected = pipe.predict(contexts(), prediction_length=8)
-    patched = hf_structattn.patch(pipe.model, attention="mlr", init="svd", **MLR)
+    expected = pipe.predict(chronos_contexts(), prediction_length=8)
+    patched = hf_structattn.patch(pipe.model, attention="mlr", init="svd", **PATCH_MLR)
     assert type(patched).__name__ == "StructAttnChronosBoltModelForForecasting"
     assert isinstance(patched, ChronosBoltModelForForecasting)
     assert list(patched.state_dict()) == list(pipe.model.state_dict())
     assert sum(mlr_geometry_of(m) is not None for m in patched.modules()) == 2 + 3
-    moved = ChronosBoltPipeline(patched).predict(contexts(), prediction_length=8)
+    moved = ChronosBoltPipeline(patched).predict(chronos_contexts(), prediction_length=8)
     assert not torch.allclose(moved, expected, atol=1e-4)
     patched.save_pretrained(tmp_path / "patched")
     # hf_structattn is imported here: Chronos' own entry points find the class without trust_remote_code
@@ -231,7 +198,7 @@ def test_patched_chronos_bolt_loads_as_mlr_through_chronos_entry_points(tmp_path
                  hf_structattn.load_patched_chronos_bolt):
         reloaded = load(tmp_path / "patched", device_map="cpu", dtype=torch.float32)
         assert type(reloaded.model) is type(patched), load
-        torch.testing.assert_close(reloaded.predict(contexts(), prediction_length=8), moved)
+        torch.testing.assert_close(reloaded.predict(chronos_contexts(), prediction_length=8), moved)
     with pytest.raises(ValueError, match="structattn_chronos_bolt"):
         hf_structattn.load_patched_chronos_bolt(tmp_path / "bolt")
 
@@ -287,19 +254,19 @@ def test_patched_chronos_bolt_loads_as_mlr_through_chronos_entry_points(tmp_path
 
 
 def test_patch_refuses_bad_requests():
-    model = tiny_t5()
+    model = tiny_stock_t5()
     with pytest.raises(ValueError, match="attention='bilinear_mlr'"):
         hf_structattn.patch(model, attention="bilinear_mlr")
     with pytest.raises(ValueError, match="mlr_ranks"):
         hf_structattn.patch(model, mlr_ranks=[4, 2], mlr_block_sizes=[8])
     with pytest.raises(ValueError, match="cross_attention='mlr'"):
-        hf_structattn.patch(model, targets=("cross",), **MLR)
+        hf_structattn.patch(model, targets=("cross",), **PATCH_MLR)
     with pytest.raises(ValueError, match="init="):
-        hf_structattn.patch(model, init="random", **MLR)
+        hf_structattn.patch(model, init="random", **PATCH_MLR)
     with pytest.raises(ValueError, match=r"mlr_ranks=\[8\] has one level.*allow_identity=True"):
         hf_structattn.patch(model, **ONE_LEVEL)
     with pytest.raises(ValueError, match="already has structured attention"):
-        hf_structattn.patch(hf_structattn.patch(model, **MLR), **MLR)
+        hf_structattn.patch(hf_structattn.patch(model, **PATCH_MLR), **PATCH_MLR)
     with pytest.raises(ValueError, match="BertModel"):  # decoders are patched too (tests/test_decoder_patching.py)
         hf_structattn.patch(transformers.BertModel(transformers.BertConfig(
             num_hidden_layers=1, hidden_size=16, num_attention_heads=2, intermediate_size=16, vocab_size=20)))
@@ -311,33 +278,19 @@ def test_patch_refuses_bad_requests():
 def test_a_typo_of_patch_s_own_keywords_gets_did_you_mean(kind, typo, meant):
     """patch's own keywords (targets, init, allow_identity, mlr_block_steps, attention) are candidates of the "did
     you mean" as much as the config fields, for T5 and for decoders, in one line."""
-    model = tiny_t5() if kind == "t5" else tiny_decoder("llama")
-    fields = MLR if kind == "t5" else dict(mlr_ranks=[8, 4, 4], mlr_block_sizes=[8, 4])
+    model = tiny_stock_t5() if kind == "t5" else tiny_decoder("llama")
+    fields = PATCH_MLR if kind == "t5" else dict(mlr_ranks=[8, 4, 4], mlr_block_sizes=[8, 4])
     with pytest.raises(ValueError, match=f"unknown keyword '{typo}'.*did you mean {meant}\\?") as raised:
         hf_structattn.patch(model, **{typo: "x"}, **fields)
     assert "\n" not in str(raised.value)
 
 
-def _train_copy_task(model, steps=300):
-    """Teach a tiny T5 to reverse 24-token sequences (enough structure for attention to matter)."""
-    torch.manual_seed(0)
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for _ in range(steps):
-        ids = torch.randint(2, 64, (8, 24))
-        loss = model(input_ids=ids, labels=ids.flip(1)).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return model.eval()
-
-
 def test_svd_init_moves_a_trained_model_less_than_the_naive_split():
-    model = _train_copy_task(tiny_t5(initializer_factor=1.0))
+    model = train_copy_task(tiny_stock_t5(initializer_factor=1.0))
     torch.manual_seed(5)
     ids = torch.randint(2, 64, (8, 24))
     inputs = dict(input_ids=ids, decoder_input_ids=model._shift_right(ids.flip(1)))
-    drift = {init: hf_structattn.patch_report(model, hf_structattn.patch(model, init=init, **MLR), inputs)
+    drift = {init: hf_structattn.patch_report(model, hf_structattn.patch(model, init=init, **PATCH_MLR), inputs)
              for init in ("split", "svd")}
     assert drift["svd"]["logit_rel"] < drift["split"]["logit_rel"], drift
 
@@ -348,7 +301,7 @@ def _cli(*args):
 
 
 def test_cli_patches_checkpoints_and_refuses_bad_arguments(tmp_path, capsys):
-    tiny_t5().save_pretrained(tmp_path / "t5")
+    tiny_stock_t5().save_pretrained(tmp_path / "t5")
     result = _cli("patch", tmp_path / "t5", tmp_path / "out", "--attention", "mlr", "--mlr-ranks", "4,2,2",
                   "--mlr-block-sizes", "8,4", "--init", "svd")
     assert result.returncode == 0, result.stderr
@@ -385,10 +338,10 @@ def test_patched_chronos_forecasts_series_with_leading_nans(tmp_path):
     """Leading NaNs are missing values that Chronos masks (every row padded alike when the batch is one series):
     the patched Chronos-T5 and Chronos-Bolt forecast them as the series without the NaNs, as the stock pipelines
     forecast them at all."""
-    series = contexts()[0]
+    series = chronos_contexts()[0]
     gapped = torch.cat([torch.full((9,), float("nan")), series[9:]])
     chronos_t5 = hf_structattn.patch(tiny_chronos_t5(tmp_path / "t5"), mlr_ranks=[4, 2, 2], mlr_block_steps=[16, 8])
-    bolt = ChronosBoltPipeline(hf_structattn.patch(tiny_bolt(tmp_path / "bolt").model, **MLR))
+    bolt = ChronosBoltPipeline(hf_structattn.patch(tiny_bolt(tmp_path / "bolt").model, **PATCH_MLR))
     for pipe in (chronos_t5, bolt):
         torch.manual_seed(0)
         with_nans = pipe.predict([gapped], prediction_length=8)
@@ -403,8 +356,8 @@ def test_patch_report_takes_a_single_series_as_chronos_does(tmp_path, kind):
     """A 1-D context (one series, which Chronos' predict accepts) gives the report of the same series as a batch of
     one; a context Chronos would not take either is one line naming it."""
     pipe = tiny_chronos_t5(tmp_path / "t5") if kind == "chronos_t5" else tiny_bolt(tmp_path / "bolt")
-    patched = hf_structattn.patch(pipe, attention="mlr", **MLR)
-    series = contexts()[0]
+    patched = hf_structattn.patch(pipe, attention="mlr", **PATCH_MLR)
+    series = chronos_contexts()[0]
     one = hf_structattn.patch_report(pipe, patched, {"context": series, "prediction_length": 8})
     batch = hf_structattn.patch_report(pipe, patched, {"context": series[None], "prediction_length": 8})
     assert one.keys() == batch.keys() and all(value == pytest.approx(batch[name], rel=1e-9, abs=1e-12)

@@ -86,9 +86,9 @@ def test_lora_merges_exactly_and_generates_with_the_hierarchical_cache(family, t
 
 
 def test_lora_on_the_t5_family_merges_exactly_and_reloads_remotely(tmp_path):
-    from test_t5_models import MLR, tiny_t5
+    from model_helpers import T5_MLR, tiny_structattn_t5
 
-    base = tiny_t5(**MLR).double()
+    base = tiny_structattn_t5(**T5_MLR).double()
     assert base.config.encoder_attention == base.config.decoder_attention == "mlr"
     ids = torch.randint(2, 50, (2, 21), generator=torch.Generator().manual_seed(2))
     decoder_ids = torch.randint(2, 50, (2, 9), generator=torch.Generator().manual_seed(3))

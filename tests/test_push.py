@@ -13,6 +13,8 @@ import pytest
 
 from hf_structattn_cli import main
 
+from conftest import upload_folder_sends
+
 ROOT = Path(__file__).resolve().parent.parent
 REPO = "someone/tiny-mlr"
 
@@ -38,15 +40,6 @@ def finished_run(tmp_path_factory):
         PartialState._reset_state()
     assert (out / "final_metrics.json").is_file() and any((out / "checkpoints").iterdir())
     return out
-
-
-def upload_folder_sends(folder_path, allow_patterns=None, ignore_patterns=None, **_) -> list[str]:
-    """What ``HfApi.upload_folder`` sends from a folder: every file its listing finds (``glob("**/*")``, files and
-    symlinks to files), filtered by huggingface_hub's own ``filter_repo_objects`` with the call's patterns."""
-    from huggingface_hub.utils import filter_repo_objects
-
-    listing = sorted(p.relative_to(folder_path).as_posix() for p in Path(folder_path).glob("**/*") if p.is_file())
-    return list(filter_repo_objects(listing, allow_patterns=allow_patterns, ignore_patterns=ignore_patterns))
 
 
 @pytest.fixture

@@ -136,7 +136,7 @@ def test_cached_greedy_generation_equals_uncached_across_block_ends(smollm2):
 
 @real
 def test_save_and_remote_code_reload_give_equal_logits(smollm2, tmp_path):
-    from test_remote_code import run_isolated
+    from model_helpers import run_isolated
 
     model, tokenizer = smollm2
     patched = hf_structattn.patch(model, mlr_ranks=RANKS, mlr_max_length=2048)

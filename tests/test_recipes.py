@@ -19,6 +19,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from conftest import upload_folder_sends
+
 ROOT = Path(__file__).resolve().parent.parent
 TINY_CLM = str(ROOT / "configs" / "clm_tiny.json")
 
@@ -866,8 +868,6 @@ def test_push_to_hub_checks_the_hub_first_and_uploads_the_output_folder(tmp_path
     assert calls[1][1] == "someone/tiny-mlr" and calls[1][2]["exist_ok"] is True
     upload = calls[2][2]
     assert calls[2][1] == "someone/tiny-mlr" and upload["folder_path"] == str(out)
-    from test_push import upload_folder_sends
-
     listing = set(upload_folder_sends(**upload))
     assert any(p.startswith("checkpoints/") for p in upload["listing"])  # there were checkpoints: left out
     assert not any(p.startswith(("checkpoints/", "source/", "base_tiny_chronos_t5/")) for p in listing)

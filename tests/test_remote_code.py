@@ -1,10 +1,6 @@
 """Saved checkpoints load with trust_remote_code in an interpreter that cannot import hf_structattn."""
 
 import json
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -12,31 +8,7 @@ import torch
 from hf_structattn.tokenization import build_byte_tokenizer
 
 from conftest import tiny_lm
-
-BLOCK_IMPORT = textwrap.dedent("""
-    import importlib.abc, sys
-    class _Block(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name == "hf_structattn" or name.startswith("hf_structattn."):
-                raise ImportError("hf_structattn is deliberately not importable here")
-    sys.meta_path.insert(0, _Block())
-    try:
-        import hf_structattn  # noqa: F401
-    except ImportError:
-        pass
-    else:
-        raise SystemExit("hf_structattn was importable")
-""")
-
-
-def run_isolated(script: str, workdir) -> str:
-    """Run ``script`` in a fresh interpreter that cannot import hf_structattn; returns stdout."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(HF_MODULES_CACHE=str(workdir / "modules"), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    result = subprocess.run([sys.executable, "-c", BLOCK_IMPORT + textwrap.dedent(script)], cwd=workdir, env=env,
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
-    return result.stdout
+from model_helpers import run_isolated
 
 
 @pytest.mark.parametrize("variant", ["mixed", "bilinear_btt"])
@@ -59,7 +31,10 @@ def test_remote_code_round_trip(tmp_path, variant):
     files = {p.name for p in save_dir.iterdir()}
     assert {"model.safetensors", "configuration_structattn_gpt2.py", "modeling_structattn_gpt2.py",
             "structattn_mlr.py", "structattn_mlr_fused.py", "structattn_mlr_math.py", "structattn_cache.py",
-            "structattn_geometry.py", "structattn_qk.py", "structattn_pretrained.py"} <= files
+            "structattn_geometry.py", "structattn_qk.py", "structattn_pretrained.py",
+            "structattn_bilinear_attention.py"} <= files
+    # the code a GPT-2 family model runs, and no other family's (the patched-decoder spec and classes)
+    assert not {"structattn_decoder.py", "structattn_decoder_spec.py", "modeling_structattn_t5.py"} & files
 
     out = run_isolated(f"""
         import torch
@@ -101,3 +76,45 @@ def test_remote_code_needs_trust_flag(tmp_path):
             print("refused", "trust_remote_code" in str(error))
     """, tmp_path)
     assert "refused True" in out
+
+
+def test_t5_family_round_trip(tmp_path):
+    """A T5 family checkpoint (MLR encoder and decoder self-attention, a bilinear MLR cross-attention) reloads where
+    hf_structattn is not importable: float64 logits equal, cached generation equals uncached; it ships the T5
+    family's code and no other family's."""
+    from hf_structattn import StructAttnT5Config, StructAttnT5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = StructAttnT5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=3,
+                                num_heads=4, encoder_attention="mlr", decoder_attention="mlr",
+                                cross_attention="bilinear_mlr", bilinear_mlr_ranks=[4, 4], mlr_ranks=[4, 2, 2],
+                                mlr_block_sizes=[8, 4], dropout_rate=0.0, pad_token_id=0, eos_token_id=1,
+                                decoder_start_token_id=0)
+    model = StructAttnT5ForConditionalGeneration(config).eval()
+    save_dir = tmp_path / "checkpoint"
+    model.save_pretrained(save_dir)
+    files = {p.name for p in save_dir.iterdir()}
+    assert {"configuration_structattn_t5.py", "modeling_structattn_t5.py", "structattn_cache.py",
+            "structattn_mlr_plan.py", "structattn_bilinear.py"} <= files
+    assert not {"structattn_decoder.py", "structattn_decoder_spec.py", "modeling_structattn_gpt2.py",
+                "structattn_bilinear_attention.py"} & files
+    generator = torch.Generator().manual_seed(1)
+    inputs = dict(input_ids=torch.randint(2, 64, (2, 21), generator=generator),
+                  decoder_input_ids=torch.randint(2, 64, (2, 11), generator=generator))
+    torch.save({"inputs": inputs, "logits": model.double()(**inputs, use_cache=False).logits.detach()},
+               tmp_path / "expected.pt")
+    out = run_isolated(f"""
+        import torch
+        from transformers import AutoModelForSeq2SeqLM
+        model = AutoModelForSeq2SeqLM.from_pretrained({str(save_dir)!r}, trust_remote_code=True,
+                                                      dtype=torch.float64).eval()
+        assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+        expected = torch.load({str(tmp_path / "expected.pt")!r})
+        print("max_diff", float((model(**expected["inputs"], use_cache=False).logits - expected["logits"]).abs().max()))
+        ids = expected["inputs"]["input_ids"]
+        cached = model.generate(ids, max_new_tokens=12, do_sample=False)
+        uncached = model.generate(ids, max_new_tokens=12, do_sample=False, use_cache=False)
+        print("generate_equal", torch.equal(cached, uncached))
+    """, tmp_path)
+    assert float(out.split("max_diff")[1].split()[0]) < 1e-12
+    assert "generate_equal True" in out

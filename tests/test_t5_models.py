@@ -7,21 +7,9 @@ import transformers
 
 from hf_structattn import StructAttnT5Config, StructAttnT5EncoderModel, StructAttnT5ForConditionalGeneration
 
-BASE = dict(vocab_size=50, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=3, num_heads=4,
-            dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
-MLR = dict(encoder_attention="mlr", decoder_attention="mlr", mlr_ranks=[4, 2, 2], mlr_max_length=16)  # blocks 8|4
-
+from model_helpers import T5_BASE, T5_MLR, tiny_structattn_t5
 
 EXACT = dict(atol=1e-12, rtol=1e-12)  # float64 exactness
-
-
-def tiny_t5(seed=0, **fields):
-    torch.manual_seed(seed)
-    model = StructAttnT5ForConditionalGeneration(StructAttnT5Config(**{**BASE, **fields})).eval()
-    with torch.no_grad():  # asymmetric weights so that head / level mix-ups cannot cancel out
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * 0.05)
-    return model
 
 
 def _padded_batch():
@@ -37,7 +25,7 @@ def _padded_batch():
 @pytest.mark.parametrize("attention", ["dense", "mlr_one_level", "mlr_long_blocks"])
 def test_logits_equal_t5_with_its_weights(attention, feed_forward_proj, attn_implementation):
     torch.manual_seed(0)
-    config = transformers.T5Config(**BASE, feed_forward_proj=feed_forward_proj,
+    config = transformers.T5Config(**T5_BASE, feed_forward_proj=feed_forward_proj,
                                    attn_implementation=attn_implementation)
     # float64: parity must be exact on any CPU (num_decoder_layers (3) != num_layers (2))
     t5 = transformers.T5ForConditionalGeneration(config).double().eval()
@@ -48,7 +36,8 @@ def test_logits_equal_t5_with_its_weights(attention, feed_forward_proj, attn_imp
               "mlr_long_blocks": dict(encoder_attention="mlr", decoder_attention="mlr", mlr_ranks=[4, 2, 2],
                                       mlr_block_sizes=[64, 32])}[attention]
     ours = StructAttnT5ForConditionalGeneration(StructAttnT5Config(
-        **BASE, feed_forward_proj=feed_forward_proj, attn_implementation=attn_implementation, **fields)).double().eval()
+        **T5_BASE, feed_forward_proj=feed_forward_proj, attn_implementation=attn_implementation, **fields))
+    ours = ours.double().eval()
     assert list(ours.state_dict()) == list(t5.state_dict())
     ours.load_state_dict(t5.state_dict(), strict=True)
     ids, mask = _padded_batch()
@@ -56,7 +45,7 @@ def test_logits_equal_t5_with_its_weights(attention, feed_forward_proj, attn_imp
     expected = t5(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids).logits
     got = ours(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids).logits
     torch.testing.assert_close(got, expected, **EXACT)
-    encoder = StructAttnT5EncoderModel(StructAttnT5Config(**BASE, feed_forward_proj=feed_forward_proj, **fields))
+    encoder = StructAttnT5EncoderModel(StructAttnT5Config(**T5_BASE, feed_forward_proj=feed_forward_proj, **fields))
     encoder = encoder.double()
     encoder.load_state_dict({k: v for k, v in t5.state_dict().items() if not k.startswith(("decoder", "lm_head"))})
     torch.testing.assert_close(encoder.eval()(input_ids=ids, attention_mask=mask).last_hidden_state[0],
@@ -64,8 +53,8 @@ def test_logits_equal_t5_with_its_weights(attention, feed_forward_proj, attn_imp
 
 
 def test_mlr_changes_the_function_and_follows_real_token_positions():
-    model = tiny_t5(**MLR).double()
-    dense = tiny_t5().double()  # same seed: same weights, dense attention
+    model = tiny_structattn_t5(**T5_MLR).double()
+    dense = tiny_structattn_t5().double()  # same seed: same weights, dense attention
     ids, mask = _padded_batch()
     decoder_ids = torch.randint(2, 50, (2, 12))
     batched = model(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids).logits
@@ -79,7 +68,7 @@ def test_mlr_changes_the_function_and_follows_real_token_positions():
 @pytest.mark.parametrize("average_levels", [False, True])
 def test_cached_decoding_logits_equal_uncached_across_block_boundaries(average_levels):
     """float64: the cached path is exact (softmax in promote_types(dtype, float32)), not only float32-close."""
-    model = tiny_t5(**MLR, mlr_average_levels=average_levels).double()
+    model = tiny_structattn_t5(**T5_MLR, mlr_average_levels=average_levels).double()
     ids, mask = _padded_batch()
     decoder_ids = torch.randint(2, 50, (2, 19))  # crosses the 4- and 8-blocks several times
     reference = model(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids, use_cache=False).logits
@@ -95,7 +84,7 @@ def test_cached_decoding_logits_equal_uncached_across_block_boundaries(average_l
     # the cached path would give ~1e-7
     torch.testing.assert_close(torch.cat(steps, 1), reference, **EXACT)
     layers = cache.self_attention_cache.layers
-    assert [type(layer).__name__ for layer in layers] == ["MLRKeyCacheLayer"] * BASE["num_decoder_layers"]
+    assert [type(layer).__name__ for layer in layers] == ["MLRKeyCacheLayer"] * T5_BASE["num_decoder_layers"]
     # level 3 (block 4) holds one block of keys (position p at entry p % 4); level 1 holds all 19 positions
     assert layers[0].rings[1].shape[-2] == 4 and layers[0].keys.shape[-2] == 19
 
@@ -105,11 +94,11 @@ def test_decoder_masks_follow_the_mask_shape_rule_and_encoder_masks_are_2d():
     (B, H, T, T) decoder_attention_mask give, cached (chunks and steps) and uncached, what the mask expanded to
     (B, H, T, T) gives uncached; heads that differ are applied per head. The encoder's attention_mask, which T5
     applies to the cross-attention too, must be 2-D: a 4-D one is one line (stock T5 fails with a raw error)."""
-    model = tiny_t5(**MLR).double()
+    model = tiny_structattn_t5(**T5_MLR).double()
     ids, mask = _padded_batch()
     decoder_ids = torch.randint(2, 50, (2, 12), generator=torch.Generator().manual_seed(4))
     query, key = torch.arange(12)[:, None], torch.arange(12)[None]
-    windows = torch.stack([(key <= query) & (key > query - 2 - head) for head in range(BASE["num_heads"])])
+    windows = torch.stack([(key <= query) & (key > query - 2 - head) for head in range(T5_BASE["num_heads"])])
     encoder_out = model.encoder(input_ids=ids, attention_mask=mask)
 
     def logits(decoder_mask, use_cache):
@@ -124,7 +113,7 @@ def test_decoder_masks_follow_the_mask_shape_rule_and_encoder_masks_are_2d():
         return torch.cat(steps, 1)
 
     for decoder_mask in (windows[:1][None], windows[None]):  # one window for every head, one per head
-        expected = logits(decoder_mask.expand(2, BASE["num_heads"], 12, 12), use_cache=False)
+        expected = logits(decoder_mask.expand(2, T5_BASE["num_heads"], 12, 12), use_cache=False)
         for given in (decoder_mask, decoder_mask.expand(2, -1, -1, -1)):
             for use_cache in (False, True):
                 torch.testing.assert_close(logits(given, use_cache), expected, **EXACT)
@@ -139,10 +128,10 @@ def test_decoder_masks_follow_the_mask_shape_rule_and_encoder_masks_are_2d():
               decoder_attention_mask=windows[None, :3], use_cache=False)
 
 
-@pytest.mark.parametrize("fields", [MLR, dict(decoder_attention="bilinear_mlr", cross_attention="bilinear_btt",
+@pytest.mark.parametrize("fields", [T5_MLR, dict(decoder_attention="bilinear_mlr", cross_attention="bilinear_btt",
                                                encoder_attention="bilinear_mlr", bilinear_mlr_ranks=[4, 2])])
 def test_generate_same_with_and_without_cache(fields):
-    model = tiny_t5(**fields)
+    model = tiny_structattn_t5(**fields)
     ids, mask = _padded_batch()
     common = dict(attention_mask=mask, max_new_tokens=18, min_new_tokens=18, do_sample=False)
     greedy = model.generate(ids, **common)
@@ -168,11 +157,11 @@ def test_generate_same_with_and_without_cache(fields):
 ])
 def test_invalid_config_names_the_field(fields, match):
     with pytest.raises(ValueError, match=match):
-        StructAttnT5Config(**BASE, **fields)
+        StructAttnT5Config(**T5_BASE, **fields)
 
 
 def test_auto_classes_and_save_load_keep_extra_keys(tmp_path):
-    model = tiny_t5(**MLR, chronos_config={"context_length": 64, "prediction_length": 8})
+    model = tiny_structattn_t5(**T5_MLR, chronos_config={"context_length": 64, "prediction_length": 8})
     model.save_pretrained(tmp_path)
     config = transformers.AutoConfig.from_pretrained(tmp_path)
     assert type(config) is StructAttnT5Config and config.chronos_config["prediction_length"] == 8
@@ -189,7 +178,7 @@ def test_auto_classes_and_save_load_keep_extra_keys(tmp_path):
 
 @pytest.mark.parametrize("average_levels", [False, True])
 def test_static_cache_generates_what_the_dynamic_cache_generates(average_levels):
-    model = tiny_t5(**MLR, mlr_average_levels=average_levels)
+    model = tiny_structattn_t5(**T5_MLR, mlr_average_levels=average_levels)
     ids, mask = _padded_batch()
     common = dict(attention_mask=mask, max_new_tokens=18, min_new_tokens=18, do_sample=False)
     for kwargs in ({}, dict(num_beams=3, num_return_sequences=2)):
@@ -206,11 +195,11 @@ def test_speculative_decoding_of_t5_equals_greedy():
     (With a static cache transformers 5.24 refuses to crop any ``EncoderDecoderCache``:
     ``EncoderDecoderCache.check_dynamic_cache`` raises a TypeError, for stock T5 too.)"""
     cache_implementation = None
-    model = tiny_t5(**MLR).double()
+    model = tiny_structattn_t5(**T5_MLR).double()
     with torch.no_grad():  # sharper than the tiny init, so that drafts are both accepted and rejected
         for param in model.parameters():
             param.mul_(3.0)
-    assistant = tiny_t5(seed=1, **MLR).double()
+    assistant = tiny_structattn_t5(seed=1, **T5_MLR).double()
     ids = torch.randint(2, 50, (1, 21), generator=torch.Generator().manual_seed(2))
     # 60 tokens: the unrelated assistant's drafts are mostly rejected, so its own cache is cropped by more than
     # one draft length (the main model's corrections come on top) -- its rollback log must not be bounded by it

@@ -8,14 +8,13 @@ from transformers.configuration_utils import strict
 
 from .configuration_structattn_keywords import ConfigKeywordsMixin, refuse_unknown_keywords
 from .structattn_bilinear import validate_bilinear_fields
-from .structattn_geometry import (
+from .structattn_config_rules import (
     ATTENTION_KINDS,
     KIND_VARIANTS,
     MLR_ATTENTION,
     MLR_SCALINGS,
-    VARIANT_KINDS,
-    MLRGeometry,
     StructAttnConfigMixin,
+    VARIANT_KINDS,
     announce_config,
     check_int,
     default_block_sizes,
@@ -23,6 +22,7 @@ from .structattn_geometry import (
     one_line_field_errors,
     validate_config_numbers,
 )
+from .structattn_geometry import MLRGeometry
 
 ATTENTION_VARIANTS = ("dense", "mlr", "bilinear_mlr", "bilinear_btt", "swa")
 GPT2_SPECIAL_TOKEN_ID = 50256

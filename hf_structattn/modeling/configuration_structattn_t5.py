@@ -8,8 +8,7 @@ from transformers.configuration_utils import strict
 
 from .configuration_structattn_keywords import ConfigKeywordsMixin, refuse_unknown_keywords
 from .structattn_bilinear import validate_bilinear_fields
-from .structattn_geometry import (
-    MLRGeometry,
+from .structattn_config_rules import (
     StructAttnConfigMixin,
     announce_config,
     check_ranks,
@@ -17,6 +16,7 @@ from .structattn_geometry import (
     one_line_field_errors,
     validate_config_numbers,
 )
+from .structattn_geometry import MLRGeometry
 
 T5_ATTENTION_VARIANTS = ("dense", "mlr", "bilinear_mlr", "bilinear_btt")
 T5_ATTENTION_ROLES = {"encoder_self": "encoder_attention", "decoder_self": "decoder_attention",

@@ -26,14 +26,10 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_structattn_gpt2 import StructAttnGPT2Config
-from .structattn_attention import install_bilinear_attention, install_mlr_attention
-from .structattn_geometry import (
-    BILINEAR_BTT_ATTENTION,
-    BILINEAR_MLR_ATTENTION,
-    MLR_ATTENTION,
-    SLIDING_ATTENTION,
-    check_positions,
-)
+from .structattn_attention import install_mlr_attention
+from .structattn_bilinear_attention import install_bilinear_attention
+from .structattn_config_rules import BILINEAR_BTT_ATTENTION, BILINEAR_MLR_ATTENTION, MLR_ATTENTION, SLIDING_ATTENTION
+from .structattn_inputs import check_positions
 from .structattn_step import STEP_KEY
 from .structattn_prepare import prepare_step
 from .structattn_ops import eager_attention_forward
@@ -114,7 +110,7 @@ class StructAttnGPT2Attention(StructuredQueryKey):
     def forward(self, hidden_states: torch.Tensor, cache: Optional[Cache] = None,
                 attention_mask: Optional[torch.Tensor] = None, **kwargs) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """hidden_states (B, T, D); attention_mask: the mask transformers built for this layer's kind (4-D, or None);
-        kwargs: ``position_ids`` and the model's ``StructAttnStep``, handed to ``cache.update`` and the attention
+        kwargs: ``position_ids`` and the model's ``MLRStep`` (``STEP_KEY``), handed to ``cache.update`` and the attention
         function. Returns (output (B, T, D), probabilities (B, H, T, S) with the eager implementation, else None)."""
         batch, length, _ = hidden_states.shape
         dropout = self.attn_dropout.p if self.training else 0.0

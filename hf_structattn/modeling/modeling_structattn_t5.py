@@ -14,7 +14,6 @@ so a T5 checkpoint loads unchanged into a dense or MLR model. The same installat
 applies to Chronos-T5 and Chronos-Bolt models.
 """
 
-import dataclasses
 from typing import Optional
 
 import torch
@@ -31,8 +30,8 @@ from transformers.models.t5.modeling_t5 import (
 from .configuration_structattn_t5 import StructAttnT5Config
 from .structattn_attention import install_mlr_attention, mlr_geometry_of
 from .structattn_step import STEP_KEY
-from .structattn_prepare import forward_with_step, prepare_step
-from .structattn_geometry import check_mask_shape, keep_mask, mask_value, softmax_dtype
+from .structattn_prepare import forward_with_step, prepare_step, self_attention_cache
+from .structattn_masks import check_mask_shape, keep_mask, mask_value, softmax_dtype
 from .structattn_ops import fused_attention
 from .structattn_pretrained import StructAttnPreTrainedMixin
 from .structattn_qk import StructuredQueryKey, init_structured_query_key
@@ -234,18 +233,17 @@ def _prepare(self, kwargs: dict) -> dict:
         return kwargs
     batch, length = tokens.shape[:2]
     mask = kwargs.get("decoder_attention_mask")
-    step = prepare_step(self, cache=cache, batch=batch, length=length, device=tokens.device, attention_mask=mask,
-                        count_positions=True, heads=self.config.num_heads)
-    target = step.cache
     attention = self.decoder.block[0].layer[0].SelfAttention
-    if target is not None and step.positions is not None and self.structattn_cache_geometries() and \
-            attention.has_relative_attention_bias:
-        layer = target.layers[0]
-        static = isinstance(layer, StaticLayer)
-        past = step.facts.tokens_before if step.facts is not None else target.get_seq_length()
-        keys = layer.max_cache_len if static else past + length
-        step = dataclasses.replace(step, position_bias=attention.compute_bias(length, keys, device=tokens.device,
-                                                                               past_seen_tokens=past))
+    relative_bias = None
+    if attention.has_relative_attention_bias:
+        def relative_bias(past):
+            """The decoder self-attention's relative bias over every token index (1, H, c, K) for ``past`` cached
+            tokens (a static cache: K spans its slots)."""
+            layer = self_attention_cache(cache).layers[0]
+            keys = layer.max_cache_len if isinstance(layer, StaticLayer) else past + length
+            return attention.compute_bias(length, keys, device=tokens.device, past_seen_tokens=past)
+    step = prepare_step(self, cache=cache, batch=batch, length=length, device=tokens.device, attention_mask=mask,
+                        count_positions=True, heads=self.config.num_heads, relative_bias=relative_bias)
     kwargs[STEP_KEY] = step
     return kwargs
 

@@ -9,9 +9,8 @@ geometry)`` gives the layer's attention module an ``MLRLayerConfig``, the model'
 * anything else (``"sdpa"``, flash, flex, ...) -> ``"mlr"``: the fused exact op (CPU flash kernel per level group,
   Triton on CUDA), the decode step and the chunk path over the hierarchical cache; no probabilities.
 
-The bilinear MLR / BTT layers of the GPT-2 family dispatch the same way (``install_bilinear_attention``) to
-``"bilinear"`` (the fused kernel on zero-padded q/k: their query/key width differs from the value width) and
-``"bilinear_eager"`` (materialised).
+The bilinear MLR / BTT layers of the GPT-2 family dispatch the same way to functions of their own
+(``structattn_bilinear_attention``, which only that family's checkpoints ship).
 
 The model's config keeps the name the user chose (``config._attn_implementation == "eager"`` stays true, and every
 other layer runs stock eager attention), so ``set_attn_implementation`` and ``from_pretrained(...,
@@ -25,12 +24,12 @@ passes them (T5 does not: positions then count the real tokens of each row, ``cu
 every layer shares, so that no layer reads anything back from the device.
 
 Over an MLR cache layer the flow is explicit: ``cache.update`` wrote the chunk and returned its keys in level order
-and, in place of the values, the layer's read-only ``MLRCacheView``; ``_forward`` checks the call's contract in one
-place and reads the view once with ``structattn_mlr_cached.mlr_cached_attention(query, view, plan, scales)``. The
+and, in place of the values, the layer's read-only ``MLRCacheView``, whose ``plan`` the forward made before its first
+layer; ``_forward`` checks the call's contract in one place and reads the view once with
+``structattn_mlr_cached.mlr_cached_attention(query, view, read)``, the read record's type being the formulation. The
 attention functions never write a cache.
 """
 
-import warnings
 from typing import Optional
 
 import torch
@@ -38,116 +37,54 @@ import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.utils import logging
 
 from .structattn_cache import MLRCacheView
-from .structattn_decoder_spec import stock_layer_geometry
-from .structattn_geometry import MLRGeometry, mask_allowed, mask_value, own_key_allowed, softmax_dtype
+from .structattn_geometry import MLRGeometry
 from .structattn_install import (  # noqa: F401  (the installation API, re-exported: where every family finds it)
-    BILINEAR_ATTENTION,
-    BILINEAR_EAGER_ATTENTION,
     MLR_ATTENTION,
     MLR_EAGER_ATTENTION,
-    BilinearLayerConfig,
+    STOCK_GEOMETRY_RESOLVERS,
     MLRLayerConfig,
-    install_bilinear_attention,
     install_mlr_attention,
-    installations,
     mlr_geometry_of,
     mlr_implementation,
+)
+from .structattn_masks import (
+    additive_mask,
+    group_major,
+    is_standard_mask,
+    key_validity,
+    mask_allowed,
+    mask_value,
+    own_key_allowed,
+    softmax_dtype,
+    token_shift,
 )
 from .structattn_mlr import PositionLayout, mlr_attention
 from .structattn_mlr_cached import mlr_cached_attention
 from .structattn_mlr_math import mlr_attention_full_keys
-from .structattn_ops import eager_attention_forward, fused_attention
 from .structattn_step import REFUSED_ARGUMENTS, STEP_KEY, continue_runs, refuse_unsupported_arguments
 
-_warned = set()
+logger = logging.get_logger(__name__)
 
 
 def _layer_geometry(module: torch.nn.Module) -> Optional[MLRGeometry]:
     """The layer's ``MLRGeometry``: installed (``MLRLayerConfig``), or, for a stock model run with
-    ``attn_implementation="mlr"`` whose config carries MLR fields, resolved and installed now; None for a layer
-    that is not MLR."""
+    ``attn_implementation="mlr"`` whose config carries MLR fields, resolved (``STOCK_GEOMETRY_RESOLVERS``) and
+    installed now; None for a layer that is not MLR."""
     geometry = mlr_geometry_of(module)
     if geometry is not None or getattr(getattr(module, "config", None), "mlr_ranks", None) is None:
         return geometry
-    geometry = stock_layer_geometry(module)
-    if geometry is not None:
-        install_mlr_attention(module, geometry)
-    return geometry
-
-
-def _warn_once(key: str, message: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(message, stacklevel=3)
+    for resolve in STOCK_GEOMETRY_RESOLVERS:
+        geometry = resolve(module)
+        if geometry is not None:
+            install_mlr_attention(module, geometry)
+            return geometry
+    return None
 
 
 # ------------------------------------------------------------------------------------------- masks
-
-
-def key_validity(attention_mask: Optional[torch.Tensor], batch: int, key_length: int) -> Optional[torch.Tensor]:
-    """(B, K) bool padding flags of the keys (True = real) from the mask transformers built, or None (no padding).
-
-    A 4-D mask's last query row allows every real key in some head (a causal mask's last query is the newest
-    position, and a bidirectional mask's rows are all alike); a 2-D mask is a key keep-mask; a float 4-D mask is
-    additive (``mask_allowed``)."""
-    if attention_mask is None:
-        return None
-    if attention_mask.dim() == 4:
-        return mask_allowed(attention_mask[:, :, -1, -key_length:]).any(1).expand(batch, key_length)
-    if attention_mask.dim() == 2:
-        return mask_allowed(attention_mask)[:, -key_length:].expand(batch, key_length)
-    raise ValueError(f"MLR attention got a {attention_mask.dim()}-D attention mask of shape "
-                     f"{tuple(attention_mask.shape)}; it reads a (B, K) key mask or transformers' 4-D mask")
-
-
-MASK_REFUSED = ("MLR attention got a 4-D attention mask that allows keys the MLR key cache does not hold ({what}); "
-                "with a cache a 4-D mask is applied over the cached real tokens of each row at or before each query "
-                "(rows padded on the left), so it may not allow padding, future keys or empty slots: pass "
-                "use_cache=False to apply it over every key")
-
-
-def _is_standard_mask(attention_mask: Optional[torch.Tensor], valid: Optional[torch.Tensor], causal: bool,
-                      query_length: int, query_offset: Optional[int] = None) -> bool:
-    """Whether a mask is transformers' causal (or bidirectional) + padding mask, which MLR reads only for padding
-    (causality and blocks come from positions); any other 4-D mask (a sliding window, a bidirectional or
-    block-diagonal overlay, a hidden pair) is applied as given by the caller. No mask, a 2-D mask and a compiled
-    region count as standard."""
-    if attention_mask is None or attention_mask.dim() != 4 or torch.compiler.is_compiling() or \
-            attention_mask.shape[-2] != query_length:
-        return True
-    key_length = attention_mask.shape[-1]
-    allowed = mask_allowed(attention_mask)
-    expected = valid[:, None, None, :] if valid is not None else torch.ones(
-        1, 1, 1, key_length, dtype=torch.bool, device=attention_mask.device)
-    if causal:
-        offset = key_length - query_length if query_offset is None else query_offset
-        future = torch.ones(query_length, key_length, dtype=torch.bool, device=attention_mask.device).triu_(1 + offset)
-        expected = expected & ~future
-    # a mask of batch or heads 1 is broadcast (``check_mask_shape``): compare at the shape both broadcast to
-    expected, allowed = torch.broadcast_tensors(expected[..., -allowed.shape[-2]:, :], allowed)
-    # a query with no real key at all (a padding query) may be given no key or every key (transformers unmasks such
-    # rows to avoid NaN) -- but not some keys: that is a packed sequence, whose earlier segments would look like
-    # padding to the last row that ``key_validity`` reads
-    rows = expected.any(-1, keepdim=True)
-    padding_row_ok = ~allowed.any(-1, keepdim=True) | allowed.all(-1, keepdim=True)
-    return bool(torch.where(rows, allowed == expected, padding_row_ok).all())
-
-
-def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, mask_value(dtype))
-
-
-def _group_major(bias: torch.Tensor, kv_heads: int, groups: int) -> torch.Tensor:
-    """A bias or additive mask (B | 1, 1 | Hq, T, K) over query heads, at the rows of a grouped-query read: query
-    head ``h * groups + g`` is row ``g * T + i`` of KV head ``h``, so (B | 1, 1 | Hk, groups * T, K). One head is
-    repeated over the groups; per-head masks go to their rows (a reshape, no copy)."""
-    if groups == 1 or bias.dim() != 4:
-        return bias
-    if bias.shape[1] == 1:
-        return bias.repeat(1, 1, groups, 1)
-    return bias.reshape(bias.shape[0], kv_heads, groups * bias.shape[2], bias.shape[3])
 
 
 def _mlr_mask(*args, **kwargs):
@@ -219,14 +156,6 @@ def _key_positions(query_positions: torch.Tensor, valid_queries: Optional[torch.
 # ------------------------------------------------------------------------------------------- the functions
 
 
-def _check_kwargs(module, kwargs: dict, dropout: float, eager: bool) -> None:
-    if not REFUSED_ARGUMENTS.isdisjoint(kwargs):
-        refuse_unsupported_arguments(kwargs, getattr(module, "layer_idx", None))
-    if dropout and module.training and not eager:
-        _warn_once("dropout", f"attention dropout (p={dropout}) is applied by MLR attention layers only with "
-                              f"attn_implementation='eager' (the fused kernels do not drop weights)")
-
-
 def _dense_fallback(module, query, key, value, attention_mask, scaling, dropout, eager, kwargs):
     """A layer without MLR geometry under a model-wide MLR implementation name: plain attention."""
     if not eager:
@@ -260,7 +189,7 @@ def _uncached(module, query, key, value, geometry, scales, positions, valid, bia
     the padding flags ``valid``); ``layout``: the positions' ``PositionLayout`` from the step plan (None: read)."""
     key, value = key.to(query.dtype), value.to(query.dtype)  # the chunk's keys may predate autocast's cast
     if allowed is not None:
-        additive = _additive(allowed, softmax_dtype(query.dtype))
+        additive = additive_mask(allowed, softmax_dtype(query.dtype))
         bias = additive if bias is None else bias + additive
         causal, valid = False, None
     if torch.compiler.is_compiling() and not eager:
@@ -271,7 +200,7 @@ def _uncached(module, query, key, value, geometry, scales, positions, valid, bia
         rows = query.reshape(batch, key.shape[1], groups * length, width)
         key_valid = valid if valid is not None else torch.ones(batch, length, dtype=torch.bool, device=query.device)
         if bias is not None and bias.shape[-2] == length:
-            bias = _group_major(bias, key.shape[1], groups)
+            bias = group_major(bias, key.shape[1], groups)
         out = mlr_attention_full_keys(rows, key, value, geometry=geometry, scales=scales,
                                       query_positions=positions.repeat(1, groups), key_positions=positions,
                                       key_valid=key_valid, causal=causal, bias=bias)
@@ -292,18 +221,6 @@ def _uncached(module, query, key, value, geometry, scales, positions, valid, bia
     return out, weights.to(query.dtype)
 
 
-def _slot_bias(bias: Optional[torch.Tensor], shift: torch.Tensor, slots: int) -> Optional[torch.Tensor]:
-    """A bias over token indices (T5's relative bias, built from the slot count) read at slot order: slot ``s`` of
-    row b is token ``s + shift[b]``. Identity (no copy) when every shift is zero."""
-    if bias is None:
-        return None
-    if not torch.compiler.is_compiling() and not bool(shift.any()):
-        return bias[..., :slots] if bias.shape[-1] >= slots else bias
-    index = (torch.arange(slots, device=bias.device) + shift[:, None]).clamp(min=0, max=bias.shape[-1] - 1)
-    expanded = bias.expand(shift.shape[0], *bias.shape[1:])
-    return expanded.gather(-1, index[:, None, None, :].expand(*expanded.shape[:-1], slots))
-
-
 def _token_weights(weights: torch.Tensor, valid_keys: Optional[torch.Tensor], first: torch.Tensor, base: int,
                    key_length: int) -> torch.Tensor:
     """Slot-order probabilities (B, H, n, C) -> token order (B, H, n, K): the k-th real token of a row is in slot
@@ -317,155 +234,72 @@ def _token_weights(weights: torch.Tensor, valid_keys: Optional[torch.Tensor], fi
     return gathered * valid_keys[:, None, None, :]
 
 
-def _token_shift(positions: torch.Tensor, valid: torch.Tensor, tokens, base: int) -> torch.Tensor:
-    """(B,) token index of slot 0 of each row (slot ``s`` holds token ``s + shift``): token index minus position of
-    the chunk's real tokens (the chunk is the last c of ``tokens``), plus ``base``. Exact for rows whose cached real
-    tokens are consecutive and end right before the chunk (left padding, or none)."""
-    chunk = positions.shape[1]
-    offset = (tokens - chunk + torch.arange(chunk, device=positions.device))[None, :] - positions
-    shift = torch.where(valid, offset, torch.full_like(offset, torch.iinfo(offset.dtype).min)).amax(-1)
-    return torch.where(valid.any(-1), shift, torch.zeros_like(shift)) + base
-
-
-def _slot_mask(attention_mask: torch.Tensor, view, step, slots: int) -> Optional[torch.Tensor]:
-    """A caller's 4-D mask (B | 1, 1 | Hq, c, K) over the tokens (token order) read at the cache's slots: None when
-    it is the causal + padding mask of what the cache holds (nothing to apply), else (B, 1 | Hq, c, S) bool in slot
-    order (a per-head mask stays per head).
-    A mask that allows a key the cache does not hold (a padding token, which is never stored, a future key, an
-    empty slot) for a real query is refused. Computed once per forward (the layers of one geometry hold the same
-    positions; the comparison reads back from the device: only for a caller's own 4-D mask)."""
-    key = ("slot mask", id(attention_mask), view.layout.base, slots)
-    mask = step.mask_checks.get(key)
-    if mask is None:
-        mask = step.mask_checks[key] = _make_slot_mask(attention_mask, view, step, slots)
-    return mask if isinstance(mask, torch.Tensor) else None
-
-
-def _make_slot_mask(attention_mask, view, step, slots: int):
-    allowed = mask_allowed(attention_mask)
-    positions, valid = step.positions, step.real()
-    batch, chunk = positions.shape
-    if allowed.shape[-2] != chunk:
-        raise ValueError(MASK_REFUSED.format(what=f"mask of shape {tuple(attention_mask.shape)} for {chunk} new "
-                                                  f"tokens"))
-    heads, key_length = allowed.shape[1], allowed.shape[-1]  # one mask for every head, or one per query head
-    allowed = allowed.expand(batch, heads, chunk, key_length)
-    base = view.layout.base
-    shift = _token_shift(positions, valid, view.tokens, base)
-    column = torch.arange(slots, device=allowed.device) + shift[:, None]  # (B, S): the token held in slot s
-    inside = (column >= 0) & (column < key_length)
-    index = column.clamp(min=0, max=key_length - 1)[:, None, None, :].expand(batch, heads, chunk, slots)
-    gathered = allowed.gather(-1, index) & inside[:, None, None, :]
-    slot_positions = torch.arange(slots, device=allowed.device) + base
-    held = (slot_positions >= view.first_positions[:, None, None]) & \
-        (slot_positions <= positions[:, :, None])  # (B, c, S): written, real, not in the future
-    held = held[:, None]
-    real = valid[:, None, :, None]
-    outside = (allowed.sum(-1, keepdim=True) != (gathered & held).sum(-1, keepdim=True)) & real
-    if bool(outside.any()):
-        row, _, query_index, _ = outside.nonzero()[0].tolist()
-        raise ValueError(MASK_REFUSED.format(what=f"row {row}, new token {query_index}"))
-    return False if bool(((gathered == held) | ~real).all()) else gathered & held
-
-
-def _read_cache(module, query, view: MLRCacheView, attention_mask, geometry, scaling, bias, dropout, eager):
+def _read_cache(module, query, view: MLRCacheView, attention_mask, step, scaling, bias, dropout, eager):
     """The queries of the tokens ``update`` just wrote against everything the layer holds (``view``): query
     (B, Hq, c, r) in the module's dim order. Returns (output (B, c, Hq, dv) contiguous, probabilities in token order
-    or None). A layer that held nothing before attends over the chunk alone (the uncached op). Unless the step's
-    masks are standard, a caller's 4-D ``attention_mask`` is compared with the causal + padding mask of what the
-    cache holds and, where it differs, applied over the slots (``_slot_mask``)."""
-    plan = view.plan
-    step = plan.step
-    length = query.shape[2]
-    if step.position_bias is not None:  # T5: the bias over every token index, made once per forward by the model
-        bias = step.position_bias
+    or None). The layer's read record (``view.plan.read``, planned before the first layer) says how; a layer that held
+    nothing before (no read record) attends over the chunk alone (the uncached op). A caller's 4-D mask and T5's
+    relative bias were read at the slots when the record was made."""
+    layer_plan = view.plan
+    if scaling != layer_plan.scaling:
+        raise ValueError(f"layer {getattr(module, 'layer_idx', '?')}: the attention call's scaling {scaling} differs "
+                         f"from the module's scaling {layer_plan.scaling}, which MLR was installed with and the "
+                         f"forward's plan reads with")
+    plan = layer_plan.layout.plan
     if plan.dim_order is not None:
         query = query.index_select(-1, plan.dim_order)
     dropout = float(dropout) if eager and module.training else 0.0
-    scales = geometry.scales(scaling)
-    if not view.held:
-        return _prefill(module, query, view, attention_mask, plan, geometry, scales, bias, dropout, eager)
-    batch, q_heads = query.shape[:2]
-    kv_heads = view.key_storage.shape[1]
-    groups = q_heads // kv_heads
-    slots = view.layout.slots
-    custom = not step.standard_masks and attention_mask is not None and attention_mask.dim() == 4 and \
-        not torch.compiler.is_compiling()
-    slot_bias = None
-    if bias is not None:
-        shift = _token_shift(step.positions, step.real(), view.tokens, view.layout.base)
-        slot_bias = _slot_bias(bias, shift, slots)
-        if slot_bias.shape[-1] < slots:
-            slot_bias = F.pad(slot_bias, (0, slots - slot_bias.shape[-1]))
-    mask = _slot_mask(attention_mask, view, step, slots) if custom else None
-    if mask is not None:
-        additive = _group_major(_additive(mask, softmax_dtype(query.dtype)), kv_heads, groups)
-        slot_bias = additive if slot_bias is None else slot_bias + additive
-    out, weights = mlr_cached_attention(query, view, plan, scales, bias=slot_bias, return_weights=eager,
-                                        dropout=dropout)
+    read = layer_plan.read
+    if read is None:
+        return _prefill(module, query, view, attention_mask, step, plan.geometry, scaling, bias, dropout, eager)
+    out, weights = mlr_cached_attention(query, view, read, return_weights=eager, dropout=dropout)
     if weights is not None:
+        batch, q_heads, length = query.shape[:3]
+        layout = layer_plan.layout
+        slots = layout.slots
         tokens = view.tokens
         key_length = attention_mask.shape[-1] if attention_mask is not None else int(tokens)
         weights = weights.reshape(batch, q_heads, length, slots)
-        if mask is not None:  # the caller's mask: token k of a row sits in slot k - shift
-            shift = _token_shift(step.positions, step.real(), tokens, view.layout.base)
+        if read.slot_mask is not None:  # the caller's mask: token k of a row sits in slot k - shift
+            shift = token_shift(plan.positions, plan.real, tokens, layout.base)
             column = torch.arange(key_length, device=weights.device) - shift[:, None]
             inside = (column >= 0) & (column < slots)
             index = column.clamp(min=0, max=slots - 1)[:, None, None, :].expand(batch, q_heads, length, key_length)
             weights = (weights.gather(-1, index) * inside[:, None, None, :]).to(query.dtype)
         else:
             valid_keys = key_validity(attention_mask, batch, key_length)
-            weights = _token_weights(weights, valid_keys, view.first_positions, view.layout.base,
+            weights = _token_weights(weights, valid_keys, view.first_positions, layout.base,
                                      key_length).to(query.dtype)
     return out, weights
 
 
-def _prefill(module, query, view: MLRCacheView, attention_mask, plan, geometry, scales, bias, dropout, eager):
+def _prefill(module, query, view: MLRCacheView, attention_mask, step, geometry, scaling, bias, dropout, eager):
     """The first chunk a layer holds: it attends over its own keys (``view.chunk_keys`` / ``chunk_values``) with
-    the uncached op."""
-    step = plan.step
+    the uncached op (a caller's 4-D mask, when it applies, over those keys: ``MLRStep.custom_mask``)."""
+    if step.position_bias is not None:  # T5: the bias over every token index, made once per forward by the model
+        bias = step.position_bias
     length = query.shape[2]
     key, value = view.chunk_keys, view.chunk_values
     if bias is not None and bias.shape[-1] > length:  # T5's bias over a static cache's slots: the chunk's first
         bias = bias[..., :length]
-    batch = query.shape[0]
     valid = step.valid
     allowed = None
-    if not step.standard_masks and attention_mask is not None and attention_mask.dim() == 4 and \
-            not _standard(step, attention_mask, key_validity(attention_mask, batch, attention_mask.shape[-1]),
-                          True, length, 0):
-        # the caller's 4-D mask over the chunk's own keys (a static cache's empty slots after them)
-        allowed = mask_allowed(attention_mask)
-        if bool((allowed[..., length:].any(-1) & step.real()[:, None, :]).any()):
-            raise ValueError(MASK_REFUSED.format(what="an empty slot of the static cache"))
-        allowed = allowed[..., :length]
+    if step.custom_mask and attention_mask is not None:
+        # the caller's 4-D mask over the chunk's own keys (a static cache's empty slots after them: refused when
+        # planned)
+        allowed = mask_allowed(attention_mask)[..., :length]
     facts = step.facts
     if facts is not None and facts.all_real:
         valid = None
     elif facts is None and valid is not None and not torch.compiler.is_compiling() and bool(valid.all()):
         valid = None
-    out, weights = _uncached(module, query, key, value, geometry, scales, step.positions, valid, bias, True, eager,
-                             dropout, allowed=allowed, layout=_layout(step))
+    out, weights = _uncached(module, query, key, value, geometry, geometry.scales(scaling), step.positions, valid,
+                             bias, True, eager, dropout, allowed=allowed, layout=_layout(step))
     capacity = view.key_storage.shape[2]
     if weights is not None and isinstance(view.tokens, torch.Tensor) and capacity > length:
         # as transformers' static layers: a prefill's maps span the cache's slots (the chunk's tokens first)
         weights = F.pad(weights, (0, capacity - weights.shape[-1]))
     return out.transpose(1, 2).contiguous(), weights
-
-
-def _standard(step, attention_mask, valid, causal: bool, length: int, offset: int) -> bool:
-    """``_is_standard_mask`` once per forward and mask (the comparison reads back from the device: only for a
-    caller's own 4-D mask), or without a step per call."""
-    if step is None:
-        return _is_standard_mask(attention_mask, valid, causal, length, query_offset=offset)
-    if step.standard_masks or attention_mask is None or attention_mask.dim() != 4:
-        return True
-    key = ("standard mask", id(attention_mask), causal, length, offset)
-    standard = step.mask_checks.get(key)
-    if standard is None:
-        standard = step.mask_checks[key] = _is_standard_mask(attention_mask, valid, causal, length,
-                                                             query_offset=offset)
-    return standard
 
 
 def _layout(step) -> Optional[PositionLayout]:
@@ -479,9 +313,13 @@ def _forward(module, query, key, value, attention_mask, scaling, dropout, eager,
     """The one gate: what MLR attention refuses (whatever the path), then which contract applies -- a cache layer's
     view (``update`` wrote the chunk: read the cache), a layer without MLR geometry (plain attention), or keys in
     token order (no cache, or an ordinary cache layer)."""
-    _check_kwargs(module, kwargs, dropout, eager)
-    over_cache = isinstance(value, MLRCacheView)
-    geometry = value.plan.geometry if over_cache else _layer_geometry(module)
+    if not REFUSED_ARGUMENTS.isdisjoint(kwargs):
+        refuse_unsupported_arguments(kwargs, getattr(module, "layer_idx", None))
+    if dropout and not eager and module.training:
+        logger.warning_once(f"attention dropout (p={dropout}) is applied by MLR attention layers only with "
+                            f"attn_implementation='eager' (the fused kernels do not drop weights)")
+    over_cache = type(value) is MLRCacheView
+    geometry = value.plan.layout.plan.geometry if over_cache else _layer_geometry(module)
     if geometry is None:
         return _dense_fallback(module, query, key, value, attention_mask, scaling, dropout, eager, kwargs)
     bias = kwargs.get("position_bias")
@@ -491,12 +329,12 @@ def _forward(module, query, key, value, attention_mask, scaling, dropout, eager,
         dtype = torch.get_autocast_dtype(device_type)
         query, key = query.to(dtype), key.to(dtype)
         value = value if over_cache else value.to(dtype)
+    step = kwargs.get(STEP_KEY)
     if over_cache:
-        return _read_cache(module, query, value, attention_mask, geometry, scaling, bias, dropout, eager)
+        return _read_cache(module, query, value, attention_mask, step, scaling, bias, dropout, eager)
     scales = geometry.scales(scaling)
     causal = bool(getattr(module, "is_causal", True))
     batch, _, length, _ = query.shape
-    step = kwargs.get(STEP_KEY)
     if not (getattr(module, "is_decoder", True) and causal):
         step = None  # the step describes the decoder's self-attention tokens, not T5's encoder or cross-attention
     layer = step.layer(getattr(module, "layer_idx", None)) if step is not None else None
@@ -516,7 +354,9 @@ def _forward(module, query, key, value, attention_mask, scaling, dropout, eager,
     else:
         valid_keys = key_validity(attention_mask, batch, key_length)
     allowed = None
-    if not _standard(step, attention_mask, valid_keys, causal, length, written - length):
+    custom = step.custom_mask if step is not None else not is_standard_mask(
+        attention_mask, valid_keys, causal, length, query_offset=written - length)
+    if custom:
         # the caller's own 4-D mask (a window, a bidirectional or block overlay, a hidden pair): applied as given,
         # blocks from the positions; a token is real iff it may see itself
         allowed = mask_allowed(attention_mask)
@@ -551,7 +391,7 @@ def _forward(module, query, key, value, attention_mask, scaling, dropout, eager,
     key_valid = key_valid.expand(batch, key_length)
     key_positions = _key_positions(positions, valid_queries, written, key_length)
     if allowed is not None:  # keys in token order: the mask applies as given (rows are group-major)
-        additive = _group_major(_additive(allowed, softmax_dtype(rows.dtype)), kv_heads, groups)
+        additive = group_major(additive_mask(allowed, softmax_dtype(rows.dtype)), kv_heads, groups)
         bias = additive if bias is None else bias + additive
     out = mlr_attention_full_keys(rows, key, value, geometry=geometry, scales=scales,
                                   query_positions=positions.repeat(1, groups), key_positions=key_positions,
@@ -582,32 +422,10 @@ def mlr_eager_attention_forward(module, query: torch.Tensor, key: torch.Tensor, 
     return _forward(module, query, key, value, attention_mask, scaling, dropout, True, kwargs)
 
 
-def bilinear_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                               attention_mask: Optional[torch.Tensor], scaling: Optional[float] = None,
-                               dropout: float = 0.0, **kwargs):
-    """``"bilinear"`` in ``AttentionInterface``: attention whose query/key width E differs from the value width (the
-    bilinear MLR / BTT layers) with the fused kernel on zero-padded q/k. query (B, H, T, E); key (B, H, S, E); value
-    (B, H, S, dv); attention_mask: transformers' bool keep-mask or additive mask, or None (causal). Returns
-    ((B, T, H, dv), None)."""
-    allowed = attention_mask if attention_mask is not None and attention_mask.dtype == torch.bool else None
-    bias = attention_mask if attention_mask is not None and attention_mask.dtype != torch.bool else None
-    out = fused_attention(query, key, value, scale=1.0 if scaling is None else scaling,
-                          causal=attention_mask is None and getattr(module, "is_causal", True), allowed=allowed,
-                          bias=bias, dropout=dropout)
-    return out.transpose(1, 2), None
-
-
 ALL_ATTENTION_FUNCTIONS.register(MLR_ATTENTION, mlr_attention_forward)
 ALL_ATTENTION_FUNCTIONS.register(MLR_EAGER_ATTENTION, mlr_eager_attention_forward)
 ALL_MASK_ATTENTION_FUNCTIONS.register(MLR_ATTENTION, _mlr_mask)
 ALL_MASK_ATTENTION_FUNCTIONS.register(MLR_EAGER_ATTENTION, _mlr_eager_mask)
-ALL_ATTENTION_FUNCTIONS.register(BILINEAR_ATTENTION, bilinear_attention_forward)
-# materialised: the scores of any q/k width (masking and softmax in promote_types(dtype, float32))
-ALL_ATTENTION_FUNCTIONS.register(BILINEAR_EAGER_ATTENTION, eager_attention_forward)
-ALL_MASK_ATTENTION_FUNCTIONS.register(BILINEAR_ATTENTION, _mlr_mask)
-ALL_MASK_ATTENTION_FUNCTIONS.register(BILINEAR_EAGER_ATTENTION, _mlr_eager_mask)
 
-__all__ = ["BILINEAR_ATTENTION", "BILINEAR_EAGER_ATTENTION", "BilinearLayerConfig", "MLRLayerConfig", "MLR_ATTENTION",
-           "MLR_EAGER_ATTENTION", "bilinear_attention_forward",
-           "install_bilinear_attention", "install_mlr_attention", "key_validity",
-           "mlr_attention_forward", "mlr_eager_attention_forward", "mlr_geometry_of", "mlr_implementation"]
+__all__ = ["MLRLayerConfig", "MLR_ATTENTION", "MLR_EAGER_ATTENTION", "install_mlr_attention", "mlr_attention_forward",
+           "mlr_eager_attention_forward", "mlr_geometry_of", "mlr_implementation"]

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from transformers import initialization as init
 
-from .structattn_geometry import MLR_SCALINGS, check_int, check_ranks
+from .structattn_config_rules import MLR_SCALINGS, check_int, check_ranks
 
 
 def bilinear_level_scales(widths: Sequence[int], scaling: str, constant: float = 1.0) -> list[float]:

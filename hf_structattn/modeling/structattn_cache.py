@@ -13,11 +13,12 @@ An MLR cache layer holds, per batch row and KV head:
 
 Key entries held per (row, head): ``S r_1 + sum_l min(b_l, S) r_l`` for S slots (``MLRGeometry.key_cache_elements``).
 
-One forward: the model makes the step (``structattn_step.MLRStep``); an attention module calls ``cache.update(k, v,
-layer_idx, kwargs=kwargs)``, which writes the chunk by the forward's plan of the layer's geometry
-(``structattn_mlr_plan``: host-addressed copies for rows in step, indexed assignments otherwise) and returns the
-chunk's keys in level order and an ``MLRCacheView`` in place of the values; the ``"mlr"`` attention function reads
-the view with ``structattn_mlr_cached.mlr_cached_attention``. Rollback for speculative decoding is
+One forward: the model makes the step and, before its first layer runs, every MLR cache layer's plan
+(``structattn_prepare.prepare_step``: the layer's ``CacheLayout`` and read record, ``structattn_mlr_plan``; a dynamic
+layer grows there, ``planned_storage``); an attention module calls ``cache.update(k, v, layer_idx, kwargs=kwargs)``,
+which writes the chunk by the layer's layout (host-addressed copies for rows in step, indexed assignments otherwise)
+and returns the chunk's keys in level order and an ``MLRCacheView`` in place of the values; the ``"mlr"`` attention
+function reads the view with ``structattn_mlr_cached.mlr_cached_attention``. Rollback for speculative decoding is
 ``structattn_rollback``; how a cache gets its MLR layers, ``structattn_prepare``.
 
 A layer is built without geometry (``DynamicCache(config=...)`` and ``StaticCache`` construct registered layer types
@@ -25,49 +26,44 @@ with no arguments) and behaves as transformers' ``DynamicLayer`` / ``StaticLayer
 its ``MLRGeometry`` before the first write (``structattn_prepare.prepare_structattn_cache``).
 """
 
-import warnings
-from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from transformers.cache_utils import DynamicLayer, StaticLayer
+from transformers.utils import logging
 
 from .structattn_geometry import MLRGeometry
-from .structattn_mlr_plan import CacheLayout, MLRPlan, mlr_plan
+from .structattn_mlr_plan import CacheLayout, LayerPlan
 from .structattn_rollback import RollbackLog, RollbackMixin
-from .structattn_step import NO_POSITION, REFUSED_ARGUMENTS, STEP_KEY, MLRStep, refuse_unsupported_arguments
+from .structattn_step import NO_POSITION, REFUSED_ARGUMENTS, STEP_KEY, refuse_unsupported_arguments
 
-_WARNED_WITHOUT_KWARGS = set()
+logger = logging.get_logger(__name__)
 MIN_GROWTH = 16  # dynamic layers grow by max(MIN_GROWTH, S/32) slots when no length was reserved
 
 
-@dataclass(eq=False, slots=True)
-class MLRCacheView:
+class MLRCacheView(NamedTuple):
     """What ``update`` returns in place of the values: everything an MLR cache layer holds for one forward's queries,
-    after the chunk was written (read-only).
+    after the chunk was written (read-only; a named tuple, which ``update`` builds with ``tuple.__new__``: no Python
+    call in every layer of every step).
 
     key_storage: (B, Hk, C, r_1) level-1 slots; value_storage: (B, Hk, C, dv); fine: (B, Hk, F) the flat ring
-    storage (``MLRGeometry.fine_layout``); contiguous: the three storages are (the in-step read views them with
-    strides of its own); chunk_keys: (B, Hk, c, r) the chunk's keys in level order (with their autograd history);
-    chunk_values: (B, Hk, c, dv) its values; replaced: (B, Hk, c, F) per new token the ring entries of its own
-    position as they were before the chunk (chunks of several tokens), else None; held: the layer held tokens
-    before the chunk (else the chunk attends only to itself); tokens: tokens held after the chunk (transformers'
-    sequence length, padding included); first_positions, last_positions: (B,) the rows' spans after the chunk;
-    layout: the forward's ``CacheLayout`` of this layer's storage; plan: the forward's ``MLRPlan`` of its geometry."""
+    storage (``MLRGeometry.fine_layout``); chunk_keys: (B, Hk, c, r) the chunk's keys in level order (with their
+    autograd history); chunk_values: (B, Hk, c, dv) its values; replaced: (B, Hk, c, F) per new token the ring
+    entries of its own position as they were before the chunk (chunks of several tokens), else None; tokens: tokens
+    held after the chunk (transformers' sequence length, padding included); first_positions, last_positions: (B,)
+    the rows' spans after the chunk; plan: the layer's ``LayerPlan`` of this forward, which the write followed (its
+    layout) and the read follows (its read record)."""
 
     key_storage: torch.Tensor
     value_storage: torch.Tensor
     fine: torch.Tensor
-    contiguous: bool
     chunk_keys: torch.Tensor
     chunk_values: torch.Tensor
     replaced: Optional[torch.Tensor]
-    held: bool
     tokens: object
     first_positions: torch.Tensor
     last_positions: torch.Tensor
-    layout: CacheLayout
-    plan: MLRPlan
+    plan: LayerPlan
 
 
 def _geometry_fields(geometry: MLRGeometry) -> dict:
@@ -109,13 +105,16 @@ class MLRCacheLayerMixin(RollbackMixin):
     holds_mlr_positions = True  # what ``structattn_step`` looks for (the rows' positions every MLR layer holds)
     is_static = False  # a fixed-shape layer (``MLRStaticKeyCacheLayer``)
     geometry: Optional[MLRGeometry] = None
+    # this layer's index in its cache, where the forward's plan holds its ``LayerPlan`` (``MLRStep.layers``):
+    # transformers' layers are not told their index, so ``prepare_structattn_cache`` records it (kept by ``reset``)
+    layer_index: Optional[int] = None
 
     def _init_state(self) -> None:
         self.geometry = None
         self.base = None
         self.first_positions = self.last_positions = None
         self._fine = None
-        self._contiguous = True  # the storages are contiguous (made so by every allocation and row operation)
+        self.contiguous = True  # the storages are contiguous (the in-step read views them with strides of its own)
         self._flat = None  # (storages, their flat views): ``_flat_views``
         self._widths_at = None  # (capacity, geometry, ring widths) of the last ``_ring_widths`` call
         self.rings = []
@@ -220,72 +219,90 @@ class MLRCacheLayerMixin(RollbackMixin):
             return 0
         return self.keys.shape[0] * self.keys.shape[1] * self.key_cache_elements() * self.keys.element_size()
 
-    # ------------------------------------------------------------------ the Cache contract: the one write
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Write a chunk of c tokens and return what its queries read: key_states (B, H, c, r), value_states
-        (B, H, c, dv) -> (the chunk's keys in level order (B, H, c, r), ``MLRCacheView``). The step is in the
-        attention call's kwargs (``kwargs["kwargs"][STEP_KEY]``, transformers' convention). The layer holds detached
-        states written in place. An unbound layer is transformers' plain layer."""
-        step = _step_of(args, kwargs)
-        geometry = self.geometry
-        if geometry is not None and step is None and not self.is_initialized:
-            # the attention module calls cache.update without its kwargs (GPT-NeoX, Falcon, ...): the layer cannot
-            # learn positions or padding, so it keeps full keys (exact, no saving)
-            if type(self) not in _WARNED_WITHOUT_KWARGS:
-                _WARNED_WITHOUT_KWARGS.add(type(self))
-                warnings.warn("an attention module calls cache.update without kwargs, so the MLR key cache cannot "
-                              "see positions or padding: its layers keep full keys (exact, no memory saving)",
-                              stacklevel=3)
-            self.geometry = geometry = None
-        if geometry is None:
-            return super().update(key_states, value_states, *args, **kwargs)
-        if step is None:
-            raise ValueError("the MLR key cache needs the attention call's kwargs (cache.update(k, v, layer_idx, "
-                             "kwargs=kwargs)) to place the new tokens")
-        if key_states.shape[-1] != geometry.head_dim:
-            raise ValueError(f"MLR cache layer: key width {key_states.shape[-1]} differs from sum(mlr_ranks)="
-                             f"{geometry.head_dim}")
-        batch, chunk = key_states.shape[0], key_states.shape[2]
-        if step.positions is None or step.positions.shape != (batch, chunk):
-            raise ValueError(f"the step has positions of shape "
-                             f"{None if step.positions is None else tuple(step.positions.shape)} for a chunk of "
-                             f"{chunk} tokens in {batch} rows")
-        plan = step.plans.get(id(geometry)) or mlr_plan(step, geometry)
-        keys = key_states if plan.dim_order is None else key_states.index_select(-1, plan.dim_order)
-        if torch.is_grad_enabled():  # (entering no_grad costs an eager decode step microseconds per layer)
-            with torch.no_grad():
-                layout, replaced = self._write(keys.detach(), value_states.detach(), plan)
-        else:
-            layout, replaced = self._write(keys, value_states, plan)
-        facts = step.facts
-        key_storage, value_storage, fine = self._storages()
-        return keys, MLRCacheView(key_storage, value_storage, fine, self._contiguous, keys, value_states, replaced,
-                                  True if facts is None else facts.held, self.cumulative_length, self.first_positions,
-                                  self.last_positions, layout, plan)
-
-    def _write(self, keys: torch.Tensor, values: torch.Tensor, plan: MLRPlan) -> tuple:
-        """Write the chunk by ``plan``: (the layout, the replaced ring entries or None)."""
-        facts = plan.step.facts
+    # ------------------------------------------------------------------ the forward's plan
+    def planned_storage(self, facts, chunk: int) -> tuple:
+        """(base, capacity, value width, key dtype, heads, records) of this layer for a forward of ``chunk`` tokens
+        with the step's host ``facts`` (None while tracing), made so now: an allocated dynamic layer grows here, before
+        any layer of the forward runs, and a static layer after ``reset`` is placed afresh. An unallocated layer is
+        allocated by its first write, to this capacity (only the write sees the key and value widths and their
+        dtype): value width, dtype and heads are None then. records: the layer logs what it overwrites (rollback)."""
         if not self.is_initialized:
-            self._lazy_init(keys, values, facts)
-        elif self.base is None:  # a static layer after ``reset``: placed afresh
+            base = self._base_for(facts)
+            newest = max(facts.newest, base) if facts is not None else 0
+            return base, self._initial_capacity(newest - base + 1, base), None, None, None, self._record_past
+        if self.base is None:  # a static layer after ``reset``: placed afresh
             self.base = self._base_for(facts)
-        capacity = self.capacity
+        cached = self._flat  # (inline: every MLR layer of every forward comes here)
+        storages = cached[1] if cached is not None and cached[0] is self._fine else self._storages()
+        capacity = storages[0].shape[2]
         if facts is not None:  # the slots in use, and (dynamic) at least the tokens seen: ``keys`` exposes them
             needed = max(facts.newest - self.base + 1, 1)
             if not self.is_static:
-                needed = max(needed, facts.tokens_before + plan.chunk)
+                needed = max(needed, facts.tokens_before + chunk)
             if needed > capacity:
-                self._ensure_capacity(needed, keys, values)
-                capacity = self.capacity
-        key = (self.base, capacity, keys.dtype, self._record_past)  # what a layout depends on besides the plan
-        layout = plan.layouts.get(key) or plan.layout(self, key)
-        if plan.host_write:
-            replaced = self._write_in_step(keys, values, plan, layout)
+                self._ensure_capacity(needed, storages[0], storages[1])
+                storages = self._storages()
+                capacity = storages[0].shape[2]
+        keys = storages[0]
+        return self.base, capacity, storages[1].shape[-1], keys.dtype, keys.shape[1], self._record_past
+
+    # ------------------------------------------------------------------ the Cache contract: the one write
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write a chunk of c tokens by this layer's plan and return what its queries read: key_states (B, H, c, r),
+        value_states (B, H, c, dv) -> (the chunk's keys in level order (B, H, c, r), ``MLRCacheView``). The step,
+        which holds every layer's plan (``MLRStep.layers``, made before the first layer ran), is in the attention
+        call's kwargs (``kwargs["kwargs"][STEP_KEY]``, transformers' convention). The layer holds detached states
+        written in place. An unbound layer is transformers' plain layer."""
+        call = kwargs.get("kwargs")
+        if type(call) is not dict or not REFUSED_ARGUMENTS.isdisjoint(call):
+            call = _call_kwargs(args, kwargs)  # (a positional dict, ``cache_kwargs``; refused arguments)
+        step = None if call is None else call.get(STEP_KEY)
+        geometry = self.geometry
+        if geometry is None or step is None:
+            return self._update_without_plan(key_states, value_states, step, *args, **kwargs)
+        layers, index = step.layers, self.layer_index
+        plan = layers[index] if index is not None and index < len(layers) else None
+        if plan is None:
+            raise ValueError(f"MLR cache layer {index}: the step holds no plan for it; a model's forward plans every "
+                             f"MLR cache layer before its first layer runs (structattn_prepare.prepare_step)")
+        layout = plan.layout
+        mlr = layout.plan
+        if key_states.shape[-1] != geometry.head_dim:
+            raise ValueError(f"MLR cache layer: key width {key_states.shape[-1]} differs from sum(mlr_ranks)="
+                             f"{geometry.head_dim}")
+        if mlr.positions.shape != key_states.shape[:1] + key_states.shape[2:3]:
+            raise ValueError(f"the step has positions of shape {tuple(mlr.positions.shape)} for a chunk of "
+                             f"{key_states.shape[2]} tokens in {key_states.shape[0]} rows")
+        keys = key_states if mlr.dim_order is None else key_states.index_select(-1, mlr.dim_order)
+        if not self.is_initialized:
+            self._lazy_init(keys, value_states, layout)
+        write = self._write_in_step if layout.first_slot is not None else self._write_chunk
+        if torch.is_grad_enabled():  # (entering no_grad costs an eager decode step microseconds per layer)
+            with torch.no_grad():
+                replaced = write(keys.detach(), value_states.detach(), layout)
         else:
-            replaced = self._write_chunk(keys, values, plan, layout)
-        self._advance(plan.chunk, None if facts is None else facts.newest - self.base + 1)
-        return layout, replaced
+            replaced = write(keys, value_states, layout)
+        self._advance(mlr.chunk, layout.newest_slot)
+        flat = self._flat
+        key_storage, value_storage, fine = flat[1] if flat is not None and flat[0] is self._fine else \
+            self._storages()
+        return keys, tuple.__new__(MLRCacheView, (key_storage, value_storage, fine, keys, value_states, replaced,
+                                                  self.cumulative_length, self.first_positions, self.last_positions,
+                                                  plan))
+
+    def _update_without_plan(self, key_states, value_states, step, *args, **kwargs):
+        """``update`` of an unbound layer (transformers' plain layer), of a layer written by an attention module that
+        hands it no kwargs (GPT-NeoX, Falcon, ...: it keeps full keys), or a refusal."""
+        geometry = self.geometry
+        if geometry is not None and step is None and not self.is_initialized:
+            # the layer cannot learn positions or padding, so it keeps full keys (exact, no saving)
+            logger.warning_once("an attention module calls cache.update without kwargs, so the MLR key cache cannot "
+                                "see positions or padding: its layers keep full keys (exact, no memory saving)")
+            self.geometry = geometry = None
+        if geometry is None:
+            return super().update(key_states, value_states, *args, **kwargs)
+        raise ValueError("the MLR key cache needs the attention call's kwargs (cache.update(k, v, layer_idx, "
+                         "kwargs=kwargs)) to place the new tokens")
 
     def _base_for(self, facts) -> int:
         """``base`` for a first write: the lowest real new position rounded down to the alignment (0 while
@@ -293,27 +310,29 @@ class MLRCacheLayerMixin(RollbackMixin):
         lowest = 0 if facts is None or facts.lowest == NO_POSITION else facts.lowest
         return lowest // self.alignment * self.alignment
 
-    def _lazy_init(self, keys, values, facts) -> None:
-        """First write: fix ``base``, allocate, start the spans."""
+    def _lazy_init(self, keys, values, layout: CacheLayout) -> None:
+        """First write: the base and capacity the layout names, the storage, the spans."""
         batch = keys.shape[0]
-        self.base = self._base_for(facts)
+        self.base = layout.base
         self.device = keys.device
         self.first_positions = torch.full((batch,), NO_POSITION, dtype=torch.long, device=keys.device)
         self.last_positions = torch.full((batch,), -1, dtype=torch.long, device=keys.device)
-        newest = max(facts.newest, self.base) if facts is not None else 0
-        self._allocate(keys, values, self._initial_capacity(newest - self.base + 1))
+        self._allocate(keys, values, layout.capacity)
         self.is_initialized = True
         if self.record_past:
             self._start_log()
 
-    def _write_in_step(self, keys, values, plan: MLRPlan, layout: CacheLayout) -> Optional[torch.Tensor]:
-        """Rows in step (``MLRPlan.host_write``): the chunk's slots and ring elements are host integers of the layout:
-        one token, one ``index_copy_`` per storage into its flat (B, H, 1, ·) view; several, narrowed copies and one
-        indexed assignment of the ring elements. Returns the replaced ring entries
-        (B, H, c, F) of a chunk of several tokens (the general read needs them), else None."""
+    def _write_in_step(self, keys, values, layout: CacheLayout) -> Optional[torch.Tensor]:
+        """Rows in step (``MLRPlan.host_write``): the chunk's slots and ring elements are host integers of the
+        layout: one token into allocated storages, one ``index_copy_`` per storage into its flat (B, H, 1, ·) view;
+        several (or a first write), narrowed copies and one indexed assignment of the ring elements. Returns the
+        replaced ring entries (B, H, c, F) of a chunk of several tokens (the general read needs them), else None."""
+        plan = layout.plan
         chunk, rank = plan.chunk, self.geometry.ranks[0]
         batch, heads = keys.shape[:2]
-        flat_keys, flat_values, flat_fine = self._flat_views()
+        cached = self._flat  # (inline: every layer of every decode step comes here)
+        storages, (flat_keys, flat_values, flat_fine) = cached[1:] if cached is not None and cached[0] is self._fine \
+            else self._flat_views()
         if layout.fine_index is not None:
             first, finer = keys.split_with_sizes((rank, keys.shape[-1] - rank), -1)
         else:
@@ -323,14 +342,14 @@ class MLRCacheLayerMixin(RollbackMixin):
             replaced = flat_fine.index_select(3, layout.fine_index).view(batch, heads, chunk, -1)
         if self._record_past:
             self.rollback_log.append(replaced if replaced is not None else keys.new_zeros(batch, heads, chunk, 0),
-                                     plan.step.positions, plan.real, self.rollback_window, True)
-        if chunk == 1:  # a decode step: one index_copy_ per storage
+                                     plan.positions, plan.real, self.rollback_window, True)
+        if layout.key_index is not None:  # a decode step: one index_copy_ per storage
             flat_keys.index_copy_(3, layout.key_index, first)
             flat_values.index_copy_(3, layout.value_index, values)
             if finer is not None:
                 flat_fine.index_copy_(3, layout.fine_index, finer)
         else:  # consecutive slots: narrowed copies, and the ring elements (c, F) by one indexed assignment
-            key_storage, value_storage, fine = self._storages()
+            key_storage, value_storage, fine = storages
             key_storage.narrow(2, layout.first_slot, chunk).copy_(first)
             value_storage.narrow(2, layout.first_slot, chunk).copy_(values)
             if finer is not None:
@@ -339,37 +358,38 @@ class MLRCacheLayerMixin(RollbackMixin):
         return replaced if chunk > 1 else None
 
     def _flat_views(self) -> tuple:
-        """(keys, values, fine) storages as (B, H, 1, ·) flat views, made again when the storages were replaced
-        (growth, reordering, offloading: every one replaces all three, the ring storage included). The storages are
-        contiguous (every allocation and row operation makes them so)."""
+        """((keys (B, H, C, r_1), values (B, H, C, dv), fine (B, H, F)): the whole storages, and the same as
+        (B, H, 1, ·) flat views), made again when the storages were replaced (growth, reordering, offloading: every
+        one replaces all three, the ring storage included) and kept in ``_flat`` (the view ``update`` returns reads
+        it). The storages are contiguous (every allocation and row operation makes them so)."""
         cached = self._flat
         if cached is not None and cached[0] is self._fine:
-            return cached[2]
-        storages = self._storages()
+            return cached[1:]
+        storages = self.keys_storage(), self.values_storage(), self._fine
         batch, heads = storages[0].shape[:2]
         views = tuple(tensor.reshape(batch, heads, 1, -1) for tensor in storages)
-        self._flat = (self._fine, storages, views)
-        return views
+        if not torch.compiler.is_compiling():  # (no attribute writes in a traced step)
+            self._flat = (self._fine, storages, views)
+        return storages, views
 
     def _storages(self) -> tuple:
-        """(keys (B, H, C, r_1), values (B, H, C, dv), fine (B, H, F)): the whole storages."""
+        """(keys (B, H, C, r_1), values (B, H, C, dv), fine (B, H, F)): the whole storages (no flat views made)."""
         cached = self._flat
         if cached is not None and cached[0] is self._fine:
             return cached[1]
         return self.keys_storage(), self.values_storage(), self._fine
 
-    def _write_chunk(self, keys, values, plan: MLRPlan, layout: CacheLayout) -> Optional[torch.Tensor]:
+    def _write_chunk(self, keys, values, layout: CacheLayout) -> Optional[torch.Tensor]:
         """Every real token of a chunk into its slot and ring entries (padding is not stored: see ``ChunkWrite``)
         with indexed assignments, which need no host reads and keep fixed shapes (what a traced step runs). Returns
         the ring entries of each token's own position as they were before the chunk (B, H, c, F) for a chunk of
         several tokens into a layer that held tokens, else None."""
-        write = layout.chunk_write
+        plan, write = layout.plan, layout.chunk_write
         batch, heads, chunk, _ = keys.shape
         rank = self.geometry.ranks[0]
         rows = write.rows
-        held = plan.step.facts is None or plan.step.facts.held
         replaced = None
-        if write.own_element is not None and ((chunk > 1 and held) or self.record_past):
+        if write.own_element is not None and ((chunk > 1 and plan.held) or self.record_past):
             flat = write.own_element.reshape(batch, 1, -1).expand(batch, heads, write.own_element[0].numel())
             replaced = self._fine.gather(2, flat).view(batch, heads, chunk, -1)
         if self.record_past:
@@ -382,9 +402,7 @@ class MLRCacheLayerMixin(RollbackMixin):
                 logged = replaced
             else:
                 logged = keys.new_zeros(batch, heads, chunk, 0)
-            facts = plan.step.facts
-            self.rollback_log.append(logged, plan.step.positions, plan.real, self.rollback_window,
-                                     facts is not None and facts.all_real)
+            self.rollback_log.append(logged, plan.positions, plan.real, self.rollback_window, plan.all_real)
         new_keys = keys[..., :rank].transpose(1, 2) if write.column is None else keys[rows, :, write.column, :rank]
         new_values = values.transpose(1, 2) if write.column is None else values[rows, :, write.column]
         if write.keep is not None:  # rows without a real token write back what their slots hold
@@ -404,7 +422,7 @@ class MLRCacheLayerMixin(RollbackMixin):
             self._fine[rows[:, :, None], :, write.fine_element] = fine
         self.last_positions.copy_(write.last_after)
         self.first_positions.copy_(write.first_after)
-        return replaced if chunk > 1 and held else None
+        return replaced if chunk > 1 and plan.held else None
 
     # ------------------------------------------------------------------ batch operations (beam search etc.)
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -440,9 +458,10 @@ class MLRCacheLayerMixin(RollbackMixin):
             super().prefetch()
 
 
-def _step_of(args, kwargs) -> Optional[MLRStep]:
-    """The ``MLRStep`` in the attention call's kwargs handed to ``update`` (``kwargs=kwargs`` in transformers'
-    attention modules; a positional dict too), after refusing what MLR attention refuses there."""
+def _call_kwargs(args, kwargs) -> Optional[dict]:
+    """The attention call's kwargs handed to ``update`` (``kwargs=kwargs`` in transformers' attention modules; a
+    positional dict or ``cache_kwargs`` too), or None, after refusing what MLR attention refuses there (so that a
+    refused call leaves the cache as it was)."""
     call = kwargs.get("kwargs")
     if call is None and args and isinstance(args[0], dict):
         call = args[0]
@@ -450,10 +469,9 @@ def _step_of(args, kwargs) -> Optional[MLRStep]:
         call = kwargs.get("cache_kwargs")
     if not isinstance(call, dict):
         return None
-    step = call.get(STEP_KEY)
-    if step is not None and not REFUSED_ARGUMENTS.isdisjoint(call):
+    if call.get(STEP_KEY) is not None and not REFUSED_ARGUMENTS.isdisjoint(call):
         refuse_unsupported_arguments(call)
-    return step
+    return call
 
 
 class MLRKeyCacheLayer(MLRCacheLayerMixin, DynamicLayer):
@@ -478,15 +496,16 @@ class MLRKeyCacheLayer(MLRCacheLayerMixin, DynamicLayer):
         knows its final length)."""
         self._reserved = int(positions)
 
-    def _initial_capacity(self, needed: int) -> int:
+    def _initial_capacity(self, needed: int, base: int) -> int:
+        """The capacity of a first write of ``needed`` slots from ``base`` on."""
         if torch.compiler.is_compiling():
             raise ValueError("a dynamic MLR cache cannot be filled inside a compiled region; use the static cache "
                              "(cache_implementation='static') with torch.compile")
-        return self._grown_capacity(max(needed, 1))
+        return self._grown_capacity(max(needed, 1), base)
 
-    def _grown_capacity(self, needed: int) -> int:
-        if self._reserved is not None and self._reserved - self.base >= needed:
-            return self._reserved - self.base
+    def _grown_capacity(self, needed: int, base: int) -> int:
+        if self._reserved is not None and self._reserved - base >= needed:
+            return self._reserved - base
         return needed + max(MIN_GROWTH, needed // 32)
 
     def _allocate(self, like_keys, like_values, capacity: int) -> None:
@@ -506,7 +525,7 @@ class MLRKeyCacheLayer(MLRCacheLayerMixin, DynamicLayer):
         if slots <= capacity:
             return
         old_storage, old_rings, used = self._storage, self.rings, self._used
-        self._allocate(like_keys, like_values, self._grown_capacity(slots))
+        self._allocate(like_keys, like_values, self._grown_capacity(slots, self.base))
         for old, new in zip(old_storage, self._storage):
             new.narrow(2, 0, capacity).copy_(old)
         for old, new in zip(old_rings, self.rings):
@@ -567,7 +586,7 @@ class MLRKeyCacheLayer(MLRCacheLayerMixin, DynamicLayer):
         self.is_initialized = False
 
     def get_seq_length(self) -> int:
-        if not self.is_bound:
+        if self.geometry is None:  # (not ``is_bound``: every forward asks every layer)
             return super().get_seq_length()
         return self.cumulative_length if self.is_initialized else 0
 
@@ -578,7 +597,7 @@ class MLRKeyCacheLayer(MLRCacheLayerMixin, DynamicLayer):
         self._storage = tuple(fn(tensor) for tensor in self._storage)
         self._fine = fn(self._fine)
         self.rings = self._fine_views(self._fine, self.capacity)
-        self._contiguous = all(tensor.is_contiguous() for tensor in self._storage + (self._fine,))
+        self.contiguous = all(tensor.is_contiguous() for tensor in self._storage + (self._fine,))
 
     def reset(self) -> None:
         if not self.is_bound:
@@ -620,7 +639,7 @@ class MLRStaticKeyCacheLayer(MLRCacheLayerMixin, StaticLayer):
         self._allocate(key_states, value_states, self.max_cache_len)
         self.is_initialized = True
 
-    def _initial_capacity(self, needed: int) -> int:
+    def _initial_capacity(self, needed: int, base: int) -> int:
         return self.max_cache_len
 
     def _allocate(self, like_keys, like_values, capacity: int) -> None:
@@ -663,14 +682,14 @@ class MLRStaticKeyCacheLayer(MLRCacheLayerMixin, StaticLayer):
         self.is_initialized = False
 
     def get_seq_length(self):
-        if not self.is_bound:
+        if self.geometry is None:
             return super().get_seq_length()
         return self.cumulative_length if self.is_initialized else 0
 
     def _apply_storage(self, fn) -> None:
         self.keys, self.values, self._fine = fn(self.keys), fn(self.values), fn(self._fine)
         self.rings = self._fine_views(self._fine, self.max_cache_len)
-        self._contiguous = all(tensor.is_contiguous() for tensor in (self.keys, self.values, self._fine))
+        self.contiguous = all(tensor.is_contiguous() for tensor in (self.keys, self.values, self._fine))
 
     def reset(self) -> None:
         if not self.is_bound:

@@ -46,7 +46,8 @@ from .structattn_decoder_spec import (  # noqa: F401  (the decoder spec, re-expo
     stock_layer_geometry,
     stored_dim_order,
 )
-from .structattn_geometry import announce_config, check_positions, one_line_field_errors
+from .structattn_config_rules import announce_config, one_line_field_errors
+from .structattn_inputs import check_positions
 
 MODEL_TYPE_PREFIX = "mlr_"
 CLASS_PREFIX = "MLR"

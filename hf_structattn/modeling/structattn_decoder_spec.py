@@ -1,7 +1,8 @@
 """What a patched decoder's config says about its MLR layers (which layers, their ``MLRGeometry``), which modules of
 a decoder are its attention modules, and the RoPE pair order its level slices follow. Part of the checkpoint payload;
-shared by ``structattn_decoder`` (the ``MLR<Arch>`` classes) and ``structattn_attention`` (a stock model run with
-``attn_implementation="mlr"``)."""
+used by ``structattn_decoder`` (the ``MLR<Arch>`` classes) and, through the registry
+``structattn_install.STOCK_GEOMETRY_RESOLVERS`` it joins at import, by ``structattn_attention`` (a stock model run
+with ``attn_implementation="mlr"``)."""
 
 import inspect
 from typing import Optional
@@ -9,6 +10,7 @@ from typing import Optional
 import torch
 
 from .structattn_geometry import MLRGeometry
+from .structattn_install import STOCK_GEOMETRY_RESOLVERS
 
 
 # ------------------------------------------------------------------------------------------- layer spec
@@ -234,6 +236,10 @@ def stock_layer_geometry(module: torch.nn.Module) -> Optional[MLRGeometry]:
         config.mlr_dim_order = stored_dim_order(order)
     return decoder_geometry(config)
 
+
+# (once per loaded copy of this file: the installed package and a checkpoint's remote code each register theirs)
+if all(resolver.__module__ != __name__ for resolver in STOCK_GEOMETRY_RESOLVERS):
+    STOCK_GEOMETRY_RESOLVERS.append(stock_layer_geometry)
 
 __all__ = ["DEFAULT_LEVEL_ORDER", "LEVEL_ORDERS", "RotaryDims", "attention_modules", "check_level_order",
            "check_levels_hold_whole_pairs", "decoder_geometries", "decoder_geometry", "dispatches_attention",

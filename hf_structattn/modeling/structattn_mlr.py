@@ -22,14 +22,9 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
-from .structattn_geometry import (
-    check_bias,
-    check_positions,
-    check_qkv,
-    keep_mask,
-    resolve_level_scales,
-    validate_mlr_geometry,
-)
+from .structattn_config_rules import resolve_level_scales, validate_mlr_geometry
+from .structattn_inputs import check_bias, check_positions, check_qkv
+from .structattn_masks import keep_mask
 from .structattn_mlr_fused import mlr_attention_fused
 from .structattn_mlr_math import mlr_attention_math
 from .structattn_reference import mlr_attention_reference

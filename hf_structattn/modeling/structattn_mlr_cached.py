@@ -1,72 +1,67 @@
 """Cached MLR attention: the queries of one forward against the hierarchical key cache, after the cache layer's
-``update`` wrote their tokens. One entry, ``mlr_cached_attention(query, view, plan)``; three formulations of the same
-sum, picked in one place (``_formulation``):
+``update`` wrote their tokens. One entry, ``mlr_cached_attention(query, view, read)``; three formulations of the same
+sum, and the type of the layer's read record (made before the forward's first layer by
+``structattn_prepare.prepare_step``, picked by ``structattn_mlr_plan.read_formulation``) says which one runs:
 
-* ``in_step`` -- rows in step, the chunk inside one block at every level (``MLRPlan.in_step``: greedy and sampled
+* ``InStepRead`` -- rows in step, the chunk inside one block at every level (``MLRPlan.in_step``: greedy and sampled
   decoding, speculative verification chunks that stay in a block), eager, nothing else asked: level-1 scores by one
   ``bmm`` over a strided view of the whole key storage, each group of finer levels by one in-place ``baddbmm_`` of
   its ring onto its block's slots (after the write a ring holds exactly that block's slots up to the newest token),
-  the level weights and the mask in one op, softmax, one ``bmm`` with the values. The fewest eager ops.
-* ``traced`` -- one token per row while torch.compile / torch.export traces: each level's entry scores are tiled
-  over the slot axis (slot ``s`` of a block holds entry ``s % b_l``) and kept where the slot is in the row's current
-  block: affine indices and no scatter, which inductor fuses into one pass of vector loads.
-* ``general`` -- everything else (rows at different positions or padded, chunks that cross a block, half precision,
-  a bias, a caller's mask, attention maps, gradients, dropout, traced chunks): level-1 scores over every slot, and
-  for all finer levels at once the scores of their key sources (ring entries of the block of each row's newest
-  cached position, the entries the chunk's writes replaced, the chunk's own keys), weighted by whether they share
-  the query's block and added onto their slots by one ``scatter_add_``.
+  the level weights and the mask in one op, softmax, one ``bmm`` with the values. The fewest eager ops. Half
+  precision: the products in the storage dtype, added onto float32 scores (what the general read does).
+* ``TracedRead`` -- one token per row while torch.compile / torch.export traces: each level's entry scores are
+  tiled over the slot axis (slot ``s`` of a block holds entry ``s % b_l``) and kept where the slot is in the row's
+  current block: affine indices and no scatter, which inductor fuses into one pass of vector loads.
+* ``GeneralRead`` -- everything else (rows at different positions or padded, chunks that cross a block, a bias, a
+  caller's mask, attention maps, gradients, dropout, traced chunks): level-1 scores over every slot, and for all
+  finer levels at once the scores of their key sources (ring entries of the block of each row's newest cached
+  position, the entries the chunk's writes replaced, the chunk's own keys), weighted by whether they share the
+  query's block and added onto their slots by one ``scatter_add_``.
 
-Per-pair level weights come from ``structattn_mlr_levels`` (through the read plans); the executable spec is
+Per-pair level weights come from ``structattn_mlr_levels`` (through the read records); the executable spec is
 ``structattn_reference.mlr_attention_reference``, against which every formulation is tested
 (tests/test_mlr_cached.py).
 """
 
-from typing import Optional
+from typing import Union
 
 import torch
 import torch.nn.functional as F
 
-SOFTMAX_DTYPES = (torch.float32, torch.float64)  # the dtypes whose softmax runs in their own dtype
+from .structattn_cache import MLRCacheView
+from .structattn_mlr_plan import GeneralRead, InStepRead, TracedRead
 
 
-def _formulation(query: torch.Tensor, view, plan, bias, return_weights: bool, dropout: float) -> str:
-    """The one place that picks how a cached read is computed."""
-    if plan.traced:
-        return "traced" if plan.chunk == 1 and bias is None and not return_weights and not dropout else "general"
-    if plan.in_step and view.contiguous and bias is None and not return_weights and not dropout and \
-            not query.requires_grad and query.dtype in SOFTMAX_DTYPES:
-        return "in_step"
-    return "general"
-
-
-def mlr_cached_attention(query: torch.Tensor, view, plan, scales: tuple, *, bias: Optional[torch.Tensor] = None,
-                         return_weights: bool = False, dropout: float = 0.0):
+def mlr_cached_attention(query: torch.Tensor, view: MLRCacheView, read: Union[InStepRead, GeneralRead, TracedRead],
+                         *, return_weights: bool = False, dropout: float = 0.0):
     """MLR attention of a forward's queries against everything ``view``'s layer holds after its write.
 
-    query: (B, Hq, c, r) in level order; view: the layer's ``MLRCacheView`` (what ``update`` returned); plan: the
-    forward's ``MLRPlan`` of the layer's geometry; scales: the level scales; bias: additive, broadcastable to
-    (B, Hk, n, S) in slot order (n = g c query rows per cached head, group-major); dropout: probability of dropping a
-    weight (training). Returns the output (B, c, Hq, dv) (contiguous) and the probabilities (B, Hk, n, S) in slot
-    order when ``return_weights``, else None."""
-    formulation = _formulation(query, view, plan, bias, return_weights, dropout)
+    query: (B, Hq, c, r) in level order; view: the layer's ``MLRCacheView`` (what ``update`` returned); read: the
+    layer's read record (``view.plan.read``), whose type is the formulation; return_weights: also return the
+    probabilities; dropout: probability of dropping a weight (training). The last two are the general read's
+    (``read_formulation`` gives eager layers a ``GeneralRead``). Returns the output (B, c, Hq, dv) (contiguous) and
+    the probabilities (B, Hk, n, S) in slot order when ``return_weights``, else None (n = g c query rows per cached
+    head, group-major)."""
     batch, q_heads, chunk, width = query.shape
-    kv_heads = view.key_storage.shape[1]
-    key = (formulation, q_heads // kv_heads, scales)
-    read = view.layout.reads.get(key) or view.layout.read(key)
-    if formulation == "in_step":
+    kind = type(read)
+    if kind is InStepRead and not return_weights and not dropout:
         out, weights = _in_step(query, view, read), None
     else:
+        kv_heads = view.key_storage.shape[1]
         rows = query.reshape(batch, kv_heads, q_heads // kv_heads * chunk, width)  # group-major: row g c + i
-        if formulation == "traced":
-            out, weights = _traced(rows, view, read, plan.geometry, scales), None
+        if kind is TracedRead and not return_weights and not dropout:
+            out, weights = _traced(rows, view, read), None
+        elif kind is GeneralRead:
+            out, weights = _general(rows, view, read, return_weights, dropout)
         else:
-            out, weights = _general(rows, view, read, plan.geometry, scales, bias, return_weights, dropout)
+            raise ValueError(f"a {kind.__name__} returns no probabilities and drops no weights: a read that does "
+                             f"either is planned as a GeneralRead (structattn_mlr_plan.read_formulation)")
     if chunk == 1:  # (B, Hk, g, dv) holds the heads of the one new token in order
         return out.reshape(batch, 1, q_heads, -1), weights
     return out.reshape(batch, q_heads, chunk, -1).transpose(1, 2).contiguous(), weights
 
 
-def _in_step(query: torch.Tensor, view, read) -> torch.Tensor:
+def _in_step(query: torch.Tensor, view: MLRCacheView, read: InStepRead) -> torch.Tensor:
     """(B, Hk, g c, dv) from whole (contiguous) storages read through strided views (no narrowing)."""
     keys, values, fine = view.key_storage, view.value_storage, view.fine
     batch, heads, capacity, first_rank = keys.shape
@@ -78,8 +73,17 @@ def _in_step(query: torch.Tensor, view, read) -> torch.Tensor:
     first_keys = keys.as_strided((flat, first_rank, slots), (capacity * first_rank, 1, first_rank),
                                  keys.storage_offset())
     alphas = read.alphas
-    scores = torch.bmm(pieces[0], first_keys) if alphas is None else \
-        torch.baddbmm(read.zero, pieces[0], first_keys, beta=0, alpha=alphas[0])
+    # float32 / float64: every product accumulates in place onto the scores; half precision: each product in the
+    # storage dtype, added onto float32 scores (a half-precision sum over levels and a half-precision softmax would
+    # lose what the float32 softmax keeps)
+    accumulate = read.work is query.dtype
+    if accumulate:
+        scores = torch.bmm(pieces[0], first_keys) if alphas is None else \
+            torch.baddbmm(read.zero, pieces[0], first_keys, beta=0, alpha=alphas[0])
+    else:
+        scores = torch.bmm(pieces[0], first_keys).to(read.work)
+        if alphas is not None:
+            scores.mul_(alphas[0])
     elements, fine_offset = fine.shape[-1], fine.storage_offset()
     targets = {}
     for index, ((start, used, _, dims, offset, ring_width), level_query) in enumerate(zip(read.groups, pieces[1:])):
@@ -87,10 +91,15 @@ def _in_step(query: torch.Tensor, view, read) -> torch.Tensor:
         target = targets.get((start, used))
         if target is None:  # groups over the same slots share one slice of the scores
             target = targets[start, used] = scores.narrow(2, start, used)
-        if alphas is None:
-            target.baddbmm_(level_query, ring)
+        if accumulate:
+            if alphas is None:  # (an ``alpha`` keyword costs the call its parsing: every group of every layer)
+                target.baddbmm_(level_query, ring)
+            else:
+                target.baddbmm_(level_query, ring, alpha=alphas[index + 1])
+        elif alphas is None:
+            target.add_(torch.bmm(level_query, ring))
         else:
-            target.baddbmm_(level_query, ring, alpha=alphas[index + 1])
+            target.add_(torch.bmm(level_query, ring), alpha=alphas[index + 1])
     if read.additive is not None:
         tokens = read.additive.shape[-2] if read.additive.dim() == 5 else 1
         shaped = scores.view(batch, heads, rows, slots) if tokens == 1 else \
@@ -101,7 +110,10 @@ def _in_step(query: torch.Tensor, view, read) -> torch.Tensor:
     elif read.multiplier is not None:
         scores.mul_(read.multiplier)
     values_read = values.as_strided((flat, slots, width), (capacity * width, width, 1), values.storage_offset())
-    return torch.bmm(torch.softmax(scores, dim=-1), values_read).view(batch, heads, rows, width)
+    probabilities = torch.softmax(scores, dim=-1)
+    if not accumulate:
+        probabilities = probabilities.to(values.dtype)
+    return torch.bmm(probabilities, values_read).view(batch, heads, rows, width)
 
 
 def _read_slots(view, slots: int) -> tuple:
@@ -112,7 +124,7 @@ def _read_slots(view, slots: int) -> tuple:
     return keys, values
 
 
-def _general(rows: torch.Tensor, view, read, geometry, scales: tuple, bias, return_weights: bool, dropout: float):
+def _general(rows: torch.Tensor, view: MLRCacheView, read: GeneralRead, return_weights: bool, dropout: float):
     """rows (B, Hk, n, r) -> (B, Hk, n, dv) [, probabilities (B, Hk, n, S)]."""
     work = read.work
     slots = read.additive.shape[-1]
@@ -120,9 +132,10 @@ def _general(rows: torch.Tensor, view, read, geometry, scales: tuple, bias, retu
     batch, heads, count, width = rows.shape
     flat = batch * heads
     # 3-D products throughout: a 4-D matmul costs a handful of expand / view calls each
-    query = (rows * geometry.scale_vector(scales, rows.dtype, rows.device)).reshape(flat, count, width)
-    level_queries = query.split(list(geometry.ranks), dim=-1)
-    first_rank = geometry.ranks[0]
+    ranks = read.ranks
+    query = (rows * read.query_scale).reshape(flat, count, width)
+    level_queries = query.split(ranks, dim=-1)
+    first_rank = ranks[0]
     scores = torch.bmm(level_queries[0], keys.reshape(flat, slots, first_rank).transpose(1, 2)).to(work)
     if read.target is not None:
         own_keys = view.chunk_keys[..., first_rank:]
@@ -132,8 +145,8 @@ def _general(rows: torch.Tensor, view, read, geometry, scales: tuple, bias, retu
         fine = view.fine.reshape(flat, -1)
         ring_scores, own_scores, offset = [], [], 0
         for level_query, level_keys, rank, ring_width in zip(level_queries[1:],
-                                                             own_keys.split(list(geometry.ranks[1:]), 1),
-                                                             geometry.ranks[1:], view.layout.ring_widths):
+                                                             own_keys.split(ranks[1:], 1), ranks[1:],
+                                                             read.ring_widths):
             ring = fine[:, offset:offset + ring_width * rank].view(flat, rank, ring_width)
             ring_scores.append(torch.bmm(level_query, ring.to(level_query.dtype)))
             own_scores.append(torch.bmm(level_query, level_keys.to(level_query.dtype)))
@@ -146,8 +159,8 @@ def _general(rows: torch.Tensor, view, read, geometry, scales: tuple, bias, retu
     if read.multiplier is not None:
         scores = scores * read.multiplier
     scores = scores + read.additive
-    if bias is not None:
-        scores = scores + bias.to(work)
+    if read.bias is not None:
+        scores = scores + read.bias
     probabilities = torch.softmax(scores, dim=-1)
     if dropout:
         probabilities = F.dropout(probabilities, p=dropout, training=True)
@@ -156,18 +169,17 @@ def _general(rows: torch.Tensor, view, read, geometry, scales: tuple, bias, retu
     return output, (probabilities if return_weights else None)
 
 
-def _traced(rows: torch.Tensor, view, read, geometry, scales: tuple) -> torch.Tensor:
+def _traced(rows: torch.Tensor, view: MLRCacheView, read: TracedRead) -> torch.Tensor:
     """rows (B, Hk, g, r), one token per row, traced -> (B, Hk, g, dv)."""
-    work = read.work
-    keys, values, fine, ring_widths = view.key_storage, view.value_storage, view.fine, view.layout.ring_widths
+    work, ranks = read.work, read.ranks
+    keys, values, fine = view.key_storage, view.value_storage, view.fine
     batch, heads, count, _ = rows.shape
-    slots, first_rank = keys.shape[2], geometry.ranks[0]
-    if not read.scaled:
-        rows = rows * geometry.scale_vector(scales, rows.dtype, rows.device)
+    slots, first_rank = keys.shape[2], ranks[0]
+    if read.query_scale is not None:
+        rows = rows * read.query_scale
     fine_scores, offset = None, 0
     for level, (level_query, rank, width, size) in enumerate(zip(
-            rows[..., first_rank:].split(list(geometry.ranks[1:]), dim=-1), geometry.ranks[1:], ring_widths,
-            geometry.block_sizes)):
+            rows[..., first_rank:].split(ranks[1:], dim=-1), ranks[1:], read.ring_widths, read.block_sizes)):
         ring = fine[..., offset:offset + width * rank].view(batch, heads, rank, width)
         offset += width * rank
         entry_scores = (level_query @ ring).to(work)  # (B, Hk, g, W_l)

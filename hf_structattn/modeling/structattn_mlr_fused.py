@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from .structattn_geometry import mask_value, softmax_dtype
+from .structattn_masks import mask_value, softmax_dtype
 from .structattn_mlr_levels import depth_scale_vector, level_multipliers, level_prefix_widths
 
 _cpu_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu

@@ -10,7 +10,8 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from .structattn_geometry import MLRGeometry, mask_value, softmax_dtype
+from .structattn_geometry import MLRGeometry
+from .structattn_masks import mask_value, softmax_dtype
 from .structattn_mlr_levels import depth_scale_vector, depth_weight, level_prefix_widths
 
 class _BlockScores(torch.autograd.Function):

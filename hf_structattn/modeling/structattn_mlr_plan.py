@@ -1,161 +1,97 @@
-"""The plan of one forward for the MLR cache layers of one geometry: where their tokens go and how their queries read.
+"""The plan of one forward for its MLR cache layers: where their tokens go and how their queries read. Made whole by
+``structattn_prepare.prepare_step`` before the first layer runs, from the step's host facts alone; nothing in it is
+made or changed later (the records are frozen), so a layer's ``update`` only writes by its layout and the attention
+function only reads by its read record.
 
-``mlr_plan(step, geometry)`` makes it once per forward (the first MLR cache layer of that geometry asks; it is kept on
-the step, ``MLRStep.plans``) and decides, from the step's host facts alone, which write and which read the forward
-takes:
+* ``MLRPlan`` (``make_plan``), per geometry: which write and which read the forward takes --
 
-* ``host_write``: every row is in step (every new token real, every row continuing its newest cached position, all
-  rows at the same positions) and the chunk is no longer than the finest block, so where each token goes is known
-  as host integers: the cache layer writes by narrowed copies and one ``index_copy_`` of the ring elements;
-* ``in_step``: besides, the chunk stays inside one block at every level, so that after the write every ring holds
-  exactly the slots of that block up to the newest token: ``structattn_mlr_cached``'s in-step read applies;
-* ``traced``: torch.compile / torch.export traces (no host facts): fixed shapes, nothing read back.
+  * ``host_write``: every row is in step (every new token real, every row continuing its newest cached position, all
+    rows at the same positions) and the chunk is no longer than the finest block, so where each token goes is known
+    as host integers: the cache layer writes by narrowed copies and one ``index_copy_`` of the ring elements;
+  * ``in_step``: besides, the chunk stays inside one block at every level, so that after the write every ring holds
+    exactly the slots of that block up to the newest token: ``structattn_mlr_cached``'s in-step read applies;
+  * ``traced``: torch.compile / torch.export traces (no host facts): fixed shapes, nothing read back.
 
-What depends on a layer's storage (its ``base``, capacity and ring widths, the dtype, the device) is a
-``CacheLayout``, made once per forward for every layer of that storage shape (``MLRPlan.layout``, a bounded memo on
-the plan); what a read needs (per formulation, query groups and level scales) is made once on the layout
-(``CacheLayout.read``). Nothing is kept at module level: two threads decoding two caches share no plan.
+* ``CacheLayout`` (``make_layout``), per storage shape of that geometry's layers (``base``, capacity, ring widths,
+  whether the layers log for rollback): the write's host-known elements or its ``ChunkWrite``, and the slots a read
+  covers.
+* a read record per layout, query grouping and level scales, whose type is the formulation the cached op runs:
+  ``InStepRead``, ``GeneralRead`` or ``TracedRead``; ``read_formulation`` is the one place that picks it.
+* ``LayerPlan``, per MLR cache layer: its layout and its read record (None for a layer that held nothing before the
+  forward: its chunk attends to itself with the uncached op).
+
+A model's MLR layers share one geometry and one storage shape, so a forward makes one plan, one layout and one read
+record, whatever its depth. Nothing is kept at module level: two threads decoding two caches share no plan.
 
 Slot layout of the cache (``structattn_cache``): position ``p`` lives in slot ``p - base``; ring l holds the level-l
 dims of position ``p`` at entry ``(p - base) % b_l``, stored dim-major in one flat storage
 (``MLRGeometry.fine_layout``).
 """
 
-from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
 
-from .structattn_geometry import MLRGeometry, softmax_dtype
+from .structattn_geometry import MLRGeometry
+from .structattn_masks import softmax_dtype
 from .structattn_mlr_levels import depth_weight
 from .structattn_step import NO_POSITION, MLRStep
 
-MAX_LAYOUTS = 4  # storage shapes one plan serves (a model's MLR layers share one; a resize adds another)
 
-
-def mlr_plan(step: MLRStep, geometry: MLRGeometry) -> "MLRPlan":
-    """The step's plan for the MLR cache layers of ``geometry`` (made by the first of them; keyed by the geometry
-    object, which a model's layers share and which outlives the step)."""
-    plan = step.plans.get(id(geometry))
-    if plan is None:
-        plan = step.plans[id(geometry)] = MLRPlan(step, geometry)
-    return plan
-
-
-class MLRPlan:
+class MLRPlan(NamedTuple):
     """One forward's plan for the MLR cache layers of one geometry.
 
-    step: the forward's ``MLRStep``; chunk: c, the new tokens per row; traced: no host facts (torch.compile /
-    torch.export); host_write, in_step: see the module docstring; first: the (every row's) position of the chunk's
-    first token when ``host_write``; real: (B, c) bool padding flags; last_before, first_before: (B,) the rows' newest
-    / first real position before the forward; dim_order: (r,) the head-dim permutation that puts the level slices
-    first (patched RoPE decoders), or None; layouts: the ``CacheLayout``s made so far."""
+    positions: (B, c) the new tokens' MLR positions; valid: (B, c) bool padding flags as the step has them (None:
+    no padding was given); real: the same, all True without padding; all_real: known on the host that no new token is padding; chunk: c; traced: no host facts (torch.compile /
+    torch.export); held: the layers held tokens before the forward (else each chunk attends to itself); host_write,
+    in_step: see the module docstring; first: the (every row's) position of the chunk's first token when
+    ``host_write``; newest: the newest real position of any row after the forward (None while traced);
+    latest_first: the largest first real position of a row after the forward (None while traced); last_before,
+    first_before: (B,) the rows' newest / first real position before the forward (the first written layer's own
+    tensors: read only while planning, before any layer writes); dim_order: (r,) the head-dim permutation that puts
+    the level slices first (patched RoPE decoders), or None."""
 
-    def __init__(self, step: MLRStep, geometry: MLRGeometry):
-        self.step, self.geometry = step, geometry
-        facts = step.facts
-        self.chunk = chunk = step.positions.shape[1]
-        self.traced = facts is None
-        newest = None if facts is None else facts.shared_newest
-        sizes = geometry.block_sizes
-        self.host_write = newest is not None and (not sizes or chunk <= min(sizes))
-        self.first = newest - chunk + 1 if self.host_write else None
-        self.in_step = self.host_write and all(self.first // size == newest // size for size in sizes)
-        self._real = step.valid
-        device = step.positions.device
-        self.dim_order = geometry.dim_order_index(device)  # (r,) the head-dim permutation to level order, or None
-        # the rows' spans before the forward: the step refers to the layers' own positions, which the first write
-        # changes, and every later layer's read needs the old ones. A host write moves no row's first position, and
-        # every row's newest was ``first - 1`` (made when a read asks); any other write works on copies
-        self._last_before = None
-        self.first_before = step.first_before
-        if not self.host_write:
-            self._last_before = None if step.last_before is None else step.last_before.clone()
-            self.first_before = None if step.first_before is None else step.first_before.clone()
-        self.layouts = {}
-
-    @property
-    def real(self) -> torch.Tensor:
-        """(B, c) bool padding flags (all True without padding)."""
-        if self._real is None:
-            self._real = self.step.real()
-        return self._real
-
-    @property
-    def last_before(self) -> Optional[torch.Tensor]:
-        """(B,) the rows' newest real position before the forward."""
-        if self._last_before is None and self.host_write:
-            self._last_before = torch.full_like(self.first_before, self.first - 1)
-        return self._last_before
-
-    def layout(self, layer, key: tuple) -> "CacheLayout":
-        """The ``CacheLayout`` of ``layer``'s storage, made and kept under ``key`` = (base, capacity, key dtype,
-        the layer records for rollback) in ``layouts`` (which a layer reads first: a layout is made once per
-        forward and storage shape)."""
-        layout = self.layouts.get(key)
-        if layout is None:
-            if len(self.layouts) >= MAX_LAYOUTS:
-                self.layouts.clear()
-            layout = self.layouts[key] = CacheLayout(self, layer, key[2])
-        return layout
+    geometry: MLRGeometry
+    positions: torch.Tensor
+    valid: Optional[torch.Tensor]
+    real: torch.Tensor
+    all_real: bool
+    chunk: int
+    traced: bool
+    held: bool
+    host_write: bool
+    in_step: bool
+    first: Optional[int]
+    newest: Optional[int]
+    latest_first: Optional[int]
+    last_before: Optional[torch.Tensor]
+    first_before: Optional[torch.Tensor]
+    dim_order: Optional[torch.Tensor]
 
 
-class CacheLayout:
-    """What the writes and reads of one forward need over MLR cache layers of one storage shape.
-
-    base, capacity, ring_widths: of the layers; slots: the slots a read covers (eager: up to the newest position;
-    traced: the whole storage); first_slot, fine_index ((c F,), token-major), and for one token key_index ((r_1,))
-    and value_index ((dv,)): the host write's first slot and elements of the storages' flat views; chunk_write: the
-    general write (``ChunkWrite``, None for a host write); reads: the reads made so far, by (formulation, query rows
-    per cached head, level scales)."""
-
-    def __init__(self, plan: MLRPlan, layer, dtype: torch.dtype):
-        geometry = plan.geometry
-        step = plan.step
-        self.plan, self.dtype = plan, dtype
-        self.base, self.capacity, self.ring_widths = layer.base, layer.capacity, layer.ring_widths
-        self.device = device = layer.fine_storage.device
-        facts = step.facts
-        self.slots = self.capacity if facts is None else min(max(facts.newest - self.base + 1, 1), self.capacity)
-        self.first_slot = self.key_index = self.value_index = self.fine_index = self.chunk_write = None
-        if plan.host_write:
-            first_slot, chunk = plan.first - self.base, plan.chunk
-            self.first_slot = first_slot
-            # the elements of the (B, H, 1, ·) flat views of the storages that the chunk's tokens write, token-major:
-            # a few ops on small tables of the geometry (the tables do not depend on the slot)
-            if chunk == 1:  # (several tokens are written by narrowed copies)
-                rank, width = geometry.ranks[0], layer.values_storage().shape[-1]
-                self.key_index = _counting(geometry, rank, device) + first_slot * rank
-                self.value_index = _counting(geometry, width, device) + first_slot * width
-            if geometry.block_sizes:
-                fine = geometry.fine_layout(self.ring_widths, device)  # element of dim f: o_f + slot % b_f
-                slots = first_slot if chunk == 1 else _counting(geometry, chunk, device)[:, None] + first_slot
-                self.fine_index = (torch.remainder(slots, fine["element block"]) +
-                                   fine["element offset"]).reshape(-1)
-        else:
-            self.chunk_write = plan_chunk_write(plan, self.base, self.capacity, self.ring_widths, layer.record_past)
-        self.reads = {}
-
-    def read(self, key: tuple):
-        """The read plan under ``key`` = (formulation: "in_step", "general" or "traced", query heads per cached head,
-        level scales), made once per forward and layout and kept in ``reads`` (which the op reads first)."""
-        read = self.reads.get(key)
-        if read is None:
-            make = {"in_step": plan_in_step_read, "general": plan_general_read, "traced": plan_traced_read}
-            read = self.reads[key] = make[key[0]](self, key[1], key[2])
-        return read
+def make_plan(step: MLRStep, geometry: MLRGeometry) -> MLRPlan:
+    """The plan of ``step``'s forward for the MLR cache layers of ``geometry``."""
+    facts = step.facts
+    positions = step.positions
+    batch, chunk = positions.shape
+    real = step.valid
+    if real is None:  # (read-only flags; in the geometry's bounded memo: no op per forward)
+        real = geometry.tensors.get(("all real", batch, chunk, positions.device),
+                                    lambda: torch.ones(batch, chunk, dtype=torch.bool, device=positions.device))
+    newest = None if facts is None else facts.shared_newest
+    sizes = geometry.block_sizes
+    host_write = newest is not None and (not sizes or chunk <= min(sizes))
+    first = newest - chunk + 1 if host_write else None
+    # (list comprehensions, not generators, here and below: a generator costs a Python call per item, every forward)
+    in_step = host_write and all([first // size == newest // size for size in sizes])
+    traced = facts is None
+    return MLRPlan(geometry, positions, step.valid, real, not traced and facts.all_real, chunk, traced, traced or facts.held,
+                   host_write, in_step, first, None if traced else facts.newest,
+                   None if traced else facts.latest_first, step.last_before, step.first_before,
+                   geometry.dim_order_index(positions.device))
 
 
-# ------------------------------------------------------------------------------------------- writes
-
-
-def _counting(geometry: MLRGeometry, count: int, device) -> torch.Tensor:
-    """(count,) 0, 1, ..., count - 1 (in the geometry's bounded memo)."""
-    return geometry.tensors.get(("counting", count, device), lambda: torch.arange(count, device=device))
-
-
-@dataclass(frozen=True)
-class ChunkWrite:
+class ChunkWrite(NamedTuple):
     """Where a chunk's tokens go when they are not known on the host (rows at different positions, padding, long
     chunks, tracing), for every MLR layer of one layout (positions only).
 
@@ -165,9 +101,9 @@ class ChunkWrite:
     and the chunk column whose key / value it writes; fine_element, fine_column: (B, c, F) the same per fine dim (an
     element of the flat ring storage; a ring entry gets the newest real position of the chunk that maps to it);
     own_element: (B, c, F) each token's own ring entries (what it replaces); keep: (B,) rows without a real token
-    (None: every row has one); last_after, first_after: (B,) the rows' spans after the chunk; last_before: (B,);
-    log_source: (B, c, F) for the rollback log, the chunk column whose earlier write an entry holds just before a
-    token's write, or -1 (the entry's value before the chunk)."""
+    (None: every row has one); last_after, first_after: (B,) the rows' spans after the chunk; log_source: (B, c, F)
+    for the rollback log, the chunk column whose earlier write an entry holds just before a token's write, or -1
+    (the entry's value before the chunk)."""
 
     rows: torch.Tensor
     slot: torch.Tensor
@@ -178,15 +114,80 @@ class ChunkWrite:
     keep: Optional[torch.Tensor]
     last_after: torch.Tensor
     first_after: torch.Tensor
-    last_before: torch.Tensor
     log_source: Optional[torch.Tensor]
+
+
+class CacheLayout(NamedTuple):
+    """What the writes and reads of one forward need over MLR cache layers of one storage shape.
+
+    plan: the geometry's ``MLRPlan``; base, capacity, ring_widths: of the layers after this forward's growth;
+    value_width: dv of the allocated storages, or None for layers that the write allocates (their first write, by
+    narrowed copies); record: the layers log what they overwrite (rollback); slots: the slots a read covers (eager:
+    up to the newest position; traced: the whole storage); newest_slot: the slots in use after the write (host
+    facts), else None; first_slot, and for one token into allocated storages key_index ((r_1,)) and value_index
+    ((dv,)), and fine_index ((c F,), token-major): the host write's first slot and elements of the storages' flat
+    (B, H, 1, ·) views; chunk_write: the general write (``ChunkWrite``, None for a host write); first_after: (B,) the
+    rows' first real position after the write."""
+
+    plan: MLRPlan
+    base: int
+    capacity: int
+    ring_widths: tuple
+    value_width: Optional[int]
+    record: bool
+    slots: int
+    newest_slot: Optional[int]
+    first_slot: Optional[int]
+    key_index: Optional[torch.Tensor]
+    value_index: Optional[torch.Tensor]
+    fine_index: Optional[torch.Tensor]
+    chunk_write: Optional[ChunkWrite]
+    first_after: Optional[torch.Tensor]
+
+
+def _counting(geometry: MLRGeometry, count: int, device) -> torch.Tensor:
+    """(count,) 0, 1, ..., count - 1 (in the geometry's bounded memo)."""
+    return geometry.tensors.get(("counting", count, device), lambda: torch.arange(count, device=device))
+
+
+def make_layout(plan: MLRPlan, base: int, capacity: int, value_width: Optional[int], record: bool) -> CacheLayout:
+    """The ``CacheLayout`` of the plan's layers with slot ``p - base`` for position ``p`` and ``capacity`` slots (what
+    this forward's growth left them); value_width: dv of their allocated storages (None: the write allocates);
+    record: they log what they overwrite (rollback)."""
+    geometry = plan.geometry
+    device = plan.positions.device
+    ring_widths = tuple([min(size, capacity) for size in geometry.block_sizes])
+    if plan.traced:
+        slots, newest_slot = capacity, None
+    else:
+        newest_slot = plan.newest - base + 1
+        slots = min(max(newest_slot, 1), capacity)
+    first_slot = key_index = value_index = fine_index = chunk_write = None
+    first_after = plan.first_before
+    if plan.host_write:
+        first_slot, chunk = plan.first - base, plan.chunk
+        # the elements of the (B, H, 1, ·) flat views of the storages that the chunk's tokens write, token-major: a
+        # few ops on small tables of the geometry (the tables do not depend on the slot)
+        if chunk == 1 and value_width is not None:  # (several tokens, and a first write, by narrowed copies)
+            rank = geometry.ranks[0]
+            key_index = _counting(geometry, rank, device) + first_slot * rank
+            value_index = _counting(geometry, value_width, device) + first_slot * value_width
+        if geometry.block_sizes:
+            fine = geometry.fine_layout(ring_widths, device)  # element of dim f: o_f + slot % b_f
+            slots_written = first_slot if chunk == 1 else _counting(geometry, chunk, device)[:, None] + first_slot
+            fine_index = (torch.remainder(slots_written, fine["element block"]) + fine["element offset"]).reshape(-1)
+    else:
+        chunk_write = plan_chunk_write(plan, base, capacity, ring_widths, record)
+        first_after = chunk_write.first_after
+    return CacheLayout(plan, base, capacity, ring_widths, value_width, record, slots, newest_slot, first_slot,
+                       key_index, value_index, fine_index, chunk_write, first_after)
 
 
 def plan_chunk_write(plan: MLRPlan, base: int, capacity: int, ring_widths: tuple, record: bool) -> ChunkWrite:
     """The ``ChunkWrite`` of the plan's chunk for layers with slot ``p - base`` for position ``p``, rings of
     ``ring_widths`` entries and ``capacity`` slots; ``record``: the layers log what they overwrite (rollback)."""
-    step, geometry = plan.step, plan.geometry
-    positions, valid = step.positions, step.valid
+    geometry = plan.geometry
+    positions, valid = plan.positions, plan.valid
     batch, chunk = positions.shape
     device = positions.device
     index = torch.arange(chunk, device=device)
@@ -244,30 +245,48 @@ def plan_chunk_write(plan: MLRPlan, base: int, capacity: int, ring_widths: tuple
         newest = torch.where(count > 0, last_new, -1)
         oldest = torch.where(count > 0, start, NO_POSITION)
     # the rows' spans before the chunk as the step sees them (a traced program fed from position 0 again starts
-    # them afresh)
-    last_before, first_before = plan.last_before, plan.first_before
+    # them afresh); the results are new tensors, which the layers copy into their own
     return ChunkWrite(rows, slot, column, fine_element, fine_column, own_element, keep,
-                      torch.maximum(last_before, newest), torch.minimum(first_before, oldest), last_before, log_source)
+                      torch.maximum(plan.last_before, newest), torch.minimum(plan.first_before, oldest), log_source)
 
 
 # ------------------------------------------------------------------------------------------- reads
 
 
-@dataclass(frozen=True)
-class InStepRead:
+READ_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)  # the dtypes the in-step read takes
+
+
+def read_formulation(plan: MLRPlan, *, contiguous: bool, dtype: torch.dtype, biased: bool, maps: bool,
+                     gradients: bool) -> type:
+    """The one place that picks how a cached read is computed: the type of the layer's read record.
+
+    contiguous: the layer's storages are (the in-step read views them with strides of its own); dtype: theirs;
+    biased: a bias over the slots is added (T5's relative bias, a caller's 4-D mask); maps: the probabilities are
+    returned (``"mlr_eager"``: ``output_attentions``, attention dropout); gradients: grad mode is on (the in-step
+    read's products accumulate in place)."""
+    if plan.traced:
+        return TracedRead if plan.chunk == 1 and not biased and not maps else GeneralRead
+    if plan.in_step and contiguous and not biased and not maps and not gradients and dtype in READ_DTYPES:
+        return InStepRead
+    return GeneralRead
+
+
+class InStepRead(NamedTuple):
     """The in-step read (``structattn_mlr_cached._in_step``) of one layout: rows in step, the chunk inside one block
     at every level, eager.
 
-    slots: S, the slots read; query_split: the query dims of level 1 and of each group; groups: per group of
+    work: the softmax dtype, in which the scores are accumulated (half-precision products are added onto float32
+    scores); slots: S, the slots read; query_split: the query dims of level 1 and of each group; groups: per group of
     consecutive finer levels whose blocks start at the same slot with rings as wide (start slot, used entries, first
     query dim, dims, storage offset, ring width); alphas: the scale of the level-1 product and of each group's
     (levels summed, one scale per group), applied by the matmuls, else None; query_scale: (r,) the per-dim level
     scales when neither the matmuls nor the multiplier apply them, else None; multiplier: (1, 1, S) level scale x
-    ``depth_weight`` per slot (averaged levels) or None; additive: 0 where a token may attend and the dtype's lowest
-    value elsewhere (slots before a row's first position, and after the token when c > 1): (B, 1, 1, S) for one
-    token, (B | 1, 1, 1, c, S) for several; None when everything may be attended; zero: a 0-d zero (the ignored
+    ``depth_weight`` per slot (averaged levels) or None; additive: 0 where a token may attend and the work dtype's
+    lowest value elsewhere (slots before a row's first position, and after the token when c > 1): (B, 1, 1, S) for
+    one token, (B | 1, 1, 1, c, S) for several; None when everything may be attended; zero: a 0-d zero (the ignored
     input of the scaled level-1 product)."""
 
+    work: torch.dtype
     slots: int
     query_split: list
     groups: tuple
@@ -291,8 +310,8 @@ def _shared_groups(geometry: MLRGeometry, ring_widths: Sequence[int], starts: Se
             groups.append([start, width, dim, rank, offset])
         offset += width * rank
         dim += rank
-    return tuple((min(start, slots), max(0, min(width, slots - start)), dim, dims, offset, width)
-                 for start, width, dim, dims, offset in groups)
+    return tuple([(min(start, slots), max(0, min(width, slots - start)), dim, dims, offset, width)
+                  for start, width, dim, dims, offset in groups])
 
 
 def _depth_multiplier(geometry: MLRGeometry, starts: tuple, scale: float, dtype: torch.dtype, device) -> torch.Tensor:
@@ -325,63 +344,77 @@ def _level_scaling(geometry: MLRGeometry, groups: tuple, scales: Sequence[float]
     return None, geometry.scale_vector(scales, dtype, device)
 
 
-def plan_in_step_read(layout: CacheLayout, groups: int, scales: tuple) -> InStepRead:
+def plan_in_step_read(layout: CacheLayout, scales: tuple, dtype: torch.dtype) -> InStepRead:
+    """The ``InStepRead`` of ``layout`` for level scales ``scales`` over storages of ``dtype``."""
     plan = layout.plan
-    geometry, facts, chunk, dtype, device = plan.geometry, plan.step.facts, plan.chunk, layout.dtype, layout.device
+    geometry, chunk, device = plan.geometry, plan.chunk, plan.positions.device
+    work = softmax_dtype(dtype)
     base, first_slot = layout.base, layout.first_slot
     slots = first_slot + chunk
     newest = plan.first + chunk - 1
-    starts = tuple(max((newest // size) * size - base, 0) for size in geometry.block_sizes)
+    starts = tuple([max((newest // size) * size - base, 0) for size in geometry.block_sizes])
     level_groups = _shared_groups(geometry, layout.ring_widths, starts, slots)
-    merged = tuple((group[2], group[3]) for group in level_groups)  # which levels share a product
+    merged = tuple([(group[2], group[3]) for group in level_groups])  # which levels share a product
     alphas, query_scale = geometry.tensors.get(("level scaling", merged, scales, dtype, device),
                                                lambda: _level_scaling(geometry, level_groups, scales, dtype, device))
     multiplier = None
     if geometry.average_levels:
         scale = scales[0] if len(set(scales)) == 1 else 1.0
-        multiplier = _depth_multiplier(geometry, starts, scale, dtype, device).narrow(2, 0, slots)
-    lowest = torch.finfo(dtype).min
+        multiplier = _depth_multiplier(geometry, starts, scale, work, device).narrow(2, 0, slots)
+    lowest = torch.finfo(work).min
     additive = None
-    if facts.latest_first > base:  # a row starts after slot 0 (left padding): its earlier slots are masked
+    if plan.latest_first > base:  # a row starts after slot 0 (left padding): its earlier slots are masked
         slot_positions = torch.arange(slots, device=device) + base
-        additive = torch.zeros(plan.real.shape[0], 1, 1, slots, dtype=dtype, device=device).masked_fill(
-            (slot_positions < plan.first_before[:, None])[:, None, None, :], lowest)
+        additive = torch.zeros(plan.real.shape[0], 1, 1, slots, dtype=work, device=device).masked_fill(
+            (slot_positions < layout.first_after[:, None])[:, None, None, :], lowest)
     if chunk > 1:  # token i attends to the slots up to its own
         future = torch.arange(slots, device=device) > torch.arange(first_slot, slots, device=device)[:, None]
-        causal = torch.zeros(chunk, slots, dtype=dtype, device=device).masked_fill(future, lowest)
+        causal = torch.zeros(chunk, slots, dtype=work, device=device).masked_fill(future, lowest)
         additive = causal[None, None, None] if additive is None else \
             torch.minimum(additive[:, :, :, None, :], causal[None, None, None])
     zero = geometry.tensors.get(("zero", dtype, device), lambda: torch.zeros((), dtype=dtype, device=device))
-    return InStepRead(slots, [geometry.ranks[0]] + [group[3] for group in level_groups], level_groups, alphas,
+    return InStepRead(work, slots, [geometry.ranks[0]] + [group[3] for group in level_groups], level_groups, alphas,
                       query_scale, multiplier, additive, zero)
 
 
-@dataclass(frozen=True)
-class GeneralRead:
-    """The general read (``structattn_mlr_cached._general``) of one layout: any rows, any chunk (eager or traced).
-    The finer levels' key sources, in the order their scores are concatenated: every level's ring entries (the block
-    of each row's newest cached position, as written before the chunk: entries the chunk overwrote are left to the
-    next source), then per level the values the chunk's writes replaced (chunks of several tokens) and the chunk's
-    own keys. work: the softmax dtype; target: (B, E) the slot of each source; weight: (B, 1, n, E) 1 where a source
-    is held and shares the query's block at its level; multiplier: (B, 1, n, S) ``depth_weight`` of every pair
-    (averaged levels) or None; additive: (B, 1, n, S) the causal mask over held slots; n = query rows per cached
+class GeneralRead(NamedTuple):
+    """The general read (``structattn_mlr_cached._general``) of one layout and query grouping: any rows, any chunk
+    (eager or traced). The finer levels' key sources, in the order their scores are concatenated: every level's ring
+    entries (the block of each row's newest cached position, as written before the chunk: entries the chunk
+    overwrote are left to the next source), then per level the values the chunk's writes replaced (chunks of
+    several tokens) and the chunk's own keys.
+
+    work: the softmax dtype; ranks: the geometry's; ring_widths: the layout's; query_scale: (r,) the per-dim level
+    scales, in the storage dtype; target: (B, E) the slot of each source; weight: (B, 1, n, E) 1 where a source is
+    held and shares the query's block at its level; multiplier: (B, 1, n, S) ``depth_weight`` of every pair (averaged
+    levels) or None; additive: (B, 1, n, S) the causal mask over held slots; bias: (B | 1, Hk | 1, n, S) in the work
+    dtype, T5's relative bias and a caller's 4-D mask at the slots, or None; slot_mask: (B, 1 | Hq, c, S) bool, the
+    caller's 4-D mask at the slots (what the probabilities are read back through), or None; n = query rows per cached
     head (group-major: row g c + i)."""
 
     work: torch.dtype
+    ranks: tuple
+    ring_widths: tuple
+    query_scale: torch.Tensor
     target: Optional[torch.Tensor]
     weight: Optional[torch.Tensor]
     multiplier: Optional[torch.Tensor]
     additive: torch.Tensor
+    bias: Optional[torch.Tensor]
+    slot_mask: Optional[torch.Tensor]
 
 
-def plan_general_read(layout: CacheLayout, groups: int, scales: tuple) -> GeneralRead:
+def plan_general_read(layout: CacheLayout, groups: int, scales: tuple, dtype: torch.dtype,
+                      bias: Optional[torch.Tensor] = None, slot_mask: Optional[torch.Tensor] = None) -> GeneralRead:
+    """The ``GeneralRead`` of ``layout`` for ``groups`` query rows per cached head and token, level scales
+    ``scales`` over storages of ``dtype``; bias, slot_mask: see ``GeneralRead``."""
     plan = layout.plan
-    geometry, step, device, slots, base = plan.geometry, plan.step, layout.device, layout.slots, layout.base
-    work = softmax_dtype(layout.dtype)
-    positions, valid = step.positions, plan.real
+    geometry, device, slots, base = plan.geometry, plan.positions.device, layout.slots, layout.base
+    work = softmax_dtype(dtype)
+    positions, valid = plan.positions, plan.real
     write = layout.chunk_write  # a host write: rows in step, which keep their first position
-    last_before, first = (write.last_before, write.first_after) if write is not None else \
-        (plan.last_before, plan.first_before)
+    last_before = plan.last_before
+    first = write.first_after if write is not None else plan.first_before
     query_positions = positions.repeat(1, groups)  # (B, n)
     target = weight = multiplier = None
     if geometry.block_sizes:
@@ -418,7 +451,9 @@ def plan_general_read(layout: CacheLayout, groups: int, scales: tuple) -> Genera
     slot_positions = torch.arange(slots, device=device) + base
     allowed = (slot_positions >= first[:, None, None]) & (slot_positions <= query_positions[:, :, None])
     additive = torch.zeros(allowed.shape, dtype=work, device=device).masked_fill(~allowed, torch.finfo(work).min)
-    return GeneralRead(work, target, weight, multiplier, additive[:, None])
+    return GeneralRead(work, geometry.ranks, layout.ring_widths, geometry.scale_vector(scales, dtype, device),
+                       target, weight, multiplier, additive[:, None], None if bias is None else bias.to(work),
+                       slot_mask)
 
 
 def _general_read_constants(geometry: MLRGeometry, ring_widths: Sequence[int], chunk: int, device) -> tuple:
@@ -438,24 +473,29 @@ def _general_read_constants(geometry: MLRGeometry, ring_widths: Sequence[int], c
     return geometry.tensors.get(("general read", tuple(ring_widths), chunk, device), make)
 
 
-@dataclass(frozen=True)
-class TracedRead:
-    """The traced read of one token per row (``structattn_mlr_cached._traced``): work: the softmax dtype;
-    current_block: (B, L-1, 1, 1, S) whether a slot is in the row's current level-l block; multiplier: (B, 1, 1, S)
-    level scale x ``depth_weight`` per slot (averaged levels) or None; additive: (B, 1, 1, S) 0 on the row's slots
-    first..newest, the dtype's lowest value elsewhere; scaled: the (one) level scale is in ``multiplier``."""
+class TracedRead(NamedTuple):
+    """The traced read of one token per row (``structattn_mlr_cached._traced``): work: the softmax dtype; ranks,
+    block_sizes: the geometry's; ring_widths: the layout's; query_scale: (r,) the per-dim level scales in the storage
+    dtype, or None when the (one) level scale is in ``multiplier``; current_block: (B, L-1, 1, 1, S) whether a slot
+    is in the row's current level-l block; multiplier: (B, 1, 1, S) level scale x ``depth_weight`` per slot
+    (averaged levels) or None; additive: (B, 1, 1, S) 0 on the row's slots first..newest, the dtype's lowest value
+    elsewhere."""
 
     work: torch.dtype
+    ranks: tuple
+    block_sizes: tuple
+    ring_widths: tuple
+    query_scale: Optional[torch.Tensor]
     current_block: Optional[torch.Tensor]
     multiplier: Optional[torch.Tensor]
     additive: torch.Tensor
-    scaled: bool
 
 
-def plan_traced_read(layout: CacheLayout, groups: int, scales: tuple) -> TracedRead:
+def plan_traced_read(layout: CacheLayout, scales: tuple, dtype: torch.dtype) -> TracedRead:
+    """The ``TracedRead`` of ``layout`` for level scales ``scales`` over storages of ``dtype``."""
     plan = layout.plan
-    geometry, device, slots, base = plan.geometry, layout.device, layout.slots, layout.base
-    work = softmax_dtype(layout.dtype)
+    geometry, device, slots, base = plan.geometry, plan.positions.device, layout.slots, layout.base
+    work = softmax_dtype(dtype)
     write = layout.chunk_write  # (traced: always the general write) the rows' spans after it
     newest, first = write.last_after, write.first_after
     slot_index = torch.arange(slots, device=device)
@@ -475,8 +515,22 @@ def plan_traced_read(layout: CacheLayout, groups: int, scales: tuple) -> TracedR
     slot_positions = slot_index + base
     allowed = (slot_positions >= first[:, None]) & (slot_positions <= newest[:, None])
     additive = torch.zeros(allowed.shape, dtype=work, device=device).masked_fill(~allowed, torch.finfo(work).min)
-    return TracedRead(work, current_block, multiplier, additive[:, None, None, :], scaled)
+    return TracedRead(work, geometry.ranks, geometry.block_sizes, layout.ring_widths,
+                      None if scaled else geometry.scale_vector(scales, dtype, device), current_block, multiplier,
+                      additive[:, None, None, :])
 
 
-__all__ = ["CacheLayout", "ChunkWrite", "GeneralRead", "InStepRead", "MLRPlan", "TracedRead", "mlr_plan",
-           "plan_chunk_write", "plan_general_read", "plan_in_step_read", "plan_traced_read"]
+class LayerPlan(NamedTuple):
+    """What an MLR cache layer writes and reads in this forward (layers of one layout and read share one): layout:
+    its ``CacheLayout``; read: its read record, whose type is the formulation (None: the layer held nothing before the
+    forward, so its chunk attends to itself with the uncached op); scaling: the attention module's ``scaling`` the
+    read's level scales come from (None: 1/sqrt(r))."""
+
+    layout: CacheLayout
+    read: Union[InStepRead, GeneralRead, TracedRead, None]
+    scaling: Optional[float]
+
+
+__all__ = ["CacheLayout", "ChunkWrite", "GeneralRead", "InStepRead", "LayerPlan", "MLRPlan", "READ_DTYPES",
+           "TracedRead", "make_layout", "make_plan", "plan_chunk_write", "plan_general_read", "plan_in_step_read",
+           "plan_traced_read", "read_formulation"]

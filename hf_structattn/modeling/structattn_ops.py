@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .structattn_geometry import mask_value, softmax_dtype
+from .structattn_masks import mask_value, softmax_dtype
 
 
 def sliding_window_allowed(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int,

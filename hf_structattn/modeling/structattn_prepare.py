@@ -1,7 +1,8 @@
 """How a forward gets what its MLR layers need: a cache whose MLR layers hold the hierarchical form
-(``prepare_structattn_cache``, also what ``generate`` and ``new_cache`` use) and the step plan of the forward
-(``prepare_step``), shared by the GPT-2 family's forward, T5 and patched decoders (``forward_with_step`` wraps a
-transformers forward with a family's preparation)."""
+(``prepare_structattn_cache``, also what ``generate`` and ``new_cache`` use) and the forward's whole plan, made before
+its first layer runs (``prepare_step``: the step's facts, every MLR cache layer's layout and read record, the verdict
+on a caller's mask, the caches' growth), shared by the GPT-2 family's forward, T5, patched decoders and the export
+recipe (``forward_with_step`` wraps a transformers forward with a family's preparation)."""
 
 import inspect
 from typing import Callable, Optional
@@ -11,7 +12,33 @@ from transformers.cache_utils import Cache, DynamicLayer, EncoderDecoderCache, S
 from transformers.utils.deprecation import deprecate_kwarg
 
 from .structattn_cache import MLR_CACHE_LAYERS, MLRKeyCacheLayer, MLRStaticKeyCacheLayer, held_geometry
-from .structattn_geometry import check_additive_mask, check_mask_shape, own_key_allowed
+from .structattn_install import MLR_EAGER_ATTENTION
+from .structattn_masks import (
+    MASK_REFUSED,
+    additive_mask,
+    check_additive_mask,
+    check_mask_shape,
+    group_major,
+    is_standard_mask,
+    key_validity,
+    mask_allowed,
+    own_key_allowed,
+    slot_bias,
+    slot_mask,
+    softmax_dtype,
+    token_shift,
+)
+from .structattn_mlr_plan import (
+    InStepRead,
+    LayerPlan,
+    TracedRead,
+    make_layout,
+    make_plan,
+    plan_general_read,
+    plan_in_step_read,
+    plan_traced_read,
+    read_formulation,
+)
 from .structattn_step import STEP_KEY, MLRStep, build_step, plain_step
 
 
@@ -30,24 +57,6 @@ def key_cache_bytes(cache: Cache) -> int:
         elif getattr(layer, "is_initialized", False) and layer.keys is not None:
             total += layer.keys.numel() * layer.keys.element_size()
     return total
-
-
-# Bilinear layers cache their (structured, wider) keys like any full-attention layer: transformers' plain layers,
-# registered under this package's layer types so that ``DynamicCache(config=...)`` and ``StaticCache`` build them.
-class BilinearMLRKeyCacheLayer(DynamicLayer):
-    _layer_type = "bilinear_mlr_attention"
-
-
-class BilinearMLRStaticKeyCacheLayer(StaticLayer):
-    _layer_type = "bilinear_mlr_attention"
-
-
-class BilinearBTTKeyCacheLayer(DynamicLayer):
-    _layer_type = "bilinear_btt_attention"
-
-
-class BilinearBTTStaticKeyCacheLayer(StaticLayer):
-    _layer_type = "bilinear_btt_attention"
 
 
 def _extend_layers(cache: Cache, num_layers: int) -> None:
@@ -92,7 +101,9 @@ def prepare_structattn_cache(cache: Optional[Cache], geometries: dict, *, reserv
             continue
         layer = target.layers[layer_idx]
         if isinstance(layer, MLR_CACHE_LAYERS):
-            if layer.geometry != geometry and (layer.is_bound or layer.get_seq_length() == 0):
+            layer.layer_index = layer_idx
+            if layer.geometry is not geometry and layer.geometry != geometry and (
+                    layer.geometry is not None or layer.get_seq_length() == 0):
                 layer.bind(geometry)  # refuses a layer written with another geometry
         else:
             recording = bool(getattr(layer, "record_past", False))
@@ -102,6 +113,7 @@ def prepare_structattn_cache(cache: Optional[Cache], geometries: dict, *, reserv
                 layer = target.layers[layer_idx] = MLRStaticKeyCacheLayer(layer.max_cache_len, geometry)
             else:
                 continue
+            layer.layer_index = layer_idx
             if recording:  # generate activated rollback on the cache it built (an assistant's, a speculative run's)
                 layer.activate_past_recording()
         if reserve is not None and isinstance(layer, MLRKeyCacheLayer) and layer.get_seq_length() == 0:
@@ -135,21 +147,25 @@ def new_token_validity(mask: Optional[torch.Tensor], past, length: int) -> Optio
 def prepare_step(model, *, cache: Optional[Cache], batch: int, length: int, device,
                  position_ids: Optional[torch.Tensor] = None, attention_mask: Optional[torch.Tensor] = None,
                  count_positions: bool = False, max_positions: Optional[tuple] = None,
-                 heads: Optional[int] = None) -> MLRStep:
-    """The step plan of one forward of ``model`` (any family: ``model.structattn_cache_geometries()`` names its MLR
-    layers). ``cache``: the forward's cache (its self-attention part is used; its MLR layers get their hierarchical
-    form here unless tracing); ``position_ids``: the given (B, T) | (1, T) positions, or None (continue the cache, or
-    with ``count_positions`` count each row's real tokens: T5); ``attention_mask``: the caller's 2-D keep-mask over
-    cached + new tokens or 4-D mask, or None; ``max_positions``: (field, limit) of a learned position table;
-    ``heads``: the model's query heads (the mask's head axis is 1 or that).
+                 heads: Optional[int] = None, relative_bias: Optional[Callable] = None) -> MLRStep:
+    """The whole plan of one forward of ``model`` (any family: ``model.structattn_layer_configs()`` names its MLR
+    layers), made before its first layer runs. ``cache``: the forward's cache (its self-attention part is used; its
+    MLR layers get their hierarchical form here unless tracing, and grow here); ``position_ids``: the given (B, T) |
+    (1, T) positions, or None (continue the cache, or with ``count_positions`` count each row's real tokens: T5);
+    ``attention_mask``: the caller's 2-D keep-mask over cached + new tokens or 4-D mask, or None; ``max_positions``:
+    (field, limit) of a learned position table; ``heads``: the model's query heads (the mask's head axis is 1 or
+    that); ``relative_bias``: T5's relative bias of its decoder self-attention, ``relative_bias(cached tokens)`` ->
+    (1, H, T, K) over token indices, added in the MLR layers' cached reads.
 
-    Checks the mask's shape (``check_mask_shape``, the one rule) against the cache once the plan has read the cache's
-    length back (the one host read of the forward)."""
+    Checks the mask's shape (``check_mask_shape``, the one rule) against the cache once the step has read the cache's
+    length back (the one host read of the forward); a caller's 4-D mask is compared with the causal + padding mask
+    here, once (``MLRStep.custom_mask``, and at the slots in the read records)."""
     tracing = torch.compiler.is_compiling()
     target = self_attention_cache(cache)
-    layer_geometries = model.structattn_cache_geometries()
+    layer_configs = model.structattn_layer_configs()
     if cache is not None and not tracing:  # a compiled step gets generate's prepared cache
-        prepare_structattn_cache(cache, layer_geometries, num_layers=model.structattn_num_cache_layers())
+        prepare_structattn_cache(cache, model.structattn_cache_geometries(),
+                                 num_layers=model.structattn_num_cache_layers())
     past = target.get_seq_length() if target is not None else 0
     if position_ids is not None:
         if position_ids.dim() == 1:
@@ -175,20 +191,147 @@ def prepare_step(model, *, cache: Optional[Cache], batch: int, length: int, devi
         valid = new_token_validity(attention_mask, past, length)
         valid = None if valid is None else valid.expand(batch, length)
         standard = False
-    if not layer_geometries:  # no MLR layer reads a cache: the input checks only (one read at most)
+    if not layer_configs:  # no MLR layer reads a cache: the input checks only (one read at most)
         step = plain_step(cache=target, positions=positions, valid=valid, batch=batch, length=length, device=device,
                           key_mask=key_mask, standard_masks=standard, checked_mask=checked, past=past,
                           max_positions=max_positions)
         if attention_mask is not None and isinstance(past, torch.Tensor) and step.tokens is not None:
             check_mask_shape(attention_mask, batch, heads, length, step.tokens)
         return step
+    # the cache's MLR layers of this model (prepare_structattn_cache bound them; others hold full keys)
+    layers = [] if target is None else [target.layers[index] for index in layer_configs
+                                        if index < len(target.layers) and
+                                        isinstance(target.layers[index], MLR_CACHE_LAYERS) and
+                                        target.layers[index].geometry is not None]
     step = build_step(cache=target, positions=positions, valid=valid, batch=batch, length=length, device=device,
                       key_mask=key_mask, standard_masks=standard, checked_mask=checked,
                       embedding_positions=positions if max_positions is not None else None,
-                      max_positions=max_positions)
-    if step.facts is not None and attention_mask is not None and isinstance(past, torch.Tensor):
-        check_mask_shape(attention_mask, batch, heads, length, step.facts.tokens_before)
-    return step
+                      max_positions=max_positions, mlr_layers=layers)
+    facts = step.facts
+    if facts is not None and attention_mask is not None and isinstance(past, torch.Tensor):
+        check_mask_shape(attention_mask, batch, heads, length, facts.tokens_before)
+    custom = False
+    if not standard and attention_mask is not None and attention_mask.dim() == 4 and not tracing:
+        # the caller's own 4-D mask (a window, a bidirectional or block overlay, a hidden pair) is applied as given
+        # wherever its keys are in token order; one comparison per forward
+        keys = attention_mask.shape[-1]
+        key_valid = step.valid if keys == length and step.valid is not None else key_validity(attention_mask, batch,
+                                                                                             keys)
+        tokens_before = facts.tokens_before if facts is not None else int(past)
+        custom = not is_standard_mask(attention_mask, key_valid, True, length, query_offset=tokens_before)
+        if custom and not tokens_before and keys > length and layers:
+            # an MLR layer's first chunk attends to its own keys: a static cache's empty slots after them hold nothing
+            if bool((mask_allowed(attention_mask)[..., length:].any(-1) & step.real()[:, None, :]).any()):
+                raise ValueError(MASK_REFUSED.format(what="an empty slot of the static cache"))
+    position_bias = None
+    if relative_bias is not None and target is not None and step.positions is not None:
+        position_bias = relative_bias(facts.tokens_before if facts is not None else past)
+    caller_mask = attention_mask if not standard and attention_mask is not None and attention_mask.dim() == 4 and \
+        not tracing else None  # (read at the MLR layers' slots, where it may differ from what they hold)
+    plans = plan_layers(step, target, layer_configs, custom_mask=caller_mask, position_bias=position_bias) \
+        if layers else ()
+    return MLRStep(step.cache, step.positions, step.valid, facts, step.standard_masks, step.key_mask, position_bias,
+                   step.last_before, step.first_before, step.tokens, plans, custom)
+
+
+def plan_layers(step: MLRStep, target: Optional[Cache], layer_configs: dict, *,
+                custom_mask: Optional[torch.Tensor] = None, position_bias: Optional[torch.Tensor] = None) -> tuple:
+    """Per cache layer index of ``target`` (a self-attention cache), the ``LayerPlan`` of each MLR cache layer of
+    ``layer_configs`` ({layer index: ``MLRLayerConfig``}) that the forward of ``step`` writes (None elsewhere): one
+    ``MLRPlan`` per geometry, one ``CacheLayout`` per storage shape, one read record per layout, query grouping and
+    level scales (a model's layers share all three). Growth happens here (``planned_storage``), before any write.
+    custom_mask: a caller's 4-D mask (read at each layout's slots, applied where it differs from the causal +
+    padding mask of what the layers hold); position_bias: T5's
+    relative bias over token indices (read at the slots). What ``prepare_step`` puts into ``MLRStep.layers``; public
+    for code that drives a cache without a model (the cached op's tests)."""
+    if target is None or step.positions is None:
+        return ()
+    tracing = torch.compiler.is_compiling()
+    facts = step.facts
+    chunk = step.positions.shape[1]
+    gradients = torch.is_grad_enabled()
+    tokens_after = (facts.tokens_before if facts is not None else target.get_seq_length()) + chunk
+    plans, layouts, layer_plans, made = [], [], [None] * len(target.layers), []
+    base_config = maps = None
+    for index, config in layer_configs.items():
+        if index >= len(target.layers):
+            continue
+        layer = target.layers[index]
+        if not (isinstance(layer, MLR_CACHE_LAYERS) and layer.geometry is not None):
+            continue  # a layer that holds full keys: the attention reads it in token order
+        if not tracing:  # where ``update`` finds its plan (no attribute writes while tracing: set by earlier calls)
+            layer.layer_index = index
+        geometry = config.mlr_geometry
+        plan = None
+        for candidate in plans:
+            if candidate.geometry is geometry:
+                plan = candidate
+                break
+        if plan is None:
+            plan = make_plan(step, geometry)
+            plans.append(plan)
+        base, capacity, value_width, dtype, kv_heads, record = layer.planned_storage(facts, chunk)
+        layout = None
+        for candidate in layouts:
+            if candidate.plan is plan and candidate.base == base and candidate.capacity == capacity and \
+                    candidate.value_width == value_width and candidate.record == record:
+                layout = candidate
+                break
+        if layout is None:
+            layout = make_layout(plan, base, capacity, value_width, record)
+            layouts.append(layout)
+        read = None
+        if plan.held and value_width is not None:  # (a layer its first write allocates attends to its own chunk)
+            if config.base_config is not base_config:  # (the layers of a model share one config)
+                base_config = config.base_config
+                maps = config._attn_implementation == MLR_EAGER_ATTENTION
+            scaling, groups = config.mlr_scaling, config.mlr_query_groups
+            contiguous = layer.contiguous
+            for entry in made:
+                if entry[0] is layout and entry[1] == groups and entry[2] == scaling and entry[3] == maps and \
+                        entry[4] == dtype and entry[5] == contiguous:
+                    read = entry[6]
+                    break
+            else:
+                read = _plan_read(layout, geometry.scales(scaling), groups, kv_heads, dtype, contiguous=contiguous,
+                                  maps=maps, gradients=gradients, custom_mask=custom_mask,
+                                  position_bias=position_bias, tokens_after=tokens_after)
+                made.append((layout, groups, scaling, maps, dtype, contiguous, read))
+        shared = None
+        for entry in layer_plans:  # layers of one layout and read share their LayerPlan
+            if entry is not None and entry.layout is layout and entry.read is read and entry.scaling == \
+                    config.mlr_scaling:
+                shared = entry
+                break
+        layer_plans[index] = shared if shared is not None else LayerPlan(layout, read, config.mlr_scaling)
+    return tuple(layer_plans)
+
+
+def _plan_read(layout, scales: tuple, groups: int, kv_heads: int, dtype: torch.dtype, *, contiguous: bool, maps: bool,
+               gradients: bool, custom_mask: Optional[torch.Tensor], position_bias: Optional[torch.Tensor],
+               tokens_after):
+    """The read record of the layers of ``layout`` with ``kv_heads`` cached heads of ``groups`` query rows each and
+    level ``scales`` over storages of ``dtype``: its type is the formulation (``read_formulation``). A caller's 4-D mask and T5's
+    relative bias are read at the layout's slots here (the slot mask reads back once, and refuses a mask that allows
+    a key the cache does not hold)."""
+    plan = layout.plan
+    bias = mask = None
+    if position_bias is not None:  # T5: the bias over every token index, read at each row's slots
+        bias = slot_bias(position_bias, token_shift(plan.positions, plan.real, tokens_after, layout.base),
+                         layout.slots)
+    if custom_mask is not None:  # None when it is the causal + padding mask of what the layers hold
+        mask = slot_mask(custom_mask, plan.positions, plan.real, tokens_after, layout.first_after, layout.base,
+                         layout.slots)
+        if mask is not None:
+            from_mask = group_major(additive_mask(mask, softmax_dtype(dtype)), kv_heads, groups)
+            bias = from_mask if bias is None else bias + from_mask
+    formulation = read_formulation(plan, contiguous=contiguous, dtype=dtype, biased=bias is not None, maps=maps,
+                                   gradients=gradients)
+    if formulation is InStepRead:
+        return plan_in_step_read(layout, scales, dtype)
+    if formulation is TracedRead:
+        return plan_traced_read(layout, scales, dtype)
+    return plan_general_read(layout, groups, scales, dtype, bias=bias, slot_mask=mask)
 
 
 def forward_with_step(base, prepare: Callable):
@@ -237,6 +380,7 @@ def mlr_exportable_decoder(model, batch_size: int = 1, max_cache_len: Optional[i
         old = cache.layers[index]
         layer = MLRStaticKeyCacheLayer(old.max_cache_len, geometry)
         layer.lazy_initialization(old.keys, old.values)  # shapes, dtype and device of the recipe's allocation
+        layer.layer_index = index  # (the traced forward does not prepare the cache: it records no index)
         cache.layers[index] = layer
         buffers = {"key_cache": layer.keys, "value_cache": layer.values, "cumulative_length": layer.cumulative_length,
                    "fine_cache": layer.fine_storage, "first_positions": layer.first_positions,
@@ -246,5 +390,5 @@ def mlr_exportable_decoder(model, batch_size: int = 1, max_cache_len: Optional[i
     return wrapper
 
 
-__all__ = ["STEP_KEY", "forward_with_step", "key_cache_bytes", "mlr_exportable_decoder", "self_attention_cache", "new_token_validity", "prepare_step", "prepare_structattn_cache",
-           "set_rollback_window"]
+__all__ = ["STEP_KEY", "forward_with_step", "key_cache_bytes", "mlr_exportable_decoder", "new_token_validity",
+           "plan_layers", "prepare_step", "prepare_structattn_cache", "self_attention_cache", "set_rollback_window"]

@@ -2,16 +2,16 @@
 the ``auto_map`` written before saving, weight init on transformers' own path, the hierarchical key cache for
 ``generate`` and direct forwards, and the one place where a private transformers hook is overridden.
 
-``structattn_cache_geometries()`` ({layer index: MLRGeometry} of the MLR self-attention layers whose cache layers
-hold the hierarchical form) is read from the attention modules MLR is installed on; subclasses define
-``structattn_num_cache_layers()``.
+``structattn_layer_configs()`` / ``structattn_cache_geometries()`` (per layer index, the MLR self-attention layers
+whose cache layers hold the hierarchical form) are found on the attention modules MLR is installed on when the model
+is built and kept on it; subclasses define ``structattn_num_cache_layers()``.
 """
 
 from typing import Optional
 
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache, StaticCache
 
-from .structattn_attention import installations, mlr_geometry_of
+from .structattn_install import mlr_geometry_of
 from .structattn_prepare import prepare_structattn_cache, set_rollback_window
 
 
@@ -54,6 +54,7 @@ class StructAttnPreTrainedMixin:
         if self.structattn_auto_map:
             self.config.auto_map = dict(self.structattn_auto_map)
         super().post_init()
+        self._structattn_find_layers()  # every family has installed its MLR layers by now
 
     @classmethod
     def is_custom_code(cls) -> bool:
@@ -64,20 +65,29 @@ class StructAttnPreTrainedMixin:
         # transformers' own models: they take the library path.
         return False
 
+    def structattn_layer_configs(self) -> dict:
+        """{layer index: MLRLayerConfig} of the decoder self-attention modules MLR attention is installed on: what the
+        cache layers of those indices hold and how the forward's plan reads them (geometry, the module's scaling and
+        query groups). Kept on the model, found when it is built (``post_init``, after every family installed its
+        layers), so that no forward walks the modules."""
+        layers = self.__dict__.get("_structattn_layers")
+        return layers[0] if layers is not None else self._structattn_find_layers()[0]
+
     def structattn_cache_geometries(self) -> dict:
-        """{layer index: MLRGeometry} of the decoder self-attention modules MLR attention is installed on (what the
-        cache layers of those indices hold), found once and kept until MLR is installed anywhere again (the model
-        forward asks on every step; reading the geometries from the config costs far more)."""
-        memo = self.__dict__.get("_structattn_geometries")
-        if memo is not None and memo[0] == installations():
-            return memo[1]
-        geometries = {}
+        """{layer index: MLRGeometry} of ``structattn_layer_configs``."""
+        layers = self.__dict__.get("_structattn_layers")
+        return layers[1] if layers is not None else self._structattn_find_layers()[1]
+
+    def _structattn_find_layers(self) -> tuple:
+        configs = {}
         for module in self.modules():
-            geometry = mlr_geometry_of(module)
-            if geometry is not None and getattr(module, "is_decoder", True) and getattr(module, "is_causal", True):
-                geometries[module.layer_idx] = geometry
-        self.__dict__["_structattn_geometries"] = (installations(), geometries)
-        return geometries
+            config = getattr(module, "config", None)
+            if mlr_geometry_of(module) is not None and getattr(module, "is_decoder", True) and \
+                    getattr(module, "is_causal", True):
+                configs[module.layer_idx] = config
+        layers = self.__dict__["_structattn_layers"] = (configs, {index: config.mlr_geometry
+                                                                  for index, config in configs.items()})
+        return layers
 
     def structattn_num_cache_layers(self) -> Optional[int]:
         return None

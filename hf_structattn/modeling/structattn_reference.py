@@ -8,16 +8,9 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from .structattn_geometry import (
-    check_bias,
-    check_positions,
-    check_qkv,
-    keep_mask,
-    mask_value,
-    resolve_level_scales,
-    softmax_dtype,
-    validate_mlr_geometry,
-)
+from .structattn_config_rules import resolve_level_scales, validate_mlr_geometry
+from .structattn_inputs import check_bias, check_positions, check_qkv
+from .structattn_masks import keep_mask, mask_value, softmax_dtype
 from .structattn_mlr_levels import depth_weight, pair_depth
 
 

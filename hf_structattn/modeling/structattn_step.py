@@ -9,20 +9,21 @@ holding values other than 0 and 1, positions past a learned position table) runs
 device in **one** batched host read per forward; the layers read nothing back. While torch.compile or torch.export
 traces, nothing is read (``facts`` is None) and the layers take their fixed-shape paths.
 
-What the MLR cache layers of one geometry write and read in this forward is that geometry's ``MLRPlan``
-(``structattn_mlr_plan``), made from the step by the first of them and kept on it (``MLRStep.plans``).
+What each MLR cache layer writes and reads in this forward (its ``structattn_mlr_plan.LayerPlan``) is planned from
+the step before the first layer runs (``structattn_prepare.prepare_step``) and handed to the layers in the step's
+``layers``.
 """
 
 import dataclasses
-import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from transformers.utils import logging
 
 STEP_KEY = "structattn_step"
 NO_POSITION = torch.iinfo(torch.int64).max // 4  # the first position of a row that holds no real token yet
-_WARNED_BEHIND: list = []
+logger = logging.get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -64,8 +65,10 @@ class MLRStep:
     last_before, first_before: (B,) the rows' newest / first real position the MLR layers hold before the forward
     (-1 / ``NO_POSITION`` for a row without one, and for every row of a traced program fed from position 0 again), or
     None without an MLR layer; tokens: the cached tokens read back by ``plain_step`` (a static cache's length);
-    plans: {MLRGeometry: MLRPlan} of this forward (``structattn_mlr_plan.mlr_plan``); mask_checks: what a caller's
-    4-D mask was found to be, per mask and query layout (read back once per forward, not per layer)."""
+    layers: per cache layer index, the ``structattn_mlr_plan.LayerPlan`` of an MLR cache layer this forward writes
+    (None for other layers); custom_mask: the caller's 4-D mask is not transformers' causal + padding mask of the
+    forward's tokens, so it is applied as given over keys in token order (an uncached forward, a cache layer that
+    holds full keys, an MLR layer's first chunk; over the MLR cache's slots, the read records carry it)."""
 
     cache: Optional[object]
     positions: Optional[torch.Tensor]
@@ -77,8 +80,8 @@ class MLRStep:
     last_before: Optional[torch.Tensor] = None
     first_before: Optional[torch.Tensor] = None
     tokens: Optional[int] = None
-    plans: dict = field(default_factory=dict, compare=False, repr=False)
-    mask_checks: dict = field(default_factory=dict, compare=False, repr=False)
+    layers: tuple = ()
+    custom_mask: bool = False
 
     def layer(self, layer_idx: Optional[int]):
         """The cache layer of ``layer_idx`` or None: what an ordinary (full-keys) cache layer holds is read by its
@@ -117,17 +120,6 @@ def refuse_unsupported_arguments(kwargs: dict, layer_idx=None) -> None:
                          f"sliding_window_layers='replace'")
 
 
-def mlr_position_layer(cache) -> Optional[object]:
-    """An MLR cache layer of ``cache`` that was written (every MLR layer holds the same rows at the same positions),
-    or None."""
-    if cache is None:
-        return None
-    for layer in cache.layers:
-        if getattr(layer, "holds_mlr_positions", False) and layer.is_bound and layer.is_initialized:
-            return layer
-    return None
-
-
 def _right_padded(key_mask: Optional[torch.Tensor], chunk: int, batch: int, device) -> torch.Tensor:
     """(B,) bool: the row's tokens before the last ``chunk`` hold a padding token after a real one (the caller's 2-D
     keep-mask over the cached and new tokens)."""
@@ -140,21 +132,28 @@ def _right_padded(key_mask: Optional[torch.Tensor], chunk: int, batch: int, devi
 def build_step(*, cache, positions: Optional[torch.Tensor], valid: Optional[torch.Tensor], batch: int, length: int,
                device, key_mask: Optional[torch.Tensor] = None, standard_masks: bool = True,
                checked_mask: Optional[torch.Tensor] = None, embedding_positions: Optional[torch.Tensor] = None,
-               max_positions: Optional[tuple] = None,
-               position_bias: Optional[torch.Tensor] = None) -> MLRStep:
+               max_positions: Optional[tuple] = None, position_bias: Optional[torch.Tensor] = None,
+               mlr_layers: Optional[list] = None) -> MLRStep:
     """The ``MLRStep`` of one forward, its input values checked with one host read (none while tracing).
 
     positions: (B, c) | (1, c) absolute positions of the new tokens, or None (count each row's real tokens: T5);
     valid: (B, c) bool or None (all real); key_mask: the caller's 2-D keep-mask over cached + new tokens;
     checked_mask: a 2-D mask whose values must be 0 or 1 (a non-bool mask the caller gave); embedding_positions:
     the given position ids, checked against ``max_positions`` = (field name, limit) (learned position tables);
-    Errors are one-line ``ValueError``s naming the argument."""
+    mlr_layers: the cache's MLR layers of the model's geometries (every one holds the same rows at the same positions;
+    None: the cache's layers that hold the MLR form). Errors are one-line ``ValueError``s naming the argument."""
     tracing = torch.compiler.is_compiling()
     tokens_before = cache.get_seq_length() if cache is not None else 0
     last = first = None
-    if cache is not None and any(getattr(layer, "holds_mlr_positions", False) and layer.is_bound
-                                 for layer in cache.layers):
-        layer = mlr_position_layer(cache)
+    if mlr_layers is None and cache is not None:
+        mlr_layers = [layer for layer in cache.layers if getattr(layer, "holds_mlr_positions", False) and
+                      layer.is_bound]
+    if mlr_layers:
+        layer = None
+        for candidate in mlr_layers:  # a written one (before the first write none is)
+            if candidate.is_initialized:
+                layer = candidate
+                break
         if layer is not None:
             last, first = layer.last_positions, layer.first_positions
             if last.shape[0] != batch:
@@ -347,13 +346,13 @@ def _read_facts(positions, valid, last, first, shift, tokens_before, checked_mas
         if broken_rows[row]:
             _refuse_gap(row, last_rows[row], positions, valid)
     shifted = [row for row in range(batch) if shifts[row]]
-    if shifted and not _WARNED_BEHIND:
-        _WARNED_BEHIND.append(True)
+    if shifted:
         row = shifted[0]
-        warnings.warn(f"row {row}: new positions start {shifts[row]} behind the row's newest cached position "
-                      f"{last_rows[row]} + 1 (right padding?): MLR attention places them right after the row's real "
-                      f"tokens, behind its padding; pad on the left (tokenizer padding_side='left') to generate what "
-                      f"each row generates alone", stacklevel=5)
+        # (once per message: the row's newest position is left out, it moves with every step)
+        logger.warning_once(f"row {row}: new positions start {shifts[row]} behind the row's newest cached position + "
+                            f"1 (right padding?): MLR attention places them right after the row's real tokens, behind "
+                            f"its padding; pad on the left (tokenizer padding_side='left') to generate what each row "
+                            f"generates alone")
     newest = [max(old, new) for old, new in zip(last_rows, high_rows)]
     firsts = [min(old, new) for old, new in zip(first_rows, low_rows)]
     continuing = all_real and all(old >= 0 and low == old + 1 for old, low in zip(last_rows, low_rows))
@@ -413,8 +412,9 @@ def _host_facts(positions, valid, last, first, tokens_before, checked_mask, max_
         _refuse_hidden_cached_tokens(kept_rows, last_rows=old, first_rows=firsts)
     if isinstance(tokens_before, torch.Tensor):
         tokens_before = rest[0]
+    # (list comprehensions, not generators: a generator costs a Python call per item, every decode step)
     reals = [[position for position, real in zip(row, flag) if real] for row, flag in zip(rows, flags)]
-    if any(real and cached >= 0 and real[0] <= cached for real, cached in zip(reals, old)):
+    if any([real and cached >= 0 and real[0] <= cached for real, cached in zip(reals, old)]):
         return None
     every = [position for real in reals for position in real]
     if embedding:
@@ -429,13 +429,13 @@ def _host_facts(positions, valid, last, first, tokens_before, checked_mask, max_
             _refuse_gap(row, cached, positions, valid)
     offsets = [[position - index for index, (position, real) in enumerate(zip(row, flag)) if real]
                for row, flag in zip(rows, flags)]
-    contiguous = all(len(set(offset)) <= 1 for offset in offsets)
+    contiguous = all([len(set(offset)) <= 1 for offset in offsets])
     row_offsets = [offset[0] if offset else 0 for offset in offsets]
     uniform = row_offsets[0] if contiguous and len(set(row_offsets)) == 1 else None
     newest = [max(cached, real[-1]) if real else cached for real, cached in zip(reals, old)]
     firsts = [min(held, real[0]) if real else held for real, held in zip(reals, firsts)]
-    all_real = all(all(flag) for flag in flags)
-    continuing = all_real and all(cached >= 0 for cached in old)
+    all_real = all([all(flag) for flag in flags])
+    continuing = all_real and all([cached >= 0 for cached in old])
     shared = newest[0] if continuing and len(set(newest)) == 1 else None
     return StepFacts(tokens_before, bool(tokens_before), all_real, min(every, default=NO_POSITION),
                      max(every, default=-1), max(newest), shared, max(firsts), uniform, contiguous)
@@ -487,4 +487,4 @@ def continue_runs(positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = ["MLRStep", "NO_POSITION", "REFUSED_ARGUMENTS", "STEP_KEY", "StepFacts", "UNSUPPORTED_KWARGS", "build_step",
-           "continue_runs", "mlr_position_layer", "plain_step", "refuse_unsupported_arguments"]
+           "continue_runs", "plain_step", "refuse_unsupported_arguments"]

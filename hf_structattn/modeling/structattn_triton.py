@@ -32,7 +32,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .structattn_geometry import validate_mlr_geometry
+from .structattn_config_rules import validate_mlr_geometry
 
 try:
     import triton

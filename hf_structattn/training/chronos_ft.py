@@ -107,7 +107,7 @@ class ChronosArgs(CommonArgs):
 
     def check_model(self) -> None:
         """Model fields only shape the built tiny model; the MLR ranks must fit its (or the checkpoint's) d_kv."""
-        from ..modeling.structattn_geometry import default_block_sizes, validate_mlr_geometry
+        from ..modeling.structattn_config_rules import default_block_sizes, validate_mlr_geometry
 
         defaults = {f.name: getattr(ChronosModelArgs(), f.name) for f in dataclasses.fields(ChronosModelArgs)}
         if self.checkpoint is not None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,10 +90,6 @@ class CLMArgs(CommonArgs):
         if self.sample_new_tokens and prompt_tokens + self.sample_new_tokens > config.n_positions:
             raise ConfigError(f"--sample_new_tokens {self.sample_new_tokens} + the {prompt_tokens}-token "
                               f"--sample_prompt exceeds n_positions={config.n_positions}")
-
-
-def model_config_fields() -> set[str]:
-    return {f.name for f in dataclasses.fields(CLMModelArgs)}
 
 
 def load_corpus(args: CLMArgs):

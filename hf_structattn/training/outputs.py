@@ -22,7 +22,7 @@ HUB_IGNORE_PATTERNS = ["checkpoints/*", "checkpoints/**", "base_tiny_chronos_t5/
 # huggingface_hub's own defaults (``hf_api.DEFAULT_IGNORE_PATTERNS``), which upload_folder adds to any
 _HUB_DEFAULT_IGNORE = [".git", ".git/*", "*/.git", "**/.git/**", ".cache/huggingface", ".cache/huggingface/*",
                        "*/.cache/huggingface", "**/.cache/huggingface/**"]
-# the staging folder of a write killed midway: a patch's ``.OUT.partial-<pid>-<8 hex>`` (cli.save_atomically), a
+# the staging folder of a write killed midway: a patch's ``.OUT.partial-<pid>-<8 hex>`` (command_io.save_atomically), a
 # checkpoint's ``.checkpoint_<i>.partial`` (training.checkpoints)
 _STAGING = re.compile(r"\..+\.partial(-\d+-[0-9a-f]{8})?")
 _WEIGHTS_INDEX = "model.safetensors.index.json"
