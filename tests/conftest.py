@@ -86,3 +86,10 @@ def smollm2(smollm2_folder):
     from hf_structattn.real_weights import load_smollm2
 
     return load_smollm2(torch.float32)
+
+
+def pytest_configure(config):
+    # scripts/test.sh sets HF_STRUCTATTN_PROGRESS: a line when each test file starts and ends, tests that run long
+    from suite_progress import register
+
+    register(config)
