@@ -9,8 +9,9 @@ Only the standard library and ``packaging`` (a transformers requirement) are imp
 answers in an environment where ``import hf_structattn`` would fail.
 
 The requirements checked are the ones ``import hf_structattn`` and the check's parts meet: torch, transformers,
-accelerate, huggingface_hub, safetensors and tqdm at the versions ``pyproject.toml`` asks for. datasets and evaluate
-(recipes only) are not needed by the check; the GPU image has neither.
+accelerate, huggingface_hub, safetensors and tqdm at the versions ``pyproject.toml`` asks for (its core dependencies
+and its ``recipes`` extra). datasets and evaluate (recipes only) are not needed by the check; the GPU image has
+neither.
 """
 
 import argparse
@@ -30,11 +31,14 @@ def _canonical(name: str) -> str:
 
 
 def project_requirements(pyproject: str = os.path.join(ROOT, "pyproject.toml")) -> dict:
-    """{canonical name: specifier string} of the CHECK_NEEDS packages, from pyproject's dependencies."""
+    """{canonical name: specifier string} of the CHECK_NEEDS packages, from pyproject's dependencies and its
+    ``recipes`` extra (accelerate, huggingface_hub and tqdm live there since the core install was cut to torch,
+    transformers and safetensors)."""
     from packaging.requirements import Requirement
 
     with open(pyproject, "rb") as handle:
-        dependencies = tomllib.load(handle)["project"]["dependencies"]
+        project = tomllib.load(handle)["project"]
+    dependencies = project["dependencies"] + project.get("optional-dependencies", {}).get("recipes", [])
     wanted = {_canonical(name) for name in CHECK_NEEDS}
     found = {}
     for line in dependencies:

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Creates .venv (if missing) and installs the package into it, saying what it does and how long each step took.
-#   bash scripts/setup.sh           # what the main job (scripts/run.sh) runs: the package and matplotlib (".[plots]")
-#   bash scripts/setup.sh --test    # what the tests need: ".[test]" (pytest, peft, triton, chronos-forecasting,
-#                                   # statsmodels, ...); scripts/test.sh calls this
+#   bash scripts/setup.sh           # what the main job (scripts/run.sh) runs: the package with the recipes' libraries
+#                                   # (accelerate, datasets, evaluate, ...) and matplotlib (".[recipes,plots]")
+#   bash scripts/setup.sh --test    # what the tests need: ".[test]" (all of the above, pytest, peft, triton,
+#                                   # chronos-forecasting, statsmodels, ...); scripts/test.sh calls this
 # A second run with nothing changed (same pyproject.toml, same Python) installs nothing and takes a few seconds.
 # torch==2.13.0 is installed first when no torch is present: on the project machines it is the CPU build from local
 # disk (any other version would download a multi-GB CUDA build); pyproject only asks for a range. On CUDA, install
@@ -11,7 +12,7 @@
 # scripts/test.sh's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-extras=plots
+extras=recipes,plots
 case "${1:-}" in
   "") ;;
   --test) extras=test ;;
@@ -28,10 +29,12 @@ else
 fi
 . .venv/bin/activate
 # the editable install points at this checkout, so only pyproject.toml (dependencies, entry points) can make a new
-# install necessary; the stamp records which extras were installed (".[test]" includes ".[plots]")
+# install necessary; the stamp records which extras were installed (".[test]" includes ".[recipes,plots]")
 stamp=$( (cat pyproject.toml; python --version; pwd) | sha256sum | cut -c1-16)
 installed() { [ "$(cat ".venv/.hf_structattn_installed-$1" 2>/dev/null)" = "$stamp" ]; }
-if { installed "$extras" || installed test; } && python -c "import hf_structattn" >/dev/null 2>&1; then
+if { installed "$extras" || installed test; } &&
+   say "checking that the installed package imports (a few seconds; longer on loaded cores) ..." &&
+   python -c "import hf_structattn" >/dev/null 2>&1; then
   say "hf_structattn with its [$extras] extras is already installed; nothing to do"
   exit 0
 fi

@@ -109,3 +109,10 @@ def upload_folder_sends(folder_path, allow_patterns=None, ignore_patterns=None, 
 
     listing = sorted(p.relative_to(folder_path).as_posix() for p in Path(folder_path).glob("**/*") if p.is_file())
     return list(filter_repo_objects(listing, allow_patterns=allow_patterns, ignore_patterns=ignore_patterns))
+
+
+def pytest_configure(config):
+    # scripts/test.sh sets HF_STRUCTATTN_PROGRESS: a line when each test file starts and ends, tests that run long
+    from suite_progress import register
+
+    register(config)

@@ -28,8 +28,13 @@ from pathlib import Path
 from typing import Callable, Literal, Optional
 
 import torch
-from accelerate import Accelerator, PartialState
-from accelerate.utils import LoggerType, ProjectConfiguration, parse_flag_from_env, set_seed
+
+try:
+    from accelerate import Accelerator, PartialState
+    from accelerate.utils import LoggerType, ProjectConfiguration, parse_flag_from_env, set_seed
+except ModuleNotFoundError as error:  # the core install (torch, transformers, safetensors) has no recipes
+    raise ModuleNotFoundError(f"{error}: the recipes need the [recipes] extra (pip install 'hf-structattn[recipes]', "
+                              "or bash scripts/setup.sh)", name=error.name) from None
 from tqdm.auto import tqdm
 
 from .args import ConfigError, RunComplete, RunFailure, arg, configuration_differences, run_configuration

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Optional
 
 from .args import ConfigError, RunFailure, run_configuration
-from .tracking import read_jsonl
 
 # never uploaded: resumable training state, the recipes' sources and bookkeeping are not part of the published model
 HUB_IGNORE_PATTERNS = ["checkpoints/*", "checkpoints/**", "base_tiny_chronos_t5/*", "source/*", "source/**", "*.pkl",
@@ -290,6 +289,9 @@ def write_plots(output_dir: str | Path, log_path: Optional[str | Path] = None, l
         return []
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from .tracking import read_jsonl  # imports accelerate: not at module level, so that `hf-structattn push` runs
+    # on the core install (torch, transformers, safetensors) without the [recipes] extra
 
     out = Path(output_dir)
     records = read_jsonl(log_path or out / "metrics.jsonl")
