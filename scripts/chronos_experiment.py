@@ -79,12 +79,11 @@ import numpy as np
 import torch
 
 from hf_structattn.flops import encoder_decoder_flops
-from hf_structattn.training.sweep import (SHARD_MINUTES, run_table, ArmSpec, StackedArm, cpu_model, cpu_pilot,
-                                          cpu_progress, cpu_rates, cpu_shard_lines, cpu_shards, design_arguments,
-                                          device_name, edge_extensions, finish_pilot, lower_in_every_seed, majority,
-                                          pack_shards, probe_markdown, read_run_jsons, read_shard_records,
-                                          run_cpu_shard, run_name, run_unit, runnable_shards, shard_rate, shard_table,
-                                          step_timing, merge_timing)
+from sweep import (SHARD_MINUTES, run_table, ArmSpec, StackedArm, cpu_model, cpu_pilot, cpu_progress, cpu_rates,
+                   cpu_shard_lines, cpu_shards, design_arguments, device_name, edge_extensions, finish_pilot,
+                   lower_in_every_seed, majority, pack_shards, probe_markdown, read_run_jsons, read_shard_records,
+                   run_cpu_shard, run_name, run_unit, runnable_shards, shard_rate, shard_table, step_timing,
+                   merge_timing)
 
 ARMS = ("dense", "mlr", "mlr_flat")
 WIDTHS, HEADS, D_KV, LAYERS = (128, 256, 512), 8, 64, 4
@@ -425,7 +424,7 @@ def cpu_lr(runs: list[dict], arm: str) -> float | None:
 
 
 def cpu_stages(runs: list[dict]) -> list[tuple[str, list[dict]]]:
-    """The CPU design's run units by stage (``hf_structattn.training.sweep.cpu_shards``): ``g`` the seed-0 LR grid,
+    """The CPU design's run units by stage (``sweep.cpu_shards``): ``g`` the seed-0 LR grid,
     ``x`` the edge LRs it triggers, ``s`` the scored runs (seed by seed, dense then MLR) at the arm's grid LR."""
     def unit(arm, lr, seed, steps, grid):
         name = grid_arm(arm) if grid else f"{arm}_D{CPU_WIDTH}"
@@ -487,7 +486,7 @@ def run_cpu(args, shard_id: str) -> bool:
 
 def cpu_pilot_command(args) -> dict:
     """The CPU design's pilot: dense and MLR at D = 128 (seed 0's data), in the step mode the shards use, rates on
-    one thread (``hf_structattn.training.sweep.cpu_pilot``); ``--tiny``: the rehearsal at tiny size."""
+    one thread (``sweep.cpu_pilot``); ``--tiny``: the rehearsal at tiny size."""
     started, thread = time.perf_counter(), time.thread_time()
     width, batch = (TINY["width"], TINY["batch"]) if args.tiny else (CPU_WIDTH, BATCH)
     arm_spec("dense", width, 0, tiny=args.tiny, batch=batch)  # builds seed 0's task (cached): the data setup

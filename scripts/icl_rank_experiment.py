@@ -27,7 +27,7 @@ scripts/icl_rank_report.py and docs/results.md.
     python scripts/icl_rank_experiment.py earlier-ranks       # score rank of the models of docs/results.md's toy runs
 
 **Batched and compiled.** The runs of one arm in a shard train as ONE stacked model
-(``hf_structattn.training.batched.StackedRuns``: ``torch.func.functional_call`` + ``vmap`` over stacked parameters,
+(``stacked_runs.StackedRuns``: ``torch.func.functional_call`` + ``vmap`` over stacked parameters,
 AdamW over stacked moments, per-run learning rates, clipping and data streams); on a CPU the whole step is compiled
 with ``torch.compile`` (``--eager`` turns it off; on CUDA the step is a CUDA graph). Each run evaluates every
 ``--eval_every`` (250) steps on 1024 fresh prompts (a stream no training step draws from: ``generator``), is frozen
@@ -66,8 +66,8 @@ from hf_structattn import StructAttnGPT2Config, StructAttnGPT2ForInContextRegres
 from hf_structattn.diagnostics import effective_rank
 from hf_structattn.flops import flops_per_token
 from hf_structattn.mup import attention_logit_rms
-from hf_structattn.training.batched import StackedRuns
-from hf_structattn.training.sweep import device_name, write_run_json
+from stacked_runs import StackedRuns
+from sweep import device_name, write_run_json
 from hf_structattn.training.icl import sample_prompts
 from icl_rank_arms import (DESIGN_D, LABELS, SCHEDULE_STEPS, SHARDS, arms, cap,  # scripts/icl_rank_arms.py
                            design_runs)
@@ -533,7 +533,7 @@ def pilot(args) -> dict:
     summary["projected_sweep_h"] = round(sum(mean_ms * runs_factor[arm] * cap(arm) for arm, _ in stacks) / 1000
                                          / 3600, 2)
     (out / "pilot.json").write_text(json.dumps(summary, indent=1))
-    from hf_structattn.training.sweep import keep_pilot
+    from sweep import keep_pilot
 
     keep_pilot(summary, args.device, Path(args.results))
     (out / "pilot.md").write_text(pilot_markdown(summary))

@@ -37,7 +37,7 @@ from typing import NamedTuple, Optional
 from icl_rank_arms import (CALIBRATION_SEED, DESIGN_D, DESIGN_SEEDS, FAILED, LABELS, LOW_RANK, OBSERVED, RULED,
                            SHARDS, SOLVED, arms, cap, design_runs)
 
-from hf_structattn.training.sweep import read_run_jsons
+from sweep import read_run_jsons
 
 CONTROLS = tuple(arm for arm in RULED if arm != LOW_RANK)  # (iii), (v): must solve for a YES
 EQUAL_COMPUTE_BILINEAR = "iii_btt8"

@@ -52,7 +52,7 @@ CPU design (``--design cpu``, registered before any of its runs; what differs fr
   the variant's best LR there transfers to D = 256 (muP); the grid is not scored;
 * a unit is one run (stacking saves little on a CPU); shards of at most ``CPU_SHARD_MINUTES`` CPU-minutes of one
   thread at the committed CPU pilot's rates (``results/lm_cpu/pilot.json``), a longer run cut into segments that
-  continue each other's checkpoint (``hf_structattn.training.sweep.cpu_shards``): g (grid), x (edge), s (scored);
+  continue each other's checkpoint (``sweep.cpu_shards``): g (grid), x (edge), s (scored);
   a training step is compiled (``torch.compile`` of the whole step) where the measured saving was >= 25 %
   (``CPU.compiled``: every variant at D = 128, MLR at D = 256);
 * rule: the same comparison at the one width -- YES when MLR is lower than dense, SWA and global + SWA by >= 0.01
@@ -85,12 +85,11 @@ from hf_structattn import StructAttnGPT2Config, StructAttnGPT2LMHeadModel
 from hf_structattn.flops import flops_per_token
 from hf_structattn.mup import mup_config_overrides, mup_init_, mup_param_groups
 from hf_structattn.training.data import NEAR_COPY_JACCARD
-from hf_structattn.training.sweep import (SHARD_MINUTES, run_table, ArmSpec, StackedArm, cpu_model, cpu_pilot,
-                                          cpu_progress, cpu_rates, cpu_shard_lines, cpu_shards, design_arguments,
-                                          device_name, edge_extensions, finish_pilot, lower_in_every_seed, majority,
-                                          pack_shards, probe_markdown, read_run_jsons, read_shard_records,
-                                          run_cpu_shard, run_name, run_unit, runnable_shards, shard_rate, shard_table,
-                                          step_timing, merge_timing)
+from sweep import (SHARD_MINUTES, run_table, ArmSpec, StackedArm, cpu_model, cpu_pilot, cpu_progress, cpu_rates,
+                   cpu_shard_lines, cpu_shards, design_arguments, device_name, edge_extensions, finish_pilot,
+                   lower_in_every_seed, majority, pack_shards, probe_markdown, read_run_jsons, read_shard_records,
+                   run_cpu_shard, run_name, run_unit, runnable_shards, shard_rate, shard_table, step_timing,
+                   merge_timing)
 
 WIDTHS, LAYERS, SEQ_LEN, HEAD_DIM, BATCH = (128, 256, 384), 6, 1024, 64, 16
 DENSE_STEPS, EVALS_PER_RUN, EVAL_WINDOWS = 4000, 8, 128
@@ -467,7 +466,7 @@ def run_shard(args, shard_id: str) -> None:
 
 
 def cpu_stages(runs: list[dict], design: Design = CPU) -> list[tuple[str, list[dict]]]:
-    """The CPU design's run units by stage (:func:`hf_structattn.training.sweep.cpu_shards`): ``g`` the D = 128
+    """The CPU design's run units by stage (:func:`sweep.cpu_shards`): ``g`` the D = 128
     grid (seed 0), ``x`` the edge LRs its finished runs trigger, ``s`` the scored D = 256 runs (seed 0 of every
     variant, then seed 1) at their variant's transferred LR (None until the grid has picked it)."""
     def unit(variant, width, lr, seed, label):
@@ -526,7 +525,7 @@ def run_cpu(args, shard_id: str, design: Design = CPU) -> bool:
 
 def cpu_pilot_command(args, design: Design = CPU) -> dict:
     """The CPU design's pilot: every variant at D = 256 then D = 128, in the step mode its shards use (module
-    docstring), rates on one thread (``hf_structattn.training.sweep.cpu_pilot``); ``--tiny``: the rehearsal at
+    docstring), rates on one thread (``sweep.cpu_pilot``); ``--tiny``: the rehearsal at
     the tiny size (nothing is written to the results folder)."""
     started = time.perf_counter()
     thread = time.thread_time()

@@ -29,7 +29,7 @@ from icl_rank_arms import DESIGN_D, OBSERVED, RULED, SHARDS, cap  # noqa: E402
 from icl_rank_report import (EQUAL_COMPUTE_BILINEAR, EQUAL_COMPUTE_DENSE, cost_table,  # noqa: E402
                              equal_compute_verdict, load_runs, verdict)
 
-from hf_structattn.training.sweep import read_run_jsons, read_shard_records, runnable_shards, segment_done  # noqa
+from sweep import read_run_jsons, read_shard_records, runnable_shards, segment_done  # noqa
 
 DOC = ROOT / "docs" / "results.md"
 BEGIN, END = "<!-- results_status.py: begin -->", "<!-- results_status.py: end -->"

@@ -1,4 +1,4 @@
-"""The batched runner (hf_structattn/training/batched.py): R runs trained as one stacked model must equal R separate
+"""The batched runner (scripts/stacked_runs.py): R runs trained as one stacked model must equal R separate
 runs (torch.optim.AdamW, clip_grad_norm_, the model's default attention) step for step, in float64."""
 
 import sys
@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from hf_structattn.mup import mup_param_groups
-from hf_structattn.training.batched import StackedRuns
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
+from stacked_runs import StackedRuns  # noqa: E402
 from icl_rank_experiment import build, loss_of, schedule, train_batch  # noqa: E402
 
 D, LAYERS, STEPS = 4, 2, 3
@@ -177,7 +177,7 @@ def _separate_like_the_arm(spec, lrs, seeds, steps, warmup, frozen_after):
     1, the arm's warm-up + cosine factor, each run's own seed, data stream and peak LR; run ``k`` of
     ``frozen_after`` stops after that many steps (as a frozen run of the stack does). Each model carries
     ``initial_state``, ``gradient_max`` (name -> largest |gradient| over its steps) and ``peak_lrs`` (name -> LR)."""
-    from hf_structattn.training.sweep import cosine_factor
+    from sweep import cosine_factor
 
     models = []
     for index, (lr, seed) in enumerate((lr, seed) for seed in seeds for lr in lrs):
@@ -206,7 +206,7 @@ def _separate_like_the_arm(spec, lrs, seeds, steps, warmup, frozen_after):
 
 
 def _stacked_equals_separate(spec, lrs, seeds, tmp_path, steps=3, frozen_after=None):
-    from hf_structattn.training.sweep import StackedArm
+    from sweep import StackedArm
 
     frozen_after = frozen_after or {}
     arm = StackedArm(spec, lrs, seeds, steps, steps, tmp_path, warmup=2, chunk=1, dtype=torch.float64)
@@ -224,7 +224,7 @@ def _stacked_equals_separate(spec, lrs, seeds, tmp_path, steps=3, frozen_after=N
 
 def _lm_spec(variant):
     import lm_experiment as lm
-    from hf_structattn.training.sweep import ArmSpec
+    from sweep import ArmSpec
 
     size = dict(seq_len=32, layers=3, head_dim=16)
 

@@ -213,7 +213,7 @@ def test_the_cpu_rule_at_one_width_in_every_regime():
 
 
 def test_the_cpu_shards_fit_two_cpu_hours_and_the_rehearsal_of_the_cpu_pilot(tmp_path, capsys, threads):
-    from hf_structattn.training.sweep import CPU_SHARD_MINUTES
+    from sweep import CPU_SHARD_MINUTES
 
     table, _ = ce.cpu_shard_map(tmp_path)
     assert all(sum(s["minutes"] for s in members) <= CPU_SHARD_MINUTES for members in table.values())

@@ -1,15 +1,18 @@
-"""The CPU designs' shard machinery (hf_structattn.training.sweep): runs packed into shards of at most two CPU-hours
+"""The CPU designs' shard machinery (sweep): runs packed into shards of at most two CPU-hours
 at measured rates, long runs cut into segments that continue each other's checkpoint, the committed shard records,
 and the shared rule helpers. Real tiny runs, no mocks."""
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from hf_structattn.training.sweep import (ArmSpec, StackedArm, cpu_pilot, cpu_rates, cpu_shards, evaluations_between,
-                                          lower_in_every_seed, majority, read_run_jsons, read_shard_records,
-                                          run_cpu_shard, run_minutes, runnable_shards, segment_done)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+from sweep import (ArmSpec, StackedArm, cpu_pilot, cpu_rates, cpu_shards, evaluations_between,  # noqa: E402
+                   lower_in_every_seed, majority, read_run_jsons, read_shard_records, run_cpu_shard, run_minutes,
+                   runnable_shards, segment_done)
 
 
 def _unit(name, steps, rate="r", lr=1e-2, seed=0, eval_every=None):

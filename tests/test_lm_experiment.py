@@ -140,7 +140,7 @@ def test_the_pilot_runs_at_tiny_size_and_writes_its_summary(tmp_path, capsys):
 
 
 def test_shards_are_sized_by_a_gpu_pilots_measured_rate_once_one_is_committed(tmp_path):
-    from hf_structattn.training.sweep import keep_pilot, shard_rate
+    from sweep import keep_pilot, shard_rate
 
     assert shard_rate(tmp_path, 3e13) == (3e13, "assumed (no GPU pilot yet)")
     summary = {"device": "NVIDIA H100 80GB HBM3 (torch 2.13.0)", "tiny": False,
@@ -159,7 +159,7 @@ def test_shards_are_sized_by_a_gpu_pilots_measured_rate_once_one_is_committed(tm
 def test_a_shard_unit_writes_one_small_results_file_per_run_and_a_rerun_skips_them(tmp_path):
     import torch
 
-    from hf_structattn.training.sweep import ArmSpec, read_run_jsons, run_unit
+    from sweep import ArmSpec, read_run_jsons, run_unit
 
     size = dict(seq_len=32, layers=1, head_dim=16)
     windows = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(0))
@@ -258,7 +258,7 @@ def threads():
 
 
 def test_the_cpu_shards_fit_two_cpu_hours_and_refuse_to_start_out_of_order(tmp_path, capsys, threads):
-    from hf_structattn.training.sweep import CPU_SHARD_MINUTES
+    from sweep import CPU_SHARD_MINUTES
 
     table, source = lm.cpu_shard_map(tmp_path)
     assert source.startswith("assumed") and all(sum(s["minutes"] for s in members) <= CPU_SHARD_MINUTES

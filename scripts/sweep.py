@@ -3,7 +3,7 @@
 curriculum and early stopping).
 
 An arm is one model configuration; its runs are (lr, seed) pairs, trained together by
-:class:`~hf_structattn.training.batched.StackedRuns` (each run: its own initialisation, data stream and learning
+:class:`~stacked_runs.StackedRuns` (each run: its own initialisation, data stream and learning
 rate). Layout under the arm's ``root``::
 
     <root>/<arm>_lr<lr>_s<seed>/progress.jsonl   one JSON line per evaluation (step, metrics, cumulative FLOPs, wall)
@@ -34,7 +34,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from .batched import StackedRuns
+from stacked_runs import StackedRuns
 
 
 def cosine_factor(step: int, steps: int, warmup: int, min_lr_ratio: float) -> float:
