@@ -13,8 +13,8 @@ For each rank setting (``--ranks``; blocks dyadic from 2,048; the default ``leve
   to the text, so the ratio to stock stays an honest measure) on the fine-tune split, 2,048-token windows, batch 1,
   AdamW at ``--learning_rate``; its evaluations (KL to stock and top-1 on 4 held-out windows) against the training
   steps' CPU minutes form the recovery curve (``--recovery_ranks``: the settings that get one; a 2,048-token step costs
-  about 30 CPU-seconds here); cosine decay to zero after 3 warm-up steps, because at a constant rate the held-out
-  ratio wandered (1.016 after 10 CPU-minutes, 1.021 after 20, in a prototype at 2e-5); after it, the same perplexity / stock and top-1 as before training;
+  about 30 CPU-seconds here); cosine decay to zero after 3 warm-up steps (in a prototype at a constant 2e-5 the held-out
+  ratio rose again between evaluations: the rate has to come down for the gain to stay); after it, the same perplexity / stock and top-1 as before training;
 * **decode**: ms per generated token at a 2,048-token prompt, batch 1, stock and patched interleaved step by step,
   thread clock: eager (``generate``'s default cache) and static cache + ``torch.compile``;
 * **chat**: the instruct model's greedy answer (its chat template) to a question on a 1,600-token held-out document:
@@ -24,7 +24,7 @@ Each part's result is appended to ``--results`` (JSON lines) as it finishes and 
 resume from their checkpoints under ``--work``), so the command can be stopped and continued; the table goes to
 stdout and ``--table``. One torch thread; CPU minutes are the main thread's CPU time (the thread clock).
 
-    python benchmarks/bench_real_checkpoint.py        # about 1.2 CPU-hours on this 2-core VM
+    python benchmarks/bench_real_checkpoint.py        # about 1.5 CPU-hours on one core of a 2-core Xeon VM
     python benchmarks/bench_real_checkpoint.py --ranks 32,16,8,8 --parts drift decode
 """
 
