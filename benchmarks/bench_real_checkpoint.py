@@ -9,8 +9,8 @@ For each rank setting (``--ranks``; blocks dyadic from 2,048; the default ``leve
 * **before training**: perplexity / stock and top-1 agreement with stock on the held-out split of the real-weights
   tier (``hf_structattn.real_weights``: CPython's pydoc topics; text no calibration or fine-tuning sees);
 * **recovery**: ``recipes/finetune_patched.py`` (``hf_structattn.training.decoder_ft``), run in this process with
-  ``--objective distill`` (KL from the stock model, which recovers what the patch moved and does not adapt the model
-  to the text, so the ratio to stock stays an honest measure) on the fine-tune split, 2,048-token windows, batch 1,
+  ``--objective distill`` (KL from the stock model: it aims the patched model at the stock model rather than at the
+  text; the curve's KL shows how close it gets) on the fine-tune split, 2,048-token windows, batch 1,
   AdamW at ``--learning_rate``; its evaluations (KL to stock and top-1 on 4 held-out windows) against the training
   steps' CPU minutes form the recovery curve (``--recovery_ranks``: the settings that get one; a 2,048-token step costs
   about 30 CPU-seconds here); cosine decay to zero after 3 warm-up steps (in a prototype at a constant 2e-5 the held-out
