@@ -7,6 +7,11 @@ with ``attn_implementation="mlr"``)."""
 import inspect
 from typing import Optional
 
+try:  # the payload imports only torch and transformers unguarded (a checkpoint's code stays auditable)
+    import difflib
+except ImportError:  # pragma: no cover - the standard library always has it
+    difflib = None
+
 import torch
 
 from .structattn_geometry import MLRGeometry
@@ -76,9 +81,7 @@ def check_level_order(level_order) -> str:
     """``level_order`` itself, or a one-line ValueError naming it (with the closest valid value)."""
     if isinstance(level_order, str) and level_order in LEVEL_ORDERS:
         return level_order
-    import difflib
-
-    close = difflib.get_close_matches(str(level_order).lower(), LEVEL_ORDERS, n=1, cutoff=0.5)
+    close = difflib.get_close_matches(str(level_order).lower(), LEVEL_ORDERS, n=1, cutoff=0.5) if difflib else []
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     raise ValueError(f"level_order={level_order!r} is not one of {', '.join(map(repr, LEVEL_ORDERS))}{hint}")
 
