@@ -5,7 +5,9 @@
 #   bash scripts/run_shards.sh icl:r1 icl:r2 icl:r4          # the decisive ICL design (results/icl_rank/decisive_d4)
 #   bash scripts/run_shards.sh lm:g1 lm:g2 chronos:g1         # the CPU designs (results/lm_cpu, results/chronos_cpu)
 # A shard that stops (its CPU budget, a kill) is resumable: rerunning the same item continues from its checkpoint.
-# Start it with nohup in the background; one chain per core at most.
+# Start it with nohup in the background; one chain per core at most. DEADLINE (anything `date -d` reads, e.g.
+# DEADLINE=08:00) gives each shard --budget-s up to that moment, so that it stops, writes its record and is committed
+# before a session ends; a shard that would get under 5 minutes is not started.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1
@@ -19,6 +21,11 @@ for item in "$@"; do
     lm | chronos) command=(scripts/${experiment}_experiment.py shard "$shard" --design cpu); folder=results/${experiment}_cpu ;;
     *) echo "run_shards.sh: experiment '$experiment' in '$item' is not one of icl, lm, chronos" >&2; exit 2 ;;
   esac
+  if [ -n "${DEADLINE:-}" ]; then
+    left=$(( $(date -d "$DEADLINE" +%s) - $(date +%s) ))
+    if [ $left -lt 300 ]; then echo "run_shards.sh: under 5 minutes to DEADLINE=$DEADLINE; $item not started" >&2; exit 0; fi
+    command+=(--budget-s "$left")
+  fi
   mkdir -p "$folder/logs"
   log=$folder/logs/$shard.log
   echo "[$(date -u +%FT%TZ)] shard $shard start" >> "$log"
