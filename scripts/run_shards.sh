@@ -11,7 +11,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1
-python=${PYTHON:-python}
+python=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python )}  # the project venv when there is one
 cpu=$(lscpu | sed -n 's/^Model name: *//p' | head -1)
 for item in "$@"; do
   experiment=${item%%:*}
