@@ -682,11 +682,13 @@ def main(argv=None) -> None:
     parser.add_argument("--shards", action="store_true", help="plan: the shards, their FLOPs and minutes")
     parser.add_argument("--runs", nargs="+", help="arm: explicit lr:seed runs (default every --lrs x --seeds)")
     parser.add_argument("--d", type=int, default=DESIGN_D, help="input dim, a multiple of 4 (the design: 4)")
-    parser.add_argument("--out", help="output folder (default: outputs/icl_rank; pilot: outputs/icl_pilot)")
+    parser.add_argument("--out", help="output folder (default: outputs/icl_rank; a custom grid: "
+                        "outputs/icl_grid_d<d>; pilot: outputs/icl_pilot)")
     parser.add_argument("--steps", type=int, help="cap and schedule length of every run (default: the design's "
                         f"caps per arm on a {SCHEDULE_STEPS:,}-step schedule)")
     parser.add_argument("--eval_every", type=int, default=EVAL_EVERY)
-    parser.add_argument("--results", default=str(RESULTS), help="where each finished run's small JSON goes")
+    parser.add_argument("--results", help=f"where each finished run's small JSON goes (the design: {RESULTS}; a "
+                        "custom grid: OUT/results, so that it never mixes with the design's runs)")
     parser.add_argument("--calibration", default=str(CALIBRATION), help="report: seed 0's calibration runs")
     parser.add_argument("--lrs", type=float, nargs="+", help="run: a custom grid (with --seeds) instead of the design")
     parser.add_argument("--seeds", type=int, nargs="+", help="run: a custom grid (with --lrs) instead of the design")
@@ -712,7 +714,10 @@ def main(argv=None) -> None:
         parser.error(f"--arms: unknown {', '.join(unknown)}; the arms are {', '.join(arm_names)}")
     args.arms = [arm for arm in arm_names if not args.arms or arm in args.arms]
     pilot_command = args.command == "pilot"
-    args.out = args.out or ("outputs/icl_pilot" if pilot_command else "outputs/icl_rank")
+    custom_grid = args.command == "run" and args.lrs is not None
+    args.out = args.out or ("outputs/icl_pilot" if pilot_command else
+                            f"outputs/icl_grid_d{args.d}" if custom_grid else "outputs/icl_rank")
+    args.results = args.results or str(Path(args.out) / "results" if custom_grid else RESULTS)
     if pilot_command and args.budget_s is None:
         args.budget_s = 170.0
     if args.command == "shard" and args.budget_s is None:

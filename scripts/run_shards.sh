@@ -17,8 +17,10 @@ for item in "$@"; do
   experiment=${item%%:*}
   shard=${item#*:}
   case $experiment in
-    icl) command=(scripts/icl_rank_experiment.py shard "$shard"); folder=results/icl_rank/decisive_d4 ;;
-    lm | chronos) command=(scripts/${experiment}_experiment.py shard "$shard" --design cpu); folder=results/${experiment}_cpu ;;
+    icl) command=(scripts/icl_rank_experiment.py shard "$shard"); folder=results/icl_rank/decisive_d4
+         figure=docs/results/icl_rank_decisive ;;
+    lm | chronos) command=(scripts/${experiment}_experiment.py shard "$shard" --design cpu); folder=results/${experiment}_cpu
+         figure= ;;
     *) echo "run_shards.sh: experiment '$experiment' in '$item' is not one of icl, lm, chronos" >&2; exit 2 ;;
   esac
   if [ -n "${DEADLINE:-}" ]; then
@@ -33,9 +35,10 @@ for item in "$@"; do
   status=$?
   echo "[$(date -u +%FT%TZ)] shard $shard exit $status" >> "$log"
   "$python" scripts/results_status.py --write >> "$log" 2>&1
+  [ -n "$figure" ] && "$python" scripts/icl_rank_experiment.py report >> "$log" 2>&1  # redraws the figure
   for attempt in 1 2 3 4 5; do  # another chain may be committing at the same moment
-    git add "$folder" docs/results.md &&
-      git commit -q -m "results: $experiment shard $shard (exit $status), CPU, $cpu" -- "$folder" docs/results.md && break
+    git add "$folder" docs/results.md $figure &&
+      git commit -q -m "results: $experiment shard $shard (exit $status), CPU, $cpu" -- "$folder" docs/results.md $figure && break
     sleep 7
   done
   [ $status -ne 0 ] && exit $status

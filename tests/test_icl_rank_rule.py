@@ -297,6 +297,22 @@ def test_the_run_shard_and_report_commands_write_results_files_skip_finished_run
         torch.set_num_threads(threads)
 
 
+def test_a_custom_grid_writes_its_results_under_its_out_folder_not_the_designs(tmp_path, capsys):
+    from icl_rank_experiment import RESULTS, main
+
+    design_folder = Path(RESULTS)  # relative to the working directory, as the command writes it
+    before = sorted(design_folder.iterdir())
+    threads = torch.get_num_threads()
+    try:
+        main(["run", "--d", "8", "--out", str(tmp_path / "grid"), "--arms", "v_dense3_rank", "--lrs", "1e-3",
+              "--seeds", "1", "--steps", "2", "--layers", "1", "--eval_every", "2", "--eager", "--jobs", "1"])
+    finally:
+        torch.set_num_threads(threads)
+    record = json.loads((tmp_path / "grid" / "results" / "v_dense3_rank_lr0.001_s1.json").read_text())
+    assert record["d"] == 8 and record["final_step"] == 2
+    assert sorted(design_folder.iterdir()) == before
+
+
 def test_the_pilot_command_runs_at_tiny_size_and_writes_its_summary(tmp_path, capsys):
     # the GPU check's part (e) runs: pilot --device cuda --budget-s 170 --out DIR; here its CPU rehearsal
     from icl_rank_experiment import main
