@@ -121,3 +121,16 @@ def test_write_replaces_the_block_between_the_markers_and_nothing_else(results, 
     doc.write_text("# A page without the markers\n")
     with pytest.raises(SystemExit):
         status.main(arguments + ["--write"])
+
+
+def test_the_lm_cpu_split_in_the_page_is_the_one_every_committed_run_trained_on():
+    # the sizes the page quotes, against the corpus description each run wrote (hf_structattn.training.data)
+    records = [json.loads(path.read_text()) for path in sorted((ROOT / "results" / "lm_cpu").glob("*_s[0-9].json"))]
+    assert records, "no committed LM CPU run"
+    split = {re.search(r"(\d+) train files / ([\d,]+) bytes, (\d+) validation files / ([\d,]+) bytes",
+                       record["corpus"]).groups() for record in records}
+    assert len(split) == 1, f"the committed LM CPU runs trained on different splits: {split}"
+    train_files, train_bytes, validation_files, validation_bytes = split.pop()
+    quoted = (f"{int(train_files):,} training files ({int(train_bytes.replace(',', '')) / 1e6:.1f} MB), "
+              f"{validation_files} held-out files ({int(validation_bytes.replace(',', '')) / 1e6:.2f} MB)")
+    assert quoted in DOC.read_text(), quoted
