@@ -95,14 +95,24 @@ def _register_models(config_class: type) -> None:
         AutoModelForCausalLM.register(config_class, mlr_model_class(model_class), exist_ok=True)
 
 
+def register_attention() -> None:
+    """Register MLR attention in transformers' ``AttentionInterface`` now (``"mlr"``, ``"mlr_eager"`` and the mask
+    functions they take): for a *stock* checkpoint loaded with ``attn_implementation="mlr"``, whose model class is
+    transformers' own and so imports none of this package. Every MLR model class registers them itself; importing
+    the package does not, as it costs the import of transformers' modeling code."""
+    importlib.import_module(".modeling.structattn_attention", __name__)
+
+
 def register_models() -> None:
     """Register every model class with the ``AutoModel*`` classes now, rather than when the first config of its
     family is built: for code that reads the Auto mappings before building any config (listing supported models,
     test harnesses that copy transformers' name tables). Imports the GPT-2 and T5 modeling code and the tested
-    decoder architectures."""
+    decoder architectures, and registers MLR attention (:func:`register_attention`)."""
     import transformers
 
     from .modeling.structattn_decoder import mlr_config_class
+
+    register_attention()
 
     for config_class in (StructAttnGPT2Config, StructAttnT5Config):
         _register_models(config_class)
@@ -148,4 +158,4 @@ FIRST_CONFIG_HOOKS.append(_register_models)
 _register_configs()
 
 __all__ = ["StructAttnChronosBoltConfig", "StructAttnGPT2Config", "StructAttnT5Config", "TESTED_ARCHITECTURES",
-           "register_models", *sorted(_LAZY)]
+           "register_attention", "register_models", *sorted(_LAZY)]

@@ -48,15 +48,18 @@ def test_a_float_mask_holding_a_score_bias_is_refused():
         _logits(model, ids, attention_mask=mask)
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "stock llama run as mlr"])
 def test_a_nan_in_a_float_mask_is_refused(family):
     """A NaN in a float 4-D mask is neither 0 (attend) nor <= -1e4 (masked): refused in one line, on a pair the rest
     of the mask allows and on a masked one, with and without a cache and after a prefill (stock Llama would return NaN
     logits; reading it as "masked" would be a silent answer)."""
     from hf_structattn.decoder_patching import tiny_decoder
 
-    model = tiny_lm("mlr").double() if family == "gpt2" else \
-        hf_structattn.patch(tiny_decoder("llama"), mlr_ranks=[8, 4, 4], mlr_block_sizes=[8, 4])
+    from test_mask_paths import stock_run_as_mlr
+
+    model = {"gpt2": lambda: tiny_lm("mlr").double(), "stock llama run as mlr": stock_run_as_mlr,
+             "llama": lambda: hf_structattn.patch(tiny_decoder("llama"), mlr_ranks=[8, 4, 4], mlr_block_sizes=[8, 4])
+             }[family]()
     ids = torch.randint(2, 61, (2, 8), generator=torch.Generator().manual_seed(3))
     causal = torch.ones(8, 8, dtype=torch.bool).tril()
     for pair in ((5, 2), (5, 7)):  # allowed, masked (a future key)

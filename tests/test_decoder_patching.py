@@ -2,6 +2,10 @@
 exactness in float64 against the stock models and the uncached forward, RoPE-pair levels, GQA, refusals."""
 
 import copy
+import os
+import subprocess
+import sys
+import textwrap
 import json
 import re
 
@@ -343,6 +347,7 @@ def test_stock_checkpoint_loads_with_attn_implementation_mlr(tmp_path):
     model, mlr = patched("llama")
     model.save_pretrained(tmp_path / "stock")
     ids = torch.randint(1, VOCAB, (2, 37))
+    hf_structattn.register_attention()  # as docs/patching.md says (patch() above registered it already)
     config = transformers.AutoConfig.from_pretrained(tmp_path / "stock")
     config.mlr_ranks, config.mlr_block_sizes = RANKS, BLOCKS
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "stock", config=config,
@@ -350,6 +355,32 @@ def test_stock_checkpoint_loads_with_attn_implementation_mlr(tmp_path):
     assert type(loaded) is transformers.LlamaForCausalLM
     torch.testing.assert_close(loaded(ids).logits, mlr(ids).logits, rtol=0, atol=1e-12)
     assert loaded.config.mlr_dim_order == mlr.config.mlr_dim_order  # found from the model's own rotary embedding
+
+
+def test_register_attention_is_what_a_fresh_process_needs_for_a_stock_checkpoint(tmp_path):
+    """In a fresh interpreter, ``import hf_structattn`` registers configs only (no modeling import), and
+    ``register_attention()`` is enough for a stock checkpoint to load with ``attn_implementation="mlr"`` and run MLR
+    (its geometry resolved: ``mlr_dim_order`` found from its rotary embedding)."""
+    script = f"""
+        import sys
+        import torch, transformers
+        config = transformers.LlamaConfig(vocab_size={VOCAB}, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+        torch.manual_seed(0)
+        transformers.LlamaForCausalLM(config).save_pretrained("stock")
+        import hf_structattn
+        assert "hf_structattn.modeling.structattn_attention" not in sys.modules
+        hf_structattn.register_attention()
+        config = transformers.AutoConfig.from_pretrained("stock")
+        config.mlr_ranks, config.mlr_block_sizes = {RANKS}, {BLOCKS}
+        model = transformers.AutoModelForCausalLM.from_pretrained("stock", config=config, attn_implementation="mlr")
+        logits = model(torch.arange(1, 40)[None] % {VOCAB}).logits
+        print(type(model).__name__, model.config.mlr_dim_order is not None, bool(logits.isfinite().all()))
+    """
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split()[-3:] == ["LlamaForCausalLM", "True", "True"], result.stdout
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -52,6 +52,8 @@ from .structattn_install import (  # noqa: F401  (the installation API, re-expor
 )
 from .structattn_masks import (
     additive_mask,
+    check_additive_mask,
+    check_mask_shape,
     group_major,
     is_standard_mask,
     key_validity,
@@ -335,6 +337,11 @@ def _forward(module, query, key, value, attention_mask, scaling, dropout, eager,
     scales = geometry.scales(scaling)
     causal = bool(getattr(module, "is_causal", True))
     batch, _, length, _ = query.shape
+    if step is None and causal and isinstance(attention_mask, torch.Tensor):
+        # no plan checked this mask before layer 0 (a stock model run with attn_implementation="mlr", a direct call):
+        # the same rules here, so that a wrong shape or a NaN is refused rather than broadcast or read as masked
+        check_mask_shape(attention_mask, batch, query.shape[1], length)
+        check_additive_mask(attention_mask)
     if not (getattr(module, "is_decoder", True) and causal):
         step = None  # the step describes the decoder's self-attention tokens, not T5's encoder or cross-attention
     layer = step.layer(getattr(module, "layer_idx", None)) if step is not None else None
