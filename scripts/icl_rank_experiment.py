@@ -373,9 +373,10 @@ def run_steps(args, arm: str) -> tuple[int, int]:
     return (args.steps, args.steps) if args.steps is not None else (cap(arm), SCHEDULE_STEPS)
 
 
-def train_arm(args, arm: str, runs) -> list[dict]:
+def train_arm(args, arm: str, runs, budget_s: float | None = None) -> list[dict]:
     """The (lr, seed) ``runs`` of ``arm`` without a results file, as one stacked model, resumable, until done or
-    ``--budget-s``."""
+    ``budget_s`` seconds of this arm's training (default ``--budget-s``)."""
+    budget_s = args.budget_s if budget_s is None else budget_s
     todo = [(lr, seed) for lr, seed in runs if not results_file(args, arm, lr, seed).exists()]
     if not todo:
         print(f"{arm}: every run has its results file already; nothing to train", flush=True)
@@ -386,7 +387,7 @@ def train_arm(args, arm: str, runs) -> list[dict]:
                        compile_step=not args.eager)
     while not runner.finished:
         runner.advance()
-        if args.budget_s is not None and runner.wall - runner.wall_before > args.budget_s and not runner.finished:
+        if budget_s is not None and runner.wall - runner.wall_before > budget_s and not runner.finished:
             runner.save_checkpoint()
             print(f"{arm}: stopped by --budget-s at step {runner.step}; rerun the command to resume", flush=True)
             return []
@@ -403,12 +404,20 @@ def launch_all(args, runs) -> None:
             by_arm.setdefault(arm, []).append((lr, seed))
     pending = list(by_arm)
     t0 = time.time()
-    if args.jobs == 1:
+    if args.jobs == 1:  # --budget-s covers the whole command: the arms one after another share it
+        finished = True
         for arm in pending:
+            left = None if args.budget_s is None else args.budget_s - (time.time() - t0)
+            if left is not None and left <= 0:
+                print(f"[{time.time() - t0:7.0f} s] --budget-s spent: {arm} not started", flush=True)
+                finished = False
+                break
             print(f"[{time.time() - t0:7.0f} s] start {arm} ({len(by_arm[arm])} runs stacked)", flush=True)
-            done = train_arm(args, arm, by_arm[arm])
+            done = train_arm(args, arm, by_arm[arm], budget_s=left)
+            finished = finished and bool(done)
             print(f"[{time.time() - t0:7.0f} s] {'done' if done else 'stopped'} {arm}", flush=True)
-        print(f"all arms finished, wall {time.time() - t0:.0f} s", flush=True)
+        print(f"all arms finished, wall {time.time() - t0:.0f} s" if finished else
+              f"stopped by --budget-s after {time.time() - t0:.0f} s of wall; rerun the command to resume", flush=True)
         return
     running: list[tuple[subprocess.Popen, str]] = []
     root = Path(args.out)

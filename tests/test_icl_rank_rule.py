@@ -313,6 +313,25 @@ def test_a_custom_grid_writes_its_results_under_its_out_folder_not_the_designs(t
     assert sorted(design_folder.iterdir()) == before
 
 
+def test_budget_s_covers_the_whole_command_not_each_arm(tmp_path, capsys):
+    # a spent budget stops the first arm at its first chunk (checkpointed) and starts no other arm
+    from icl_rank_experiment import main
+
+    small = ["--out", str(tmp_path / "out"), "--results", str(tmp_path / "results"), "--steps", "40", "--layers",
+             "1", "--eval_every", "20", "--eager", "--jobs", "1"]
+    threads = torch.get_num_threads()
+    try:
+        main(["run", *small, "--arms", "i_dense12_half", "v_dense3_rank", "--lrs", "1e-3", "--seeds", "1",
+              "--budget-s", "0.001"])
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "i_dense12_half: stopped by --budget-s" in out and "--budget-s spent: v_dense3_rank not started" in out
+    assert "stopped by --budget-s after" in out and "all arms finished" not in out
+    assert list((tmp_path / "out").glob("i_dense12_half_*.stack/checkpoint.pt"))
+    assert not (tmp_path / "results").exists() or not any((tmp_path / "results").iterdir())
+
+
 def test_the_pilot_command_runs_at_tiny_size_and_writes_its_summary(tmp_path, capsys):
     # the GPU check's part (e) runs: pilot --device cuda --budget-s 170 --out DIR; here its CPU rehearsal
     from icl_rank_experiment import main
