@@ -249,6 +249,27 @@ def test_compiled_decode_equals_eager():
         del model.forward
 
 
+def test_inductor_compiled_static_decode_recompiles_for_a_new_batch_and_prompt_length():
+    """A compiled forward (inductor, the default backend) generates with a static cache at one batch and prompt
+    length, then at another in the same process: the second ``max_cache_len`` makes the cache's length a symbol, and
+    the recompiled graph must still run and give the eager tokens (it raised ``NameError: name 's9' is not defined``
+    when two layers' symbolic capacities were compared while planning)."""
+    model = tiny_lm("mlr")
+    shapes = [(1, 12), (4, 37)]
+    prompts = [torch.randint(2, 61, shape, generator=torch.Generator().manual_seed(index))
+               for index, shape in enumerate(shapes)]
+    common = dict(max_new_tokens=6, min_new_tokens=6, pad_token_id=1, do_sample=False, cache_implementation="static")
+    eager = [model.generate(prompt, **common) for prompt in prompts]
+    torch._dynamo.reset()
+    model.forward = torch.compile(model.forward)
+    try:
+        for prompt, tokens in zip(prompts, eager):
+            torch.testing.assert_close(model.generate(prompt, **common), tokens)
+    finally:
+        del model.forward
+        torch._dynamo.reset()
+
+
 def test_compiled_forward_over_the_dynamic_cache_falls_back_quietly_and_fullgraph_names_the_static_cache():
     """A dynamic MLR cache cannot be filled inside a compiled region: ``torch.compile(model.forward)`` over it gives
     the eager tokens (torch.compile runs that frame eagerly), and ``fullgraph=True`` stops with dynamo's report,

@@ -627,10 +627,10 @@ class MLRStaticKeyCacheLayer(MLRCacheLayerMixin, StaticLayer):
         if geometry is not None:
             self.bind(geometry)
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor, **kwargs) -> None:
         """``Cache.early_initialization`` (what transformers' export recipes call): the MLR storage, base 0."""
         if not self.is_bound:
-            return super().lazy_initialization(key_states, value_states)
+            return super().lazy_initialization(key_states, value_states, **kwargs)
         batch = key_states.shape[0]
         self.base = 0
         self.device = key_states.device

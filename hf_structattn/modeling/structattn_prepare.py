@@ -272,7 +272,11 @@ def plan_layers(step: MLRStep, target: Optional[Cache], layer_configs: dict, *,
             plans.append(plan)
         base, capacity, value_width, dtype, kv_heads, record = layer.planned_storage(facts, chunk)
         layout = None
-        for candidate in layouts:
+        # While tracing, each layer's capacity is its own symbol (a static cache's ``max_cache_len`` becomes dynamic
+        # when a later ``generate`` changes it): comparing two layers' symbols makes inductor express the graph in a
+        # symbol it never binds (``NameError: name 's9' is not defined`` on the recompile), so traced layers share no
+        # layout.
+        for candidate in () if tracing else layouts:
             if candidate.plan is plan and candidate.base == base and candidate.capacity == capacity and \
                     candidate.value_width == value_width and candidate.record == record:
                 layout = candidate

@@ -116,9 +116,10 @@ class RollbackMixin:
         if not value and self.is_initialized and self.is_bound:
             self.rollback_log.clear()
 
-    def activate_past_recording(self) -> None:
+    def activate_past_recording(self, **kwargs) -> None:
         """Log what each write overwrites until the next ``crop`` (transformers calls this before speculative
-        decoding), so that ``crop(-n)`` can restore the state of the shorter prefix exactly."""
+        decoding), so that ``crop(-n)`` can restore the state of the shorter prefix exactly. Keywords transformers
+        passes for other layer kinds (``recurrent_states_to_keep``: linear-attention states) concern no MLR layer."""
         self.record_past = True
         if self.is_initialized and self.is_bound:
             self._start_log()
