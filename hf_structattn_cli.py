@@ -92,15 +92,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 # ---- hf-structattn push (kept apart from the patch command above) ----
 PUSH_DESCRIPTION = (
-    "Upload a finished output folder (a recipe run, or a checkpoint written by 'hf-structattn patch') to the Hub "
-    "with huggingface_hub's upload_folder, exactly what a recipe's --push_to_hub uploads. A folder is refused unless "
-    "it is a finished run: config.json parses, the safetensors weights are complete and match it, a recipe run wrote "
-    "final_metrics.json, it is no staging folder of a killed write. Left out and listed: checkpoints/, "
-    "run_config.json, sources, pickles (by content, whatever their name), staging folders, symlinks out of the "
-    "folder. Checks the token and creates the repository first. --dry-run prints the files it "
-    "would upload and uses no network; --to-folder DIR copies them into DIR instead, a local rehearsal of the "
-    "repository. Exit status 2: bad arguments, an unusable folder or Hub access refused, nothing uploaded; 1: the "
-    "upload failed.")
+    "Upload a finished output folder (a recipe run, or a checkpoint written by 'hf-structattn patch') to the Hub, "
+    "exactly what a recipe's --push_to_hub uploads: the bytes it read once from the folder (no link followed) and "
+    "checked, in one commit. A folder is refused unless it is a finished run: config.json and every JSON file parse, "
+    "the safetensors weights are complete and match it, a recipe run wrote final_metrics.json, every auto_map names "
+    "a module in the folder, every .py compiles and is the package's payload, it is no staging folder of a killed "
+    "write. Left out and listed: checkpoints/, run_config.json, sources, pickles (by content, whatever their name or "
+    "compression), staging folders, symlinks. Checks the token and creates the repository first. --dry-run prints "
+    "the files it would upload and uses no network; --to-folder DIR writes them into DIR instead, a local rehearsal "
+    "of the repository. Exit status 2: bad arguments, an unusable folder or Hub access refused, nothing uploaded; 1: "
+    "the upload failed.")
 PUSH_EPILOG = "example: hf-structattn push outputs/clm_mlr_stdlib --repo-id someone/gpt2-mlr-stdlib --dry-run"
 
 

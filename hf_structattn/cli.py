@@ -307,7 +307,7 @@ def push_command(args) -> int:
 
     try:
         if args.to_folder:
-            run = copy_to_folder(args.output_dir, args.to_folder)
+            run = copy_to_folder(finished(args.output_dir), args.to_folder)
             print(f"copied {len(run.files)} files from {args.output_dir} to {args.to_folder} (what the Hub "
                   f"repository would hold; nothing uploaded)")
             print("\n".join(describe(run)))

@@ -1,16 +1,21 @@
 """Publishing a finished output folder (a recipe run or a ``hf-structattn patch`` result) to the Hub, again or for the
 first time, and rehearsing that upload offline.
 
-``hf-structattn push OUTPUT_DIR --repo-id USER/NAME`` uploads with ``HfApi().upload_folder`` exactly what a recipe's
-``--push_to_hub`` uploads: the files of a finished run (:func:`hf_structattn.training.outputs.finished_run`, the one
-definition; it leaves out checkpoints, bookkeeping, pickles, staging folders and symlinks out of the folder, and
-lists them). ``--dry-run`` prints that file list without touching the network; ``--to-folder DIR`` copies it into a
-local folder, which then holds what the Hub repository would (load it with ``trust_remote_code=True`` to check).
+``hf-structattn push OUTPUT_DIR --repo-id USER/NAME`` sends exactly what a recipe's ``--push_to_hub`` sends: the files
+of a finished run as :func:`hf_structattn.training.outputs.finished_run` (the one definition) read and checked them.
+That check reads each file once from the folder itself (directory handles, ``O_NOFOLLOW``: no link is followed),
+checks those bytes (sizes, safetensors headers against the data and the config, JSON, no pickle or other stream an
+unpickler would run, ``auto_map`` naming only modules in the folder, every ``.py`` compiling and the package's
+payload byte for byte) and returns them; the upload (one ``create_commit`` of those bytes) and the rehearsal send
+those bytes, never the folder as it is later. It leaves out checkpoints, bookkeeping, pickles, staging folders and
+links, and lists them. ``--dry-run`` prints that file list without touching the network; ``--to-folder DIR`` writes
+the checked bytes into a local folder (each file verified, size and sha256, before the folder appears), which then
+holds what the Hub repository would (load it with ``trust_remote_code=True`` to check).
 """
 
 from __future__ import annotations
 
-import shutil
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -62,13 +67,15 @@ def describe(run) -> list[str]:
         f"  {_mib(sum(f.size for f in files)):>12}  in all ({len(files)} files)"] + describe_skipped(run)
 
 
-def copy_to_folder(output_dir: str | Path, target: str | Path):
-    """Copy exactly the files an upload would send into ``target`` (absent or empty; written atomically): the local
-    rehearsal of a push. Returns the finished run."""
+def copy_to_folder(run, target: str | Path):
+    """Write exactly the bytes an upload of ``run`` (a :func:`finished` run) would send into ``target`` (absent or
+    empty): the local rehearsal of a push. Each file is read back and verified (size and sha256 of the bytes
+    checked) before the folder is renamed into place, so ``target`` appears complete and right or not at all."""
+    import hashlib
+
     from .command_io import CliError, check_out_dir, save_atomically
 
-    run, dest = finished(output_dir), Path(target)
-    out = run.folder
+    dest, out = Path(target), run.folder
     try:
         check_out_dir(dest)
     except CliError as error:
@@ -77,9 +84,18 @@ def copy_to_folder(output_dir: str | Path, target: str | Path):
         raise PushError(f"--to-folder {dest} lies inside OUTPUT_DIR {out}; choose a folder outside it")
 
     def write(folder: Path) -> None:
+        flags = os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
         for f in run.files:
             (folder / f.path).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(out / f.path, folder / f.path)
+            with os.fdopen(os.open(folder / f.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | flags, 0o644), "wb") as w:
+                w.write(f.data)
+        for f in run.files:
+            with os.fdopen(os.open(folder / f.path, os.O_RDONLY | flags), "rb") as handle:
+                copied = handle.read()
+            if len(copied) != f.size or hashlib.sha256(copied).hexdigest() != f.sha256:
+                raise PushError(f"--to-folder: the copy of {f.path} is not the bytes checked ({len(copied)} bytes, "
+                                f"sha256 {hashlib.sha256(copied).hexdigest()[:16]}; checked {f.size} bytes, sha256 "
+                                f"{f.sha256[:16]}); nothing written to {dest}", code=1)
 
     save_atomically(dest, write)
     return run

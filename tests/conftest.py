@@ -111,6 +111,22 @@ def upload_folder_sends(folder_path, allow_patterns=None, ignore_patterns=None, 
     return list(filter_repo_objects(listing, allow_patterns=allow_patterns, ignore_patterns=ignore_patterns))
 
 
+def commit_sends(operations) -> dict:
+    """{path in the repository: bytes} that ``HfApi.create_commit`` sends for its ``CommitOperationAdd``s: the bytes
+    or file object it was handed, or the file a path names as it is when read (what the upload would read)."""
+    sent = {}
+    for operation in operations:
+        source = operation.path_or_fileobj
+        if isinstance(source, bytes):
+            sent[operation.path_in_repo] = source
+        elif isinstance(source, (str, os.PathLike)):
+            sent[operation.path_in_repo] = Path(source).read_bytes()
+        else:
+            source.seek(0)
+            sent[operation.path_in_repo] = source.read()
+    return sent
+
+
 def pytest_configure(config):
     # scripts/test.sh sets HF_STRUCTATTN_PROGRESS: a line when each test file starts and ends, tests that run long
     from suite_progress import register

@@ -1,6 +1,7 @@
 """``hf-structattn push``: upload a finished run again (or for the first time), rehearse it offline (``--dry-run``,
 ``--to-folder``). The run is a real tiny ``train_clm`` run; only the Hub's network boundary (``HfApi.whoami`` /
-``create_repo`` / ``upload_folder``) is replaced, as in tests/test_recipes.py."""
+``create_repo`` / ``create_commit``, and ``upload_folder``, which reads the folder at send time) is replaced, as in
+tests/test_recipes.py: what it records as sent is the bytes the real call would send."""
 
 import json
 import pickle
@@ -13,7 +14,7 @@ import pytest
 
 from hf_structattn_cli import main
 
-from conftest import upload_folder_sends
+from conftest import commit_sends, upload_folder_sends
 
 ROOT = Path(__file__).resolve().parent.parent
 REPO = "someone/tiny-mlr"
@@ -57,13 +58,18 @@ def fake_hub(monkeypatch):
         calls.append(("create_repo", repo_id, kwargs))
         return huggingface_hub.RepoUrl(f"https://huggingface.co/{repo_id}")
 
-    def fake_upload_folder(self, *, repo_id, folder_path, **kwargs):
-        calls.append(("upload_folder", repo_id, dict(kwargs, folder_path=folder_path,
-                                                     sent=upload_folder_sends(folder_path, **kwargs))))
+    def fake_upload_folder(self, *, repo_id, folder_path, **kwargs):  # not called: it would read the folder again
+        sent = {path: (Path(folder_path) / path).read_bytes()
+                for path in upload_folder_sends(folder_path, **kwargs)}
+        calls.append(("upload", repo_id, dict(kwargs, sent=sent)))
+
+    def fake_create_commit(self, repo_id, operations, **kwargs):
+        calls.append(("upload", repo_id, dict(kwargs, sent=commit_sends(operations))))
 
     monkeypatch.setattr(huggingface_hub.HfApi, "whoami", fake_whoami)
     monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", fake_create_repo)
     monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", fake_upload_folder)
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_commit", fake_create_commit)
     return calls
 
 
@@ -73,18 +79,19 @@ def _dry_run_listing(output: str) -> list[str]:
 
 def test_push_uploads_a_finished_run_with_the_recipes_ignore_patterns(finished_run, fake_hub, capsys):
     assert main(["push", str(finished_run), "--repo-id", REPO, "--private"]) == 0
-    assert [c[0] for c in fake_hub] == ["whoami", "create_repo", "upload_folder"]
+    assert [c[0] for c in fake_hub] == ["whoami", "create_repo", "upload"]
     assert fake_hub[1][1] == REPO and fake_hub[1][2]["private"] is True and fake_hub[1][2]["exist_ok"] is True
     upload = fake_hub[2][2]
-    assert fake_hub[2][1] == REPO and upload["folder_path"] == str(finished_run)
+    assert fake_hub[2][1] == REPO and upload["repo_type"] == "model"
     sent = set(upload["sent"])
+    assert all(upload["sent"][path] == (finished_run / path).read_bytes() for path in sent)
     assert {"config.json", "model.safetensors", "modeling_structattn_gpt2.py", "README.md",
             "final_metrics.json"} <= sent, sent
     assert not any(p.startswith("checkpoints/") for p in sent) and "run_config.json" not in sent
     out = capsys.readouterr().out
     assert f"to https://huggingface.co/{REPO}" in out
 
-    # the dry run lists exactly what upload_folder was given to send, and touches no network
+    # the dry run lists exactly what the upload sent, and touches no network
     fake_hub.clear()
     assert main(["push", str(finished_run), "--repo-id", REPO, "--dry-run"]) == 0
     assert fake_hub == []
@@ -137,10 +144,11 @@ def test_push_offline_is_one_line_exit_2_and_a_failed_upload_exit_1(finished_run
     monkeypatch.setattr(huggingface_hub.HfApi, "create_repo",
                         lambda self, repo_id, **k: huggingface_hub.RepoUrl(f"https://huggingface.co/{repo_id}"))
 
-    def refused(self, **kwargs):
+    def refused(self, *args, **kwargs):
         raise ConnectionError("connection refused")
 
     monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", refused)
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_commit", refused)
     assert main(["push", str(finished_run), "--repo-id", REPO]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "the Hub is unreachable" in err[0], err
@@ -206,6 +214,16 @@ def _edit_config(out: Path, **values) -> None:
     (out / "config.json").write_text(json.dumps(config))
 
 
+def _edit_auto_map(out: Path, name: str, **entries) -> None:
+    data = json.loads((out / name).read_text()) if (out / name).exists() else {}
+    data["auto_map"] = dict(data.get("auto_map") or {}, **entries)
+    (out / name).write_text(json.dumps(data))
+
+
+def _append(path: Path, data: bytes) -> None:
+    path.write_bytes(path.read_bytes() + data)
+
+
 def _symlink_config_from_outside(out: Path) -> None:
     outside = out.parent / "config_elsewhere.json"
     (out / "config.json").rename(outside)
@@ -225,6 +243,35 @@ NOT_FINISHED = {
     "a recipe run that did not finish": (lambda out: (out / "final_metrics.json").unlink(),
                                          "is a recipe run that did not finish (no final_metrics.json)"),
     "config.json symlinked from outside": (_symlink_config_from_outside, "config.json is a symlink to"),
+    "a half-written json file": (lambda out: _truncate(out / "tokenizer_config.json"),
+                                 "tokenizer_config.json is not valid JSON"),
+    # auto_map names only modules of the folder, as plain module.Class
+    "auto_map into another Hub repository": (
+        lambda out: _edit_auto_map(out, "config.json", AutoModel="someone/evil--modeling_evil.EvilModel"),
+        "config.json: auto_map['AutoModel'] = 'someone/evil--modeling_evil.EvilModel' names code in another Hub "
+        "repository"),
+    "auto_map out of the folder": (lambda out: _edit_auto_map(out, "config.json", AutoModel="../outside.Model"),
+                                   "config.json: auto_map['AutoModel'] = '../outside.Model' is not module.Class"),
+    "auto_map to a module not in the folder": (
+        lambda out: _edit_auto_map(out, "config.json", AutoModel="missing_module.Model"),
+        "config.json: auto_map['AutoModel'] = 'missing_module.Model' names missing_module.py, which is not in the "
+        "folder"),
+    "a tokenizer's auto_map into another repository": (
+        lambda out: _edit_auto_map(out, "tokenizer_config.json", AutoTokenizer=["other/repo--tok.Tok", None]),
+        "tokenizer_config.json: auto_map['AutoTokenizer'][0] = 'other/repo--tok.Tok' names code in another Hub "
+        "repository"),
+    "a generation config's auto_map": (lambda out: _edit_auto_map(out, "generation_config.json", AutoX="nope.X"),
+                                       "generation_config.json: auto_map['AutoX'] = 'nope.X' names nope.py"),
+    # every shipped .py compiles and is the payload the package writes for this checkpoint
+    "a deleted payload file": (lambda out: (out / "structattn_mlr.py").unlink(),
+                               "structattn_mlr.py, part of the payload hf_structattn writes for this checkpoint "
+                               "(auto_map module modeling_structattn_gpt2), is missing"),
+    "a half-written payload file": (lambda out: _truncate(out / "modeling_structattn_gpt2.py"),
+                                    "modeling_structattn_gpt2.py does not compile (SyntaxError: "),
+    "an edited payload file": (lambda out: _append(out / "structattn_ops.py", b"\nimport os\n"),
+                               "structattn_ops.py is not the payload hf_structattn writes for this checkpoint"),
+    "a shipped .py that does not compile": (lambda out: (out / "helper.py").write_text("def (:\n"),
+                                            "helper.py does not compile (SyntaxError: "),
 }
 
 
@@ -295,3 +342,103 @@ def test_push_skips_pickles_staging_folders_and_symlinks_out_and_lists_them(fini
     copied = sorted(p.relative_to(target).as_posix() for p in target.rglob("*") if p.is_file())
     assert copied == sorted(sent) and "SECRET-7f3a" not in "".join(p.read_text(errors="ignore")
                                                            for p in target.rglob("*") if p.is_file())
+
+
+def test_push_never_sends_a_pickle_that_loads(finished_run, tmp_path, fake_hub, capsys):
+    """Pickles that load, whatever their size and wrapping: a protocol-0 pickle padded past 16 MiB, a protocol-2
+    pickle without its PROTO opcode padded the same way (an unpickler runs opcodes to STOP whatever the header), a
+    gzip / bz2 / xz pickle, and opcodes that import and call something before the stream breaks (an unpickler runs
+    them before it fails). None is sent, each is listed as skipped."""
+    import bz2
+    import gzip
+    import io
+    import lzma
+
+    pad = "a" * (17 * 2**20)
+    protoless = pickle.dumps({"pad": pad}, protocol=2)
+    assert protoless[:2] == b"\x80\x02"
+    calls_then_breaks = b"cbuiltins\nlen\n(S'ab'\ntR\xff\xff"
+    planted = {"padded0.txt": pickle.dumps({"pad": pad}, protocol=0),
+               "padded2.dat": protoless[2:],
+               "state.gz": gzip.compress(pickle.dumps({"lr": 1e-3}, protocol=4)),
+               "state.bz2": bz2.compress(pickle.dumps({"lr": 1e-3}, protocol=0)),
+               "state.xz": lzma.compress(pickle.dumps({"lr": 1e-3}, protocol=2)[2:]),
+               "calls.bin": calls_then_breaks}
+    decompress = {".gz": gzip.decompress, ".bz2": bz2.decompress, ".xz": lzma.decompress}
+    for name, data in planted.items():  # each really is what an unpickler runs
+        data = decompress.get(Path(name).suffix, bytes)(data)
+        if name == "calls.bin":
+            found = []
+
+            class Recording(pickle.Unpickler):
+                def find_class(self, module, qualname):
+                    found.append((module, qualname))
+                    return super().find_class(module, qualname)
+
+            with pytest.raises(pickle.UnpicklingError):
+                Recording(io.BytesIO(data)).load()
+            assert found == [("builtins", "len")]  # it imported, and called, before it broke
+        else:
+            assert pickle.loads(data) in ({"pad": pad}, {"lr": 1e-3})
+    out = _copy(finished_run, tmp_path / "run")
+    for name, data in planted.items():
+        (out / name).write_bytes(data)
+    assert main(["push", str(out), "--repo-id", REPO]) == 0
+    sent = fake_hub[-1][2]["sent"]
+    printed = capsys.readouterr().out
+    assert not set(planted) & set(sent), sorted(sent)
+    skipped = printed.split("skipped (not uploaded)")[1]
+    for name in planted:
+        assert f"  {name} " in skipped and "a pickle" in skipped, (name, skipped)
+    target = tmp_path / "rehearsal"
+    assert main(["push", str(out), "--to-folder", str(target)]) == 0
+    assert not any((target / name).exists() for name in planted)
+
+
+def _outside_weights(out: Path) -> None:
+    outside = out.parent / "outside.safetensors"
+    outside.write_bytes(b"OUTSIDE-BYTES-1c9e" * 64)
+    (out / "model.safetensors").unlink()
+    (out / "model.safetensors").symlink_to(outside)
+
+
+CHANGED_AFTER_THE_CHECK = {
+    "weights truncated to half": lambda out: _truncate(out / "model.safetensors"),
+    "weights replaced by a symlink out": _outside_weights,
+    "config rewritten half": lambda out: (out / "config.json").write_text('{"model_type": '),
+}
+
+
+@pytest.mark.parametrize("case", list(CHANGED_AFTER_THE_CHECK))
+def test_push_and_to_folder_send_the_bytes_they_checked(finished_run, tmp_path, fake_hub, case):
+    """The check returns the bytes it checked, and the upload and the rehearsal send those: a folder changed after
+    the check (another process still writing) changes nothing that is sent. Two phases, called here as the command
+    calls them: ``finished_run`` (the check) then ``push_to_hub`` / ``copy_to_folder`` (the send)."""
+    from hf_structattn.hub import copy_to_folder
+    from hf_structattn.training.outputs import finished_run as check, push_to_hub
+
+    out = _copy(finished_run, tmp_path / "run")
+    before = {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    run = check(out)
+    CHANGED_AFTER_THE_CHECK[case](out)
+    assert push_to_hub(run, REPO) == REPO
+    sent = fake_hub[-1][2]["sent"]
+    assert "model.safetensors" in sent and "config.json" in sent
+    assert {path: before[path] for path in sent} == sent
+    assert not any(b"OUTSIDE-BYTES" in data for data in sent.values())
+
+    target = tmp_path / "rehearsal"
+    copy_to_folder(run, target)
+    copied = {p.relative_to(target).as_posix(): p.read_bytes() for p in target.rglob("*") if p.is_file()}
+    assert copied == sent
+
+
+def test_links_are_not_followed_even_inside_the_folder(finished_run, tmp_path, fake_hub, capsys):
+    """A symlink to a file of the folder is not sent either: a push reads the folder's own files, never a link
+    (which could point elsewhere by the time it is read). Listed as skipped."""
+    out = _copy(finished_run, tmp_path / "run")
+    (out / "alias.json").symlink_to(out / "final_metrics.json")
+    assert main(["push", str(out), "--repo-id", REPO]) == 0
+    assert "alias.json" not in fake_hub[-1][2]["sent"]
+    skipped = capsys.readouterr().out.split("skipped (not uploaded)")[1]
+    assert "alias.json" in skipped and "a symlink" in skipped

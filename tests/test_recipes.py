@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import upload_folder_sends
+from conftest import commit_sends
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_CLM = str(ROOT / "configs" / "clm_tiny.json")
@@ -833,7 +833,7 @@ RECIPE_CODE_FILE = {"train_clm": "modeling_structattn_gpt2.py", "train_icl": "mo
 
 @pytest.mark.parametrize("recipe_name", list(RECIPES))
 def test_push_to_hub_checks_the_hub_first_and_uploads_the_output_folder(tmp_path, monkeypatch, recipe_name):
-    """Only the Hub network boundary (HfApi.whoami / create_repo / upload_folder) is replaced."""
+    """Only the Hub network boundary (HfApi.whoami / create_repo / create_commit) is replaced."""
     import huggingface_hub
 
     recipe = RECIPES[recipe_name]
@@ -849,13 +849,13 @@ def test_push_to_hub_checks_the_hub_first_and_uploads_the_output_folder(tmp_path
         calls.append(("create_repo", repo_id, dict(kwargs, trained=(out / "metrics.jsonl").exists())))
         return huggingface_hub.RepoUrl(f"https://huggingface.co/{repo_id}")
 
-    def fake_upload_folder(self, *, repo_id, folder_path, **kwargs):
-        listing = sorted(str(p.relative_to(folder_path)) for p in Path(folder_path).rglob("*") if p.is_file())
-        calls.append(("upload_folder", repo_id, dict(kwargs, folder_path=folder_path, listing=listing)))
+    def fake_create_commit(self, repo_id, operations, **kwargs):
+        listing = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+        calls.append(("create_commit", repo_id, dict(kwargs, sent=commit_sends(operations), listing=listing)))
 
     monkeypatch.setattr(huggingface_hub.HfApi, "whoami", fake_whoami)
     monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", fake_create_repo)
-    monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", fake_upload_folder)
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_commit", fake_create_commit)
     extra = []
     if recipe_name in ("train_clm", "finetune_patched"):
         text_file = tmp_path / "corpus.txt"
@@ -863,12 +863,13 @@ def test_push_to_hub_checks_the_hub_first_and_uploads_the_output_folder(tmp_path
         extra = ["--text_files", text_file]
     result = recipe.run(out, "--max_steps", 2, "--eval_every", 0, "--checkpoint_every", 1, "--push_to_hub",
                         "--hub_model_id", "someone/tiny-mlr", *extra)
-    assert [c[0] for c in calls] == ["whoami", "create_repo", "upload_folder"]
+    assert [c[0] for c in calls] == ["whoami", "create_repo", "create_commit"]
     assert not calls[0][2]["trained"] and not calls[1][2]["trained"]  # checked before any training
     assert calls[1][1] == "someone/tiny-mlr" and calls[1][2]["exist_ok"] is True
     upload = calls[2][2]
-    assert calls[2][1] == "someone/tiny-mlr" and upload["folder_path"] == str(out)
-    listing = set(upload_folder_sends(**upload))
+    assert calls[2][1] == "someone/tiny-mlr" and upload["repo_type"] == "model"
+    listing = set(upload["sent"])
+    assert all(upload["sent"][name] == (out / name).read_bytes() for name in listing)
     assert any(p.startswith("checkpoints/") for p in upload["listing"])  # there were checkpoints: left out
     assert not any(p.startswith(("checkpoints/", "source/", "base_tiny_chronos_t5/")) for p in listing)
     assert "run_config.json" not in listing and not any(p.endswith(".pkl") for p in listing)
