@@ -8,6 +8,8 @@
 # torch==2.13.0 is installed first when no torch is present: on the project machines it is the CPU build from local
 # disk (any other version would download a multi-GB CUDA build); pyproject only asks for a range. On CUDA, install
 # your torch build into .venv first.
+# Every other package is installed at the version scripts/constraints.txt pins (the set the whole suite last passed
+# with); scripts/test_range.sh tries the newest and lowest transformers / accelerate the ranges admit.
 # Nothing else is fetched here: the test-only downloads (transformers' test sources, the GPU check's wheels) are
 # scripts/test.sh's.
 set -euo pipefail
@@ -30,7 +32,7 @@ fi
 . .venv/bin/activate
 # the editable install points at this checkout, so only pyproject.toml (dependencies, entry points) can make a new
 # install necessary; the stamp records which extras were installed (".[test]" includes ".[recipes,plots]")
-stamp=$( (cat pyproject.toml; python --version; pwd) | sha256sum | cut -c1-16)
+stamp=$( (cat pyproject.toml scripts/constraints.txt; python --version; pwd) | sha256sum | cut -c1-16)
 installed() { [ "$(cat ".venv/.hf_structattn_installed-$1" 2>/dev/null)" = "$stamp" ]; }
 if { installed "$extras" || installed test; } &&
    say "checking that the installed package imports (a few seconds; longer on loaded cores) ..." &&
@@ -46,9 +48,10 @@ else
   python -m pip install -q --disable-pip-version-check "torch==2.13.0"
   say "torch installed"
 fi
-say "installing hf_structattn (editable) with its [$extras] extras and their dependencies (log: .venv/install.log) ..."
+say "installing hf_structattn (editable) with its [$extras] extras and their dependencies at the known-good versions" \
+    "of scripts/constraints.txt (log: .venv/install.log) ..."
 # setuptools' editable-install banner goes to the log; errors still reach the terminal through set -e's exit
-python -m pip install -q --disable-pip-version-check -e ".[$extras]" >.venv/install.log 2>&1 ||
+python -m pip install -q --disable-pip-version-check -c scripts/constraints.txt -e ".[$extras]" >.venv/install.log 2>&1 ||
   { cat .venv/install.log >&2; exit 1; }
 echo "$stamp" >".venv/.hf_structattn_installed-$extras"
 say "hf_structattn installed: transformers $(python -c 'import transformers; print(transformers.__version__)'), accelerate $(python -c 'import accelerate; print(accelerate.__version__)')"
