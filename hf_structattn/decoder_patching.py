@@ -234,7 +234,6 @@ def plan_decoder_patch(model, attention: str = "mlr", *, mlr_ranks: Optional[Seq
     # "contribution" puts the same groups first as "frequency" (position-free dims, then pairs): the whole-pair check
     # runs on that order before the measurement, which runs last, once every other field is checked
     order = level_dim_order(dims, head_dim, "frequency" if level_order == "contribution" else level_order)
-    check_levels_hold_whole_pairs(ranks, order, dims, level_order)
 
     model_class = mlr_model_class(type(model))
     fields = {name: value for name, value in config.to_dict().items() if name not in ("model_type", "auto_map")}
@@ -252,7 +251,8 @@ def plan_decoder_patch(model, attention: str = "mlr", *, mlr_ranks: Optional[Seq
                             "level_order": level_order}
     new_config.mlr_notice = LOAD_NOTICE.format(arch=type(model).__name__)
     new_config.architectures = [model_class.__name__]
-    decoder_geometry(new_config)  # every field checked before anything is built
+    # every field checked before anything is built, by the rule the loaded checkpoint is checked by
+    decoder_geometry(new_config, head_dim, dims, level_order, new_config.mlr_dim_order)
     if level_order == "contribution":
         from .qk_contribution import measure_qk_contributions
 

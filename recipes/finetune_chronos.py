@@ -6,8 +6,7 @@ All logic lives in ``hf_structattn.training.chronos_ft`` (chronos-forecasting is
 recipes/README.md.
 """
 
-from hf_structattn.training.args import run_main
-from hf_structattn.training.chronos_ft import main
+from hf_structattn.training.args import run_recipe
 
 if __name__ == "__main__":
-    run_main(main, "finetune_chronos.py")
+    run_recipe("chronos_ft", "finetune_chronos.py")

@@ -7,8 +7,7 @@ Without ``--model_path`` a tiny Llama is built and pretrained (dense) here first
 ``hf_structattn.training.decoder_ft``; see recipes/README.md.
 """
 
-from hf_structattn.training.args import run_main
-from hf_structattn.training.decoder_ft import main
+from hf_structattn.training.args import run_recipe
 
 if __name__ == "__main__":
-    run_main(main, "finetune_patched.py")
+    run_recipe("decoder_ft", "finetune_patched.py")

@@ -5,8 +5,7 @@
 All logic lives in ``hf_structattn.training.clm``; see recipes/README.md.
 """
 
-from hf_structattn.training.args import run_main
-from hf_structattn.training.clm import main
+from hf_structattn.training.args import run_recipe
 
 if __name__ == "__main__":
-    run_main(main, "train_clm.py")
+    run_recipe("clm", "train_clm.py")

@@ -5,8 +5,7 @@
 All logic lives in ``hf_structattn.training.icl``; see recipes/README.md.
 """
 
-from hf_structattn.training.args import run_main
-from hf_structattn.training.icl import main
+from hf_structattn.training.args import run_recipe
 
 if __name__ == "__main__":
-    run_main(main, "train_icl.py")
+    run_recipe("icl", "train_icl.py")

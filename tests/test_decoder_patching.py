@@ -375,12 +375,19 @@ def test_register_attention_is_what_a_fresh_process_needs_for_a_stock_checkpoint
         config.mlr_ranks, config.mlr_block_sizes = {RANKS}, {BLOCKS}
         model = transformers.AutoModelForCausalLM.from_pretrained("stock", config=config, attn_implementation="mlr")
         logits = model(torch.arange(1, 40)[None] % {VOCAB}).logits
+        model.save_pretrained("saved")
         print(type(model).__name__, model.config.mlr_dim_order is not None, bool(logits.isfinite().all()))
     """
     result = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], cwd=tmp_path, capture_output=True,
                             text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split()[-3:] == ["LlamaForCausalLM", "True", "True"], result.stdout
+    # what it saved names its attention: without hf_structattn transformers refuses it (it loaded as the dense model)
+    reload = "import transformers; transformers.AutoModelForCausalLM.from_pretrained('saved')"
+    result = subprocess.run([sys.executable, "-c", reload], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode != 0 and 'Specified `attn_implementation="mlr"` is not supported' in result.stderr, \
+        result.stderr[-3000:]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -669,3 +676,72 @@ def test_rope_scaling_cached_equals_uncached(rope):
     torch.testing.assert_close(chunked, uncached, rtol=0, atol=1e-12)
     greedy = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False)
     assert torch.equal(mlr.generate(ids, **greedy), mlr.generate(ids, use_cache=False, **greedy))
+
+
+def _stock_run_with_mlr(folder, **fields):
+    """The README's path: a stock checkpoint's config given MLR ``fields``, loaded with attn_implementation="mlr"."""
+    hf_structattn.register_attention()
+    config = transformers.AutoConfig.from_pretrained(folder)
+    for name, value in fields.items():
+        setattr(config, name, value)
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, config=config, attn_implementation="mlr",
+                                                             dtype=torch.float64)
+
+
+def _one_line_error(model, ids) -> str:
+    with pytest.raises(ValueError) as error:
+        model(ids)
+    message = str(error.value)
+    assert "\n" not in message, message
+    return message
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3"])
+def test_a_stock_model_run_with_mlr_refuses_a_config_without_mlr_fields(tmp_path, arch):
+    """It ran the dense model under the name "mlr", saying nothing."""
+    tiny_decoder(arch).save_pretrained(tmp_path)
+    message = _one_line_error(_stock_run_with_mlr(tmp_path), torch.randint(1, VOCAB, (1, 9)))
+    assert message.startswith("config.mlr_ranks is missing:") and "hf_structattn.patch" in message, message
+
+
+def test_a_stock_model_run_with_mlr_refuses_layers_it_does_not_have_and_ranks_off_the_head_dim(tmp_path):
+    """``mlr_layers=[5]`` on a 2-layer model ran the dense model; ranks summing to 14 (head dim 16) raised a raw
+    ``KeyError: 0`` from the RoPE pair check, which ran before the ranks were checked."""
+    tiny_decoder("llama").save_pretrained(tmp_path)
+    ids = torch.randint(1, VOCAB, (1, 9))
+    message = _one_line_error(_stock_run_with_mlr(tmp_path, mlr_ranks=RANKS, mlr_block_sizes=BLOCKS, mlr_layers=[5]),
+                              ids)
+    assert message.startswith("mlr_layers=[5] must list layer indices of this 2-layer model (0..1)"), message
+    message = _one_line_error(_stock_run_with_mlr(tmp_path, mlr_ranks=[8, 4, 2], mlr_block_sizes=BLOCKS), ids)
+    assert message == "mlr_ranks=[8, 4, 2] sums to 14, but the head dim is 16"
+    message = _one_line_error(_stock_run_with_mlr(tmp_path, mlr_ranks=RANKS, mlr_block_sizes=BLOCKS,
+                                                  mlr_dim_order=list(range(HEAD_DIM))), ids)
+    assert message.startswith("mlr_dim_order=[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15] splits the RoPE "
+                              "rotation pair (0, 8)"), message
+
+
+def test_a_stock_gemma3_run_with_mlr_keeps_its_sliding_layers_outside_mlr_layers(tmp_path):
+    """``mlr_layers=[2]`` (the global layer) was refused for sliding layer 0, which is not an MLR layer; the layers
+    outside ``mlr_layers`` run the stock attention with their window, as in the patched model."""
+    model, mlr = patched("gemma3")  # layers=[2]
+    model.save_pretrained(tmp_path)
+    loaded = _stock_run_with_mlr(tmp_path, mlr_ranks=RANKS, mlr_block_sizes=BLOCKS, mlr_layers=[2])
+    ids = torch.randint(1, VOCAB, (2, 37))  # longer than the window (8)
+    torch.testing.assert_close(loaded(ids).logits, mlr(ids).logits, rtol=0, atol=1e-12)
+    sliding = _stock_run_with_mlr(tmp_path, mlr_ranks=RANKS, mlr_block_sizes=BLOCKS, mlr_layers=[0])
+    assert "layer 0 is a sliding-window layer (window 8)" in _one_line_error(sliding, ids)  # an MLR layer still is
+
+
+def test_a_stock_model_run_with_mlr_saves_as_what_it_runs(tmp_path):
+    """Saved with ``save_pretrained`` and reloaded without ``attn_implementation``, it loaded as the dense model
+    (0.16 off in logits) without a word: the saved config now keeps ``attn_implementation`` and the level order."""
+    tiny_decoder("llama").save_pretrained(tmp_path / "stock")
+    model = _stock_run_with_mlr(tmp_path / "stock", mlr_ranks=RANKS, mlr_block_sizes=BLOCKS)
+    ids = torch.randint(1, VOCAB, (2, 37))
+    expected = model(ids).logits
+    model.save_pretrained(tmp_path / "saved")
+    saved = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert saved["attn_implementation"] == "mlr" and saved["mlr_dim_order"] == model.config.mlr_dim_order
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved", dtype=torch.float64)
+    assert type(reloaded) is transformers.LlamaForCausalLM and reloaded.config._attn_implementation == "mlr"
+    torch.testing.assert_close(reloaded(ids).logits, expected, rtol=0, atol=1e-12)

@@ -218,7 +218,7 @@ def recipe_options(recipe: str) -> set:
     from hf_structattn.training.args import RecipeArgumentParser
 
     source = (ROOT / "recipes" / f"{recipe}.py").read_text()
-    module = importlib.import_module(re.search(r"from (hf_structattn\.training\.\w+) import main", source).group(1))
+    module = importlib.import_module("hf_structattn.training." + re.search(r'run_recipe\("(\w+)"', source).group(1))
     classes = re.search(r"parse_recipe_args\((\w+), (\w+)", Path(module.__file__).read_text()).groups()
     parser = RecipeArgumentParser([getattr(module, name) for name in classes])
     return set(parser._option_string_actions)

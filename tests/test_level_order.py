@@ -2,6 +2,7 @@
 Phi-3 and GPT-NeoX with partial RoPE, GPT-2 without RoPE): where the dims land, whole pairs, relative-position-only
 levels, the measured contribution rule, refusals, the CLI, and the saved config through a remote-code reload."""
 
+import copy
 import inspect
 import json
 import re
@@ -331,3 +332,34 @@ def test_cli_takes_the_level_order_and_calibration_text(tmp_path, capsys):
     assert cli(["patch", str(tmp_path / "t5"), str(tmp_path / "t5_out"), "--mlr-ranks", "4,4", "--mlr-block-sizes",
                 "8", "--level-order", "index"]) == 2
     assert "--level-order applies to transformers decoders only" in capsys.readouterr().err
+
+
+def test_a_loaded_or_hand_edited_config_is_checked_by_the_rule_patch_checks_by(tmp_path):
+    """A patched checkpoint whose ``mlr_dim_order`` splits RoPE pairs loaded silently (patch refuses such orders);
+    ``mlr_dim_order: "abc"`` gave ``invalid literal for int()``; ranks summing to 14 were blamed on mlr_dim_order.
+    The fields are checked in order -- ranks, the order's type, whole pairs -- each error naming its field, whether
+    the config comes from ``from_pretrained`` or is built by hand."""
+    mlr = patch(tiny_decoder("llama"))
+    mlr.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    model_class = type(mlr)
+    cases = [
+        ({"mlr_dim_order": list(range(HEAD_DIM))},
+         "mlr_dim_order=[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15] splits the RoPE rotation pair (0, 8) "
+         "between levels 1 and 2 of mlr_ranks=[8, 4, 4]"),
+        ({"mlr_dim_order": "abc"}, "mlr_dim_order='abc' is not a permutation of the 16 head dims"),
+        ({"mlr_dim_order": [0.5] * HEAD_DIM}, "mlr_dim_order=[0.5, 0.5,"),
+        ({"mlr_ranks": [8, 4, 2]}, "mlr_ranks=[8, 4, 2] sums to 14, but the head dim is 16"),
+        ({"mlr_ranks": [8, 4, 2], "mlr_dim_order": "abc"}, "mlr_ranks=[8, 4, 2] sums to 14, but the head dim is 16"),
+    ]
+    for edit, message in cases:
+        (tmp_path / "config.json").write_text(json.dumps({**saved, **edit}))
+        with pytest.raises(ValueError) as error:
+            transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+        assert str(error.value).startswith(message) and "\n" not in str(error.value), (edit, str(error.value))
+        config = copy.deepcopy(mlr.config)
+        for name, value in edit.items():
+            setattr(config, name, value)
+        with pytest.raises(ValueError) as error:
+            model_class(config)
+        assert str(error.value).startswith(message), (edit, str(error.value))

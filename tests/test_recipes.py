@@ -353,6 +353,86 @@ def test_text_files_that_are_empty_or_not_utf8_are_one_line_errors(tmp_path, rec
     assert str(error.value) == f"--text_files: {bad} {message.format(offset=offset)}"
 
 
+@pytest.mark.parametrize("recipe_name", ["train_clm", "finetune_patched"])
+def test_a_text_corpus_shorter_than_one_window_is_a_one_line_error_naming_the_flag(tmp_path, recipe_name):
+    """It stopped the recipes with a traceback (a ValueError of training/data.py, not the recipes' ConfigError)."""
+    from hf_structattn.training.args import ConfigError
+
+    short = tmp_path / "short.txt"
+    short.write_text("x = 1\n" * 4)  # 24 bytes: shorter than one window of 32 (finetune_patched) or 64 (train_clm)
+    with pytest.raises(ConfigError) as error:
+        RECIPES[recipe_name].run(tmp_path / "out", "--text_files", short)
+    message = str(error.value)
+    assert re.fullmatch(r"--seq_len (32|64): the (training|validation) text has \d+ tokens, fewer than one window; "
+                        r"pass a smaller --seq_len or more (training|validation) text \(--text_files, .*\)", message), \
+        message
+
+
+def test_an_empty_eval_text_file_is_blamed_on_eval_text_files(tmp_path):
+    """``--eval_text_files EMPTY`` was reported as ``--text_files: EMPTY is empty``."""
+    from hf_structattn.training.args import ConfigError
+
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    with pytest.raises(ConfigError) as error:
+        RECIPES["finetune_patched"].parse([*PATCHED_TINY, "--eval_text_files", str(empty)])
+    assert str(error.value) == f"--eval_text_files: {empty} is empty"
+
+
+@pytest.mark.parametrize("name, text, message", [
+    ("twice.yaml", "max_steps: 3\nlearning_rate: 0.01\nmax_steps: 4\n", "'max_steps' is set twice (again at line 3)"),
+    ("nested.yaml", "model:\n  vocab_size: 100\n  vocab_size: 200\n", "'vocab_size' is set twice (again at line 3)"),
+    ("twice.json", '{"max_steps": 3, "max_steps": 4}', "'max_steps' is set twice; keep one value"),
+    ("both.yaml", "vocab_size: 100\nmodel:\n  vocab_size: 200\n",
+     "'vocab_size' is set twice (at the top level and under model)"),
+])
+def test_a_config_key_set_twice_is_refused_naming_the_key_and_the_file(tmp_path, name, text, message):
+    """A key set twice in a YAML or JSON config file silently took the last value."""
+    from hf_structattn.training.args import ConfigError
+
+    config = tmp_path / name
+    config.write_text(text)
+    with pytest.raises(ConfigError) as error:
+        RECIPES["train_clm"].parse(["--config", str(config)])
+    assert str(error.value).startswith(f"--config {config}: {message}") and "\n" not in str(error.value), \
+        str(error.value)
+
+
+def test_without_the_recipes_extra_each_recipe_says_so_in_one_line(tmp_path):
+    """On the core install (no accelerate, datasets, evaluate) the recipes printed an 8-10 line traceback before the
+    promised line, and ``hf_structattn.training.tracking`` / ``.metrics`` named no extra. A real process in which
+    those libraries cannot be imported (``sys.modules[name] = None``, as if not installed)."""
+    script = f"""
+        import runpy, sys
+        for name in ("accelerate", "datasets", "evaluate"):
+            sys.modules[name] = None
+        for module in ("tracking", "metrics", "loop"):
+            try:
+                __import__("hf_structattn.training." + module)
+            except ModuleNotFoundError as error:
+                print(module, "|", error)
+        for recipe in ("train_clm", "train_icl", "finetune_chronos", "finetune_patched"):
+            sys.argv = [recipe + ".py", "--max_steps", "1"]
+            try:
+                runpy.run_path({str(ROOT / "recipes")!r} + "/" + recipe + ".py", run_name="__main__")
+            except SystemExit as exit:
+                print(recipe, "| exit", exit.code)
+    """
+    import textwrap
+
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    extra = "the recipes need the [recipes] extra (pip install 'hf-structattn[recipes]')"
+    assert result.stdout.splitlines() == [
+        f"tracking | No module named 'accelerate': {extra}", f"metrics | No module named 'evaluate': {extra}",
+        f"loop | No module named 'accelerate': {extra}",
+        *(f"{recipe} | exit 1" for recipe in ("train_clm", "train_icl", "finetune_chronos", "finetune_patched"))], \
+        result.stdout
+    assert result.stderr.splitlines() == [f"{recipe}.py: error: No module named 'accelerate': {extra}" for recipe in (
+        "train_clm", "train_icl", "finetune_chronos", "finetune_patched")], result.stderr
+
+
 def test_recipe_scripts_print_errors_as_one_line_without_traceback(tmp_path, monkeypatch, capsys):
     """Every recipe entry point (``run_main``) turns a bad argument into `<recipe>: error: ...` and exit status 2: two
     scripts as real processes, the other two in this process (the scripts are the same two lines)."""

@@ -76,8 +76,13 @@ def _layer_geometry(module: torch.nn.Module) -> Optional[MLRGeometry]:
     ``attn_implementation="mlr"`` whose config carries MLR fields, resolved (``STOCK_GEOMETRY_RESOLVERS``) and
     installed now; None for a layer that is not MLR."""
     geometry = mlr_geometry_of(module)
-    if geometry is not None or getattr(getattr(module, "config", None), "mlr_ranks", None) is None:
+    if geometry is not None:
         return geometry
+    config = getattr(module, "config", None)
+    if getattr(config, "mlr_ranks", None) is None and "mlr_ranks" in getattr(type(config), "__dataclass_fields__", {}):
+        return None  # a family whose config declares mlr_ranks (GPT-2, T5) installs its MLR layers when built
+    # a stock model (its config does not declare mlr_ranks): the resolver checks its MLR fields, refusing a config
+    # without them rather than running the dense model under the name "mlr"
     for resolve in STOCK_GEOMETRY_RESOLVERS:
         geometry = resolve(module)
         if geometry is not None:
@@ -312,18 +317,18 @@ def _layout(step) -> Optional[PositionLayout]:
 
 
 def _forward(module, query, key, value, attention_mask, scaling, dropout, eager, kwargs):
-    """The one gate: what MLR attention refuses (whatever the path), then which contract applies -- a cache layer's
-    view (``update`` wrote the chunk: read the cache), a layer without MLR geometry (plain attention), or keys in
-    token order (no cache, or an ordinary cache layer)."""
+    """The one gate: a layer without MLR geometry runs plain attention; for an MLR layer, what MLR attention refuses
+    (whatever the path), then which contract applies -- a cache layer's view (``update`` wrote the chunk: read the
+    cache) or keys in token order (no cache, or an ordinary cache layer)."""
+    over_cache = type(value) is MLRCacheView
+    geometry = value.plan.layout.plan.geometry if over_cache else _layer_geometry(module)
+    if geometry is None:  # not an MLR layer: what the stock function does (a sliding window is in the mask)
+        return _dense_fallback(module, query, key, value, attention_mask, scaling, dropout, eager, kwargs)
     if not REFUSED_ARGUMENTS.isdisjoint(kwargs):
         refuse_unsupported_arguments(kwargs, getattr(module, "layer_idx", None))
     if dropout and not eager and module.training:
         logger.warning_once(f"attention dropout (p={dropout}) is applied by MLR attention layers only with "
                             f"attn_implementation='eager' (the fused kernels do not drop weights)")
-    over_cache = type(value) is MLRCacheView
-    geometry = value.plan.layout.plan.geometry if over_cache else _layer_geometry(module)
-    if geometry is None:
-        return _dense_fallback(module, query, key, value, attention_mask, scaling, dropout, eager, kwargs)
     bias = kwargs.get("position_bias")
     device_type = query.device.type
     if torch.is_autocast_enabled(device_type):

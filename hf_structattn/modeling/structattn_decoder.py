@@ -62,8 +62,8 @@ _CLASSES = {}
 def _install(model) -> None:
     """Install MLR attention in the MLR layers of a freshly built ``MLR<Arch>`` model."""
     config = model.config.get_text_config(decoder=True)
-    geometries = decoder_geometries(config)
     modules = attention_modules(model)
+    geometries = decoder_geometries(config, modules)
     missing = sorted(set(geometries) - set(modules))
     if missing:
         raise ValueError(f"{type(model).__name__}: layers {missing} have no attention module that dispatches through "

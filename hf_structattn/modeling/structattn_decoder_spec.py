@@ -22,27 +22,54 @@ from .structattn_install import STOCK_GEOMETRY_RESOLVERS
 
 
 def mlr_layer_indices(config) -> list:
-    """Indices of the MLR layers of a patched decoder config."""
+    """Indices of the MLR layers of a patched decoder config (a one-line ValueError naming ``mlr_layers`` when it
+    does not list layers of the model)."""
+    count = config.num_hidden_layers
     layers = getattr(config, "mlr_layers", None)
-    return list(range(config.num_hidden_layers)) if layers is None else list(layers)
+    if layers is None:
+        return list(range(count))
+    if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__") or not list(layers) or any(
+            isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < count for index in layers):
+        raise ValueError(f"mlr_layers={layers!r} must list layer indices of this {count}-layer model "
+                         f"(0..{count - 1}), or be None for every layer")
+    return list(layers)
 
 
-def decoder_geometry(config) -> MLRGeometry:
-    """The ``MLRGeometry`` of a patched decoder config (ValueError naming the field when a field is missing or
-    invalid)."""
+def decoder_geometry(config, head_dim: Optional[int] = None, dims: Optional["RotaryDims"] = None,
+                     level_order: Optional[str] = None, dim_order=None) -> MLRGeometry:
+    """The ``MLRGeometry`` of a patched decoder config, every field checked in one place, in this order, each
+    ValueError one line naming its field: ``mlr_ranks`` / ``mlr_block_sizes`` present, the ranks summing to
+    ``head_dim`` (when given) and the blocks nested, ``mlr_dim_order`` a permutation of the head dims, and, for a
+    RoPE model (``dims``), every level holding whole rotation pairs. The head-dim order is ``config.mlr_dim_order``,
+    or ``dim_order`` when a level-order rule ``level_order`` made it (``patch``, a stock model's first call): a split
+    pair is then blamed on ``mlr_ranks``, since the rule's order holds the pairs together."""
     ranks = getattr(config, "mlr_ranks", None)
     blocks = getattr(config, "mlr_block_sizes", None)
-    if ranks is None or blocks is None:
-        raise ValueError(f"MLR attention needs config.mlr_ranks and config.mlr_block_sizes; got mlr_ranks={ranks!r}, "
-                         f"mlr_block_sizes={blocks!r} (use hf_structattn.patch)")
-    return MLRGeometry.build(ranks, blocks, getattr(config, "mlr_level_scales", None),
-                             dim_order=getattr(config, "mlr_dim_order", None), scales_field="mlr_level_scales")
+    for name, value in (("mlr_ranks", ranks), ("mlr_block_sizes", blocks)):
+        if value is None:
+            raise ValueError(f"config.{name} is missing: MLR attention needs config.mlr_ranks (level ranks summing to "
+                             f"the head dim) and config.mlr_block_sizes; set both on the config, or convert the model "
+                             f"with hf_structattn.patch(model, mlr_ranks=..., mlr_block_sizes=...)")
+    order = getattr(config, "mlr_dim_order", None) if level_order is None else dim_order
+    geometry = MLRGeometry.build(ranks, blocks, getattr(config, "mlr_level_scales", None), head_dim=head_dim,
+                                 dim_order=order, scales_field="mlr_level_scales")
+    if dims is not None:
+        check_levels_hold_whole_pairs(geometry.ranks, list(geometry.dim_order or range(geometry.head_dim)), dims,
+                                      level_order)
+    return geometry
 
 
-def decoder_geometries(config) -> dict:
-    """{layer index: MLRGeometry} of a patched decoder config."""
-    geometry = decoder_geometry(config)
-    return {index: geometry for index in mlr_layer_indices(config)}
+def decoder_geometries(config, modules: Optional[dict] = None) -> dict:
+    """{layer index: MLRGeometry} of a patched decoder config; with the model's attention ``modules`` ({layer
+    index: module}) checked against them too (the head dim, whole RoPE pairs: ``decoder_geometry``)."""
+    indices = mlr_layer_indices(config)
+    module = None if modules is None else next((modules[index] for index in indices if index in modules), None)
+    if module is None:
+        geometry = decoder_geometry(config)
+    else:
+        head_dim, dims = module_rotary_dims(module)
+        geometry = decoder_geometry(config, head_dim, dims)
+    return {index: geometry for index in indices}
 
 
 def dispatches_attention(module: torch.nn.Module) -> bool:
@@ -183,9 +210,11 @@ def stored_dim_order(order: list) -> Optional[list]:
     return None if order == list(range(len(order))) else order
 
 
-def check_levels_hold_whole_pairs(ranks, dim_order, dims: Optional[RotaryDims], level_order: str = "index") -> None:
-    """Every RoPE rotation pair lies inside one level slice of ``dim_order`` (ValueError naming mlr_ranks
-    otherwise), so that each level's score depends on relative position only."""
+def check_levels_hold_whole_pairs(ranks, dim_order, dims: Optional[RotaryDims],
+                                  level_order: Optional[str] = None) -> None:
+    """Every RoPE rotation pair lies inside one level slice of ``dim_order``, so that each level's score depends on
+    relative position only; otherwise a one-line ValueError naming ``mlr_ranks`` when the rule ``level_order`` made
+    the order (its boundaries are at fault), or ``mlr_dim_order`` when the order is the config's own (None)."""
     if dims is None or not dims.pairs:
         return
     level_of, start = {}, 0
@@ -194,13 +223,18 @@ def check_levels_hold_whole_pairs(ranks, dim_order, dims: Optional[RotaryDims], 
             level_of[dim] = level
         start += rank
     for a, b in dims.pairs:
-        if level_of[a] != level_of[b]:
-            offset = sum(ranks[:level_of[a]])
-            raise ValueError(f"mlr_ranks={list(ranks)} splits a RoPE rotation pair: level {level_of[a]} ends at head "
-                             f"dim {offset} of the level-ordered head (level_order={level_order!r}: "
-                             f"{len(dims.unrotated)} unrotated dims and {len(dims.pairs)} pairs, "
-                             f"{'pairs first' if level_order == 'index' else 'unrotated dims first'}); every level "
-                             f"must hold whole pairs (even boundaries within the pairs)")
+        if level_of[a] == level_of[b]:
+            continue
+        if level_order is None:
+            raise ValueError(f"mlr_dim_order={list(dim_order)} splits the RoPE rotation pair ({a}, {b}) between "
+                             f"levels {level_of[a]} and {level_of[b]} of mlr_ranks={list(ranks)}: every level must "
+                             f"hold whole pairs (hf_structattn.patch writes such an order)")
+        offset = sum(ranks[:level_of[a]])
+        raise ValueError(f"mlr_ranks={list(ranks)} splits a RoPE rotation pair: level {level_of[a]} ends at head "
+                         f"dim {offset} of the level-ordered head (level_order={level_order!r}: "
+                         f"{len(dims.unrotated)} unrotated dims and {len(dims.pairs)} pairs, "
+                         f"{'pairs first' if level_order == 'index' else 'unrotated dims first'}); every level "
+                         f"must hold whole pairs (even boundaries within the pairs)")
 
 
 def model_rotary(module):
@@ -216,28 +250,39 @@ def model_rotary(module):
         return classes[0](config=module.config), apply_fn
 
 
+def module_rotary_dims(module: torch.nn.Module) -> tuple:
+    """(head dim, ``RotaryDims`` or None without RoPE) of an attention module, from its own rotary embedding (over
+    every layer type of its config)."""
+    config = module.config
+    head_dim = getattr(module, "head_dim", None) or getattr(module, "head_size")
+    found = model_rotary(module)
+    layer_types = tuple(sorted(set(getattr(config, "layer_types", None) or [None])))
+    return head_dim, None if found is None else rotary_dims(*found, head_dim, layer_types)
+
+
 def stock_layer_geometry(module: torch.nn.Module) -> Optional[MLRGeometry]:
-    """The geometry of an attention module of a stock model whose config carries MLR fields (a stock checkpoint
-    loaded with ``attn_implementation="mlr"`` and ``config.mlr_ranks`` / ``config.mlr_block_sizes``), or None for a
-    layer outside ``mlr_layers``. A config without ``mlr_dim_order`` gets the RoPE pair order from the module's
-    rotary embedding here, stored in the config (so it is saved with the model)."""
+    """The geometry of an attention module of a stock model run with ``attn_implementation="mlr"``, from the MLR
+    fields of its config (``decoder_geometry``: a config without them is refused), or None for a layer outside
+    ``mlr_layers``. A config without ``mlr_dim_order`` gets the RoPE pair order from the module's rotary embedding
+    here, stored in the config with the attention implementation (``config.attn_implementation``), so that the model
+    saves as what it runs: ``from_pretrained`` of the saved folder loads it with MLR attention again."""
     config = module.config
     if getattr(module, "layer_idx", None) not in mlr_layer_indices(config):
         return None
-    if not hasattr(config, "mlr_dim_order"):
+    head_dim, dims = module_rotary_dims(module)
+    if hasattr(config, "mlr_dim_order"):
+        geometry = decoder_geometry(config, head_dim, dims)
+    else:
         level_order = check_level_order(getattr(config, "mlr_level_order", DEFAULT_LEVEL_ORDER))
         if level_order == "contribution":
             raise ValueError("config.mlr_level_order='contribution' needs calibration text, which a stock model loaded "
                              "with attn_implementation='mlr' does not have: patch it with hf_structattn.patch(model, "
                              "level_order='contribution', calibration_ids=...)")
-        found = model_rotary(module)
-        head_dim = getattr(module, "head_dim", None) or getattr(module, "head_size")
-        layer_types = tuple(sorted(set(getattr(config, "layer_types", None) or [None])))
-        dims = None if found is None else rotary_dims(*found, head_dim, layer_types)
-        order = level_dim_order(dims, head_dim, level_order)
-        check_levels_hold_whole_pairs(list(config.mlr_ranks), order, dims, level_order)
-        config.mlr_dim_order = stored_dim_order(order)
-    return decoder_geometry(config)
+        order = stored_dim_order(level_dim_order(dims, head_dim, level_order))
+        geometry = decoder_geometry(config, head_dim, dims, level_order, order)
+        config.mlr_dim_order = order
+    config.attn_implementation = config._attn_implementation
+    return geometry
 
 
 # (once per loaded copy of this file: the installed package and a checkpoint's remote code each register theirs)
@@ -246,5 +291,5 @@ if all(resolver.__module__ != __name__ for resolver in STOCK_GEOMETRY_RESOLVERS)
 
 __all__ = ["DEFAULT_LEVEL_ORDER", "LEVEL_ORDERS", "RotaryDims", "attention_modules", "check_level_order",
            "check_levels_hold_whole_pairs", "decoder_geometries", "decoder_geometry", "dispatches_attention",
-           "level_dim_order", "mlr_layer_indices", "model_rotary", "rotary_dims", "rotary_pair_order",
-           "stock_layer_geometry", "stored_dim_order"]
+           "level_dim_order", "mlr_layer_indices", "model_rotary", "module_rotary_dims", "rotary_dims",
+           "rotary_pair_order", "stock_layer_geometry", "stored_dim_order"]

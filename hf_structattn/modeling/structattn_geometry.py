@@ -7,6 +7,7 @@ depth-d pair scores with the first ``r_1 + ... + r_d`` dims (``structattn_config
 """
 
 import dataclasses
+import numbers
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -122,9 +123,12 @@ class MLRGeometry:
         ranks, block_sizes = tuple(int(r) for r in ranks), tuple(int(b) for b in block_sizes)
         level_scales = None if scales is None else tuple(resolve_level_scales(ranks, scales, scales_field))
         if dim_order is not None:
+            if isinstance(dim_order, (str, bytes)) or not hasattr(dim_order, "__iter__") or any(
+                    isinstance(d, bool) or not isinstance(d, numbers.Integral) for d in dim_order) or \
+                    sorted(dim_order) != list(range(sum(ranks))):
+                raise ValueError(f"mlr_dim_order={dim_order!r} is not a permutation of the {sum(ranks)} head dims "
+                                 f"(a list holding each of the integers 0..{sum(ranks) - 1} once)")
             dim_order = tuple(int(d) for d in dim_order)
-            if sorted(dim_order) != list(range(sum(ranks))):
-                raise ValueError(f"mlr_dim_order={list(dim_order)} is not a permutation of the {sum(ranks)} head dims")
             if dim_order == tuple(range(sum(ranks))):
                 dim_order = None
         return cls(ranks, block_sizes, level_scales, bool(average_levels), dim_order)

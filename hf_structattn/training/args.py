@@ -3,7 +3,8 @@ config file and command-line overrides.
 
 Precedence: dataclass defaults < ``--config FILE`` < command line. The file's entries become ``--name=value`` tokens
 placed before the command line, so the file and the command line go through the same argparse types and choices
-(and the last occurrence wins). Model-config fields may sit under ``model:`` in the file or at its top level.
+(and the command line wins). Model-config fields may sit under ``model:`` in the file or at its top level; a file
+that sets a key twice is refused.
 
 Conventions on top of ``HfArgumentParser``:
 
@@ -38,6 +39,21 @@ def arg(help: str, **kwargs) -> dataclasses.Field:
 
 class ConfigError(ValueError):
     """A bad recipe argument or config file entry (the message is one line naming the field)."""
+
+
+RECIPES_EXTRA = "pip install 'hf-structattn[recipes]'"
+
+
+class MissingExtra(ModuleNotFoundError):
+    """A library of the ``[recipes]`` extra is not installed (the core install has none): one line naming the
+    extra. The training modules raise it when they import such a library; ``run_main`` prints it as one line."""
+
+
+def missing_extra(error: ModuleNotFoundError) -> MissingExtra:
+    """The :class:`MissingExtra` for an ``ImportError`` of a library of the ``[recipes]`` extra."""
+    package = (error.name or "?").partition(".")[0]  # (the library, not the submodule the import named)
+    return MissingExtra(f"No module named {package!r}: the recipes need the [recipes] extra ({RECIPES_EXTRA})",
+                        name=package)
 
 
 class RunFailure(RuntimeError):
@@ -128,6 +144,36 @@ class RecipeArgumentParser(HfArgumentParser):
         raise ConfigError(re.sub(r"^argument (--[\w]+)(/--[\w-]+)*: ", r"\1: ", message))
 
 
+class _DuplicateKey(Exception):
+    def __init__(self, key, line: Optional[int] = None):
+        super().__init__(key)
+        self.key, self.line = key, line
+
+
+def _json_mapping(pairs: list) -> dict:
+    """``json.loads``' object hook: a mapping that names no key twice."""
+    mapping = {}
+    for key, value in pairs:
+        if key in mapping:
+            raise _DuplicateKey(key)
+        mapping[key] = value
+    return mapping
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` whose mappings name no key twice (PyYAML keeps the last value silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                if key in seen:
+                    raise _DuplicateKey(key, key_node.start_mark.line + 1)
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_config_file(path: str | Path) -> dict:
     """The mapping in a YAML or JSON file; one-line :class:`ConfigError` for a missing or unparsable file."""
     path = Path(path)
@@ -142,7 +188,11 @@ def load_config_file(path: str | Path) -> dict:
     if "\x00" in text:
         raise ConfigError(f"--config {path}: not a YAML or JSON text file (it holds NUL bytes)")
     try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        data = json.loads(text, object_pairs_hook=_json_mapping) if path.suffix == ".json" else \
+            yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
+    except _DuplicateKey as error:
+        where = f" (again at line {error.line})" if error.line is not None else ""
+        raise ConfigError(f"--config {path}: {error.key!r} is set twice{where}; keep one value") from None
     except json.JSONDecodeError as error:
         raise ConfigError(f"--config {path}: invalid JSON at line {error.lineno}: {error.msg}") from None
     except yaml.YAMLError as error:
@@ -187,13 +237,17 @@ def _field_names(dtype) -> list[str]:
 def config_file_tokens(path: str, recipe_fields: Sequence[str], model_fields: Sequence[str]) -> list[str]:
     """The entries of a config file as ``--name=value`` words (``model:`` entries must be model fields)."""
     tokens = []
-    for key, value in load_config_file(path).items():
+    data = load_config_file(path)
+    for key, value in data.items():
         if key == "model":
             if not isinstance(value, dict):
                 raise ConfigError(f"--config {path}: 'model' must be a mapping of model-config fields")
             for name, inner in value.items():
                 if name not in model_fields:
                     raise _unknown(name, model_fields, f"--config {path}, under model")
+                if name in data:
+                    raise ConfigError(f"--config {path}: {name!r} is set twice (at the top level and under model); "
+                                      f"keep one value")
                 tokens.append(_as_token(name, inner))
         elif key == "config":
             raise ConfigError(f"--config {path}: a config file cannot name another config file")
@@ -338,19 +392,31 @@ def model_args_dataclass(name: str, config_cls: type, defaults: dict, helps: dic
 
 def run_main(main: Callable[[Optional[Sequence[str]]], Any], prog: str) -> None:
     """Entry point of a recipe script: a :class:`ConfigError` (bad argument, config file, output folder, checkpoint,
-    Hub access) becomes one line on stderr and exit status 2; a :class:`RunFailure` (checkpoint write, upload) one line
-    and status 1; a ``--resume_from`` of a run that is already complete one line on stdout and status 0."""
+    Hub access) becomes one line on stderr and exit status 2; a :class:`RunFailure` (checkpoint write, upload) or a
+    :class:`MissingExtra` (a library of the [recipes] extra not installed) one line and status 1; a ``--resume_from``
+    of a run that is already complete one line on stdout and status 0."""
 
     try:
         main(None)
     except ConfigError as error:
         print(f"{prog}: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
-    except RunFailure as error:
+    except (RunFailure, MissingExtra) as error:
         print(f"{prog}: error: {error}", file=sys.stderr)
         raise SystemExit(1) from None
     except RunComplete as complete:
         print(f"{prog}: {complete}", flush=True)
+
+
+def run_recipe(module: str, prog: str) -> None:
+    """A recipe script's entry point: ``run_main`` of the ``main`` of ``hf_structattn.training.<module>``, imported
+    inside it, so that a library of the ``[recipes]`` extra that is not installed is one line too."""
+    import importlib
+
+    def main(argv):
+        return importlib.import_module(f"{__package__}.{module}").main(argv)
+
+    run_main(main, prog)
 
 
 # ------------------------------------------------------------------------------------------ what defines a run

@@ -225,7 +225,12 @@ def load_text_files_corpus(text_files: Sequence[str], validation_percent: float 
                            max_train_bytes: Optional[int] = None,
                            max_validation_bytes: Optional[int] = None) -> TextCorpus:
     """Local text files via ``datasets.load_dataset("text", sample_by="document")`` (one document per file)."""
-    from datasets import load_dataset
+    from .args import missing_extra
+
+    try:
+        from datasets import load_dataset
+    except ModuleNotFoundError as error:  # the core install has no datasets
+        raise missing_extra(error) from None
 
     files = sorted(str(Path(f)) for f in text_files)
     documents = []
@@ -240,7 +245,12 @@ def load_hub_corpus(dataset_name: str, dataset_config: Optional[str] = None, tex
                     validation_percent: float = 5.0, max_train_bytes: Optional[int] = None,
                     max_validation_bytes: Optional[int] = None) -> TextCorpus:
     """A Hub dataset (needs the network). Uses its "validation" split if it has one, else the hash split."""
-    from datasets import load_dataset
+    from .args import missing_extra
+
+    try:
+        from datasets import load_dataset
+    except ModuleNotFoundError as error:  # the core install has no datasets
+        raise missing_extra(error) from None
 
     data = load_dataset(dataset_name, dataset_config)
     if "validation" in data:
@@ -263,19 +273,27 @@ def lm_micro_batch(tokens: torch.Tensor, seq_len: int, step: int, micro: int, ra
     random windows of ``seq_len`` tokens from ``tokens``; rows are ordered (micro, rank, row)."""
     global_batch = world * accum * per_device_batch
     high = tokens.numel() - seq_len
-    if high <= 0:
-        raise ValueError(f"the training corpus ({tokens.numel()} tokens) is shorter than seq_len={seq_len}")
+    if high < 0:
+        from .args import ConfigError
+
+        raise ConfigError(f"--seq_len {seq_len}: the training text has {tokens.numel()} tokens, fewer than one "
+                          f"window; pass a smaller --seq_len or more training text (--text_files, --max_train_bytes)")
     starts = torch.randint(0, high + 1, (global_batch,), generator=step_generator(seed, 1, step))
     first = (micro * world + rank) * per_device_batch
     mine = starts[first:first + per_device_batch]
     return torch.stack([tokens[s:s + seq_len] for s in mine.tolist()])
 
 
-def eval_windows(tokens: torch.Tensor, seq_len: int, max_windows: int) -> torch.Tensor:
+def eval_windows(tokens: torch.Tensor, seq_len: int, max_windows: int,
+                 sources: str = "--text_files, --validation_percent, --max_validation_bytes") -> torch.Tensor:
     """At most ``max_windows`` non-overlapping windows (count, seq_len) spread evenly over the whole validation
-    split: taking them from its start would score only the first file or two."""
+    split: taking them from its start would score only the first file or two. ``sources``: the flags that give the
+    validation text, named by the error for a split shorter than one window."""
     count = min(max_windows, tokens.numel() // seq_len)
     if count == 0:
-        raise ValueError(f"the validation corpus ({tokens.numel()} tokens) is shorter than seq_len={seq_len}")
+        from .args import ConfigError
+
+        raise ConfigError(f"--seq_len {seq_len}: the validation text has {tokens.numel()} tokens, fewer than one "
+                          f"window; pass a smaller --seq_len or more validation text ({sources})")
     stride = tokens.numel() // count  # >= seq_len, so the windows never overlap
     return torch.stack([tokens[start:start + seq_len] for start in range(0, count * stride, stride)])

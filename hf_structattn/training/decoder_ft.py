@@ -142,7 +142,7 @@ class PatchedFinetuneArgs(CommonArgs):
         from .data import check_text_files
 
         check_text_files(self.text_files)
-        check_text_files(self.eval_text_files)
+        check_text_files(self.eval_text_files, "--eval_text_files")
 
     def patch_fields(self) -> dict:
         """Keywords of ``hf_structattn.patch`` for this run (``calibration_ids`` for ``level_order="contribution"``
@@ -435,7 +435,8 @@ def main(argv=None) -> dict:
     from .data import eval_windows, lm_micro_batch
 
     source, tokenizer, train_tokens, validation_tokens = source_model(accelerator, args, corpus)
-    windows = eval_windows(validation_tokens, args.seq_len, args.eval_windows)
+    windows = eval_windows(validation_tokens, args.seq_len, args.eval_windows,
+                           *(["--eval_text_files"] if args.eval_text_files else []))
     try:
         patched = hf_structattn.patch(source, attention="mlr", **args.patch_fields(),
                                       **calibration_fields(args, train_tokens))

@@ -29,15 +29,15 @@ from typing import Callable, Literal, Optional
 
 import torch
 
+from .args import ConfigError, RunComplete, RunFailure, arg, configuration_differences, missing_extra, run_configuration
+
 try:
     from accelerate import Accelerator, PartialState
     from accelerate.utils import LoggerType, ProjectConfiguration, parse_flag_from_env, set_seed
 except ModuleNotFoundError as error:  # the core install (torch, transformers, safetensors) has no recipes
-    raise ModuleNotFoundError(f"{error}: the recipes need the [recipes] extra (pip install 'hf-structattn[recipes]', "
-                              "or bash scripts/setup.sh)", name=error.name) from None
+    raise missing_extra(error) from None
 from tqdm.auto import tqdm
 
-from .args import ConfigError, RunComplete, RunFailure, arg, configuration_differences, run_configuration
 from .checkpoints import (CHECKPOINT_STATE, CheckpointWriter, checkpoint_dirs, load_checkpoint,  # noqa: F401
                           remove_partial_checkpoints, resolve_checkpoint)
 from .tracking import JSONLTracker, read_log_lines

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import evaluate
+from .args import missing_extra
+
+try:
+    import evaluate
+except ModuleNotFoundError as error:  # the core install has no evaluate
+    raise missing_extra(error) from None
 
 METRICS_DIR = Path(__file__).resolve().parent.parent / "metrics"
 METRIC_NAMES = ("bits_per_byte", "icl_mse", "mase", "wql")

@@ -9,7 +9,12 @@ import sys
 import time
 from pathlib import Path
 
-from accelerate.tracking import GeneralTracker, on_main_process
+from .args import missing_extra
+
+try:
+    from accelerate.tracking import GeneralTracker, on_main_process
+except ModuleNotFoundError as error:  # the core install has no accelerate
+    raise missing_extra(error) from None
 
 
 def _jsonable(value):
