@@ -94,7 +94,21 @@ def _layer_geometry(module: torch.nn.Module) -> Optional[MLRGeometry]:
 # ------------------------------------------------------------------------------------------- masks
 
 
+def _runs_without_plan(config) -> bool:
+    """A stock checkpoint run with ``attn_implementation="mlr"``: neither a family of ours (its config declares
+    ``mlr_ranks``) nor a patched decoder (``mlr_patch``), so no per-forward plan tells its layers what a cache holds."""
+    return getattr(config, "mlr_patch", None) is None and \
+        "mlr_ranks" not in getattr(type(config), "__dataclass_fields__", {})
+
+
 def _mlr_mask(*args, **kwargs):
+    # A fixed-size buffer (a static cache: a tensor offset, or more slots than tokens written) with no plan: SDPA may
+    # skip the mask there (its upper-left causal alignment, empty slots ignored), but without a mask the attention
+    # cannot tell written slots from empty ones, so the mask is built; it says how many slots are written.
+    offset, length, kv_length = kwargs.get("q_offset", 0), kwargs.get("q_length"), kwargs.get("kv_length")
+    if _runs_without_plan(kwargs.get("config")) and (isinstance(offset, torch.Tensor) or
+                                                     (length is not None and kv_length != offset + length)):
+        kwargs["allow_is_causal_skip"] = False
     return sdpa_mask(*args, **kwargs)
 
 
@@ -361,6 +375,13 @@ def _forward(module, query, key, value, attention_mask, scaling, dropout, eager,
         else:
             written = layer.get_seq_length()
             written = written if torch.compiler.is_compiling() else int(written)
+    elif step is None and key_length != length and isinstance(attention_mask, torch.Tensor) and \
+            attention_mask.dim() == 4:
+        # no plan (a stock model run as "mlr"): a static cache's buffer has empty slots after the written ones, which
+        # the mask (``_mlr_mask`` builds one for such buffers) marks unseen by the newest query: written up to the
+        # last slot some row's newest query may see (a tensor, as while tracing a static cache)
+        seen = mask_allowed(attention_mask[:, :, -1, -key_length:]).any(1).any(0)
+        written = torch.where(seen, torch.arange(1, key_length + 1, device=seen.device), 0).amax()
     if step is not None and step.positions is not None and key_length == length:
         valid_keys = step.valid  # the plan's padding flags of the new tokens: here every key
     else:
