@@ -181,6 +181,31 @@ def test_formula_bytes_and_layer_types():
             geometry.key_cache_elements(held) * itemsize
 
 
+@pytest.mark.parametrize("cache_implementation", [None, "static"])
+def test_float16_cached_decode_stays_finite_at_scores_past_the_half_range(cache_implementation):
+    """q and k weights x300 put |q.k| far past float16's 65504: the uncached float16 forward (the fused op
+    accumulates in float32) stays finite, and the cached reads took q.k in float16 and went NaN. Now the cached
+    logits are finite and match the uncached float16 forward over the generated tokens (to float16's resolution of
+    their magnitude)."""
+    model = tiny_lm("mlr")
+    width = model.config.n_embd
+    with torch.no_grad():
+        for block in model.transformer.h:
+            block.attn.c_attn.weight[:, :2 * width] *= 300
+            block.attn.c_attn.bias[:2 * width] *= 300
+    model = model.half()
+    prompt = torch.randint(2, 61, (2, 6), generator=torch.Generator().manual_seed(0))
+    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=14, min_new_tokens=14,
+                         do_sample=False, pad_token_id=1, output_logits=True, return_dict_in_generate=True,
+                         cache_implementation=cache_implementation)
+    cached = torch.stack(out.logits, 1).float()
+    assert torch.isfinite(cached).all()
+    uncached = model(out.sequences).logits[:, prompt.shape[1] - 1:-1].float()
+    assert torch.isfinite(uncached).all()
+    scale = uncached.abs().max().item()
+    torch.testing.assert_close(cached, uncached, rtol=0, atol=2e-2 * scale)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("compiled", [False, True])
 def test_half_precision_decode_is_finite_and_close_to_float32(dtype, compiled):

@@ -7,8 +7,10 @@ sum, and the type of the layer's read record (made before the forward's first la
   decoding, speculative verification chunks that stay in a block), eager, nothing else asked: level-1 scores by one
   ``bmm`` over a strided view of the whole key storage, each group of finer levels by one in-place ``baddbmm_`` of
   its ring onto its block's slots (after the write a ring holds exactly that block's slots up to the newest token),
-  the level weights and the mask in one op, softmax, one ``bmm`` with the values. The fewest eager ops. Half
-  precision: the products in the storage dtype, added onto float32 scores (what the general read does).
+  the level weights and the mask in one op, softmax, one ``bmm`` with the values. The fewest eager ops.
+
+Every formulation takes q.k in the working dtype (``promote_types(dtype, float32)``), as SDPA accumulates: half
+precision converts the read keys and queries first, so that a product past the half range cannot turn into inf.
 * ``TracedRead`` -- one token per row while torch.compile / torch.export traces: each level's entry scores are
   tiled over the slot axis (slot ``s`` of a block holds entry ``s % b_l``) and kept where the slot is in the row's
   current block: affine indices and no scatter, which inductor fuses into one pass of vector loads.
@@ -73,33 +75,26 @@ def _in_step(query: torch.Tensor, view: MLRCacheView, read: InStepRead) -> torch
     first_keys = keys.as_strided((flat, first_rank, slots), (capacity * first_rank, 1, first_rank),
                                  keys.storage_offset())
     alphas = read.alphas
-    # float32 / float64: every product accumulates in place onto the scores; half precision: each product in the
-    # storage dtype, added onto float32 scores (a half-precision sum over levels and a half-precision softmax would
-    # lose what the float32 softmax keeps)
-    accumulate = read.work is query.dtype
-    if accumulate:
-        scores = torch.bmm(pieces[0], first_keys) if alphas is None else \
-            torch.baddbmm(read.zero, pieces[0], first_keys, beta=0, alpha=alphas[0])
-    else:
-        scores = torch.bmm(pieces[0], first_keys).to(read.work)
-        if alphas is not None:
-            scores.mul_(alphas[0])
+    # half precision: q and k in the working dtype before the products (as SDPA accumulates in float32): a q.k past
+    # the half-precision range (65504) would be inf, and the softmax NaN, where SDPA and the uncached op stay finite
+    low = read.work is not query.dtype
+    if low:
+        pieces, first_keys = [piece.to(read.work) for piece in pieces], first_keys.to(read.work)
+    scores = torch.bmm(pieces[0], first_keys) if alphas is None else \
+        torch.baddbmm(read.zero, pieces[0], first_keys, beta=0, alpha=alphas[0])
     elements, fine_offset = fine.shape[-1], fine.storage_offset()
     targets = {}
     for index, ((start, used, _, dims, offset, ring_width), level_query) in enumerate(zip(read.groups, pieces[1:])):
         ring = fine.as_strided((flat, dims, used), (elements, ring_width, 1), fine_offset + offset)
+        if low:
+            ring = ring.to(read.work)
         target = targets.get((start, used))
         if target is None:  # groups over the same slots share one slice of the scores
             target = targets[start, used] = scores.narrow(2, start, used)
-        if accumulate:
-            if alphas is None:  # (an ``alpha`` keyword costs the call its parsing: every group of every layer)
-                target.baddbmm_(level_query, ring)
-            else:
-                target.baddbmm_(level_query, ring, alpha=alphas[index + 1])
-        elif alphas is None:
-            target.add_(torch.bmm(level_query, ring))
+        if alphas is None:  # (an ``alpha`` keyword costs the call its parsing: every group of every layer)
+            target.baddbmm_(level_query, ring)
         else:
-            target.add_(torch.bmm(level_query, ring), alpha=alphas[index + 1])
+            target.baddbmm_(level_query, ring, alpha=alphas[index + 1])
     if read.additive is not None:
         tokens = read.additive.shape[-2] if read.additive.dim() == 5 else 1
         shaped = scores.view(batch, heads, rows, slots) if tokens == 1 else \
@@ -111,7 +106,7 @@ def _in_step(query: torch.Tensor, view: MLRCacheView, read: InStepRead) -> torch
         scores.mul_(read.multiplier)
     values_read = values.as_strided((flat, slots, width), (capacity * width, width, 1), values.storage_offset())
     probabilities = torch.softmax(scores, dim=-1)
-    if not accumulate:
+    if low:
         probabilities = probabilities.to(values.dtype)
     return torch.bmm(probabilities, values_read).view(batch, heads, rows, width)
 
@@ -133,10 +128,11 @@ def _general(rows: torch.Tensor, view: MLRCacheView, read: GeneralRead, return_w
     flat = batch * heads
     # 3-D products throughout: a 4-D matmul costs a handful of expand / view calls each
     ranks = read.ranks
-    query = (rows * read.query_scale).reshape(flat, count, width)
+    # (q and k in the working dtype before the products, as in ``_in_step``)
+    query = (rows.to(work) * read.query_scale).reshape(flat, count, width)
     level_queries = query.split(ranks, dim=-1)
     first_rank = ranks[0]
-    scores = torch.bmm(level_queries[0], keys.reshape(flat, slots, first_rank).transpose(1, 2)).to(work)
+    scores = torch.bmm(level_queries[0], keys.reshape(flat, slots, first_rank).transpose(1, 2).to(work))
     if read.target is not None:
         own_keys = view.chunk_keys[..., first_rank:]
         if view.replaced is not None:
@@ -148,11 +144,10 @@ def _general(rows: torch.Tensor, view: MLRCacheView, read: GeneralRead, return_w
                                                              own_keys.split(ranks[1:], 1), ranks[1:],
                                                              read.ring_widths):
             ring = fine[:, offset:offset + ring_width * rank].view(flat, rank, ring_width)
-            ring_scores.append(torch.bmm(level_query, ring.to(level_query.dtype)))
-            own_scores.append(torch.bmm(level_query, level_keys.to(level_query.dtype)))
+            ring_scores.append(torch.bmm(level_query, ring.to(work)))
+            own_scores.append(torch.bmm(level_query, level_keys.to(work)))
             offset += ring_width * rank
-        level_scores = torch.cat(ring_scores + own_scores, dim=-1).to(work).view(batch, heads, count, -1) * \
-            read.weight
+        level_scores = torch.cat(ring_scores + own_scores, dim=-1).view(batch, heads, count, -1) * read.weight
         scores.view(batch, heads, count, slots).scatter_add_(
             -1, read.target[:, None, None, :].expand(batch, heads, count, -1), level_scores)
     scores = scores.view(batch, heads, count, slots)
@@ -175,14 +170,15 @@ def _traced(rows: torch.Tensor, view: MLRCacheView, read: TracedRead) -> torch.T
     keys, values, fine = view.key_storage, view.value_storage, view.fine
     batch, heads, count, _ = rows.shape
     slots, first_rank = keys.shape[2], ranks[0]
+    rows = rows.to(work)  # (q and k in the working dtype before the products, as in ``_in_step``)
     if read.query_scale is not None:
         rows = rows * read.query_scale
     fine_scores, offset = None, 0
     for level, (level_query, rank, width, size) in enumerate(zip(
             rows[..., first_rank:].split(ranks[1:], dim=-1), ranks[1:], read.ring_widths, read.block_sizes)):
-        ring = fine[..., offset:offset + width * rank].view(batch, heads, rank, width)
+        ring = fine[..., offset:offset + width * rank].view(batch, heads, rank, width).to(work)
         offset += width * rank
-        entry_scores = (level_query @ ring).to(work)  # (B, Hk, g, W_l)
+        entry_scores = level_query @ ring  # (B, Hk, g, W_l)
         if size <= slots:  # W_l = b_l: one copy of the entries per block
             tiles = -(-slots // size)
             entry_scores = entry_scores[..., None, :].expand(batch, heads, count, tiles, size).reshape(
@@ -190,15 +186,11 @@ def _traced(rows: torch.Tensor, view: MLRCacheView, read: TracedRead) -> torch.T
         kept = torch.where(read.current_block[:, level], entry_scores[..., :slots], 0.0)
         fine_scores = kept if fine_scores is None else fine_scores + kept
     first_query = rows[..., :first_rank].reshape(batch * heads, count, first_rank)
-    first_keys = keys.reshape(batch * heads, slots, first_rank).transpose(1, 2)
-    if rows.dtype != work:  # low precision: the product in the query dtype, accumulated in the working dtype
-        first_scores = torch.bmm(first_query, first_keys).to(work).view(batch, heads, count, slots)
-        scores = first_scores if fine_scores is None else fine_scores + first_scores
-    else:
-        # inductor would lower a one-row ``bmm`` to a slower loop of its own; ``baddbmm`` stays a library call
-        base = fine_scores if fine_scores is not None else rows.new_zeros(batch, heads, count, slots)
-        scores = torch.baddbmm(base.reshape(batch * heads, count, slots), first_query, first_keys).view(
-            batch, heads, count, slots)
+    first_keys = keys.reshape(batch * heads, slots, first_rank).transpose(1, 2).to(work)
+    # inductor would lower a one-row ``bmm`` to a slower loop of its own; ``baddbmm`` stays a library call
+    base = fine_scores if fine_scores is not None else rows.new_zeros(batch, heads, count, slots)
+    scores = torch.baddbmm(base.reshape(batch * heads, count, slots), first_query, first_keys).view(
+        batch, heads, count, slots)
     scores = scores * read.multiplier + read.additive if read.multiplier is not None else scores + read.additive
     weights = torch.softmax(scores, dim=-1).to(values.dtype).reshape(batch * heads, count, slots)
     values = values.reshape(batch * heads, slots, values.shape[-1])

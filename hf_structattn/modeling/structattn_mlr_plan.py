@@ -372,7 +372,7 @@ def plan_in_step_read(layout: CacheLayout, scales: tuple, dtype: torch.dtype) ->
         causal = torch.zeros(chunk, slots, dtype=work, device=device).masked_fill(future, lowest)
         additive = causal[None, None, None] if additive is None else \
             torch.minimum(additive[:, :, :, None, :], causal[None, None, None])
-    zero = geometry.tensors.get(("zero", dtype, device), lambda: torch.zeros((), dtype=dtype, device=device))
+    zero = geometry.tensors.get(("zero", work, device), lambda: torch.zeros((), dtype=work, device=device))
     return InStepRead(work, slots, [geometry.ranks[0]] + [group[3] for group in level_groups], level_groups, alphas,
                       query_scale, multiplier, additive, zero)
 
