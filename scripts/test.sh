@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Sets everything up on a fresh machine and runs the default test suite.
-#   bash scripts/test.sh                 # the default suite (-m "not slow", two workers); extra arguments go to pytest
+#   bash scripts/test.sh                 # the default suite (-m "not slow", two workers) on the pinned set of
+#                                        # scripts/constraints.txt, then the focused tests on the newest and lowest
+#                                        # transformers / accelerate the ranges admit (scripts/test_range.sh);
+#                                        # extra arguments go to pytest (and skip the range pass)
 #   bash scripts/test.sh --quick         # for development: the op, model, cache and patching tests that catch most
 #                                        # regressions, without reloads, compiles and Chronos (41 s on 2 cores, README)
 #   bash scripts/test.sh --portability   # the model, op and cache tests once per CPU kernel set torch can
@@ -34,7 +37,7 @@ finish() {
   exit "$rc"
 }
 export HF_STRUCTATTN_PROGRESS=$started  # tests/suite_progress.py: per-file lines on the same clock as these
-case "${1:-}" in --quick|--portability) phases=2 ;; *) phases=3 ;; esac
+case "${1:-}" in --quick|--portability) phases=2 ;; *) phases=4 ;; esac
 say "on $(conditions)"
 say "1/$phases setup (scripts/setup.sh --test): on a fresh machine 2 min 11 s (README) to 3 min 17 s" \
     "with both cores loaded (docs/install.md); seconds once installed"
@@ -43,7 +46,7 @@ bash scripts/setup.sh --test
 say "setup done ($(cpu_s) s CPU so far)"
 fetch_test_sources() {
   local where
-  say "2/3 test data fetched once into a cache: seconds once there; the first time, downloads"
+  say "2/4 test data fetched once into a cache: seconds once there; the first time, downloads"
   say "transformers' own test files for tests/conformance ..."
   if where=$(python tests/conformance/upstream.py); then
     say "transformers' test files: $where"
@@ -82,7 +85,7 @@ if [ "${1:-}" != "--portability" ]; then
   # two xdist workers where two cores are free to us (each test runs one torch thread): the suite in about half the
   # wall time; HF_STRUCTATTN_TEST_WORKERS=1 runs it in one process
   workers=${HF_STRUCTATTN_TEST_WORKERS:-$(python -c 'import os; print(min(2, len(os.sched_getaffinity(0))))')}
-  say "3/3 pytest -m 'not slow' ($([ "$workers" -gt 1 ] && echo "$workers workers" || echo "one process")):" \
+  say "3/4 pytest -m 'not slow' ($([ "$workers" -gt 1 ] && echo "$workers workers" || echo "one process")):" \
       "10 min 19 s on the 2-core Intel Xeon VM of the README's times; on a loaded 2-core AMD EPYC VM the whole" \
       "script took 31 min instead of 12 min 30 s (README, Tests)"
   rc=0
@@ -90,6 +93,13 @@ if [ "${1:-}" != "--portability" ]; then
     python -m pytest -q -n "$workers" -m "not slow" "$@" || rc=$?
   else
     python -m pytest -q -m "not slow" "$@" || rc=$?
+  fi
+  if [ $# -eq 0 ]; then  # the whole default suite: then the versions the ranges admit beyond the pinned set
+    say "4/4 the focused tests on the newest and lowest transformers / accelerate the ranges admit, where they" \
+        "differ from the pinned set (scripts/test_range.sh): about 9 min a version set on 2 cores (README, Tests)"
+    range_rc=0
+    bash scripts/test_range.sh || range_rc=$?
+    [ "$rc" -eq 0 ] && rc=$range_rc
   fi
   finish "$rc"
 fi
