@@ -260,3 +260,53 @@ def test_set_alias_fused_output_accepts_in_place_ops_and_guards_backward(dtype):
     torch.testing.assert_close(out, ref.detach() * 0.5, **TOL[dtype])
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.sum().backward()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("average_levels", [False, True])
+@pytest.mark.parametrize("length, start", [(37, 0), (40, 0), (29, 13), (9, 5), (64, 0)])
+def test_materialised_mlr_on_diagonal_blocks_equals_the_general_path_in_outputs_and_gradients(
+        dtype, average_levels, length, start):
+    """``mlr_attention_full_keys(aligned_start=...)`` (queries and keys at ``start + index`` in every row: the finer
+    levels formed on their diagonal blocks, whole and cut ones) against the same function without it (every level
+    over all T x T pairs, masked by block): outputs, attention maps and gradients of q, k, v, at odd lengths and
+    offsets that cut blocks at both ends; float64 to ~1e-12, float32 to its rounding of the score magnitude."""
+    from hf_structattn.modeling.structattn_geometry import MLRGeometry
+    from hf_structattn.modeling.structattn_mlr_math import mlr_attention_full_keys
+
+    geometry = MLRGeometry.build([6, 4, 2, 2], [32, 8, 4], [0.5, 0.7, 0.9, 1.1], average_levels=average_levels)
+    generator = torch.Generator().manual_seed(length + start)
+    q, k, v = (torch.randn(2, 3, length, 14, dtype=dtype, generator=generator).requires_grad_() for _ in range(3))
+    positions = torch.arange(start, start + length).expand(2, length)
+    valid = torch.ones(2, length, dtype=torch.bool)
+    common = dict(geometry=geometry, scales=[0.5, 0.7, 0.9, 1.1], query_positions=positions, key_positions=positions,
+                  key_valid=valid, return_weights=True)
+    results = []
+    for aligned in (start, None):
+        out, weights = mlr_attention_full_keys(q, k, v, aligned_start=aligned, **common)
+        grads = torch.autograd.grad((out * torch.linspace(-1, 1, out.numel(), dtype=dtype).view_as(out)).sum(),
+                                    (q, k, v))
+        results.append((out, weights, *grads))
+    tolerance = dict(rtol=0, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+    for fast, general in zip(*results):
+        torch.testing.assert_close(fast, general, **tolerance)
+
+
+def test_materialised_mlr_on_diagonal_blocks_runs_under_vmap():
+    """The stacked runs of the science designs call the model under ``torch.func.vmap``: the in-place block adds
+    trace there and give each run what it gives alone."""
+    from hf_structattn.modeling.structattn_geometry import MLRGeometry
+    from hf_structattn.modeling.structattn_mlr_math import mlr_attention_full_keys
+
+    geometry = MLRGeometry.build([6, 4, 2, 2], [32, 8, 4], [0.5, 0.7, 0.9, 1.1], average_levels=True)
+    q, k, v = (torch.randn(3, 2, 2, 40, 14, dtype=torch.float64) for _ in range(3))
+    positions, valid = torch.arange(40).expand(2, 40), torch.ones(2, 40, dtype=torch.bool)
+
+    def attend(q, k, v):
+        return mlr_attention_full_keys(q, k, v, geometry=geometry, scales=[0.5, 0.7, 0.9, 1.1],
+                                       query_positions=positions, key_positions=positions, key_valid=valid,
+                                       aligned_start=0)
+
+    stacked = torch.func.vmap(attend)(q, k, v)
+    for run in range(3):
+        torch.testing.assert_close(stacked[run], attend(q[run], k[run], v[run]), rtol=0, atol=1e-12)

@@ -213,6 +213,10 @@ def _uncached(module, query, key, value, geometry, scales, positions, valid, bia
         additive = additive_mask(allowed, softmax_dtype(query.dtype))
         bias = additive if bias is None else bias + additive
         causal, valid = False, None
+    # unpadded rows at one shared run of positions (the plan read it): the materialised path forms the finer
+    # levels on their diagonal blocks only
+    aligned = layout.uniform_offset if layout is not None and layout.contiguous and valid is None and \
+        allowed is None else None
     if torch.compiler.is_compiling() and not eager:
         # a compiled prefill: the materialised path traces without host reads or graph breaks (the fused kernel
         # runs eagerly and reads its inputs' positions on the host)
@@ -224,7 +228,8 @@ def _uncached(module, query, key, value, geometry, scales, positions, valid, bia
             bias = group_major(bias, key.shape[1], groups)
         out = mlr_attention_full_keys(rows, key, value, geometry=geometry, scales=scales,
                                       query_positions=positions.repeat(1, groups), key_positions=positions,
-                                      key_valid=key_valid, causal=causal, bias=bias)
+                                      key_valid=key_valid, causal=causal, bias=bias,
+                                      aligned_start=aligned if groups == 1 else None)
         return out.reshape(batch, q_heads, length, -1), None
     groups = query.shape[1] // key.shape[1]
     key, value = repeat_kv(key, groups), repeat_kv(value, groups)
@@ -238,7 +243,7 @@ def _uncached(module, query, key, value, geometry, scales, positions, valid, bia
     out, weights = mlr_attention_full_keys(query, key, value, geometry=geometry, scales=scales,
                                            query_positions=positions, key_positions=positions, key_valid=key_valid,
                                            causal=causal, bias=bias, return_weights=True,
-                                           dropout=float(dropout) if module.training else 0.0)
+                                           dropout=float(dropout) if module.training else 0.0, aligned_start=aligned)
     return out, weights.to(query.dtype)
 
 

@@ -135,31 +135,63 @@ def _masked_softmax(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor
     return torch.softmax(scores.masked_fill(~allowed, torch.finfo(scores.dtype).min), dim=-1)
 
 
+def _aligned_scores(query: torch.Tensor, keys: torch.Tensor, geometry: MLRGeometry, start: int,
+                    work: torch.dtype) -> torch.Tensor:
+    """(B, Hk, n, n) scores of queries and keys at the same positions ``start + index`` in every row: level 1 by one
+    matmul, each finer level only on its diagonal blocks (``T b_l r_l`` MACs and ``T b_l`` scores where the general
+    path below forms ``T^2`` of both), added in place onto strided views of the level-1 scores; the level averaging
+    weight is built from the same blocks. Plain autograd ops (vmap and torch.compile trace them)."""
+    length, first_rank = query.shape[2], geometry.ranks[0]
+    scores = (query[..., :first_rank] @ keys[..., :first_rank].transpose(-1, -2)).to(work)
+    depth = torch.ones(length, length, dtype=work, device=query.device) if geometry.average_levels else None
+    low = first_rank
+    for rank, block in zip(geometry.ranks[1:], geometry.block_sizes):
+        level_query, level_keys = query[..., low:low + rank], keys[..., low:low + rank]
+        low += rank
+        first, full, ranges = _level_blocks(length, start, block)
+        if full:
+            _block_diagonal(scores, first, full, block).add_(
+                (_blocks(level_query, first, full, block) @ _blocks(level_keys, first, full, block).mT).to(work))
+            if depth is not None:
+                _block_diagonal(depth[None, None], first, full, block).add_(1)
+        for a, b in ranges:
+            scores[:, :, a:b, a:b].add_((level_query[:, :, a:b] @ level_keys[:, :, a:b].mT).to(work))
+            if depth is not None:
+                depth[a:b, a:b].add_(1)
+    return scores if depth is None else scores * depth_weight(depth, True)
+
+
 def mlr_attention_full_keys(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *,
                             geometry: MLRGeometry, scales: Sequence[float], query_positions: torch.Tensor,
                             key_positions: torch.Tensor, key_valid: torch.Tensor, causal: bool = True,
-                            bias: Optional[torch.Tensor] = None, return_weights: bool = False, dropout: float = 0.0):
+                            bias: Optional[torch.Tensor] = None, return_weights: bool = False, dropout: float = 0.0,
+                            aligned_start: Optional[int] = None):
     """Materialised MLR attention over full-width keys: what an ordinary transformers cache holds, the attention maps
     of ``"mlr_eager"`` and a traced prefill (the op layer's one materialised MLR).
 
     query: (B, Hk, n, r) level order; keys: (B, Hk, K, r) level order; values: (B, Hk, K, dv); query_positions
     (B, n); key_positions, key_valid (B, K); bias broadcastable to (B, Hk, n, K); dropout: probability of dropping a
-    weight (training). Returns (B, Hk, n, dv) [, probabilities (after dropout)]."""
+    weight (training); aligned_start: known on the host that the keys are the queries' tokens (K = n) and every
+    row's positions are ``aligned_start + index`` (the uncached forward of unpadded rows): the finer levels are then
+    formed on their diagonal blocks only. Returns (B, Hk, n, dv) [, probabilities (after dropout)]."""
     work = softmax_dtype(query.dtype)
     query = query * geometry.scale_vector(scales, query.dtype, query.device)
-    scores, depth, start = None, None, 0
-    for level, rank in enumerate(geometry.ranks):
-        level_scores = (query[..., start:start + rank] @ keys[..., start:start + rank].transpose(-1, -2)).to(work)
-        start += rank
-        if level == 0:
-            scores = level_scores
-            continue
-        size = geometry.block_sizes[level - 1]
-        same = ((query_positions[:, :, None] // size) == (key_positions[:, None, :] // size))[:, None]
-        scores = scores + level_scores * same
-        depth = same.to(work) if depth is None else depth + same
-    if depth is not None:
-        scores = scores * depth_weight(1 + depth, geometry.average_levels)
+    if aligned_start is not None:
+        scores = _aligned_scores(query, keys, geometry, aligned_start, work)
+    else:
+        scores, depth, start = None, None, 0
+        for level, rank in enumerate(geometry.ranks):
+            level_scores = (query[..., start:start + rank] @ keys[..., start:start + rank].transpose(-1, -2)).to(work)
+            start += rank
+            if level == 0:
+                scores = level_scores
+                continue
+            size = geometry.block_sizes[level - 1]
+            same = ((query_positions[:, :, None] // size) == (key_positions[:, None, :] // size))[:, None]
+            scores = scores + level_scores * same
+            depth = same.to(work) if depth is None else depth + same
+        if depth is not None:
+            scores = scores * depth_weight(1 + depth, geometry.average_levels)
     if bias is not None:
         scores = scores + bias.to(work)
     allowed = key_valid[:, None, None, :]
