@@ -578,6 +578,25 @@ def test_clm_outputs_and_exact_resume(tmp_path):
     assert str(tmp_path) not in card and "/tmp" not in card
 
 
+def test_final_weights_only_drops_the_checkpoints_of_a_finished_run_and_says_what_is_kept(tmp_path, capsys):
+    """A finished run kept a resumable checkpoint (weights and AdamW moments: ~3x the model) with no way to say it
+    is not wanted; the summary did not say what the folder keeps or why."""
+    from hf_structattn.training.outputs import finished_run
+
+    kept = run_clm(tmp_path / "kept", "--max_steps", 2, "--checkpoint_every", 1, "--sample_new_tokens", 0,
+                   "--disable_tqdm")
+    assert (tmp_path / "kept" / "checkpoints").is_dir() and kept["kept"]["checkpoints/"] > 0
+    printed = capsys.readouterr().out
+    assert "kept in the output folder" in printed and "--final_weights_only deletes them" in printed
+    lean = run_clm(tmp_path / "lean", "--max_steps", 2, "--checkpoint_every", 1, "--sample_new_tokens", 0,
+                   "--disable_tqdm", "--final_weights_only")
+    assert not (tmp_path / "lean" / "checkpoints").exists() and "checkpoints/" not in lean["kept"]
+    assert lean["kept"]["model weights (*.safetensors)"] == kept["kept"]["model weights (*.safetensors)"]
+    finished_run(tmp_path / "lean")  # still a finished run: it loads and pushes
+    saved = json.loads((tmp_path / "lean" / "final_metrics.json").read_text())
+    assert saved["kept"] == lean["kept"]
+
+
 def test_clm_refuses_a_sample_longer_than_n_positions_before_training(tmp_path):
     from hf_structattn.training.args import ConfigError
 
@@ -1224,6 +1243,13 @@ def test_finetune_patched_reports_drift_recovers_and_saves_a_loadable_model(tmp_
     assert abs(result["kl_to_source_before"]) < 1e-3 and 0 <= result["eval_kl_to_source"] < 1e-3
     assert 0.9 < result["eval_top1_source"] <= 1.0
     assert result["cache_key_cache_bytes"] < result["cache_dense_key_cache_bytes"]
+    assert result["cache_context_tokens"] == 4096 and result["sample_cache_tokens"] == 44  # 4 prompt + 40 new
+    # what the folder keeps, and why, is in the summary; every file has the user's mode (safetensors wrote 0600)
+    assert result["kept"]["model weights (*.safetensors)"] == (out / "model.safetensors").stat().st_size
+    assert {"checkpoints/", "source/"} <= set(result["kept"]) and result["weights_dtype"] == "float32"
+    mode = os.umask(0o022)
+    os.umask(mode)
+    assert {oct(p.stat().st_mode & 0o777) for p in out.rglob("*") if p.is_file()} == {oct(0o666 & ~mode)}
     assert {"structattn_decoder.py", "config.json", "model.safetensors", "final_metrics.json", "tokenizer.json",
             "README.md", "metrics.jsonl", "run_config.json", "source", "checkpoints"} <= {p.name for p in out.iterdir()}
     source = transformers.AutoModelForCausalLM.from_pretrained(out / "source")
@@ -1246,6 +1272,29 @@ def test_finetune_patched_reports_drift_recovers_and_saves_a_loadable_model(tmp_
 
     windows = eval_windows(load_corpus(recipe.parse(recipe.argv(out))).validation, 32, 4)
     assert validation_loss(reloaded, windows, 4) == pytest.approx(result["eval_loss"], rel=1e-5)
+
+
+def test_the_finetune_patched_cache_line_is_at_the_models_context_and_labels_the_sample():
+    """The card and final_metrics.json gave only the cache of the 66-token greedy sample, which lies inside one block
+    (1.000x: "saves nothing"); the saving is at the model's context length, as in the guide's table."""
+    import hf_structattn
+    from hf_structattn.decoder_patching import tiny_decoder
+    from hf_structattn.flops import decoder_cache_report
+    from hf_structattn.training.decoder_ft import cache_summary
+
+    patched = hf_structattn.patch(tiny_decoder("llama"), mlr_ranks=[8, 4, 4], mlr_max_length=2048)  # blocks 1024, 512
+    summary = {}
+    line = cache_summary(patched.config, 2048, 66, torch.float32, summary)
+    at_context = decoder_cache_report(patched.config, 2048, dtype_bytes=torch.float32)
+    assert summary["cache_context_tokens"] == 2048 and summary["cache"] == at_context
+    assert summary["cache_key_cache_ratio"] == at_context["key_cache_ratio"] < 0.75
+    assert summary["sample_cache_tokens"] == 66 and summary["sample_cache_key_cache_ratio"] == 1.0
+    assert line.startswith("Cache of one sequence at the model's context length, 2,048 tokens")
+    assert f"({at_context['key_cache_ratio']:.3f}x)" in line
+    assert "At the 66-token greedy sample's length: keys 1.000x" in line and "inside one block" in line
+    # without mlr_max_length (explicit blocks) the context is the config's max positions
+    cache_summary(patched.config, None, 66, torch.float32, summary)
+    assert summary["cache_context_tokens"] == patched.config.max_position_embeddings
 
 
 def card_paragraphs(card: str) -> list:

@@ -29,6 +29,7 @@ from typing import Callable, Literal, Optional
 
 import torch
 
+from ..command_io import apply_umask
 from .args import ConfigError, RunComplete, RunFailure, arg, configuration_differences, missing_extra, run_configuration
 
 try:
@@ -94,6 +95,9 @@ class CommonArgs:
     disable_tqdm: bool = arg("no progress bar (progress lines instead, see --progress_every_s)", default=False)
     progress_every_s: float = arg("without the progress bar: print a progress line (step, loss, tokens/s, ETA) "
                                   "every this many seconds; 0: never", default=30.0)
+    final_weights_only: bool = arg("when the run finishes, delete its resumable checkpoints (checkpoints/: weights "
+                                   "and optimizer state, about 3x the model) and keep the final model only; the run "
+                                   "can then not be resumed", default=False)
     push_to_hub: bool = arg("upload the finished output folder to the Hub (token and access checked first)",
                               default=False)
     hub_model_id: Optional[str] = arg("Hub repository id (user/name) for push_to_hub", default=None)
@@ -475,6 +479,9 @@ def finish_run(accelerator: Accelerator, args: CommonArgs, model, result: TrainR
                "train_tokens_per_second": result.tokens_per_second,
                "train_tokens_per_cpu_second": result.tokens_per_cpu_second,
                **{f"eval_{k}": v for k, v in result.final_eval.items()}, **summary}
+    parameter = next(accelerator.unwrap_model(model).parameters(), None)
+    if parameter is not None:
+        summary["weights_dtype"] = str(parameter.dtype).removeprefix("torch.")
     if "flops_per_token" in summary and "tokens_per_step" in summary:
         summary["training_flops"] = result.step * summary["tokens_per_step"] * summary["flops_per_token"]
     if result.interrupted:
@@ -488,7 +495,11 @@ def finish_run(accelerator: Accelerator, args: CommonArgs, model, result: TrainR
         from .outputs import NotAFinishedRun, describe_skipped, finished_run, push_to_hub, write_metrics_json
 
         cost_table = save_outputs(summary, state_dict)
+        if args.final_weights_only:
+            shutil.rmtree(out / "checkpoints", ignore_errors=True)
+        summary["kept"] = kept_outputs(out)
         write_metrics_json(out, summary)
+        apply_umask(out)  # safetensors writes its files 0600: every output gets the user's mode
         if args.push_to_hub:
             try:
                 run = finished_run(out)  # the one definition of what an upload sends
@@ -503,6 +514,41 @@ def finish_run(accelerator: Accelerator, args: CommonArgs, model, result: TrainR
     return summary
 
 
+# what a finished run's folder keeps beside the model, and why
+KEPT_WHY = {"checkpoints/": "resumable checkpoints (weights, AdamW moments, schedule, RNG) for --resume_from; "
+                            "--final_weights_only deletes them when a run finishes",
+            "source/": "the dense source model built and pretrained here (a resumed run reloads it)",
+            "base_tiny_chronos_t5/": "the tiny Chronos-T5 built here (a resumed run reloads it)"}
+
+
+def _folder_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def kept_outputs(out: Path) -> dict:
+    """{entry: bytes} of a finished run's folder: the model's weights (``*.safetensors`` at the top), the rest of the
+    published files together, and each folder of :data:`KEPT_WHY` that exists."""
+    weights = sum(p.stat().st_size for p in out.glob("*.safetensors") if p.is_file())
+    folders = {name: _folder_bytes(out / name.rstrip("/")) for name in KEPT_WHY if (out / name.rstrip("/")).is_dir()}
+    rest = _folder_bytes(out) - weights - sum(folders.values())
+    return {"model weights (*.safetensors)": weights, "other files (card, config, code, tokenizer, metrics, plots)":
+            rest, **folders}
+
+
+def _size(count: int) -> str:
+    return f"{count / 2**30:.2f} GB" if count >= 2**30 else f"{count / 2**20:.1f} MB"
+
+
+def kept_lines(kept: dict, dtype: Optional[str] = None) -> list[str]:
+    """The lines of the run summary that say what the output folder keeps and why."""
+    lines = [f"kept in the output folder ({_size(sum(kept.values()))}):"]
+    for name, count in kept.items():
+        why = KEPT_WHY.get(name, f"the trained model, {dtype}: the dtype it was trained in" if dtype and
+                           name.startswith("model weights") else "")
+        lines.append(f"  {name}: {_size(count)}" + (f" -- {why}" if why else ""))
+    return lines
+
+
 def print_summary(summary: dict, out: Path, cost_table: Optional[str]) -> None:
     final = {k[len("eval_"):]: v for k, v in summary.items() if k.startswith("eval_")}
     resumed = (f" (resumed at step {summary['resumed_at']}, {summary['step']} in total)"
@@ -514,6 +560,8 @@ def print_summary(summary: dict, out: Path, cost_table: Optional[str]) -> None:
         lines.append(f"training FLOPs: {summary['flops_per_token']:,.0f} per token, "
                      f"{summary['training_flops']:.3g} in total")
     lines += [f"output folder: {out}", f"model card: {out / 'README.md'}", f"metrics: {out / 'final_metrics.json'}"]
+    if "kept" in summary:
+        lines += kept_lines(summary["kept"], summary.get("weights_dtype"))
     if "hub_repo_id" in summary:
         lines.append(f"uploaded to https://huggingface.co/{summary['hub_repo_id']}")
     if cost_table:
