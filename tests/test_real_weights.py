@@ -32,7 +32,8 @@ def test_text_splits_are_deterministic_disjoint_and_cover_every_topic():
     from pydoc_data.topics import topics
 
     names = real_weights.split_topics()
-    assert sorted(name for split in names.values() for name in split) == sorted(topics)
+    empty = real_weights.topics_without_text()  # topics whose paragraphs all belong to earlier topics
+    assert sorted(name for split in [*names.values(), empty] for name in split) == sorted(topics)
     paragraphs = _paragraph_sets()
     for first, second in (("heldout", "calibration"), ("heldout", "finetune"), ("calibration", "finetune")):
         assert not paragraphs[first] & paragraphs[second], (first, second)
@@ -56,6 +57,22 @@ def test_text_splits_are_deterministic_disjoint_and_cover_every_topic():
     assert repeated > 0
     digests = {split: hashlib.sha1(real_weights.split_text(split).encode()).hexdigest() for split in names}
     assert digests == {split: hashlib.sha1(real_weights.split_text(split).encode()).hexdigest() for split in names}
+
+
+def test_splits_and_write_split_count_the_same_topics(tmp_path, capsys):
+    """``splits`` reported 40 fine-tuning topics where ``write-split`` wrote 39 files: one topic (``else``) adds no
+    paragraph of its own and got no file, but was counted."""
+    names = real_weights.split_topics()
+    for split in real_weights.SPLITS:
+        paths = real_weights.write_split(split, tmp_path / split)
+        assert sorted(path.stem for path in paths) == names[split] and all(path.stat().st_size for path in paths)
+        assert real_weights.split_text(split) == "\n\n".join(
+            path.read_text().rstrip("\n") for path in sorted(paths, key=lambda path: path.stem)) + "\n"
+    assert real_weights.main(["splits"]) == 0
+    printed = {line.split(":")[0]: line for line in capsys.readouterr().out.splitlines()}
+    for split in real_weights.SPLITS:
+        assert printed[split].startswith(f"{split}: {len(names[split])} topics, ")
+        assert len(list((tmp_path / split).glob("*.txt"))) == len(names[split])
 
 
 def test_an_unconverted_cache_without_install_says_why_in_one_line(tmp_path, monkeypatch):

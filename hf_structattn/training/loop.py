@@ -289,12 +289,28 @@ def build_optimizer(model: torch.nn.Module, args: CommonArgs) -> torch.optim.Opt
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, args: CommonArgs):
-    """``transformers.get_scheduler``: one scheduler step per optimizer step (not per process or micro-step)."""
+    """``transformers.get_scheduler``: one scheduler step per optimizer step (not per process or micro-step). Its
+    linear warm-up starts at 0 (step 0 would be a full forward and backward with no update): here warm-up step ``s``
+    (0-based) runs at ``(s + 1) / warmup_steps`` of the peak, so the first step updates and the last warm-up step
+    reaches the peak; from ``warmup_steps`` on the schedule is transformers' own."""
     from transformers import get_scheduler
 
     specific = {"min_lr_rate": args.min_lr_ratio} if args.lr_schedule == "cosine_with_min_lr" else None
-    return get_scheduler(args.lr_schedule, optimizer, num_warmup_steps=args.warmup_steps,
-                         num_training_steps=args.max_steps, scheduler_specific_kwargs=specific)
+    scheduler = get_scheduler(args.lr_schedule, optimizer, num_warmup_steps=args.warmup_steps,
+                              num_training_steps=args.max_steps, scheduler_specific_kwargs=specific)
+    warmup = args.warmup_steps
+    lambdas = getattr(scheduler, "lr_lambdas", None)
+    if warmup and lambdas and all(rule(0) == 0 for rule in lambdas):
+        def shifted(rule):
+            def lr_lambda(step: int) -> float:
+                return rule(step + 1) if step < warmup else rule(step)
+            return lr_lambda
+
+        scheduler.lr_lambdas = [shifted(rule) for rule in lambdas]
+        for group, base, rule in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+            group["lr"] = base * rule(scheduler.last_epoch)
+        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+    return scheduler
 
 
 # ------------------------------------------------------------------------------------------ training loop
