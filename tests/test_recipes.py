@@ -578,6 +578,26 @@ def test_clm_outputs_and_exact_resume(tmp_path):
     assert str(tmp_path) not in card and "/tmp" not in card
 
 
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "constant_with_warmup", "cosine_with_min_lr"])
+def test_warm_up_starts_above_zero_and_reaches_the_peak_at_its_last_step(schedule):
+    """transformers' warm-up runs step 0 at lr 0: a full forward and backward with no update."""
+    from types import SimpleNamespace
+
+    from hf_structattn.training.loop import build_scheduler
+
+    parameter = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.AdamW([parameter], lr=2.0)
+    scheduler = build_scheduler(optimizer, SimpleNamespace(lr_schedule=schedule, warmup_steps=4, max_steps=10,
+                                                           min_lr_ratio=0.1))
+    rates = []
+    for _ in range(10):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert rates[:4] == pytest.approx([0.5, 1.0, 1.5, 2.0]) and rates[4] == pytest.approx(2.0)
+    assert json.loads(json.dumps(scheduler.state_dict()))["last_epoch"] == 10  # still a JSON checkpoint state
+
+
 def test_final_weights_only_drops_the_checkpoints_of_a_finished_run_and_says_what_is_kept(tmp_path, capsys):
     """A finished run kept a resumable checkpoint (weights and AdamW moments: ~3x the model) with no way to say it
     is not wanted; the summary did not say what the folder keeps or why."""
