@@ -364,8 +364,32 @@ def test_a_text_corpus_shorter_than_one_window_is_a_one_line_error_naming_the_fl
         RECIPES[recipe_name].run(tmp_path / "out", "--text_files", short)
     message = str(error.value)
     assert re.fullmatch(r"--seq_len (32|64): the (training|validation) text has \d+ tokens, fewer than one window; "
-                        r"pass a smaller --seq_len or more (training|validation) text \(--text_files, .*\)", message), \
-        message
+                        r"pass a smaller --seq_len or more (training|validation) text \(--(eval_)?text_files.*\)",
+                        message), message
+
+
+def test_a_validation_split_shorter_than_one_window_names_eval_text_files(tmp_path, capfd):
+    """The guide's recovery command on SmolLM2 stopped after 15 s with a traceback: 5 % of 39 topic files by sha1 held
+    347 tokens, fewer than one window of 2,048. The one-line error says what to pass: held-out files of their own."""
+    from hf_structattn.training.args import ConfigError
+    from hf_structattn.training.data import is_validation
+
+    files, held_out = [], 0
+    for index in range(400):  # the validation split (5 % of the files by sha1 of their path): a short file or two
+        files.append(tmp_path / f"topic_{index}.txt")
+        files[-1].write_text(f"{index}\n")
+        held_out += is_validation(f"{files[-1]}#0", 5.0)
+        if len(files) >= 40 and held_out:
+            break
+    assert 0 < held_out <= 12  # at most 12 x 5 tokens held out: fewer than one window of 64
+    with pytest.raises(ConfigError) as error:
+        RECIPES["finetune_patched"].run(tmp_path / "out", "--text_files", *files, "--seq_len", 64)
+    message = str(error.value)
+    assert "\n" not in message and re.fullmatch(
+        r"--seq_len 64: the validation text has \d+ tokens, fewer than one window; pass a smaller --seq_len or "
+        r"more validation text \(--eval_text_files FILES held out from training, or a larger --validation_percent / "
+        r"--max_validation_bytes of the --text_files split\)", message), message
+    assert "Generating train split" not in capfd.readouterr().err  # datasets' bar per file: 40 of them, silenced
 
 
 def test_an_empty_eval_text_file_is_blamed_on_eval_text_files(tmp_path):

@@ -465,7 +465,9 @@ def main(argv=None) -> dict:
 
     source, tokenizer, train_tokens, validation_tokens = source_model(accelerator, args, corpus)
     windows = eval_windows(validation_tokens, args.seq_len, args.eval_windows,
-                           *(["--eval_text_files"] if args.eval_text_files else []))
+                           "--eval_text_files" if args.eval_text_files else
+                           "--eval_text_files FILES held out from training, or a larger --validation_percent / "
+                           "--max_validation_bytes of the --text_files split")
     try:
         patched = hf_structattn.patch(source, attention="mlr", **args.patch_fields(),
                                       **calibration_fields(args, train_tokens))
