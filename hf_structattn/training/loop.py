@@ -256,6 +256,10 @@ def start_run(args: CommonArgs, recipe: str) -> tuple[Accelerator, Optional[Path
         check_hub_access(args.hub_model_id, private=args.hub_private)
     state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
     checkpoint = prepare_output_dir(args, recipe, state)
+    if not show_progress_bar(args, state):  # in a log, transformers' loading / saving bars are carriage-return noise
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()
     out = Path(args.output_dir)
     trackers: list = [JSONLTracker(args.run_name or recipe, out), *report_trackers(args.report_to)]
     # checkpoint naming, rotation and the non-pickle state files are .checkpoints' (accelerate's automatic naming
@@ -343,12 +347,38 @@ def _format_metrics(metrics: dict) -> str:
     return ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
 
 
+LONG_PHASE_S = 20.0  # a phase expected to take longer says so, with its estimate, before it starts
+
+
+def duration(seconds: float) -> str:
+    """``45 s``, ``3.5 min``, ``1.2 h``."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.1f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
+
+
+def announce(accelerator, name: str, estimate_s: Optional[float]) -> None:
+    """Print ``name (about <estimate>) ...`` before a phase whose estimate exceeds :data:`LONG_PHASE_S` (on the main
+    process, flushed at once, so a log shows what the run is doing while it is silent)."""
+    if estimate_s is not None and estimate_s > LONG_PHASE_S and accelerator.is_main_process:
+        print(f"{name} (about {duration(estimate_s)}) ...", flush=True)
+
+
+def show_progress_bar(args: CommonArgs, accelerator) -> bool:
+    """A tqdm bar only on a terminal: in a log its carriage-return updates are one endless line; there the loop
+    prints progress lines instead (``--progress_every_s``)."""
+    import sys
+
+    return not args.disable_tqdm and accelerator.is_local_main_process and sys.stderr.isatty()
+
+
 def train(accelerator: Accelerator, args: CommonArgs, model, optimizer, *,
           micro_batch_fn: Callable[[int, int, int, int], object],
           loss_fn: Callable[[torch.nn.Module, object], torch.Tensor],
           eval_fn: Callable[[torch.nn.Module], dict],
           tokens_per_step: int, flops_per_token: float, recipe: str,
-          resume_checkpoint: Optional[Path] = None) -> TrainResult:
+          resume_checkpoint: Optional[Path] = None, seconds_per_step: Optional[float] = None,
+          seconds_per_eval: Optional[float] = None) -> TrainResult:
     """Run optimizer steps ``start..max_steps``. ``model``/``optimizer`` must already be ``accelerator.prepare``d.
 
     ``micro_batch_fn(step, micro, rank, world)`` returns this rank's share of micro-step ``micro`` of step ``step``;
@@ -360,6 +390,10 @@ def train(accelerator: Accelerator, args: CommonArgs, model, optimizer, *,
     With ``resume_checkpoint`` (verified by :func:`start_run`) the checkpoint is loaded first; only once it has
     loaded are ``metrics.jsonl`` cut back to its step and the trackers started, so a checkpoint that fails to load
     (a one-line :class:`.checkpoints.CheckpointError`) leaves the run folder as it was.
+
+    ``seconds_per_step`` / ``seconds_per_eval`` (the recipe's estimates, e.g. from a timed forward): the training and
+    each evaluation are announced with their estimate when it exceeds :data:`LONG_PHASE_S` (an evaluation after the
+    first by the time the previous one took).
     """
     from .outputs import public_configuration
 
@@ -382,8 +416,14 @@ def train(accelerator: Accelerator, args: CommonArgs, model, optimizer, *,
     accum = args.gradient_accumulation_steps
 
     eval_time = {"wall": 0.0, "cpu": 0.0}
+    eval_seconds = [seconds_per_eval]  # the estimate of the next evaluation: the last one's wall time once known
 
     def evaluate_now(step: int) -> dict:
+        message = f"step {step}/{args.max_steps}: evaluating"
+        if progress is not None and not progress.disable and eval_seconds[0] and eval_seconds[0] > LONG_PHASE_S:
+            progress.write(f"{message} (about {duration(eval_seconds[0])}) ...")
+        elif progress is None or progress.disable:
+            announce(accelerator, message, eval_seconds[0])
         wall, cpu = time.perf_counter(), time.thread_time()
         was_training = unwrapped.training
         unwrapped.eval()
@@ -400,6 +440,7 @@ def train(accelerator: Accelerator, args: CommonArgs, model, optimizer, *,
         (progress.write(message) if progress is not None and not progress.disable else accelerator.print(message))
         eval_time["wall"] += time.perf_counter() - wall
         eval_time["cpu"] += time.thread_time() - cpu
+        eval_seconds[0] = time.perf_counter() - wall
         return metrics
 
     def save_checkpoint(step: int) -> None:
@@ -409,8 +450,13 @@ def train(accelerator: Accelerator, args: CommonArgs, model, optimizer, *,
     final_eval: dict = {}
     if start_step == 0 and args.eval_every:
         final_eval = evaluate_now(0)
+    if seconds_per_step is not None:
+        announce(accelerator, f"training steps {start_step + 1}-{args.max_steps}"
+                 + (f", a progress line every {args.progress_every_s:g} s" if args.progress_every_s and
+                    not show_progress_bar(args, accelerator) else ""),
+                 seconds_per_step * (args.max_steps - start_step))
     progress = tqdm(total=args.max_steps, initial=start_step, desc=recipe,
-                    disable=args.disable_tqdm or not accelerator.is_local_main_process)
+                    disable=not show_progress_bar(args, accelerator))
     started, cpu_started = time.perf_counter(), time.thread_time()
     eval_time.update(wall=0.0, cpu=0.0)
     # without a bar (logs, `--disable_tqdm`), a line with the rate and an ETA now and then, so a slow run never
