@@ -67,5 +67,5 @@ def allocated_cache_bytes(cache: Any, *, cross_attention: bool = True) -> int:
 
 def returned_cache(output: Any):
     """The cache that ``generate(..., return_dict_in_generate=True)`` or a forward with ``use_cache=True`` returned:
-    its ``cache`` attribute, transformers 5's name (``past_key_values`` is the deprecated one, which warns)."""
+    its ``cache`` attribute, transformers 5's name (the older name is deprecated and warns)."""
     return output.cache
