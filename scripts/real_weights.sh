@@ -18,12 +18,15 @@ if [ -z "$python" ]; then
   if [ -z "${VIRTUAL_ENV:-}" ] && [ -x .venv/bin/python ]; then python=.venv/bin/python; else python=python; fi
 fi
 # what the tier needs, checked before anything else, so that a missing package is named as such
-missing=$("$python" -c 'import importlib.util as u; print(" ".join(m for m in ("torch", "transformers", "safetensors", "pytest") if u.find_spec(m) is None))' 2>/dev/null) || {
+needs='import importlib.util as u; print(" ".join(m for m in ("torch", "transformers", "safetensors", "pytest")
+                                                 if u.find_spec(m) is None))'
+missing=$("$python" -c "$needs" 2>/dev/null) || {
   echo "real weights: cannot run the interpreter '$python'; run bash scripts/setup.sh --test (or set PYTHON)" >&2
   exit 2
 }
 if [ -n "$missing" ]; then
-  echo "real weights: $python lacks ${missing// /, }; run bash scripts/setup.sh --test (it installs the [test] extra into .venv), or set PYTHON to an interpreter that has them" >&2
+  echo "real weights: $python lacks ${missing// /, }; run bash scripts/setup.sh --test (it installs the [test]" \
+       "extra into .venv), or set PYTHON to an interpreter that has them" >&2
   exit 2
 fi
 bench=0

@@ -1566,7 +1566,8 @@ def test_a_long_phase_names_itself_and_its_estimate_before_it_starts(capsys):
     state = PartialState()
     announce(state, "drift before fine-tuning: 24 forwards of 2048 tokens at 8.0 s each", 192.0)
     announce(state, "a short phase", 5.0)
-    assert capsys.readouterr().out == "drift before fine-tuning: 24 forwards of 2048 tokens at 8.0 s each (about 3.2 min) ...\n"
+    assert capsys.readouterr().out == ("drift before fine-tuning: 24 forwards of 2048 tokens at 8.0 s each (about "
+                                       "3.2 min) ...\n")
     assert [duration(s) for s in (45, 210, 7200)] == ["45 s", "3.5 min", "2.0 h"]
 
 
