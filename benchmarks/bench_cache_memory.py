@@ -29,7 +29,7 @@ import transformers
 
 import hf_structattn
 from hf_structattn import StructAttnGPT2Config, StructAttnGPT2LMHeadModel
-from hf_structattn.cache_memory import allocated_cache_bytes
+from hf_structattn.cache_memory import allocated_cache_bytes, returned_cache
 from hf_structattn.flops import attention_cost_report, decoder_cache_report
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -59,11 +59,6 @@ def llama_models(layers=2, hidden=256, heads=4, kv_heads=2, mlr_max_length=1024)
     patched = hf_structattn.patch(stock, mlr_ranks=LLAMA_RANKS, mlr_max_length=mlr_max_length).eval()
     return {"patched Llama": patched, "stock Llama": stock}
 
-
-def returned_cache(output):
-    """The cache ``generate(..., return_dict_in_generate=True)`` returned (``cache`` in transformers 5.x)."""
-    cache = getattr(output, "cache", None)
-    return cache if cache is not None else output.past_key_values
 
 
 @torch.no_grad()

@@ -48,6 +48,7 @@ import transformers
 
 import hf_structattn
 from hf_structattn import StructAttnGPT2Config, StructAttnGPT2LMHeadModel
+from hf_structattn.cache_memory import returned_cache
 
 MLR_RANKS = [32, 8, 6, 4, 4, 4, 4, 2]
 T5_RANKS = [32, 10, 8, 8, 4, 2]
@@ -121,11 +122,6 @@ def gpt2_models(stock: bool = False, device: str = "cpu", **shape_overrides) -> 
         models["stock GPT-2"] = transformers.GPT2LMHeadModel(transformers.GPT2Config(**shape))
     return {name: model.to(device).eval() for name, model in models.items()}
 
-
-def returned_cache(output):
-    """The cache ``generate(..., return_dict_in_generate=True)`` returned (``cache`` in transformers 5.x)."""
-    cache = getattr(output, "cache", None)
-    return cache if cache is not None else output.past_key_values
 
 
 class StopAfterPrefill(transformers.StoppingCriteria):

@@ -20,17 +20,24 @@ For each rank setting (``--ranks``; blocks dyadic from 2,048; the default ``leve
 * **chat**: the instruct model's greedy answer (its chat template) to a question on a 1,600-token held-out document:
   stock, patched before training, patched after recovery.
 
-Each part's result is appended to ``--results`` (JSON lines) as it finishes and reused by a rerun (the recipe runs
-resume from their checkpoints under ``--work``), so the command can be stopped and continued; the table goes to
-stdout and ``--table``. One torch thread; CPU minutes are the main thread's CPU time (the thread clock).
+Everything goes to the output folder ``--work`` (default ``outputs/real_checkpoint``): each part's result is appended
+to ``real_checkpoint.jsonl`` there as it finishes and reused by a rerun (the recipe runs resume from their
+checkpoints), so the command can be stopped and continued; the table goes to stdout and ``real_checkpoint.md``
+there. ``--update-committed`` reads and writes the committed ``benchmarks/results/real_checkpoint.{jsonl,md}``
+instead (the guide's table): a run of a few settings never replaces it by accident. Before each phase a line names
+it with an estimate (from one timed forward of 2,048 tokens), and before each recovery run the same run's command
+from a shell is printed (docs/patching.md gives it). One torch thread; CPU minutes are the main thread's CPU time
+(the thread clock).
 
     python benchmarks/bench_real_checkpoint.py        # about 1.5 CPU-hours on one core of a 2-core Xeon VM
     python benchmarks/bench_real_checkpoint.py --ranks 32,16,8,8 --parts drift decode
+    python benchmarks/bench_real_checkpoint.py --update-committed   # the full run that replaces the guide's table
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import math
 import os
@@ -45,6 +52,7 @@ import transformers
 import hf_structattn
 from hf_structattn.flops import decoder_cache_report
 from hf_structattn.real_weights import RealWeightsUnavailable, load_smollm2, smollm2_folder, token_windows, write_split
+from hf_structattn.training.loop import duration
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_decoder_patching import compiled_decode, speed  # noqa: E402
@@ -52,6 +60,7 @@ from bench_generation import header_line  # noqa: E402
 from bench_real_weights import rank_list, window_scores  # noqa: E402
 
 DEFAULT_RANKS = ["32,16,8,8", "24,24,8,8", "16,16,16,16"]
+COMMITTED_RESULTS, COMMITTED_TABLE = "benchmarks/results/real_checkpoint.jsonl", "benchmarks/results/real_checkpoint.md"
 PARTS = ("drift", "recovery", "decode", "chat")
 CONTEXT = 2048
 # the chat prompt: a held-out document, then a question on it, so that the answer reads across every block boundary
@@ -87,17 +96,35 @@ def chat_answer(model, tokenizer, prompt: str, new_tokens: int = 60) -> str:
     return tokenizer.decode(output[0, ids["input_ids"].shape[1]:], skip_special_tokens=True).strip()
 
 
-def recovery_argv(args, ranks, folder: Path, texts: Path, model_path: Path) -> list:
+LAUNCH = "accelerate launch --quiet --config_file configs/accelerate_one_process.yaml recipes/finetune_patched.py"
+
+
+def recovery_command(args, ranks, folder, texts, model_path) -> list:
+    """The recipe's arguments of one recovery run, the text files as the shell globs of the folders ``write-split``
+    fills (``texts/finetune``, ``texts/heldout``): the command docs/patching.md gives, which this bench prints before
+    the run (tests/test_docs_consistency.py holds the two equal)."""
     return ["--model_path", str(model_path), "--output_dir", str(folder),
-            "--text_files", *map(str, sorted((texts / "finetune").glob("*.txt"))),
-            "--eval_text_files", *map(str, sorted((texts / "heldout").glob("*.txt"))),
+            "--text_files", f"{texts}/finetune/*.txt", "--eval_text_files", f"{texts}/heldout/*.txt",
             "--max_train_bytes", "none", "--max_validation_bytes", "none",
             "--mlr_ranks", *map(str, ranks), "--mlr_max_length", str(CONTEXT), "--seq_len", str(CONTEXT),
             "--eval_windows", "4", "--per_device_batch_size", "1", "--objective", "distill",
-            "--learning_rate", str(args.learning_rate), "--lr_schedule", "cosine",
+            "--learning_rate", f"{args.learning_rate:g}", "--lr_schedule", "cosine",
             "--warmup_steps", "3", "--max_steps", str(args.recovery_steps), "--eval_every", str(args.eval_every),
-            "--checkpoint_every", str(args.eval_every), "--sample_new_tokens", "0", "--disable_tqdm",
-            "--report_to", "none", "--seed", "0"]
+            "--checkpoint_every", str(args.eval_every), "--sample_new_tokens", "0", "--report_to", "none",
+            "--seed", "0"]
+
+
+def recovery_argv(args, ranks, folder: Path, texts: Path, model_path: Path) -> list:
+    """:func:`recovery_command` with its globs expanded, as the shell would."""
+    argv = []
+    for word in recovery_command(args, ranks, folder, texts, model_path):
+        argv += sorted(glob.glob(word)) if "*" in word else [word]
+    return argv
+
+
+def shell_command(words: list) -> str:
+    """The recipe's command line from a shell (one line)."""
+    return f"{LAUNCH} {' '.join(words)}"
 
 
 def recovery(args, ranks, texts: Path, model_path: Path) -> dict:
@@ -108,7 +135,10 @@ def recovery(args, ranks, texts: Path, model_path: Path) -> dict:
     folder = Path(args.work) / ("recovery_" + "_".join(map(str, ranks)))
     argv = recovery_argv(args, ranks, folder, texts, model_path)
     if not (folder / "final_metrics.json").is_file():
-        resume = ["--resume_from", "latest"] if any(folder.glob("checkpoints/step_*")) else []
+        print(f"recovery {','.join(map(str, ranks))}: the same run from a shell (after python -m "
+              f"hf_structattn.real_weights write-split finetune|heldout {texts}/finetune|heldout):\n"
+              f"{shell_command(recovery_command(args, ranks, folder, texts, model_path))}", flush=True)
+        resume = ["--resume_from", "latest"] if any(folder.glob("checkpoints/checkpoint_*")) else []
         finetune(argv + resume)
     evals = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()
              if line.strip() and "eval/loss" in line]
@@ -166,7 +196,7 @@ def table(settings, found: dict, stock_ppl: float) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=rank_list, nargs="+", default=[rank_list(r) for r in DEFAULT_RANKS])
     parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
@@ -177,9 +207,24 @@ def main(argv=None) -> int:
     parser.add_argument("--eval_every", type=int, default=10)
     parser.add_argument("--learning_rate", type=float, default=2e-5)
     parser.add_argument("--decode_steps", type=int, default=12)
-    parser.add_argument("--work", default="outputs/real_checkpoint", help="the recovery runs and the text files")
-    parser.add_argument("--results", default="benchmarks/results/real_checkpoint.jsonl")
-    parser.add_argument("--table", default="benchmarks/results/real_checkpoint.md")
+    parser.add_argument("--work", default="outputs/real_checkpoint",
+                        help="the output folder: recovery runs, text files, results (JSON lines) and the table")
+    parser.add_argument("--update-committed", action="store_true",
+                        help=f"read and write the committed results ({COMMITTED_RESULTS}, {COMMITTED_TABLE}) instead "
+                             f"of the output folder's: a full run that replaces the guide's table")
+    return parser
+
+
+def output_paths(args) -> tuple:
+    """(results, table): the output folder's unless ``--update-committed`` (a run of a few settings never replaces
+    the committed table)."""
+    if args.update_committed:
+        return Path(COMMITTED_RESULTS), Path(COMMITTED_TABLE)
+    return Path(args.work) / "real_checkpoint.jsonl", Path(args.work) / "real_checkpoint.md"
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     try:
@@ -201,8 +246,8 @@ def main(argv=None) -> int:
     prompt = chat_prompt(tokenizer, texts)
     key = {"windows": args.windows, "python": platform.python_version(), "torch": torch.__version__,
            "transformers": transformers.__version__, "recovery_steps": args.recovery_steps,
-           "learning_rate": args.learning_rate, "lr_schedule": "cosine"}
-    results = Path(args.results)
+           "learning_rate": args.learning_rate, "lr_schedule": "cosine", "warmup": "(step + 1) / 3"}
+    results, table_path = output_paths(args)
     results.parent.mkdir(parents=True, exist_ok=True)
     found = read_results(results, key)
 
@@ -216,17 +261,31 @@ def main(argv=None) -> int:
     header = header_line(f"Python {platform.python_version()}, float32, SmolLM2-135M-Instruct (de-quantised GGUF), "
                          f"{args.windows} held-out windows of {CONTEXT} tokens, mlr_max_length={CONTEXT}")
     print(header, flush=True)
-    stock_scores = window_scores(stock, windows)
+    started = time.perf_counter()
+
+    def say(what: str, estimate_s: float) -> None:  # before each phase: what it is and about how long it takes
+        print(f"[bench +{time.perf_counter() - started:.0f} s] {what} (about {duration(estimate_s)}) ...", flush=True)
+
+    timed = time.perf_counter()
+    first = window_scores(stock, windows[:1])  # one forward of 2,048 tokens: what every estimate below counts in
+    forward_s = time.perf_counter() - timed
+    say(f"the stock model on {args.windows - 1} more held-out windows ({forward_s:.1f} s per forward of {CONTEXT} "
+        f"tokens)", (args.windows - 1) * forward_s)
+    rest = window_scores(stock, windows[1:])
+    stock_scores = {k: torch.cat([first[k], rest[k]]) for k in first}
     stock_ppl = math.exp(float(stock_scores["losses"].mean()))
     settings = [",".join(map(str, ranks)) for ranks in args.ranks]
     patched = {name: patched_model(stock, ranks) for ranks, name in zip(args.ranks, settings)}
     for ranks, name in zip(args.ranks, settings):  # the cheap parts of every setting first
         if "drift" in args.parts and ("drift", name) not in found:
+            say(f"drift {name}: {args.windows} windows", args.windows * forward_s)
             report = decoder_cache_report(patched[name].config, CONTEXT)
             keep("drift", name, {"key_cache_ratio": report["key_cache_ratio"], "kv_cache_ratio":
                                  report["kv_cache_ratio"], **quality(patched[name], windows, stock_scores)})
         if "decode" in args.parts and ("decode", name) not in found:
             models = {"stock": stock, "MLR": patched[name]}
+            say(f"decode {name}: eager and static cache + torch.compile after a {CONTEXT}-token prompt, stock and "
+                f"MLR (compilation included)", 8 * forward_s + 4 * args.decode_steps * forward_s / 20 + 120)
             eager = speed(models, CONTEXT, args.decode_steps, 1)
             compiled = compiled_decode(models, CONTEXT, args.decode_steps)
             keep("decode", name, {"eager_stock_ms": eager["stock"][1], "eager_mlr_ms": eager["MLR"][1],
@@ -235,10 +294,15 @@ def main(argv=None) -> int:
                                   "compiled_mlr_ms": compiled["MLR"]})
     for ranks, name in zip(args.ranks, settings):
         if "recovery" in args.parts and ranks in args.recovery_ranks and ("recovery", name) not in found:
+            evaluations = args.recovery_steps // args.eval_every + 1 if args.eval_every else 2
+            say(f"recovery {name}: {args.recovery_steps} distillation steps of one window, {evaluations} evaluations "
+                f"of 4 windows", (20 + 4 * args.recovery_steps + 8 * evaluations) * forward_s)
             run = recovery(args, ranks, texts, smollm2_folder())
             recovered = transformers.AutoModelForCausalLM.from_pretrained(run["folder"], trust_remote_code=True)
             keep("recovery", name, {**run, **quality(recovered.eval(), windows, stock_scores)})
         if "chat" in args.parts and ("chat", name) not in found:
+            say(f"chat {name}: greedy answers of up to 60 tokens to a {CHAT_DOCUMENT_TOKENS:,}-token prompt",
+                3 * 2 * forward_s)
             after = None
             if ("recovery", name) in found:
                 recovered = transformers.AutoModelForCausalLM.from_pretrained(found[("recovery", name)]["folder"],
@@ -247,8 +311,9 @@ def main(argv=None) -> int:
             keep("chat", name, {"stock": chat_answer(stock, tokenizer, prompt),
                                 "before": chat_answer(patched[name], tokenizer, prompt), "after": after})
     text = f"{header}\n\n{table(settings, found, stock_ppl)}\n"
-    Path(args.table).write_text(text)
+    table_path.write_text(text)
     print(text)
+    print(f"table: {table_path}; results: {results}", flush=True)
     return 0
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["allocated_cache_bytes"]
+__all__ = ["allocated_cache_bytes", "returned_cache"]
 
 
 def _tensors_in(value: Any, seen: set, depth: int):
@@ -63,3 +63,9 @@ def allocated_cache_bytes(cache: Any, *, cross_attention: bool = True) -> int:
             # two storages are the same allocation when they start at the same address on the same device
             storages[(str(tensor.device), storage.data_ptr())] = storage.nbytes()
     return sum(storages.values())
+
+
+def returned_cache(output: Any):
+    """The cache that ``generate(..., return_dict_in_generate=True)`` or a forward with ``use_cache=True`` returned:
+    its ``cache`` attribute, transformers 5's name (the older name is deprecated and warns)."""
+    return output.cache

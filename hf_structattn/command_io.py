@@ -64,6 +64,32 @@ def remove_stale_partials(out: Path) -> list[Path]:
     return removed
 
 
+def user_file_mode() -> int:
+    """The mode a file created by ``open()`` gets in this process: ``0o666`` less the umask."""
+    try:  # Linux states the umask without changing it
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def apply_umask(path: Path) -> None:
+    """Give ``path`` (a file, or every file under a folder, links not followed) the mode the user's umask gives a new
+    file. Writers that go through a temporary file (safetensors' ``save_file``, ``tempfile``) create it ``0600``;
+    this runs on what they wrote, before it is renamed into place, so the weights are as readable as the config
+    beside them."""
+    mode = user_file_mode()
+    path = Path(path)
+    files = [path] if not path.is_dir() else [p for p in path.rglob("*") if not p.is_symlink() and p.is_file()]
+    for file in files:
+        if file.is_file() and not file.is_symlink() and (file.stat().st_mode & 0o777) != mode:
+            os.chmod(file, mode)
+
+
 def save_atomically(out: Path, write) -> None:
     """Call ``write(folder)`` on a fresh hidden folder next to ``out`` and rename it to ``out`` (which must be
     absent or empty). On any failure, interruption included, the folder and the parents this call created are
@@ -77,6 +103,7 @@ def save_atomically(out: Path, write) -> None:
     staging.mkdir()
     try:
         write(staging)
+        apply_umask(staging)
         os.rename(staging, out)  # replaces an empty directory; fails (ENOTEMPTY) if someone filled it meanwhile
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -88,4 +115,4 @@ def save_atomically(out: Path, write) -> None:
         raise
 
 
-__all__ = ["CliError", "check_out_dir", "remove_stale_partials", "save_atomically"]
+__all__ = ["CliError", "apply_umask", "check_out_dir", "remove_stale_partials", "save_atomically", "user_file_mode"]

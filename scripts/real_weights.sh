@@ -7,11 +7,28 @@
 #                                          # about 30 min on one core; resumable: rows land in
 #                                          # benchmarks/results/real_weights.jsonl as they finish)
 # <cache> is $HF_STRUCTATTN_CACHE, else $XDG_CACHE_HOME/hf_structattn, else ~/.cache/hf_structattn. Extra arguments
-# go to pytest. PYTHON picks the interpreter (default: python on PATH, e.g. the activated .venv).
+# go to pytest. PYTHON picks the interpreter (default: the activated virtual environment's python, else .venv/bin/python
+# when it exists, else python on PATH); it needs the [test] extra (torch, transformers, pytest): `bash
+# scripts/setup.sh --test` installs it into .venv (the default `bash scripts/setup.sh` has no pytest).
 # HF_STRUCTATTN_REAL_WEIGHTS=no-install forbids the install: the tier then runs only on an already converted folder.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python=${PYTHON:-python}
+python=${PYTHON:-}
+if [ -z "$python" ]; then
+  if [ -z "${VIRTUAL_ENV:-}" ] && [ -x .venv/bin/python ]; then python=.venv/bin/python; else python=python; fi
+fi
+# what the tier needs, checked before anything else, so that a missing package is named as such
+needs='import importlib.util as u; print(" ".join(m for m in ("torch", "transformers", "safetensors", "pytest")
+                                                 if u.find_spec(m) is None))'
+missing=$("$python" -c "$needs" 2>/dev/null) || {
+  echo "real weights: cannot run the interpreter '$python'; run bash scripts/setup.sh --test (or set PYTHON)" >&2
+  exit 2
+}
+if [ -n "$missing" ]; then
+  echo "real weights: $python lacks ${missing// /, }; run bash scripts/setup.sh --test (it installs the [test]" \
+       "extra into .venv), or set PYTHON to an interpreter that has them" >&2
+  exit 2
+fi
 bench=0
 if [ "${1:-}" = "--bench" ]; then
   bench=1

@@ -442,3 +442,50 @@ def test_links_are_not_followed_even_inside_the_folder(finished_run, tmp_path, f
     assert "alias.json" not in fake_hub[-1][2]["sent"]
     skipped = capsys.readouterr().out.split("skipped (not uploaded)")[1]
     assert "alias.json" in skipped and "a symlink" in skipped
+
+
+TEXT_SUFFIXES = (".json", ".jsonl", ".md", ".py", ".txt", ".yaml", ".jinja", ".model")
+
+
+def test_a_push_names_no_path_of_the_machine_it_came_from(tmp_path, fake_hub, capsys):
+    """The card of a ``--model_path`` run embedded the config with ``"_name_or_path": "<home>/.cache/..."``: no file a
+    push sends may name a path of this machine (the source folder, the output folder, the home folder)."""
+    import torch
+    import transformers
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    from hf_structattn.tokenization import build_byte_tokenizer
+    from hf_structattn.training.decoder_ft import main as finetune
+
+    source = tmp_path / "home" / ".cache" / "some-model"  # where a user's downloaded or converted checkpoint sits
+    config = transformers.LlamaConfig(vocab_size=257, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                                      bos_token_id=256, eos_token_id=256, pad_token_id=256)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(source)
+    tokenizer = build_byte_tokenizer()
+    tokenizer.model_max_length = 256
+    tokenizer.save_pretrained(source)
+    out = tmp_path / "run"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        finetune(["--model_path", str(source), "--output_dir", str(out), "--mlr_ranks", "8", "4", "4",
+                  "--mlr_max_length", "32", "--seq_len", "32", "--per_device_batch_size", "2", "--eval_windows", "2",
+                  "--max_train_bytes", "20000", "--max_validation_bytes", "5000", "--max_steps", "2",
+                  "--eval_every", "0", "--checkpoint_every", "1", "--sample_new_tokens", "4", "--disable_tqdm",
+                  "--report_to", "none"])
+    finally:
+        torch.set_num_threads(threads)
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        PartialState._reset_state()
+    assert main(["push", str(out), "--repo-id", REPO]) == 0
+    sent = fake_hub[-1][2]["sent"]
+    assert {"README.md", "config.json", "final_metrics.json", "tokenizer_config.json"} <= set(sent), sorted(sent)
+    machine = {str(tmp_path), str(source), str(out), str(Path.home())} - {"/"}
+    leaks = [f"{name}: {where}" for name, data in sent.items() if name.endswith(TEXT_SUFFIXES)
+             for where in machine if where in data.decode("utf-8", errors="replace")]
+    assert not leaks, leaks
+    card = sent["README.md"].decode()
+    assert '"_name_or_path"' not in card and "some-model" in card  # the source named by its folder's name only

@@ -32,7 +32,8 @@ def test_text_splits_are_deterministic_disjoint_and_cover_every_topic():
     from pydoc_data.topics import topics
 
     names = real_weights.split_topics()
-    assert sorted(name for split in names.values() for name in split) == sorted(topics)
+    empty = real_weights.topics_without_text()  # topics whose paragraphs all belong to earlier topics
+    assert sorted(name for split in [*names.values(), empty] for name in split) == sorted(topics)
     paragraphs = _paragraph_sets()
     for first, second in (("heldout", "calibration"), ("heldout", "finetune"), ("calibration", "finetune")):
         assert not paragraphs[first] & paragraphs[second], (first, second)
@@ -56,6 +57,42 @@ def test_text_splits_are_deterministic_disjoint_and_cover_every_topic():
     assert repeated > 0
     digests = {split: hashlib.sha1(real_weights.split_text(split).encode()).hexdigest() for split in names}
     assert digests == {split: hashlib.sha1(real_weights.split_text(split).encode()).hexdigest() for split in names}
+
+
+def test_splits_and_write_split_count_the_same_topics(tmp_path, capsys):
+    """``splits`` reported 40 fine-tuning topics where ``write-split`` wrote 39 files: one topic (``else``) adds no
+    paragraph of its own and got no file, but was counted."""
+    names = real_weights.split_topics()
+    for split in real_weights.SPLITS:
+        paths = real_weights.write_split(split, tmp_path / split)
+        assert sorted(path.stem for path in paths) == names[split] and all(path.stat().st_size for path in paths)
+        assert real_weights.split_text(split) == "\n\n".join(
+            path.read_text().rstrip("\n") for path in sorted(paths, key=lambda path: path.stem)) + "\n"
+    assert real_weights.main(["splits"]) == 0
+    printed = {line.split(":")[0]: line for line in capsys.readouterr().out.splitlines()}
+    for split in real_weights.SPLITS:
+        assert printed[split].startswith(f"{split}: {len(names[split])} topics, ")
+        assert len(list((tmp_path / split).glob("*.txt"))) == len(names[split])
+
+
+def test_the_tier_script_names_the_setup_it_needs_in_one_line(tmp_path):
+    """After the default setup (no pytest) ``bash scripts/real_weights.sh`` ended in "No module named pytest", and
+    without the virtual environment it blamed the weights for a missing transformers."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    bare = tmp_path / "bare"  # a real interpreter without the project's packages
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True, timeout=120)
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHON": str(bare / "bin" / "python"),
+           "HF_STRUCTATTN_CACHE": str(tmp_path / "cache")}
+    done = subprocess.run(["bash", str(root / "scripts" / "real_weights.sh")], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert done.returncode == 2 and done.stdout == "", (done.stdout, done.stderr)
+    assert done.stderr.count("\n") == 1 and "lacks torch, transformers, safetensors, pytest" in done.stderr
+    assert "bash scripts/setup.sh --test" in done.stderr and "weights" not in done.stderr.split(":", 1)[1]
+    assert not (tmp_path / "cache").exists()  # nothing installed or converted
 
 
 def test_an_unconverted_cache_without_install_says_why_in_one_line(tmp_path, monkeypatch):

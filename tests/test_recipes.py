@@ -364,8 +364,32 @@ def test_a_text_corpus_shorter_than_one_window_is_a_one_line_error_naming_the_fl
         RECIPES[recipe_name].run(tmp_path / "out", "--text_files", short)
     message = str(error.value)
     assert re.fullmatch(r"--seq_len (32|64): the (training|validation) text has \d+ tokens, fewer than one window; "
-                        r"pass a smaller --seq_len or more (training|validation) text \(--text_files, .*\)", message), \
-        message
+                        r"pass a smaller --seq_len or more (training|validation) text \(--(eval_)?text_files.*\)",
+                        message), message
+
+
+def test_a_validation_split_shorter_than_one_window_names_eval_text_files(tmp_path, capfd):
+    """The guide's recovery command on SmolLM2 stopped after 15 s with a traceback: 5 % of 39 topic files by sha1 held
+    347 tokens, fewer than one window of 2,048. The one-line error says what to pass: held-out files of their own."""
+    from hf_structattn.training.args import ConfigError
+    from hf_structattn.training.data import is_validation
+
+    files, held_out = [], 0
+    for index in range(400):  # the validation split (5 % of the files by sha1 of their path): a short file or two
+        files.append(tmp_path / f"topic_{index}.txt")
+        files[-1].write_text(f"{index}\n")
+        held_out += is_validation(f"{files[-1]}#0", 5.0)
+        if len(files) >= 40 and held_out:
+            break
+    assert 0 < held_out <= 12  # at most 12 x 5 tokens held out: fewer than one window of 64
+    with pytest.raises(ConfigError) as error:
+        RECIPES["finetune_patched"].run(tmp_path / "out", "--text_files", *files, "--seq_len", 64)
+    message = str(error.value)
+    assert "\n" not in message and re.fullmatch(
+        r"--seq_len 64: the validation text has \d+ tokens, fewer than one window; pass a smaller --seq_len or "
+        r"more validation text \(--eval_text_files FILES held out from training, or a larger --validation_percent / "
+        r"--max_validation_bytes of the --text_files split\)", message), message
+    assert "Generating train split" not in capfd.readouterr().err  # datasets' bar per file: 40 of them, silenced
 
 
 def test_an_empty_eval_text_file_is_blamed_on_eval_text_files(tmp_path):
@@ -576,6 +600,45 @@ def test_clm_outputs_and_exact_resume(tmp_path):
     assert config["model_max_length"] == 64  # n_positions of the tiny model
     # the card names no local path (the output folder is a pytest tmp dir)
     assert str(tmp_path) not in card and "/tmp" not in card
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "constant_with_warmup", "cosine_with_min_lr"])
+def test_warm_up_starts_above_zero_and_reaches_the_peak_at_its_last_step(schedule):
+    """transformers' warm-up runs step 0 at lr 0: a full forward and backward with no update."""
+    from types import SimpleNamespace
+
+    from hf_structattn.training.loop import build_scheduler
+
+    parameter = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.AdamW([parameter], lr=2.0)
+    scheduler = build_scheduler(optimizer, SimpleNamespace(lr_schedule=schedule, warmup_steps=4, max_steps=10,
+                                                           min_lr_ratio=0.1))
+    rates = []
+    for _ in range(10):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert rates[:4] == pytest.approx([0.5, 1.0, 1.5, 2.0]) and rates[4] == pytest.approx(2.0)
+    assert json.loads(json.dumps(scheduler.state_dict()))["last_epoch"] == 10  # still a JSON checkpoint state
+
+
+def test_final_weights_only_drops_the_checkpoints_of_a_finished_run_and_says_what_is_kept(tmp_path, capsys):
+    """A finished run kept a resumable checkpoint (weights and AdamW moments: ~3x the model) with no way to say it
+    is not wanted; the summary did not say what the folder keeps or why."""
+    from hf_structattn.training.outputs import finished_run
+
+    kept = run_clm(tmp_path / "kept", "--max_steps", 2, "--checkpoint_every", 1, "--sample_new_tokens", 0,
+                   "--disable_tqdm")
+    assert (tmp_path / "kept" / "checkpoints").is_dir() and kept["kept"]["checkpoints/"] > 0
+    printed = capsys.readouterr().out
+    assert "kept in the output folder" in printed and "--final_weights_only deletes them" in printed
+    lean = run_clm(tmp_path / "lean", "--max_steps", 2, "--checkpoint_every", 1, "--sample_new_tokens", 0,
+                   "--disable_tqdm", "--final_weights_only")
+    assert not (tmp_path / "lean" / "checkpoints").exists() and "checkpoints/" not in lean["kept"]
+    assert lean["kept"]["model weights (*.safetensors)"] == kept["kept"]["model weights (*.safetensors)"]
+    finished_run(tmp_path / "lean")  # still a finished run: it loads and pushes
+    saved = json.loads((tmp_path / "lean" / "final_metrics.json").read_text())
+    assert saved["kept"] == lean["kept"]
 
 
 def test_clm_refuses_a_sample_longer_than_n_positions_before_training(tmp_path):
@@ -1224,6 +1287,13 @@ def test_finetune_patched_reports_drift_recovers_and_saves_a_loadable_model(tmp_
     assert abs(result["kl_to_source_before"]) < 1e-3 and 0 <= result["eval_kl_to_source"] < 1e-3
     assert 0.9 < result["eval_top1_source"] <= 1.0
     assert result["cache_key_cache_bytes"] < result["cache_dense_key_cache_bytes"]
+    assert result["cache_context_tokens"] == 4096 and result["sample_cache_tokens"] == 44  # 4 prompt + 40 new
+    # what the folder keeps, and why, is in the summary; every file has the user's mode (safetensors wrote 0600)
+    assert result["kept"]["model weights (*.safetensors)"] == (out / "model.safetensors").stat().st_size
+    assert {"checkpoints/", "source/"} <= set(result["kept"]) and result["weights_dtype"] == "float32"
+    mode = os.umask(0o022)
+    os.umask(mode)
+    assert {oct(p.stat().st_mode & 0o777) for p in out.rglob("*") if p.is_file()} == {oct(0o666 & ~mode)}
     assert {"structattn_decoder.py", "config.json", "model.safetensors", "final_metrics.json", "tokenizer.json",
             "README.md", "metrics.jsonl", "run_config.json", "source", "checkpoints"} <= {p.name for p in out.iterdir()}
     source = transformers.AutoModelForCausalLM.from_pretrained(out / "source")
@@ -1246,6 +1316,29 @@ def test_finetune_patched_reports_drift_recovers_and_saves_a_loadable_model(tmp_
 
     windows = eval_windows(load_corpus(recipe.parse(recipe.argv(out))).validation, 32, 4)
     assert validation_loss(reloaded, windows, 4) == pytest.approx(result["eval_loss"], rel=1e-5)
+
+
+def test_the_finetune_patched_cache_line_is_at_the_models_context_and_labels_the_sample():
+    """The card and final_metrics.json gave only the cache of the 66-token greedy sample, which lies inside one block
+    (1.000x: "saves nothing"); the saving is at the model's context length, as in the guide's table."""
+    import hf_structattn
+    from hf_structattn.decoder_patching import tiny_decoder
+    from hf_structattn.flops import decoder_cache_report
+    from hf_structattn.training.decoder_ft import cache_summary
+
+    patched = hf_structattn.patch(tiny_decoder("llama"), mlr_ranks=[8, 4, 4], mlr_max_length=2048)  # blocks 1024, 512
+    summary = {}
+    line = cache_summary(patched.config, 2048, 66, torch.float32, summary)
+    at_context = decoder_cache_report(patched.config, 2048, dtype_bytes=torch.float32)
+    assert summary["cache_context_tokens"] == 2048 and summary["cache"] == at_context
+    assert summary["cache_key_cache_ratio"] == at_context["key_cache_ratio"] < 0.75
+    assert summary["sample_cache_tokens"] == 66 and summary["sample_cache_key_cache_ratio"] == 1.0
+    assert line.startswith("Cache of one sequence at the model's context length, 2,048 tokens")
+    assert f"({at_context['key_cache_ratio']:.3f}x)" in line
+    assert "At the 66-token greedy sample's length: keys 1.000x" in line and "inside one block" in line
+    # without mlr_max_length (explicit blocks) the context is the config's max positions
+    cache_summary(patched.config, None, 66, torch.float32, summary)
+    assert summary["cache_context_tokens"] == patched.config.max_position_embeddings
 
 
 def card_paragraphs(card: str) -> list:
@@ -1452,6 +1545,30 @@ def test_without_the_progress_bar_a_run_prints_progress_lines_with_a_rate_and_an
                           "--output_dir", str(tmp_path / "bad"), "--progress_every_s", "-1"], cwd=tmp_path,
                          env=_script_env(), capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "--progress_every_s must be >= 0, got -1.0" in bad.stderr
+
+
+def test_in_a_log_a_run_prints_progress_lines_not_a_carriage_return_bar(tmp_path):
+    """A 17-minute run showed its training only as a tqdm bar (carriage returns) in a log: when stderr is not a
+    terminal the loop prints progress lines, as with --disable_tqdm, and transformers' bars are off."""
+    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "train_clm.py"), "--config", TINY_CLM,
+                           "--output_dir", str(tmp_path / "out"), "--sample_new_tokens", "0", "--progress_every_s",
+                           "0.001"], cwd=tmp_path, env=_script_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "\r" not in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-2000:]
+    assert re.search(r"^step \d+/\d+: loss \d+\.\d{4}, [\d,]+ tokens/s, ETA ", proc.stdout, re.M), proc.stdout[-2000:]
+
+
+def test_a_long_phase_names_itself_and_its_estimate_before_it_starts(capsys):
+    from accelerate import PartialState
+
+    from hf_structattn.training.loop import announce, duration
+
+    state = PartialState()
+    announce(state, "drift before fine-tuning: 24 forwards of 2048 tokens at 8.0 s each", 192.0)
+    announce(state, "a short phase", 5.0)
+    assert capsys.readouterr().out == ("drift before fine-tuning: 24 forwards of 2048 tokens at 8.0 s each (about "
+                                       "3.2 min) ...\n")
+    assert [duration(s) for s in (45, 210, 7200)] == ["45 s", "3.5 min", "2.0 h"]
 
 
 def test_chronos_recipe_turns_off_only_the_attention_dropout_the_fused_mlr_op_cannot_apply():

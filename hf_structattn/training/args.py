@@ -423,7 +423,7 @@ def run_recipe(module: str, prog: str) -> None:
 
 FREE_ON_RESUME = ("config", "output_dir", "overwrite_output_dir", "resume_from", "stop_after_steps", "log_every",
                   "checkpoint_every", "checkpoints_total_limit", "report_to", "run_name", "disable_tqdm",
-                  "push_to_hub", "hub_model_id", "hub_private", "hub_token")
+                  "push_to_hub", "hub_model_id", "hub_private", "hub_token", "final_weights_only")
 
 
 def run_configuration(args, recipe: str) -> dict:

@@ -39,6 +39,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from ..command_io import apply_umask
 from .args import ConfigError, RunFailure
 
 CHECKPOINT_STATE = "run.json"
@@ -351,6 +352,7 @@ class CheckpointWriter:
                 state = {"format": FORMAT, "step": step, "configuration": configuration,
                          "processes": accelerator.num_processes, "files": files}
                 (staging / CHECKPOINT_STATE).write_text(json.dumps(state, indent=2, sort_keys=True))
+                apply_umask(staging)  # safetensors writes 0600; the checkpoint's files get the user's mode
                 for path in [*staging.rglob("*"), staging]:
                     _fsync(path)
                 os.rename(staging, final)  # atomic: the folder appears complete or not at all

@@ -232,11 +232,19 @@ def load_text_files_corpus(text_files: Sequence[str], validation_percent: float 
     except ModuleNotFoundError as error:  # the core install has no datasets
         raise missing_extra(error) from None
 
+    import datasets
+
     files = sorted(str(Path(f)) for f in text_files)
     documents = []
-    for file in files:  # one load per file keeps the file name as the split key
-        data = load_dataset("text", data_files=[file], sample_by="document", split="train")
-        documents.extend((f"{file}#{i}", text) for i, text in enumerate(data["text"]))
+    was_disabled = datasets.utils.are_progress_bars_disabled()
+    datasets.disable_progress_bars()  # one "Generating train split" bar per file said nothing a user can use
+    try:
+        for file in files:  # one load per file keeps the file name as the split key
+            data = load_dataset("text", data_files=[file], sample_by="document", split="train")
+            documents.extend((f"{file}#{i}", text) for i, text in enumerate(data["text"]))
+    finally:
+        if not was_disabled:
+            datasets.enable_progress_bars()
     description = f"{len(files)} local text file(s) via datasets' text loader"
     return _split(documents, validation_percent, max_train_bytes, max_validation_bytes, description)
 

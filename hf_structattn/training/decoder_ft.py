@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -34,9 +35,11 @@ from typing import Optional
 import torch
 import transformers
 
+from ..command_io import apply_umask
 from ..modeling.structattn_decoder_spec import DEFAULT_LEVEL_ORDER, check_level_order
 from .args import ConfigError, arg, model_args_dataclass, parse_recipe_args, run_main
-from .loop import CommonArgs, build_optimizer, build_scheduler, finish_run, rank_share, start_run, train
+from .loop import (CommonArgs, announce, build_optimizer, build_scheduler, finish_run, rank_share, start_run,
+                   train)
 
 RECIPE = "finetune_patched"
 OBJECTIVES = ("distill", "lm")
@@ -364,6 +367,7 @@ def source_model(accelerator, args: PatchedFinetuneArgs, corpus):
             shutil.rmtree(staging, ignore_errors=True)
             model.save_pretrained(staging)
             tokenizer.save_pretrained(staging)
+            apply_umask(staging)
             os.rename(staging, saved)
         accelerator.wait_for_everyone()
     return model, tokenizer, corpus.train, corpus.validation
@@ -392,6 +396,34 @@ def patched_flops_per_token(model, seq_len: int) -> float:
         macs += score_macs(variant, seq_len, causal=True, **geometry) + pv_macs(variant, seq_len, causal=True,
                                                                                  **geometry)
     return 3 * (2 * params + 2 * config.num_attention_heads * macs / seq_len)
+
+
+def cache_summary(config, mlr_max_length: Optional[int], sample_tokens: int, dtype, summary: dict) -> str:
+    """The key-cache saving of a patched decoder for its card and run summary, by the formula the guide's table uses
+    (``flops.decoder_cache_report``): at the model's context length (``mlr_max_length``, the length its blocks were
+    derived from, else the config's ``max_position_embeddings``), which is the saving the model is for, and at the
+    greedy sample's length, labelled as such (a sample shorter than the finest block keeps every level: no saving
+    there). Adds ``cache`` / ``cache_*`` (context length, ``cache_context_tokens``) and ``sample_cache_*`` to
+    ``summary``; returns the markdown line."""
+    from ..flops import decoder_cache_report
+    from ..modeling.structattn_decoder import decoder_geometry
+
+    length = mlr_max_length or getattr(config, "max_position_embeddings", None) or sample_tokens
+    cache = decoder_cache_report(config, length, dtype_bytes=dtype)
+    sample = decoder_cache_report(config, sample_tokens, dtype_bytes=dtype)
+    summary["cache"] = cache
+    summary["cache_context_tokens"] = length
+    summary.update({f"cache_{k}": v for k, v in cache.items()})
+    summary["sample_cache_tokens"] = sample_tokens
+    summary.update({f"sample_cache_{k}": v for k, v in sample.items()})
+    finest = min(decoder_geometry(config).block_sizes, default=length)
+    inside = (f": it lies inside one block of the finest level ({finest} tokens), where every level is kept"
+              if sample_tokens <= finest else "")
+    return (f"Cache of one sequence at the model's context length, {length:,} tokens "
+            f"(`hf_structattn.flops.decoder_cache_report`): keys {cache['key_cache_bytes']:,} bytes vs "
+            f"{cache['dense_key_cache_bytes']:,} with full keys ({cache['key_cache_ratio']:.3f}x); keys + values "
+            f"{cache['kv_cache_ratio']:.3f}x. At the {sample_tokens}-token greedy sample's length: keys "
+            f"{sample['key_cache_ratio']:.3f}x, keys + values {sample['kv_cache_ratio']:.3f}x{inside}.")
 
 
 def loading_snippet(path_hint: str, prompt: str) -> str:
@@ -431,18 +463,27 @@ def main(argv=None) -> dict:
     import hf_structattn
 
     from ..decoder_patching import drift_report
-    from ..flops import decoder_cache_report
     from .data import eval_windows, lm_micro_batch
 
     source, tokenizer, train_tokens, validation_tokens = source_model(accelerator, args, corpus)
     windows = eval_windows(validation_tokens, args.seq_len, args.eval_windows,
-                           *(["--eval_text_files"] if args.eval_text_files else []))
+                           "--eval_text_files" if args.eval_text_files else
+                           "--eval_text_files FILES held out from training, or a larger --validation_percent / "
+                           "--max_validation_bytes of the --text_files split")
     try:
         patched = hf_structattn.patch(source, attention="mlr", **args.patch_fields(),
                                       **calibration_fields(args, train_tokens))
     except ValueError as error:  # not caught by the dry run (e.g. an architecture the meta device cannot build)
         raise ConfigError(f"patch: {' '.join(str(error).split())}") from None
     source.eval().requires_grad_(False)
+    # the estimates of the long phases: one forward of a window, timed here (every phase below is forwards of it)
+    timed = time.perf_counter()
+    window_scores(source, None, windows[:1], 1)
+    forward_s = time.perf_counter() - timed
+    distill = args.objective == "distill"
+    count = 2 * min(8, windows.shape[0]) + windows.shape[0] * (3 if distill else 2)
+    announce(accelerator, f"drift and validation losses before fine-tuning: {count} forwards of {args.seq_len} "
+                          f"tokens at {forward_s:.1f} s each", count * forward_s)
     drift = drift_report(source, patched.eval(), windows[:8])
     loss_source = validation_loss(source, windows, args.per_device_batch_size)
     before = window_scores(patched.eval(), source if args.objective == "distill" else None, windows,
@@ -482,9 +523,13 @@ def main(argv=None) -> dict:
 
     tokens_per_step = args.per_device_batch_size * world * args.gradient_accumulation_steps * args.seq_len
     flops_per_token = patched_flops_per_token(accelerator.unwrap_model(model), args.seq_len)
+    # a training step: forward and backward (about 3 forwards) of each window, and the teacher's forward
+    windows_per_step = args.per_device_batch_size * args.gradient_accumulation_steps
     result = train(accelerator, args, model, optimizer, micro_batch_fn=micro_batch_fn, loss_fn=loss_fn,
                    eval_fn=eval_fn, tokens_per_step=tokens_per_step, flops_per_token=flops_per_token, recipe=RECIPE,
-                   resume_checkpoint=checkpoint)
+                   resume_checkpoint=checkpoint,
+                   seconds_per_step=forward_s * windows_per_step * (4 if distill else 3),
+                   seconds_per_eval=forward_s * windows.shape[0] * (2 if distill else 1) / world)
     loss_after = result.final_eval["loss"]
     accelerator.print(f"validation-loss gap to the source: {loss_before - loss_source:+.4f} before fine-tuning, "
                       f"{loss_after - loss_source:+.4f} after")
@@ -518,12 +563,8 @@ def main(argv=None) -> dict:
             context = sample.shape[1]
             sections["Sample (greedy, through the model's cache)"] = (
                 "```python\n" + summary["sample"].replace("```", "'''") + "\n```")
-        cache = decoder_cache_report(unwrapped.config, context, dtype_bytes=next(unwrapped.parameters()).dtype)
-        summary["cache"] = cache
-        summary.update({f"cache_{k}": v for k, v in cache.items()})
-        cost = (f"Cache of one {context}-token sequence (`hf_structattn.flops.decoder_cache_report`): keys "
-                f"{cache['key_cache_bytes']:,} bytes vs {cache['dense_key_cache_bytes']:,} dense "
-                f"({cache['key_cache_ratio']:.3f}x); keys + values {cache['kv_cache_ratio']:.3f}x of dense.")
+        cost = cache_summary(unwrapped.config, args.patch_fields()["mlr_max_length"], context,
+                             next(unwrapped.parameters()).dtype, summary)
         sections["Drift of the patch before fine-tuning"] = (
             f"On {min(8, windows.shape[0])} validation windows of {args.seq_len} tokens: max |delta logit| "
             f"{drift['logit_max_abs']:.4g}, relative logit change {drift['logit_rel']:.4g}, top-1 agreement "

@@ -29,6 +29,7 @@ from typing import Callable, Literal, Optional
 
 import torch
 
+from ..command_io import apply_umask
 from .args import ConfigError, RunComplete, RunFailure, arg, configuration_differences, missing_extra, run_configuration
 
 try:
@@ -94,6 +95,9 @@ class CommonArgs:
     disable_tqdm: bool = arg("no progress bar (progress lines instead, see --progress_every_s)", default=False)
     progress_every_s: float = arg("without the progress bar: print a progress line (step, loss, tokens/s, ETA) "
                                   "every this many seconds; 0: never", default=30.0)
+    final_weights_only: bool = arg("when the run finishes, delete its resumable checkpoints (checkpoints/: weights "
+                                   "and optimizer state, about 3x the model) and keep the final model only; the run "
+                                   "can then not be resumed", default=False)
     push_to_hub: bool = arg("upload the finished output folder to the Hub (token and access checked first)",
                               default=False)
     hub_model_id: Optional[str] = arg("Hub repository id (user/name) for push_to_hub", default=None)
@@ -252,6 +256,10 @@ def start_run(args: CommonArgs, recipe: str) -> tuple[Accelerator, Optional[Path
         check_hub_access(args.hub_model_id, private=args.hub_private)
     state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
     checkpoint = prepare_output_dir(args, recipe, state)
+    if not show_progress_bar(args, state):  # in a log, transformers' loading / saving bars are carriage-return noise
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()
     out = Path(args.output_dir)
     trackers: list = [JSONLTracker(args.run_name or recipe, out), *report_trackers(args.report_to)]
     # checkpoint naming, rotation and the non-pickle state files are .checkpoints' (accelerate's automatic naming
@@ -285,12 +293,28 @@ def build_optimizer(model: torch.nn.Module, args: CommonArgs) -> torch.optim.Opt
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, args: CommonArgs):
-    """``transformers.get_scheduler``: one scheduler step per optimizer step (not per process or micro-step)."""
+    """``transformers.get_scheduler``: one scheduler step per optimizer step (not per process or micro-step). Its
+    linear warm-up starts at 0 (step 0 would be a full forward and backward with no update): here warm-up step ``s``
+    (0-based) runs at ``(s + 1) / warmup_steps`` of the peak, so the first step updates and the last warm-up step
+    reaches the peak; from ``warmup_steps`` on the schedule is transformers' own."""
     from transformers import get_scheduler
 
     specific = {"min_lr_rate": args.min_lr_ratio} if args.lr_schedule == "cosine_with_min_lr" else None
-    return get_scheduler(args.lr_schedule, optimizer, num_warmup_steps=args.warmup_steps,
-                         num_training_steps=args.max_steps, scheduler_specific_kwargs=specific)
+    scheduler = get_scheduler(args.lr_schedule, optimizer, num_warmup_steps=args.warmup_steps,
+                              num_training_steps=args.max_steps, scheduler_specific_kwargs=specific)
+    warmup = args.warmup_steps
+    lambdas = getattr(scheduler, "lr_lambdas", None)
+    if warmup and lambdas and all(rule(0) == 0 for rule in lambdas):
+        def shifted(rule):
+            def lr_lambda(step: int) -> float:
+                return rule(step + 1) if step < warmup else rule(step)
+            return lr_lambda
+
+        scheduler.lr_lambdas = [shifted(rule) for rule in lambdas]
+        for group, base, rule in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+            group["lr"] = base * rule(scheduler.last_epoch)
+        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+    return scheduler
 
 
 # ------------------------------------------------------------------------------------------ training loop
@@ -323,12 +347,38 @@ def _format_metrics(metrics: dict) -> str:
     return ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
 
 
+LONG_PHASE_S = 20.0  # a phase expected to take longer says so, with its estimate, before it starts
+
+
+def duration(seconds: float) -> str:
+    """``45 s``, ``3.5 min``, ``1.2 h``."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.1f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
+
+
+def announce(accelerator, name: str, estimate_s: Optional[float]) -> None:
+    """Print ``name (about <estimate>) ...`` before a phase whose estimate exceeds :data:`LONG_PHASE_S` (on the main
+    process, flushed at once, so a log shows what the run is doing while it is silent)."""
+    if estimate_s is not None and estimate_s > LONG_PHASE_S and accelerator.is_main_process:
+        print(f"{name} (about {duration(estimate_s)}) ...", flush=True)
+
+
+def show_progress_bar(args: CommonArgs, accelerator) -> bool:
+    """A tqdm bar only on a terminal: in a log its carriage-return updates are one endless line; there the loop
+    prints progress lines instead (``--progress_every_s``)."""
+    import sys
+
+    return not args.disable_tqdm and accelerator.is_local_main_process and sys.stderr.isatty()
+
+
 def train(accelerator: Accelerator, args: CommonArgs, model, optimizer, *,
           micro_batch_fn: Callable[[int, int, int, int], object],
           loss_fn: Callable[[torch.nn.Module, object], torch.Tensor],
           eval_fn: Callable[[torch.nn.Module], dict],
           tokens_per_step: int, flops_per_token: float, recipe: str,
-          resume_checkpoint: Optional[Path] = None) -> TrainResult:
+          resume_checkpoint: Optional[Path] = None, seconds_per_step: Optional[float] = None,
+          seconds_per_eval: Optional[float] = None) -> TrainResult:
     """Run optimizer steps ``start..max_steps``. ``model``/``optimizer`` must already be ``accelerator.prepare``d.
 
     ``micro_batch_fn(step, micro, rank, world)`` returns this rank's share of micro-step ``micro`` of step ``step``;
@@ -340,6 +390,10 @@ def train(accelerator: Accelerator, args: CommonArgs, model, optimizer, *,
     With ``resume_checkpoint`` (verified by :func:`start_run`) the checkpoint is loaded first; only once it has
     loaded are ``metrics.jsonl`` cut back to its step and the trackers started, so a checkpoint that fails to load
     (a one-line :class:`.checkpoints.CheckpointError`) leaves the run folder as it was.
+
+    ``seconds_per_step`` / ``seconds_per_eval`` (the recipe's estimates, e.g. from a timed forward): the training and
+    each evaluation are announced with their estimate when it exceeds :data:`LONG_PHASE_S` (an evaluation after the
+    first by the time the previous one took).
     """
     from .outputs import public_configuration
 
@@ -362,8 +416,14 @@ def train(accelerator: Accelerator, args: CommonArgs, model, optimizer, *,
     accum = args.gradient_accumulation_steps
 
     eval_time = {"wall": 0.0, "cpu": 0.0}
+    eval_seconds = [seconds_per_eval]  # the estimate of the next evaluation: the last one's wall time once known
 
     def evaluate_now(step: int) -> dict:
+        message = f"step {step}/{args.max_steps}: evaluating"
+        if progress is not None and not progress.disable and eval_seconds[0] and eval_seconds[0] > LONG_PHASE_S:
+            progress.write(f"{message} (about {duration(eval_seconds[0])}) ...")
+        elif progress is None or progress.disable:
+            announce(accelerator, message, eval_seconds[0])
         wall, cpu = time.perf_counter(), time.thread_time()
         was_training = unwrapped.training
         unwrapped.eval()
@@ -380,6 +440,7 @@ def train(accelerator: Accelerator, args: CommonArgs, model, optimizer, *,
         (progress.write(message) if progress is not None and not progress.disable else accelerator.print(message))
         eval_time["wall"] += time.perf_counter() - wall
         eval_time["cpu"] += time.thread_time() - cpu
+        eval_seconds[0] = time.perf_counter() - wall
         return metrics
 
     def save_checkpoint(step: int) -> None:
@@ -389,8 +450,13 @@ def train(accelerator: Accelerator, args: CommonArgs, model, optimizer, *,
     final_eval: dict = {}
     if start_step == 0 and args.eval_every:
         final_eval = evaluate_now(0)
+    if seconds_per_step is not None:
+        announce(accelerator, f"training steps {start_step + 1}-{args.max_steps}"
+                 + (f", a progress line every {args.progress_every_s:g} s" if args.progress_every_s and
+                    not show_progress_bar(args, accelerator) else ""),
+                 seconds_per_step * (args.max_steps - start_step))
     progress = tqdm(total=args.max_steps, initial=start_step, desc=recipe,
-                    disable=args.disable_tqdm or not accelerator.is_local_main_process)
+                    disable=not show_progress_bar(args, accelerator))
     started, cpu_started = time.perf_counter(), time.thread_time()
     eval_time.update(wall=0.0, cpu=0.0)
     # without a bar (logs, `--disable_tqdm`), a line with the rate and an ETA now and then, so a slow run never
@@ -475,6 +541,9 @@ def finish_run(accelerator: Accelerator, args: CommonArgs, model, result: TrainR
                "train_tokens_per_second": result.tokens_per_second,
                "train_tokens_per_cpu_second": result.tokens_per_cpu_second,
                **{f"eval_{k}": v for k, v in result.final_eval.items()}, **summary}
+    parameter = next(accelerator.unwrap_model(model).parameters(), None)
+    if parameter is not None:
+        summary["weights_dtype"] = str(parameter.dtype).removeprefix("torch.")
     if "flops_per_token" in summary and "tokens_per_step" in summary:
         summary["training_flops"] = result.step * summary["tokens_per_step"] * summary["flops_per_token"]
     if result.interrupted:
@@ -488,7 +557,11 @@ def finish_run(accelerator: Accelerator, args: CommonArgs, model, result: TrainR
         from .outputs import NotAFinishedRun, describe_skipped, finished_run, push_to_hub, write_metrics_json
 
         cost_table = save_outputs(summary, state_dict)
+        if args.final_weights_only:
+            shutil.rmtree(out / "checkpoints", ignore_errors=True)
+        summary["kept"] = kept_outputs(out)
         write_metrics_json(out, summary)
+        apply_umask(out)  # safetensors writes its files 0600: every output gets the user's mode
         if args.push_to_hub:
             try:
                 run = finished_run(out)  # the one definition of what an upload sends
@@ -503,6 +576,41 @@ def finish_run(accelerator: Accelerator, args: CommonArgs, model, result: TrainR
     return summary
 
 
+# what a finished run's folder keeps beside the model, and why
+KEPT_WHY = {"checkpoints/": "resumable checkpoints (weights, AdamW moments, schedule, RNG) for --resume_from; "
+                            "--final_weights_only deletes them when a run finishes",
+            "source/": "the dense source model built and pretrained here (a resumed run reloads it)",
+            "base_tiny_chronos_t5/": "the tiny Chronos-T5 built here (a resumed run reloads it)"}
+
+
+def _folder_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def kept_outputs(out: Path) -> dict:
+    """{entry: bytes} of a finished run's folder: the model's weights (``*.safetensors`` at the top), the rest of the
+    published files together, and each folder of :data:`KEPT_WHY` that exists."""
+    weights = sum(p.stat().st_size for p in out.glob("*.safetensors") if p.is_file())
+    folders = {name: _folder_bytes(out / name.rstrip("/")) for name in KEPT_WHY if (out / name.rstrip("/")).is_dir()}
+    rest = _folder_bytes(out) - weights - sum(folders.values())
+    return {"model weights (*.safetensors)": weights, "other files (card, config, code, tokenizer, metrics, plots)":
+            rest, **folders}
+
+
+def _size(count: int) -> str:
+    return f"{count / 2**30:.2f} GB" if count >= 2**30 else f"{count / 2**20:.1f} MB"
+
+
+def kept_lines(kept: dict, dtype: Optional[str] = None) -> list[str]:
+    """The lines of the run summary that say what the output folder keeps and why."""
+    lines = [f"kept in the output folder ({_size(sum(kept.values()))}):"]
+    for name, count in kept.items():
+        why = KEPT_WHY.get(name, f"the trained model, {dtype}: the dtype it was trained in" if dtype and
+                           name.startswith("model weights") else "")
+        lines.append(f"  {name}: {_size(count)}" + (f" -- {why}" if why else ""))
+    return lines
+
+
 def print_summary(summary: dict, out: Path, cost_table: Optional[str]) -> None:
     final = {k[len("eval_"):]: v for k, v in summary.items() if k.startswith("eval_")}
     resumed = (f" (resumed at step {summary['resumed_at']}, {summary['step']} in total)"
@@ -514,6 +622,8 @@ def print_summary(summary: dict, out: Path, cost_table: Optional[str]) -> None:
         lines.append(f"training FLOPs: {summary['flops_per_token']:,.0f} per token, "
                      f"{summary['training_flops']:.3g} in total")
     lines += [f"output folder: {out}", f"model card: {out / 'README.md'}", f"metrics: {out / 'final_metrics.json'}"]
+    if "kept" in summary:
+        lines += kept_lines(summary["kept"], summary.get("weights_dtype"))
     if "hub_repo_id" in summary:
         lines.append(f"uploaded to https://huggingface.co/{summary['hub_repo_id']}")
     if cost_table:

@@ -525,6 +525,23 @@ def public_configuration(args, recipe: str) -> dict:
     return configuration
 
 
+# the keys transformers fills with the folder a model or tokenizer was loaded from
+_LOCAL_ORIGIN_KEYS = ("_name_or_path", "name_or_path")
+
+
+def public_model_config(config):
+    """A model config (``config.to_dict()``) as a card may publish it: the keys naming the folder it was loaded from
+    (``_name_or_path``) dropped and any other absolute or home-relative path replaced by its file name, at any depth
+    (a composite model's sub-configs), so that no path of this machine leaves it."""
+    if isinstance(config, dict):
+        return {key: public_model_config(value) for key, value in config.items() if key not in _LOCAL_ORIGIN_KEYS}
+    if isinstance(config, (list, tuple)):
+        return [public_model_config(value) for value in config]
+    if isinstance(config, str) and (os.path.isabs(config) or config.startswith("~")) and "\n" not in config:
+        return Path(config).name
+    return config
+
+
 def write_model_card(output_dir: str | Path, args, *, recipe: str, title: str, summary: str, config: dict, data: str,
                      metrics: dict, usage: str, pipeline_tag: str, eval_results: list[tuple] = (),
                      dataset_type: str = "custom", datasets: Optional[list[str]] = None,
@@ -532,7 +549,8 @@ def write_model_card(output_dir: str | Path, args, *, recipe: str, title: str, s
                      extra_sections: Optional[dict] = None, tags: tuple = (), notice: str = "") -> Path:
     """README.md through ``huggingface_hub.ModelCard`` with ``ModelCardData`` metadata (license, library_name,
     pipeline_tag, tags, datasets where known, model-index from ``eval_results`` = [(task_type, metric_type,
-    metric_name, value)]), then the variant/config, data, metrics, FLOPs and cache tables and a loading snippet.
+    metric_name, value)]), then the variant/config (:func:`public_model_config`: no local path), data, metrics, FLOPs
+    and cache tables and a loading snippet.
     ``notice`` (markdown) is the card's first paragraph under its title: a patched decoder's WARNING that it is not
     the stock model (``decoder_ft.saved_card_warning``)."""
     from huggingface_hub import EvalResult, ModelCard, ModelCardData
@@ -558,7 +576,8 @@ def write_model_card(output_dir: str | Path, args, *, recipe: str, title: str, s
             lines += [cost_markdown, ""]
     for heading, body in (extra_sections or {}).items():
         lines += [f"## {heading}", "", body, ""]
-    lines += ["## Model configuration", "", "```json", json.dumps(config, indent=2, sort_keys=True, default=str),
+    lines += ["## Model configuration", "", "```json",
+              json.dumps(public_model_config(config), indent=2, sort_keys=True, default=str),
               "```", ""]
     lines += [f"## Recipe arguments (`recipes/{recipe}.py`)", "", "```json",
               json.dumps(public_configuration(args, recipe), indent=2, sort_keys=True, default=str), "```", ""]
