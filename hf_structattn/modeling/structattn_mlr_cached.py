@@ -44,6 +44,11 @@ def mlr_cached_attention(query: torch.Tensor, view: MLRCacheView, read: Union[In
     (``read_formulation`` gives eager layers a ``GeneralRead``). Returns the output (B, c, Hq, dv) (contiguous) and
     the probabilities (B, Hk, n, S) in slot order when ``return_weights``, else None (n = g c query rows per cached
     head, group-major)."""
+    if torch.is_autocast_enabled(query.device.type):
+        # the reads choose their own dtypes (q.k in float32): autocast would cast the products back to its half dtype
+        # and hand the in-place accumulations mixed dtypes
+        with torch.autocast(query.device.type, enabled=False):
+            return mlr_cached_attention(query, view, read, return_weights=return_weights, dropout=dropout)
     batch, q_heads, chunk, width = query.shape
     kind = type(read)
     if kind is InStepRead and not return_weights and not dropout:
