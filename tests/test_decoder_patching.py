@@ -770,3 +770,23 @@ def test_a_stock_model_run_with_mlr_over_a_static_cache_is_exact(tmp_path, arch)
     static = model.generate(ids, cache_implementation="static", **greedy)  # blocks of 16 and 8 crossed
     assert torch.equal(static, model.generate(ids, **greedy))
     assert torch.equal(static, model.generate(ids, use_cache=False, **greedy))
+
+
+def test_a_cache_layer_that_cannot_hold_the_hierarchy_says_the_saving_is_lost(logged_warnings):
+    """A patched model handed a cache whose layers are of a foreign class (a user's, an offloading or quantising
+    one) ran without a word and stored full-width keys: now it says, once per layer, that the saving is lost and
+    what keeps it, and stays exact (logits equal the uncached forward's)."""
+    class UsersOwnLayer(transformers.cache_utils.DynamicLayer):
+        """A user's cache layer: transformers' dynamic layer under another class."""
+
+    _, mlr = patched("llama")
+    mlr = mlr.to(torch.float64)
+    ids = torch.randint(1, VOCAB, (2, 21), generator=torch.Generator().manual_seed(4))
+    cache = transformers.DynamicCache()
+    cache.layers = [UsersOwnLayer() for _ in range(mlr.config.num_hidden_layers)]
+    cached = torch.cat([mlr(ids[:, :13], cache=cache, use_cache=True).logits,
+                        mlr(ids[:, 13:], cache=cache, use_cache=True).logits], dim=1)
+    torch.testing.assert_close(cached, mlr(ids, use_cache=False).logits, rtol=0, atol=1e-12)
+    lost = [r.getMessage() for r in logged_warnings.records if "cannot hold the MLR key hierarchy" in r.getMessage()]
+    assert lost and all("UsersOwnLayer" in message and "saving is lost" in message for message in lost), lost
+    assert all(type(layer) is UsersOwnLayer for layer in cache.layers)

@@ -9,6 +9,7 @@ from typing import Callable, Optional
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer, EncoderDecoderCache, StaticLayer
+from transformers.utils import logging
 from transformers.utils.deprecation import deprecate_kwarg
 
 from .structattn_cache import MLR_CACHE_LAYERS, MLRKeyCacheLayer, MLRStaticKeyCacheLayer, held_geometry
@@ -40,6 +41,8 @@ from .structattn_mlr_plan import (
     read_formulation,
 )
 from .structattn_step import STEP_KEY, MLRStep, build_step, plain_step
+
+logger = logging.get_logger(__name__)
 
 
 def self_attention_cache(cache: Optional[Cache]) -> Optional[Cache]:
@@ -112,6 +115,12 @@ def prepare_structattn_cache(cache: Optional[Cache], geometries: dict, *, reserv
             elif type(layer) is StaticLayer and not layer.is_initialized:
                 layer = target.layers[layer_idx] = MLRStaticKeyCacheLayer(layer.max_cache_len, geometry)
             else:
+                if type(layer) not in (DynamicLayer, StaticLayer):  # (a plain layer already written says so below)
+                    logger.warning_once(
+                        f"cache layer {layer_idx} is a {type(layer).__name__}, which cannot hold the MLR key "
+                        f"hierarchy: it keeps full-width keys (exact, but the MLR key-cache saving is lost); "
+                        f"DynamicCache(config=model.config), StaticCache, or generate's default or 'static' cache "
+                        f"keep the hierarchy")
                 continue
             layer.layer_index = layer_idx
             if recording:  # generate activated rollback on the cache it built (an assistant's, a speculative run's)
