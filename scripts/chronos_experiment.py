@@ -39,8 +39,12 @@ seed's best grid LR is 3e-4 or 3e-3, that arm and width runs one more LR in that
 ``edge_extensions``) in every seed. A is *lower* than B at a width when it is lower by at least 0.01 nats in all
 three seeds. Claim: YES when ``mlr`` is lower than ``dense`` at every width; NO when ``dense`` is lower than ``mlr``
 at 2 or more widths; UNDECIDED otherwise; PARTIAL until every run it reads (edge runs included) has its results
-file. Ablation (only when the claim is YES): SURVIVES when ``mlr_flat`` is also lower than ``dense`` at every width;
-CONFOUNDED when ``mlr_flat`` is not lower than ``dense`` at 2 or more widths; MIXED otherwise.
+file. A run *diverged* when its final loss is NaN (or infinite) or above its step-0 evaluation's; it scores as
+worse than any run that did not (``sweep.run_score``, shared with the LM design: ``inf``), in the LR choice and in
+the comparison: never an arm's best LR unless all of them diverged, an arm whose run diverged is the higher in that
+seed by any margin, and two diverged runs are not lower than each other. Ablation (only when the claim is YES):
+SURVIVES when ``mlr_flat`` is also lower than ``dense`` at every width; CONFOUNDED when ``mlr_flat`` is not lower
+than ``dense`` at 2 or more widths; MIXED otherwise.
 
 CPU design (``--design cpu``, registered before any of its runs; what differs from the design above, which stays the
 default, ``--design gpu``):
@@ -82,7 +86,7 @@ from hf_structattn.flops import encoder_decoder_flops
 from sweep import (SHARD_MINUTES, run_table, ArmSpec, StackedArm, cpu_model, cpu_pilot, cpu_progress, cpu_rates,
                    cpu_shard_lines, cpu_shards, design_arguments, device_name, edge_extensions, finish_pilot,
                    lower_in_every_seed, majority, pack_shards, probe_markdown, read_run_jsons, read_shard_records,
-                   run_cpu_shard, run_name, run_unit, runnable_shards, shard_rate, shard_table, step_timing,
+                   run_cpu_shard, run_name, run_score, run_unit, runnable_shards, shard_rate, shard_table, step_timing,
                    merge_timing)
 
 ARMS = ("dense", "mlr", "mlr_flat")
@@ -282,7 +286,7 @@ def _row(arm: str, width: int) -> dict:
 def arm_lrs(runs: list[dict], arm: str, width: int, seeds=SEEDS, name: str | None = None) -> list[float] | None:
     """The LRs of (arm, width): the grid plus the edge LRs its finished grid runs (``seeds``; their results arm
     ``name``, default ``<arm>_D<width>``) trigger; None until every grid run has finished."""
-    grid = {(r["lr"], r["seed"]): r["final"]["loss"] for r in runs if r["arm"] == (name or f"{arm}_D{width}")}
+    grid = {(r["lr"], r["seed"]): run_score(r, "loss") for r in runs if r["arm"] == (name or f"{arm}_D{width}")}
     if any((lr, seed) not in grid for lr in LRS for seed in seeds):
         return None
     best = [min(LRS, key=lambda lr: grid[lr, seed]) for seed in seeds]
@@ -327,7 +331,7 @@ def scores(runs: list[dict]) -> dict:
     for arm in ARMS:
         for width in WIDTHS:
             lrs = arm_lrs(runs, arm, width)
-            values = {(r["lr"], r["seed"]): r["final"]["loss"] for r in runs if r["arm"] == f"{arm}_D{width}"}
+            values = {(r["lr"], r["seed"]): run_score(r, "loss") for r in runs if r["arm"] == f"{arm}_D{width}"}
             for seed in SEEDS:
                 if lrs and all((lr, seed) in values for lr in lrs):
                     best[arm, width, seed] = min(values[lr, seed] for lr in lrs)
@@ -417,7 +421,7 @@ def cpu_lr(runs: list[dict], arm: str) -> float | None:
     """The CPU design's LR of ``arm``: the lowest mean final validation loss over the grid seeds among the grid and
     its edge LRs; None until all of those have finished."""
     lrs = arm_lrs(runs, arm, CPU_WIDTH, CPU_GRID_SEEDS, grid_arm(arm))
-    values = {(r["lr"], r["seed"]): r["final"]["loss"] for r in runs if r["arm"] == grid_arm(arm)}
+    values = {(r["lr"], r["seed"]): run_score(r, "loss") for r in runs if r["arm"] == grid_arm(arm)}
     if lrs is None or any((lr, seed) not in values for lr in lrs for seed in CPU_GRID_SEEDS):
         return None
     return min(lrs, key=lambda lr: sum(values[lr, seed] for seed in CPU_GRID_SEEDS))
@@ -451,7 +455,7 @@ def cpu_scores(runs: list[dict]) -> dict:
         lr = cpu_lr(runs, arm)
         for r in runs:
             if lr is not None and r["arm"] == f"{arm}_D{CPU_WIDTH}" and r["lr"] == lr:
-                best[arm, CPU_WIDTH, r["seed"]] = r["final"]["loss"]
+                best[arm, CPU_WIDTH, r["seed"]] = run_score(r, "loss")
     return best
 
 

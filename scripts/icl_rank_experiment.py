@@ -445,13 +445,15 @@ def launch_all(args, runs) -> None:
 
 
 def measured_cpu_ms(results: Path) -> dict:
-    """Arm -> ms per step of its stack on one CPU thread, from the design's CPU results files (wall / steps)."""
-    from icl_rank_report import load_runs
+    """Arm -> ms of wall per step of its stack on one CPU thread, from the design's CPU results files: the stack's
+    wall over the steps the stack ran (``icl_rank_report.stack_ms_per_step``; a run frozen early does not divide the
+    whole stack's wall by its own steps), the slowest of the arm's stacks."""
+    from icl_rank_report import load_runs, stack_ms_per_step
 
     rates: dict[str, list] = {}
-    for run in load_runs(results):
-        if str(run.get("device", "")).startswith("cpu"):
-            rates.setdefault(run["arm"], []).append(1000 * run["wall_s"] / max(1, run["final_step"]))
+    for (arm, _, _, device), ms in stack_ms_per_step(load_runs(results)).items():
+        if device.startswith("cpu"):
+            rates.setdefault(arm, []).append(ms)
     return {arm: max(values) for arm, values in rates.items()}
 
 

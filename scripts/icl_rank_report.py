@@ -53,6 +53,23 @@ def load_runs(folder: Path) -> list[dict]:
     return [{**record, "final": record["final"]["error_last"]} for record in read_run_jsons(folder)]
 
 
+def stack_key(run: dict) -> tuple:
+    """The stack a run trained in: its arm, LR, stack size and device (the design trains each (arm, LR)'s seeds as one
+    stacked model in one shard)."""
+    return run["arm"], run["lr"], run["batched_with"], str(run.get("device", ""))
+
+
+def stack_ms_per_step(runs: list[dict]) -> dict:
+    """:func:`stack_key` -> ms of wall per step of that stack: its wall (the largest ``wall_s`` of its runs, each
+    written as the stack finished) over the steps the stack ran, the most any of its runs ran (a frozen run stops at
+    the step it froze while the stack trains on, so its own ``final_step`` would overstate the cost of a step)."""
+    walls: dict = {}
+    for run in runs:
+        wall, steps = walls.get(stack_key(run), (0.0, 0))
+        walls[stack_key(run)] = (max(wall, run["wall_s"]), max(steps, run["final_step"]))
+    return {key: 1000 * wall / max(1, steps) for key, (wall, steps) in walls.items()}
+
+
 def _run(runs, arm, lr, seed) -> Optional[dict]:
     return next((r for r in runs if r["arm"] == arm and r["lr"] == lr and r["seed"] == seed), None)
 
@@ -141,6 +158,39 @@ def equal_compute_verdict(table: dict, seeds=DESIGN_SEEDS) -> str:
     return "UNDECIDED: " + "; ".join(reasons)
 
 
+RANK_CONTROL = "v_dense3_rank"
+
+
+def cost_ratios(runs: list[dict], flops: dict, slow: str = LOW_RANK, fast: str = RANK_CONTROL) -> dict:
+    """(lr of ``slow``, seed) -> the training FLOPs ``slow``'s run needed to reach error 0.1 over those of ``fast``'s
+    run in the seed (:func:`flops_to_threshold`; ``inf`` when ``slow``'s never got there, None when ``fast``'s did
+    not or a run is missing). An observation (by default (i) against the rank control (v)), not a rule."""
+    out = {}
+    for arm, lr, seed in design_runs():
+        if arm != slow:
+            continue
+        mine = _run(runs, arm, lr, seed)
+        theirs = next((r for r in runs if r["arm"] == fast and r["seed"] == seed), None)
+        if mine is None or theirs is None:
+            continue
+        a, b = flops_to_threshold(mine, flops[slow]).flops, flops_to_threshold(theirs, flops[fast]).flops
+        out[lr, seed] = None if b == math.inf else a / b
+    return out
+
+
+def cost_ratio_line(ratios: dict) -> Optional[str]:
+    """:func:`cost_ratios` as the report's observation line (None when there is nothing to say)."""
+    if not ratios:
+        return None
+    parts = []
+    for lr in sorted({lr for lr, _ in ratios}, reverse=True):
+        cells = [f"seed {seed} " + ("-" if r is None else "never" if r == math.inf else f"{r:.2g}x")
+                 for (x, seed), r in sorted(ratios.items()) if x == lr]
+        parts.append(f"lr {lr:g}: " + ", ".join(cells))
+    return (f"{LABELS[LOW_RANK].split(' ')[0]} against {LABELS[RANK_CONTROL].split(' ')[0]}, training FLOPs to error "
+            "0.1, (i)'s over (v)'s: " + "; ".join(parts))
+
+
 def observations(runs: list[dict], calibration: list[dict]) -> list[str]:
     """What (ii) did in the design's seeds, and what seed 0's calibration runs did (not ruled on)."""
     lines = []
@@ -226,6 +276,7 @@ def report(args, training_flops) -> None:
     calibration = load_runs(Path(args.calibration)) if args.calibration and Path(args.calibration).exists() else []
     flops = {arm: training_flops(DESIGN_D, arm, cap(arm), layers=args.layers) for arm in RULED + OBSERVED}
     fields = arms(DESIGN_D)
+    stack_rates = stack_ms_per_step(runs)
     print("| arm | D | heads | lr | seed | final error | best error | solved (< 0.05) at step | steps run | "
           "FLOPs to error 0.1 | ms/step (one run of the stack) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -234,7 +285,7 @@ def report(args, training_flops) -> None:
         if run is None:
             continue
         cost = flops_to_threshold(run, flops[arm])
-        rate = 1000 * run["wall_s"] / max(1, run["final_step"]) / run["batched_with"]
+        rate = stack_rates[stack_key(run)] / run["batched_with"]
         print(f"| {LABELS[arm]} | {fields[arm]['n_embd']} | {fields[arm]['n_head']} | {lr:g} | {seed} | "
               f"{run['final']:.3f} | {run['best_error_last']:.3f} | {run['solved_at'] or '-'} | "
               f"{run['final_step']:,} | {'never' if cost.flops == math.inf else f'{cost.flops:.3g}'} | "
@@ -242,8 +293,9 @@ def report(args, training_flops) -> None:
     print(f"\nruns finished: {sum(_run(runs, *key) is not None for key in design_runs())} of {len(design_runs())} "
           "registered")
     print("VERDICT (rank, Fig. 2/3a):", verdict(runs))
-    for line in observations(runs, calibration):
-        print("OBSERVATION:", line)
+    for line in observations(runs, calibration) + [cost_ratio_line(cost_ratios(runs, flops))]:
+        if line:
+            print("OBSERVATION:", line)
     print("VERDICT (equal compute, Fig. 3b, bilinear BTT only):",
           equal_compute_verdict(cost_table(runs, flops, (EQUAL_COMPUTE_BILINEAR,) + EQUAL_COMPUTE_DENSE)))
     print()

@@ -42,6 +42,11 @@ the transferred LR. MLR is *better* than a baseline (dense, SWA, global + SWA) a
 least 0.01 bits/byte in both seeds; the baseline is better when it is lower by at least 0.01 in both seeds. YES:
 MLR is better than every baseline at every width. NO: at 2 or more of the 3 widths some baseline is better than
 MLR. UNDECIDED otherwise. PARTIAL until every run of the design (edge runs included) has its results file.
+A run *diverged* when its final bits/byte is NaN (or infinite) or above its step-0 evaluation's; it scores as worse
+than any run that did not (``sweep.run_score``: ``inf``), in the LR choice and in the comparison: it is never a
+variant's best LR unless all of them diverged, a variant whose scored run diverged is the higher in that seed by
+any margin, and two diverged runs are not lower than each other (``sweep.lower_in_every_seed``). A NO names the
+baselines that are lower.
 
 CPU design (``--design cpu``, registered before any of its runs; what differs from the GPU design):
 
@@ -59,6 +64,11 @@ CPU design (``--design cpu``, registered before any of its runs; what differs fr
   bits/byte in both seeds; NO when some baseline is lower than MLR by >= 0.01 in both seeds; UNDECIDED otherwise;
   PARTIAL until the 8 scored runs exist (:func:`verdict` with ``widths=(256,)``: NO needs a majority of the widths,
   here the one). One width: it cannot say anything about scaling with width.
+* readout (:func:`readout`, printed by ``report --design cpu`` after the verdict; not part of the rule): per baseline
+  and seed, MLR's final gap to it (MLR minus baseline, bits/byte, at equal FLOPs) and, for MLR and for the
+  baseline, the training FLOPs and CPU-seconds (thread clock, evaluations excluded: ``thread - eval_thread`` of the
+  evaluation record, ``sweep.StackedArm.log_evaluation``; "n/a" for a record without them) at the first evaluation
+  at or below the baseline's final bits/byte ("not reached" when none is).
 
     python scripts/lm_experiment.py plan [--shards] [--design cpu]        # arms, FLOPs; the shards and minutes
     python scripts/lm_experiment.py shard s1 --device cuda                # one shard (resumable, idempotent)
@@ -88,7 +98,7 @@ from hf_structattn.training.data import NEAR_COPY_JACCARD
 from sweep import (SHARD_MINUTES, run_table, ArmSpec, StackedArm, cpu_model, cpu_pilot, cpu_progress, cpu_rates,
                    cpu_shard_lines, cpu_shards, design_arguments, device_name, edge_extensions, finish_pilot,
                    lower_in_every_seed, majority, pack_shards, probe_markdown, read_run_jsons, read_shard_records,
-                   run_cpu_shard, run_name, run_unit, runnable_shards, shard_rate, shard_table, step_timing,
+                   run_cpu_shard, run_name, run_score, run_unit, runnable_shards, shard_rate, shard_table, step_timing,
                    merge_timing)
 
 WIDTHS, LAYERS, SEQ_LEN, HEAD_DIM, BATCH = (128, 256, 384), 6, 1024, 64, 16
@@ -318,7 +328,7 @@ def planned_lrs(runs: list[dict], variant: str, design: Design = GPU) -> list[fl
     grid = {(r["lr"], r["seed"]): r for r in runs if r["arm"] == f"{variant}_D{TUNE_WIDTH}"}
     if any((lr, seed) not in grid for lr in LRS for seed in design.grid_seeds):
         return None
-    best = [min(LRS, key=lambda lr: grid[lr, seed]["final"]["bits_per_byte"]) for seed in design.grid_seeds]
+    best = [min(LRS, key=lambda lr: run_score(grid[lr, seed], "bits_per_byte")) for seed in design.grid_seeds]
     return list(LRS) + edge_extensions(best, LRS)
 
 
@@ -326,7 +336,7 @@ def transfer_lr(runs: list[dict], variant: str, design: Design = GPU) -> float |
     """The LR ``variant`` runs at the widths above D = 128: the lowest mean bits/byte over the grid seeds at
     D = 128, over the grid and its edge runs; None until all of those have finished."""
     lrs = planned_lrs(runs, variant, design)
-    grid = {(r["lr"], r["seed"]): r["final"]["bits_per_byte"] for r in runs if r["arm"] == f"{variant}_D{TUNE_WIDTH}"}
+    grid = {(r["lr"], r["seed"]): run_score(r, "bits_per_byte") for r in runs if r["arm"] == f"{variant}_D{TUNE_WIDTH}"}
     if lrs is None or any((lr, seed) not in grid for lr in lrs for seed in design.grid_seeds):
         return None
     return min(lrs, key=lambda lr: sum(grid[lr, seed] for seed in design.grid_seeds))
@@ -382,12 +392,12 @@ def unit_done(unit: dict, runs: list[dict]) -> int:
 
 def scores(runs: list[dict], design: Design = GPU) -> dict:
     """(variant, width, seed) -> score (module docstring's rule), for the (variant, width)s of ``design``'s rule
-    whose inputs are all finished."""
+    whose inputs are all finished; a diverged run scores ``inf`` (``sweep.run_score``)."""
     best = {}
     for variant in COMPARED:
         lrs, lr = planned_lrs(runs, variant, design), transfer_lr(runs, variant, design)
         for width in design.widths:
-            values = {(r["lr"], r["seed"]): r["final"]["bits_per_byte"] for r in runs
+            values = {(r["lr"], r["seed"]): run_score(r, "bits_per_byte") for r in runs
                       if r["arm"] == f"{variant}_D{width}"}
             for seed in design.seeds:
                 if width == TUNE_WIDTH and lrs and all((x, seed) in values for x in lrs):
@@ -412,9 +422,91 @@ def verdict(best: dict, widths=WIDTHS, seeds=SEEDS) -> str:
         return "YES: MLR is lower than dense, SWA and global+SWA by >= 0.01 bits/byte in both seeds at every width"
     lost_widths = [w for w in widths if any(better(base, "mlr", w) for base in BASELINES)]
     if majority(len(lost_widths), widths):
-        return f"NO: a baseline is lower than MLR by >= 0.01 bits/byte in both seeds at D = {lost_widths}"
+        winners = "; ".join(f"D = {w}: {', '.join(base for base in BASELINES if better(base, 'mlr', w))}"
+                            for w in lost_widths)
+        return (f"NO: a baseline is lower than MLR by >= 0.01 bits/byte in both seeds at D = {lost_widths} "
+                f"({winners})")
     reasons = [f"D = {w}: MLR vs {base}" for w in widths for base in BASELINES if not better("mlr", base, w)]
     return "UNDECIDED: no consistent 0.01 bits/byte gap at " + "; ".join(reasons)
+
+
+def scored_run(runs: list[dict], variant: str, width: int, seed: int, design: Design = GPU) -> dict | None:
+    """The run whose final value is the rule's score of (variant, width, seed) (:func:`scores`): at D = 128 the
+    best of its planned LRs, above it the run at the transferred LR; None until the score exists."""
+    if width == TUNE_WIDTH:
+        lrs = planned_lrs(runs, variant, design) or []
+        mine = [r for r in runs if r["arm"] == f"{variant}_D{width}" and r["seed"] == seed and r["lr"] in lrs]
+        if not lrs or len(mine) < len(lrs):
+            return None
+        return min(mine, key=lambda r: run_score(r, "bits_per_byte"))
+    lr = transfer_lr(runs, variant, design)
+    return next((r for r in runs if r["arm"] == f"{variant}_D{width}" and r["seed"] == seed and lr is not None
+                 and r["lr"] == lr), None)
+
+
+def first_reach(run: dict, target: float, metric: str = "bits_per_byte") -> dict | None:
+    """The first evaluation of ``run`` whose ``metric`` is at or below ``target``, as {"step", "flops", "cpu_s"}
+    (``cpu_s``: the thread seconds the run had spent outside evaluations by then, ``thread - eval_thread`` of the
+    record; None for a record without them); None when no evaluation gets there."""
+    for record in run.get("evals") or []:
+        value = record.get(metric)
+        if value is not None and math.isfinite(value) and value <= target:
+            thread, evals = record.get("thread"), record.get("eval_thread")
+            return {"step": record["step"], "flops": record["flops"],
+                    "cpu_s": None if thread is None or evals is None else thread - evals}
+    return None
+
+
+def readout(runs: list[dict], design: Design = CPU) -> list[dict]:
+    """Per width of ``design``, baseline and seed, MLR against that baseline's scored runs (module docstring,
+    "Readout"): ``gap`` (MLR's score minus the baseline's, bits/byte; None while a run is missing, ``nan`` when
+    either diverged), and for the baseline and for MLR the first evaluation at or below the baseline's final
+    bits/byte (:func:`first_reach`; None: not reached). Not part of the rule."""
+    rows = []
+    for width in design.widths:
+        for base in BASELINES:
+            for seed in design.seeds:
+                mine, theirs = (scored_run(runs, v, width, seed, design) for v in ("mlr", base))
+                row = {"width": width, "baseline": base, "seed": seed, "mlr": mine, "base": theirs, "gap": None,
+                       "target": None, "reach": {}}
+                if mine is not None and theirs is not None:
+                    a, b = run_score(mine, "bits_per_byte"), run_score(theirs, "bits_per_byte")
+                    row["gap"] = a - b if math.isfinite(a) and math.isfinite(b) else math.nan
+                    if math.isfinite(b):
+                        row["target"] = b
+                        row["reach"] = {"mlr": first_reach(mine, b), "base": first_reach(theirs, b)}
+                rows.append(row)
+    return rows
+
+
+def readout_lines(rows: list[dict]) -> list[str]:
+    """:func:`readout` as the markdown table ``report --design cpu`` prints."""
+    def run_cell(run):
+        if run is None:
+            return "not yet"
+        if not math.isfinite(run_score(run, "bits_per_byte")):
+            return "diverged"
+        return f"{run['final']['bits_per_byte']:.4f}"
+
+    def reach_cell(row, key):
+        if row["target"] is None:
+            return "-"
+        hit = row["reach"][key]
+        if hit is None:
+            return "not reached"
+        cpu = "n/a" if hit["cpu_s"] is None else f"{hit['cpu_s']:,.0f}"
+        return f"{hit['flops']:.3g}, {cpu} (step {hit['step']:,})"
+
+    lines = ["READOUT (not part of the rule): MLR's final gap to each baseline at equal FLOPs (MLR minus baseline, "
+             "bits/byte), and the training FLOPs and CPU-seconds (thread clock, evaluations excluded) each arm "
+             "needed to first reach the baseline's final bits/byte (at its evaluations, 8 a run)", "",
+             "| D | baseline | seed | baseline final | MLR final | gap (MLR - baseline) | baseline to its final: "
+             "FLOPs, CPU-s | MLR to it: FLOPs, CPU-s |", "|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        gap = "-" if row["gap"] is None else ("diverged" if math.isnan(row["gap"]) else f"{row['gap']:+.4f}")
+        lines.append(f"| {row['width']} | {row['baseline']} | {row['seed']} | {run_cell(row['base'])} | "
+                     f"{run_cell(row['mlr'])} | {gap} | {reach_cell(row, 'base')} | {reach_cell(row, 'mlr')} |")
+    return lines
 
 
 def report(args) -> None:
@@ -500,6 +592,7 @@ def cpu_report(args, design: Design = CPU) -> None:
               f"{'not yet (grid runs missing)' if lr is None else f'{lr:g}'}")
     print(f"VERDICT (CPU design, D = {', '.join(map(str, design.widths))}: MLR vs dense, SWA, global+SWA at equal "
           "FLOPs):", verdict(best, design.widths, design.seeds))
+    print("\n".join(readout_lines(readout(runs, design))))
     table, _ = cpu_shard_map(results, design)
     names, records = {r["name"] for r in runs}, read_shard_records(results)
     print(cpu_progress(table, names, records, "python scripts/lm_experiment.py shard {id} --design cpu"))

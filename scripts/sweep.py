@@ -6,7 +6,8 @@ An arm is one model configuration; its runs are (lr, seed) pairs, trained togeth
 :class:`~stacked_runs.StackedRuns` (each run: its own initialisation, data stream and learning
 rate). Layout under the arm's ``root``::
 
-    <root>/<arm>_lr<lr>_s<seed>/progress.jsonl   one JSON line per evaluation (step, metrics, cumulative FLOPs, wall)
+    <root>/<arm>_lr<lr>_s<seed>/progress.jsonl   one JSON line per evaluation (step, metrics, cumulative FLOPs, wall,
+                                                 thread time: :meth:`StackedArm.log_evaluation`)
     <root>/<arm>_lr<lr>_s<seed>/result.json      written when the arm finishes
     <root>/<arm>_lr<lrs>_s<seeds>.stack/checkpoint.pt   every ``checkpoint_every`` steps; a rerun resumes from it
 
@@ -103,6 +104,9 @@ class StackedArm:
                                  dtype=dtype, cuda_graphs=False, compile_step=compile_step)
         self.run_seed = torch.tensor([self.seeds.index(seed) for _, seed in self.runs], device=self.device)
         self.step, self.wall_before, self.started = 0, 0.0, time.perf_counter()
+        # this thread's CPU seconds (time.thread_time) of the stack, all of them and the evaluations' share, carried
+        # across resumes by the checkpoint; None when resumed from a checkpoint written before they were kept
+        self.thread_before, self.eval_thread, self.thread_started = 0.0, 0.0, time.thread_time()
         self.checkpoint = self.stack_folder(self.root, spec.name, [lr for lr, _ in self.runs], self.seeds) / \
             "checkpoint.pt"
         self.checkpoint.parent.mkdir(parents=True, exist_ok=True)
@@ -113,6 +117,7 @@ class StackedArm:
                                  f"{self.config}")
             self.stack.load_state_dict(state["stack"])
             self.step, self.wall_before = state["step"], state["wall"]
+            self.thread_before, self.eval_thread = state.get("thread"), state.get("eval_thread")
             for folder in self.folders():
                 lines = [line for line in (folder / "progress.jsonl").read_text().splitlines()
                          if line and json.loads(line)["step"] <= self.step]
@@ -144,15 +149,29 @@ class StackedArm:
         return self.wall_before + time.perf_counter() - self.started
 
     @property
+    def thread(self) -> Optional[float]:
+        """CPU seconds of this thread spent on the stack so far (training, evaluations, compiles; earlier
+        invocations included), None when an earlier invocation did not keep them."""
+        return None if self.thread_before is None else self.thread_before + time.thread_time() - self.thread_started
+
+    @property
     def finished(self) -> bool:
         return self.step >= self.steps
 
     def log_evaluation(self) -> None:
+        """Evaluate every run and append one record to its ``progress.jsonl``: step, the spec's metrics, cumulative
+        training FLOPs, ``wall`` (seconds of wall since the stack started, resumes included), ``thread`` (this
+        thread's CPU seconds, :attr:`thread`) and ``eval_thread`` (the part of ``thread`` spent in evaluations, this
+        one included); the last two are null after a resume from a checkpoint that lacked them."""
+        begin = time.thread_time()
         metrics = {name: values.tolist() for name, values in self.spec.evaluate(self.stack).items()}
-        wall = self.wall
+        if self.eval_thread is not None:
+            self.eval_thread += time.thread_time() - begin
+        wall, thread = self.wall, self.thread
         for run, folder in enumerate(self.folders()):
             record = {"step": self.step, **{name: values[run] for name, values in metrics.items()},
-                      "flops": self.step * self.spec.flops_per_step, "wall": wall}
+                      "flops": self.step * self.spec.flops_per_step, "wall": wall, "thread": thread,
+                      "eval_thread": None if thread is None else self.eval_thread}
             with (folder / "progress.jsonl").open("a") as log:
                 log.write(json.dumps(record) + "\n")
 
@@ -180,8 +199,8 @@ class StackedArm:
 
     def save_checkpoint(self) -> None:
         temporary = self.checkpoint.with_name("checkpoint.tmp")
-        torch.save({"config": self.config, "stack": self.stack.state_dict(), "step": self.step, "wall": self.wall},
-                   temporary)
+        torch.save({"config": self.config, "stack": self.stack.state_dict(), "step": self.step, "wall": self.wall,
+                    "thread": self.thread, "eval_thread": self.eval_thread}, temporary)
         os.replace(temporary, self.checkpoint)
         marker = self.checkpoint.with_name("checkpoint.json.tmp")  # the step, readable without loading the state
         marker.write_text(json.dumps({"step": self.step, "wall": self.wall}))
@@ -375,11 +394,35 @@ def shard_table(results: Path, shards: dict, done, assumed_rate: float, command:
     return lines
 
 
+def diverged(run: dict, metric: str) -> bool:
+    """A run *diverged* (the LM and Chronos rules) when its final ``metric`` is not finite (NaN or infinite) or is
+    above its first evaluation's, the untrained model's at step 0 (``run["evals"][0]``, when the record has it)."""
+    final = run["final"][metric]
+    if final is None or not math.isfinite(final):
+        return True
+    evals = run.get("evals") or []
+    start = evals[0].get(metric) if evals and evals[0].get("step") == 0 else None
+    return start is not None and math.isfinite(start) and final > start
+
+
+def run_score(run: dict, metric: str) -> float:
+    """A run's score under the LM and Chronos rules: its final ``metric``, or ``math.inf`` (worse than any run that
+    did not diverge) when it :func:`diverged`. So a diverged run is never an arm's best LR unless all of them
+    diverged, and an arm whose scored run diverged is the higher in that seed's comparison (by any margin) against
+    one whose run did not; two diverged runs are no lower than each other (:func:`lower_in_every_seed`)."""
+    return math.inf if diverged(run, metric) else float(run["final"][metric])
+
+
 def lower_in_every_seed(best: dict, first: str, second: str, width: int, seeds: Sequence[int],
                         margin: float) -> bool:
     """The designs' comparison: ``first`` is *lower* than ``second`` at ``width`` when its score is lower by at
-    least ``margin`` in every seed (``best[arm, width, seed]``, the rule's score)."""
-    return all(best[second, width, seed] - best[first, width, seed] >= margin for seed in seeds)
+    least ``margin`` in every seed (``best[arm, width, seed]``, the rule's score, :func:`run_score`: ``inf`` for a
+    diverged run, so a diverged ``second`` against a finite ``first`` counts as lower, and two diverged runs do not)."""
+    def gap(seed):
+        a, b = best[first, width, seed], best[second, width, seed]
+        return -math.inf if a == math.inf else (math.inf if b == math.inf else b - a)
+
+    return all(gap(seed) >= margin for seed in seeds)
 
 
 def majority(count: int, widths: Sequence[int]) -> bool:

@@ -2,6 +2,7 @@
 measured on the patched model, the rules, and the pilot command at tiny size on CPU."""
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -210,6 +211,30 @@ def test_the_cpu_rule_at_one_width_in_every_regime():
     assert rule((-0.02, -0.05, -0.02)) == "NO: dense is lower than MLR by >= 0.01 nats in every seed at D = [128]"
     assert rule((0.02, 0.05, 0.005)) == "UNDECIDED: MLR is not lower than dense in every seed at D = [128]"
     assert rule((0.02, -0.05, 0.02)).startswith("UNDECIDED")
+
+
+def test_a_diverged_chronos_run_is_the_worst_score_in_the_grid_and_in_the_rule():
+    def scored(arm, seed, final, start=8.3):  # a scored run with its step-0 evaluation
+        run = _run(f"{arm}_D128", 1e-3, seed, final)
+        return {**run, "evals": [{"step": 0, "loss": start}, {"step": 1000, "loss": final}]}
+
+    # the grid: 3e-3 went NaN and 3e-4 ended above its start; 1e-3 is the LR although it has the highest finite loss
+    runs = _grid("dense", {3e-4: 3.0, 1e-3: 3.1, 3e-3: float("nan")}) + _grid("mlr", {3e-4: 2.9, 1e-3: 3.0, 3e-3: 3.1})
+    runs[0]["evals"] = [{"step": 0, "loss": 2.5}, {"step": 250, "loss": 3.0}]
+    assert ce.cpu_lr(runs, "dense") == 1e-3
+    runs += _grid("mlr", {9e-5: 3.2})  # mlr's best is the bottom edge: its extension ran
+    runs += [scored("dense", s, 2.0) for s in (0, 1, 2)]
+    runs += [{**scored("mlr", s, 1.9), "lr": 3e-4, "name": f"mlr_D128_lr0.0003_s{s}"} for s in (0, 1)]
+    runs.append({**scored("mlr", 2, float("nan")), "lr": 3e-4, "name": "mlr_D128_lr0.0003_s2"})
+    best = ce.cpu_scores(runs)
+    assert best["mlr", 128, 2] == math.inf
+    # MLR lower in seeds 0 and 1, diverged in seed 2: not YES, and dense is not lower in every seed: UNDECIDED
+    assert ce.verdict(best, (128,), ce.CPU_SEEDS).startswith("UNDECIDED")
+    runs = [r for r in runs if r["arm"] != "dense_D128"] + [scored("dense", s, 9.0) for s in (0, 1, 2)]  # > start
+    assert ce.verdict(ce.cpu_scores(runs), (128,), ce.CPU_SEEDS).startswith("UNDECIDED")  # inf vs inf in seed 2
+    runs = [r for r in runs if r["name"] != "mlr_D128_lr0.0003_s2"] + \
+        [{**scored("mlr", 2, 1.9), "lr": 3e-4, "name": "mlr_D128_lr0.0003_s2"}]
+    assert ce.verdict(ce.cpu_scores(runs), (128,), ce.CPU_SEEDS).startswith("YES")  # dense diverged in every seed
 
 
 def test_the_cpu_shards_fit_two_cpu_hours_and_the_rehearsal_of_the_cpu_pilot(tmp_path, capsys, threads):

@@ -3,6 +3,7 @@ at measured rates, long runs cut into segments that continue each other's checkp
 and the shared rule helpers. Real tiny runs, no mocks."""
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -10,9 +11,9 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-from sweep import (ArmSpec, StackedArm, cpu_pilot, cpu_rates, cpu_shards, evaluations_between,  # noqa: E402
-                   lower_in_every_seed, majority, read_run_jsons, read_shard_records, run_cpu_shard, run_minutes,
-                   runnable_shards, segment_done)
+from sweep import (ArmSpec, StackedArm, cpu_pilot, cpu_rates, cpu_shards, diverged,  # noqa: E402
+                   evaluations_between, lower_in_every_seed, majority, read_run_jsons, read_shard_records,
+                   run_cpu_shard, run_minutes, run_score, runnable_shards, segment_done)
 
 
 def _unit(name, steps, rate="r", lr=1e-2, seed=0, eval_every=None):
@@ -110,6 +111,53 @@ def test_a_run_trained_in_segments_and_budget_stops_equals_it_trained_at_once_in
                                                    .splitlines()[0])["loss"]  # it learned
     # a rerun of a finished shard does nothing
     assert run_cpu_shard("s2", table, lambda segment: pytest.fail("built a spec"), work, results, None)
+
+
+def test_every_evaluation_record_carries_the_stacks_thread_time_across_resumes(tmp_path):
+    def records(root):
+        return [json.loads(line) for line in (root / "tiny_lr0.03_s0" / "progress.jsonl").read_text().splitlines()]
+
+    arm = StackedArm(_spec(), [3e-2], [0], 12, 3, tmp_path / "a", checkpoint_every=6, chunk=3, dtype=torch.float64)
+    assert not arm.run_until(until=6)  # stops with a checkpoint at step 6; a new process resumes from it
+    assert StackedArm(_spec(), [3e-2], [0], 12, 3, tmp_path / "a", checkpoint_every=6, chunk=3,
+                      dtype=torch.float64).run_until()
+    evals = records(tmp_path / "a")
+    assert [e["step"] for e in evals] == [0, 3, 6, 9, 12]
+    threads = [e["thread"] for e in evals]
+    assert all(t > 0 for t in threads) and threads == sorted(threads)  # cumulative over both processes
+    assert all(0 < e["eval_thread"] <= e["thread"] for e in evals)
+    assert [e["eval_thread"] for e in evals] == sorted(e["eval_thread"] for e in evals)
+    # a checkpoint written before the thread time was kept: the records after the resume say so (null), not a
+    # count that restarts from zero
+    arm = StackedArm(_spec(), [3e-2], [0], 12, 3, tmp_path / "b", checkpoint_every=6, chunk=3, dtype=torch.float64)
+    assert not arm.run_until(until=6)
+    state = torch.load(arm.checkpoint, weights_only=True)
+    del state["thread"], state["eval_thread"]
+    torch.save(state, arm.checkpoint)
+    assert StackedArm(_spec(), [3e-2], [0], 12, 3, tmp_path / "b", checkpoint_every=6, chunk=3,
+                      dtype=torch.float64).run_until()
+    evals = records(tmp_path / "b")
+    assert [e["thread"] is None for e in evals] == [False, False, False, True, True]
+    assert [e["eval_thread"] is None for e in evals] == [False, False, False, True, True]
+
+
+def test_a_diverged_run_scores_worse_than_any_other_and_two_diverged_runs_tie():
+    def run(final, start=2.0):
+        return {"final": {"loss": final}, "evals": [{"step": 0, "loss": start}, {"step": 10, "loss": final}]}
+
+    assert run_score(run(1.5), "loss") == 1.5
+    assert run_score(run(float("nan")), "loss") == math.inf  # NaN
+    assert run_score(run(2.5), "loss") == math.inf  # ended above the untrained model's loss
+    assert run_score(run(2.0), "loss") == 2.0  # at the start exactly: learned nothing, did not diverge
+    assert run_score({"final": {"loss": 2.5}}, "loss") == 2.5  # no step-0 record to compare with
+    assert diverged({"final": {"loss": float("inf")}}, "loss")
+    best = {("m", 1, 0): math.inf, ("m", 1, 1): 1.0, ("d", 1, 0): 1.2, ("d", 1, 1): 1.2}
+    assert lower_in_every_seed(best, "d", "m", 1, (0,), 0.01)  # m diverged: d is lower, by any margin
+    assert not lower_in_every_seed(best, "m", "d", 1, (0, 1), 0.01)
+    assert lower_in_every_seed(best, "m", "d", 1, (1,), 0.01)
+    best["d", 1, 0] = math.inf
+    assert not lower_in_every_seed(best, "d", "m", 1, (0,), 0.01) and not lower_in_every_seed(best, "m", "d", 1, (0,),
+                                                                                               0.01)
 
 
 def test_the_shards_are_sized_by_a_committed_cpu_pilot_and_the_rule_helpers(tmp_path):

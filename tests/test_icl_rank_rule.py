@@ -186,6 +186,55 @@ def test_flops_to_threshold_is_the_first_evaluation_below_0_1_and_freezing_does_
     assert cost_table(runs[:1], {LOW: flops}, [LOW], [1]) == {}  # a registered run missing
 
 
+def test_a_stacks_cost_per_step_is_its_wall_over_the_steps_the_stack_ran_not_a_frozen_runs(tmp_path):
+    from icl_rank_experiment import measured_cpu_ms
+    from icl_rank_report import stack_ms_per_step
+
+    def record(arm, lr, seed, final_step, wall, runs=3, device="cpu, 1 thread(s)"):
+        return {"arm": arm, "lr": lr, "seed": seed, "final_step": final_step, "wall_s": wall, "batched_with": runs,
+                "device": device, "final": {"error_last": 0.04}, "evals": []}
+
+    # three runs stacked for 20,000 steps (one never froze): 4,000 s of wall is 200 ms a step of the stack, although
+    # the run frozen at step 5,000 would say 800
+    btt = [record("iii_btt8", 1e-3, 1, 10_000, 3999.0), record("iii_btt8", 1e-3, 2, 5_000, 3999.5),
+           record("iii_btt8", 1e-3, 3, 20_000, 4000.0)]
+    # every run froze: the stack stopped at the last freeze, step 8,000
+    rank = [record("v_dense3_rank", 1e-3, seed, step, 800.0) for seed, step in ((1, 8_000), (2, 4_000), (3, 2_000))]
+    # (i) in two stacks: the slower one's rate is the arm's
+    low = [record(LOW, 1e-3, seed, 40_000, 8_000.0) for seed in (1, 2, 3)] + \
+        [record(LOW, 3e-4, seed, 10_000, 3_000.0, runs=2) for seed in (1, 2)]
+    gpu = [record("ii_dense1", 1e-3, 1, 20_000, 100.0, device="NVIDIA H100")]
+    rates = stack_ms_per_step(btt + rank + low + gpu)
+    assert rates[("iii_btt8", 1e-3, 3, "cpu, 1 thread(s)")] == pytest.approx(200.0)
+    assert rates[("v_dense3_rank", 1e-3, 3, "cpu, 1 thread(s)")] == pytest.approx(100.0)
+    assert rates[(LOW, 3e-4, 2, "cpu, 1 thread(s)")] == pytest.approx(300.0)
+    for run in btt + rank + low + gpu:
+        (tmp_path / f"{run['arm']}_lr{run['lr']:g}_s{run['seed']}.json").write_text(
+            json.dumps({**run, "final": {"error_last": 0.04}}))
+    assert measured_cpu_ms(tmp_path) == pytest.approx({"iii_btt8": 200.0, "v_dense3_rank": 100.0, LOW: 300.0})
+
+
+def test_the_low_rank_arms_cost_to_error_0_1_is_reported_against_the_rank_control():
+    from icl_rank_report import cost_ratio_line, cost_ratios
+
+    flops = {arm: [10.0 * step for step in range(40_001)] for arm in (LOW, "v_dense3_rank")}
+
+    def run(arm, lr, seed, crossed):  # below 0.1 first at step ``crossed`` (None: never)
+        evals = [{"step": 0, "error_last": 1.0}] + \
+            ([{"step": crossed, "error_last": 0.08}] if crossed else [{"step": 20_000, "error_last": 0.3}])
+        return {"arm": arm, "lr": lr, "seed": seed, "final_step": evals[-1]["step"], "evals": evals}
+
+    runs = [run("v_dense3_rank", 1e-3, 1, 1_000), run("v_dense3_rank", 1e-3, 2, 2_000),
+            run("v_dense3_rank", 1e-3, 3, None), run(LOW, 1e-3, 1, 3_800), run(LOW, 1e-3, 2, None),
+            run(LOW, 1e-3, 3, 9_000), run(LOW, 3e-4, 1, 500)]
+    ratios = cost_ratios(runs, flops)
+    assert ratios == {(1e-3, 1): pytest.approx(3.8), (1e-3, 2): math.inf, (1e-3, 3): None,
+                      (3e-4, 1): pytest.approx(0.5)}  # (i) at 3e-4 seed 2 has not finished: absent
+    assert cost_ratio_line(ratios) == ("(i) against (v), training FLOPs to error 0.1, (i)'s over (v)'s: lr 0.001: "
+                                       "seed 1 3.8x, seed 2 never, seed 3 -; lr 0.0003: seed 1 0.5x")
+    assert cost_ratio_line({}) is None
+
+
 def test_no_training_step_draws_the_evaluation_prompts():
     # every training draw of the design (4 seeds incl. the calibration, 40,000 steps) against each evaluation draw
     evaluation = {generator_seed(seed, EVAL_STREAM, 0) for seed in range(4)}

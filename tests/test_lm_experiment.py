@@ -2,6 +2,7 @@
 the decision rule, and the pilot command at tiny size on CPU."""
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -236,13 +237,102 @@ def test_the_cpu_rule_at_one_width_in_every_regime():
     rule = lambda table: lm.verdict(table, (256,), (0, 1))  # noqa: E731
     assert rule(best({})).startswith("YES")
     assert rule(best({"swa": (-0.02, -0.03)})) == ("NO: a baseline is lower than MLR by >= 0.01 bits/byte in both "
-                                                    "seeds at D = [256]")
+                                                    "seeds at D = [256] (D = 256: swa)")
+    assert rule(best({"swa": (-0.02, -0.03), "dense": (-0.5, -0.01)})).endswith("(D = 256: dense, swa)")
     undecided = rule(best({"gswa": (0.05, 0.009)}))  # one seed inside the margin
     assert undecided.startswith("UNDECIDED") and "D = 256: MLR vs gswa" in undecided
     assert rule(best({"dense": (-0.05, 0.05)})).startswith("UNDECIDED")  # the seeds disagree
     partial = best({})
     del partial["swa", 256, 1]
     assert rule(partial) == "PARTIAL: 1 of 8 (variant, width, seed) scores still missing"
+
+
+def _scored(variant, seed, evals, lr=None, final=None):
+    """A D = 256 run of the CPU design with its evaluation records ((step, bits/byte, thread, eval_thread) each;
+    thread None: a record without thread time); FLOPs 1e12 a step."""
+    lr = lr or {"dense": 1e-2, "swa": 3e-3, "gswa": 1e-2, "mlr": 3e-3}[variant]
+    records = [{"step": step, "bits_per_byte": value, "flops": 1e12 * step, "wall": 2.0 * step,
+                **({} if thread is None else {"thread": thread, "eval_thread": eval_thread})}
+               for step, value, thread, eval_thread in evals]
+    run = _run(f"{variant}_D256", lr, seed, records[-1]["bits_per_byte"] if final is None else final)
+    run["final"].update(records[-1], **({} if final is None else {"bits_per_byte": final}))
+    return {**run, "evals": records}
+
+
+def _cpu_design_runs(scored: list) -> list:
+    """A finished seed-0 grid that transfers dense 1e-2, SWA 3e-3, global + SWA 1e-2, MLR 3e-3, plus ``scored``."""
+    grid = _cpu_grid({"dense": {1e-3: 2.5, 3e-3: 2.4, 1e-2: 2.3, 0.033: 2.35},
+                      "swa": {1e-3: 2.5, 3e-3: 2.3, 1e-2: 2.4},
+                      "gswa": {1e-3: 2.5, 3e-3: 2.4, 1e-2: 2.3, 0.033: 2.4},
+                      "mlr": {1e-3: 2.5, 3e-3: 2.3, 1e-2: 2.4}})
+    return grid + scored
+
+
+def test_a_diverged_run_loses_its_comparison_and_is_never_picked_as_the_best_lr():
+    start = (0, 8.0, 1.0, 1.0)
+    ok = {v: [_scored(v, s, [start, (100, 3.0, 50.0, 2.0)]) for s in (0, 1)] for v in lm.BASELINES}
+    mlr = [_scored("mlr", 0, [start, (100, 2.9, 50.0, 2.0)]), _scored("mlr", 1, [start, (100, 2.9, 50.0, 2.0)])]
+    runs = _cpu_design_runs([r for rs in ok.values() for r in rs] + mlr)
+    rule = lambda runs: lm.verdict(lm.scores(runs, lm.CPU), (256,), (0, 1))  # noqa: E731
+    assert rule(runs).startswith("YES")
+    # MLR's seed-1 run went NaN: it scores worst, so every baseline is lower in seed 1 while MLR is lower in seed 0:
+    # UNDECIDED by the rule (not by the NaN); a run ending above its start in both seeds is a NO naming every baseline
+    nan = [mlr[0], _scored("mlr", 1, [start, (100, 2.9, 50.0, 2.0)], final=float("nan"))]
+    runs = _cpu_design_runs([r for rs in ok.values() for r in rs] + nan)
+    assert lm.scores(runs, lm.CPU)["mlr", 256, 1] == math.inf and rule(runs).startswith("UNDECIDED")
+    above = [_scored("mlr", s, [start, (100, 8.5, 50.0, 2.0)]) for s in (0, 1)]  # ended above its start: diverged
+    runs = _cpu_design_runs([r for rs in ok.values() for r in rs] + above)
+    assert rule(runs) == ("NO: a baseline is lower than MLR by >= 0.01 bits/byte in both seeds at D = [256] "
+                          "(D = 256: dense, swa, gswa)")
+    # a diverged baseline loses to MLR; two diverged runs are lower than neither
+    runs = _cpu_design_runs([r for rs in ok.values() for r in rs if r["arm"] != "swa_D256"] + mlr +
+                            [_scored("swa", s, [start, (100, 9.0, 50.0, 2.0)]) for s in (0, 1)])
+    assert rule(runs).startswith("YES")
+    runs = _cpu_design_runs([r for rs in ok.values() for r in rs if r["arm"] != "swa_D256"] + above +
+                            [_scored("swa", s, [start, (100, 9.0, 50.0, 2.0)]) for s in (0, 1)])
+    assert rule(runs).endswith("(D = 256: dense, gswa)")
+    # the grid: a diverged LR is never the best, even with the lowest number on record
+    grid = _cpu_grid({"mlr": {1e-3: 2.5, 3e-3: 2.3, 1e-2: float("nan")}})
+    assert lm.planned_lrs(grid, "mlr", lm.CPU) == list(lm.LRS) and lm.transfer_lr(grid, "mlr", lm.CPU) == 3e-3
+    grid = _cpu_grid({"mlr": {1e-3: 2.5, 3e-3: 2.3, 1e-2: 2.2}})
+    grid[-1]["evals"] = [{"step": 0, "bits_per_byte": 2.1}, {"step": 10, "bits_per_byte": 2.2}]  # above its start
+    assert lm.transfer_lr(grid, "mlr", lm.CPU) == 3e-3
+
+
+def test_the_readout_gives_each_baselines_gap_and_what_each_arm_needs_to_reach_its_final_loss():
+    start = (0, 8.0, 0.5, 0.5)
+    runs = _cpu_design_runs([
+        # dense: final 3.0 first reached at its step 200
+        _scored("dense", 0, [start, (100, 3.5, 40.0, 1.0), (200, 3.0, 80.0, 1.5)]),
+        _scored("dense", 1, [start, (100, 3.4, 40.0, 1.0), (200, 3.1, 80.0, 1.5)]),
+        # swa ends above its best: its final 3.2 is first reached at step 100
+        _scored("swa", 0, [start, (100, 3.2, 30.0, 1.0), (200, 3.1, 60.0, 1.5), (300, 3.2, 90.0, 2.0)]),
+        _scored("swa", 1, [start, (100, 3.3, 30.0, 1.0), (300, 3.3, 90.0, 2.0)]),
+        _scored("gswa", 0, [start, (100, 3.3, 30.0, 1.0), (200, 2.8, 60.0, 1.5)]),
+        _scored("gswa", 1, [start, (100, 3.3, 30.0, 1.0), (200, 2.8, 60.0, 1.5)], final=float("nan")),
+        # MLR seed 0: 3.0 at step 100 (thread 70, 4 of it evaluations); 2.9 at the end
+        _scored("mlr", 0, [start, (100, 3.0, 70.0, 4.0), (200, 2.9, 140.0, 8.0)]),
+        # MLR seed 1 was resumed from a checkpoint without thread time: n/a where the records lack it
+        _scored("mlr", 1, [start, (100, 3.25, None, None), (200, 3.15, None, None)]),
+    ])
+    rows = {(row["baseline"], row["seed"]): row for row in lm.readout(runs, lm.CPU)}
+    assert len(rows) == 6 and {row["width"] for row in rows.values()} == {256}
+    dense = rows["dense", 0]
+    assert dense["gap"] == pytest.approx(-0.1) and dense["target"] == 3.0
+    assert dense["reach"]["base"] == {"step": 200, "flops": 2e14, "cpu_s": 78.5}
+    assert dense["reach"]["mlr"] == {"step": 100, "flops": 1e14, "cpu_s": 66.0}
+    assert rows["dense", 1]["gap"] == pytest.approx(0.05) and rows["dense", 1]["reach"]["mlr"] is None
+    assert rows["swa", 0]["reach"]["base"]["step"] == 100  # first reached, not where it ended
+    assert rows["swa", 1]["reach"]["mlr"] == {"step": 100, "flops": 1e14, "cpu_s": None}
+    assert math.isnan(rows["gswa", 1]["gap"]) and rows["gswa", 1]["reach"] == {}
+    text = "\n".join(lm.readout_lines(lm.readout(runs, lm.CPU)))
+    assert "| 256 | dense | 0 | 3.0000 | 2.9000 | -0.1000 | 2e+14, 78 (step 200) | 1e+14, 66 (step 100) |" in text
+    assert "| 256 | dense | 1 | 3.1000 | 3.1500 | +0.0500 | 2e+14, 78 (step 200) | not reached |" in text
+    assert "| 256 | swa | 1 | 3.3000 | 3.1500 | -0.1500 | 1e+14, 29 (step 100) | 1e+14, n/a (step 100) |" in text
+    assert "| 256 | gswa | 1 | diverged | 3.1500 | diverged | - | - |" in text
+    # while a scored run is missing, the row says so
+    text = "\n".join(lm.readout_lines(lm.readout([r for r in runs if r["name"] != "mlr_D256_lr0.003_s0"], lm.CPU)))
+    assert "| 256 | dense | 0 | 3.0000 | not yet | - | - | - |" in text
 
 
 @pytest.fixture
