@@ -310,3 +310,47 @@ def test_materialised_mlr_on_diagonal_blocks_runs_under_vmap():
     stacked = torch.func.vmap(attend)(q, k, v)
     for run in range(3):
         torch.testing.assert_close(stacked[run], attend(q[run], k[run], v[run]), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("length", [17, 33, 65, 66, 97, 113, 129, 191])
+def test_fused_op_cuts_blocks_where_the_range_ends(length, causal, dtype):
+    """Lengths just past each block edge of (64, 32, 16) (the range's end cuts a finest block, a child inside a
+    parent, the global level's last child): the fused path's span groups against the reference, outputs and
+    gradients, plain, with a T5-style bias, with right padding, and at an offset that cuts blocks at both ends."""
+    q, k, v = _inputs(2, 3, length, sum(RANKS_4), 5, dtype, seed=length)
+    common = dict(ranks=RANKS_4, block_sizes=BLOCKS_4, causal=causal, scales=[0.5, 0.7, 0.9, 1.1],
+                  average_levels=length % 2 == 1)
+    _compare(q, k, v, implementation="fused", **common)
+    bias = torch.randn(1, 3, length, length, dtype=dtype, generator=torch.Generator().manual_seed(2))
+    _compare(q, k, v, implementation="fused", bias=bias, **common)
+    mask = torch.ones(2, length)
+    mask[1, length - length // 3:] = 0
+    positions = (mask.cumsum(-1) - 1).clamp(min=0).long()
+    _compare(q, k, v, implementation="fused", attention_mask=mask, positions=positions, rows=mask, **common)
+    offset = torch.arange(length).expand(2, length) + 23
+    _compare(q, k, v, implementation="fused", positions=offset, **common)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_fused_plan_covers_each_pair_once_at_every_length(causal):
+    """The fused plan's kernel calls together cover exactly the T (T + 1) / 2 causal pairs (T^2 not causal) at
+    every length from 1 to 300, block edges or not: no pair twice (outputs would be wrong) and no padding (a
+    length just past a block edge would cost up to 4x the work at the edge, as a padded range did)."""
+    from hf_structattn.modeling.structattn_mlr import _canonical_span
+    from hf_structattn.modeling.structattn_mlr_fused import _Plan
+
+    for length in range(1, 301):
+        first_depth, base, extent = _canonical_span(None, None, 0, length, BLOCKS_4, len(RANKS_4))
+        assert (base, extent) == (0, length)
+        plan = _Plan(RANKS_4, BLOCKS_4, first_depth, length, causal)
+        probe = torch.empty(1, 1, length, 1)
+        pairs = 0
+        for group in plan.groups:
+            queries, keys = group.select(probe, keys=False), group.select(probe, keys=True)
+            calls, rows, key_rows = queries.shape[2] * queries.shape[3], queries.shape[4], keys.shape[4]
+            assert keys.shape[2] * keys.shape[3] == calls
+            own_causal = causal and group.is_own_block
+            pairs += calls * (rows * (rows + 1) // 2 if own_causal else rows * key_rows)
+        assert pairs == (length * (length + 1) // 2 if causal else length * length), length

@@ -160,9 +160,10 @@ def mlr_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ranks: S
         if not uniform and valid is None:
             # per-row offsets go through the canonical scatter, which marks real tokens with the mask
             valid = torch.ones(batch, length, dtype=torch.bool, device=q.device)
-    first_depth, base, canonical_length = _canonical_span(positions, valid, base_offset if uniform else None,
-                                                          length, block_sizes, len(ranks), span)
+    first_depth, base, extent = _canonical_span(positions, valid, base_offset if uniform else None, length,
+                                                block_sizes, len(ranks), span)
     backend = _pick_backend(implementation, q, bias)
+    canonical_length = _canonical_length(backend, extent, block_sizes, first_depth)
     if backend == "math" and uniform:
         # materialised scores need no canonical padding: partial blocks at the ends are handled directly
         return mlr_attention_math(q, k, v, valid, bias, ranks, block_sizes, first_depth, level_scales,
@@ -174,7 +175,7 @@ def mlr_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ranks: S
         index = (positions - base).masked_fill(~valid, canonical_length)  # invalid tokens go to a dump slot
         q_c, k_c, v_c, key_valid, bias_c = _scatter_to_canonical(q, k, v, valid, bias, index, canonical_length)
     out_c = _run_backend(backend, q_c, k_c, v_c, key_valid, bias_c, ranks, block_sizes, first_depth, level_scales,
-                         average_levels, causal, base, canonical_length)
+                         average_levels, causal, base)
     if uniform:
         return out_c[:, :, left:left + length] if canonical_length != length else out_c
     safe_index = index.clamp(max=canonical_length - 1)
@@ -185,8 +186,9 @@ def mlr_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ranks: S
 def _canonical_span(positions: Optional[torch.Tensor], valid: Optional[torch.Tensor], uniform_offset: Optional[int],
                     length: int, block_sizes: Sequence[int], num_levels: int,
                     span: Optional[tuple] = None) -> tuple[int, int, int]:
-    """(first_depth, base, canonical_length): the deepest level every pair of real tokens shares (1 = only the global
-    level), and the block-aligned range of positions [base, base + canonical_length) the backends run on.
+    """(first_depth, base, extent): the deepest level every pair of real tokens shares (1 = only the global level),
+    the position ``base`` the backends' canonical range starts at (aligned to the coarsest block not shared by every
+    token), and ``extent``, the number of positions from ``base`` to the last real one.
     ``uniform_offset``: the shared offset of every row's positions, or None when rows differ (then read from
     ``positions`` and ``valid``, (B, T), unless ``span`` gives the lowest and highest real position)."""
     if uniform_offset is not None:
@@ -205,11 +207,21 @@ def _canonical_span(positions: Optional[torch.Tensor], valid: Optional[torch.Ten
         if low // size != high // size:
             break
         first_depth += 1
+    base = low
     if first_depth < num_levels:
         granule = block_sizes[first_depth - 1]
         base = (low // granule) * granule
-        return first_depth, base, -(-(high + 1 - base) // granule) * granule
-    return first_depth, low, high + 1 - low
+    return first_depth, base, high + 1 - base
+
+
+def _canonical_length(backend: str, extent: int, block_sizes: Sequence[int], first_depth: int) -> int:
+    """The length of the canonical range the backend runs on: ``extent`` positions for the fused backend (it cuts
+    the blocks where the range ends), rounded up to whole blocks of the coarsest level not shared by every token for
+    the others."""
+    if backend == "fused" or first_depth > len(block_sizes):  # fused, or every token in one finest block
+        return extent
+    block = block_sizes[first_depth - 1]
+    return -(-extent // block) * block
 
 
 def _pick_backend(implementation: str, q: torch.Tensor, bias: Optional[torch.Tensor]) -> str:
@@ -274,8 +286,9 @@ def _scatter_to_canonical(q, k, v, valid, bias, index: torch.Tensor, canonical_l
 
 
 def _run_backend(backend: str, q_c, k_c, v_c, key_valid, bias_c, ranks, block_sizes, first_depth: int,
-                 level_scales, average_levels: bool, causal: bool, base: int, canonical_length: int) -> torch.Tensor:
+                 level_scales, average_levels: bool, causal: bool, base: int) -> torch.Tensor:
     """One backend over the canonical range: (B, H, C, r) inputs, returns (B, H, C, dv)."""
+    canonical_length = q_c.shape[2]
     if backend == "fused":
         if q_c.device.type != "cpu":
             raise ValueError(f"implementation='fused' needs CPU tensors, got device {q_c.device}")
