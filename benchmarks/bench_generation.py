@@ -79,8 +79,10 @@ def git_commit() -> str:
         return "unknown"
     commit = result.stdout.strip() or "unknown"
     if commit != "unknown":
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, timeout=10, cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+        # results/ holds the science shards' records and logs, which a shard running beside a benchmark appends to
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ":/", ":!/results"],
+                               capture_output=True, text=True, timeout=10,
+                               cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
         commit += " + uncommitted changes" if dirty else ""
     return commit
 
