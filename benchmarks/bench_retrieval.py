@@ -2,8 +2,9 @@
 
 A sliding window cannot retrieve what lies before it, by construction; MLR keeps every key at its coarse width. This
 measures whether that matters on a real pretrained decoder patched without training: SmolLM2-135M-Instruct (the
-real-weights tier, ``hf_structattn.real_weights``; float32), in its chat template. A trial is one prompt: held-out
-text (from a random offset) with the sentence "The pass key is NNNNN. Remember it: NNNNN." inserted at a depth of
+real-weights tier, ``hf_structattn.real_weights``; float32), in its chat template. A trial is one prompt: a haystack
+(``--haystack``: ``pydoc``, the held-out split's real text from a random offset; ``repeat``, the classic pass-key
+filler of Mohtashami & Jaggi 2023, "The grass is green. The sky is blue. ..." repeated) with the sentence "The pass key is NNNNN. Remember it: NNNNN." inserted at a depth of
 the text, then "What is the pass key? Answer with the number only." as the user's question; the assistant turn
 starts "The pass key is" and the key is teacher-forced (SmolLM2's tokenizer gives a space token, then one token per
 digit). A trial is **retrieved** when the model's argmax at every digit is the key's digit (the space is given:
@@ -26,8 +27,9 @@ Per variant and length: retrieved trials / trials with a 95 % Wilson interval, o
 see (older than its reach) and by depth. Trials are appended to ``--results`` (JSON lines) as they finish; a rerun
 skips those done (resumable). One torch thread.
 
-    python benchmarks/bench_retrieval.py                       # outputs/retrieval.{jsonl,md}
+    python benchmarks/bench_retrieval.py                       # outputs/retrieval/retrieval.{jsonl,md}
     python benchmarks/bench_retrieval.py --update-committed    # benchmarks/results/retrieval.{jsonl,md}
+    python benchmarks/bench_retrieval.py --update-committed --haystack pydoc   # adds the real-text rows
 """
 
 import argparse
@@ -54,6 +56,7 @@ import bench_level_rule  # noqa: E402
 from bench_generation import header_line  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 VARIANTS = ("stock", "mlr", "window", "int4", "mlr_nearest")
 RANKS = [32, 16, 8, 8]
 SINKS = 4
@@ -125,21 +128,20 @@ def equal_bytes_window(config, length: int) -> int:
 
 
 def report(records: list, lengths: list, depths: list) -> str:
-    lines = ["| variant | prompt | retrieved (95 % interval) | needle older than the window's reach | "
+    lines = ["| haystack | variant | prompt | retrieved (95 % interval) | needle older than the window's reach | "
              + " | ".join(f"depth {depth:.0%}" for depth in depths) + " |",
-             "|---|---|---|---|" + "---|" * len(depths)]
-    for variant in VARIANTS:
-        for length in lengths:
-            chosen = [r for r in records if r["variant"] == variant and r["length"] == length]
-            if not chosen:
-                continue
-            beyond = [r for r in chosen if r["beyond_window"]]
-            cells = [wilson(sum(r["retrieved"] for r in chosen), len(chosen)),
-                     wilson(sum(r["retrieved"] for r in beyond), len(beyond))]
-            for depth in depths:
-                at = [r for r in chosen if r["depth"] == depth]
-                cells.append(f"{sum(r['retrieved'] for r in at)}/{len(at)}")
-            lines.append(f"| {variant} | {length:,} - 0..255 | " + " | ".join(cells) + " |")
+             "|---|---|---|---|---|" + "---|" * len(depths)]
+    for haystack, variant, length in [(h, v, n) for h in ("repeat", "pydoc") for v in VARIANTS for n in lengths]:
+        chosen = [r for r in records if (r["haystack"], r["variant"], r["length"]) == (haystack, variant, length)]
+        if not chosen:
+            continue
+        beyond = [r for r in chosen if r["beyond_window"]]
+        cells = [wilson(sum(r["retrieved"] for r in chosen), len(chosen)),
+                 wilson(sum(r["retrieved"] for r in beyond), len(beyond))]
+        for depth in depths:
+            at = [r for r in chosen if r["depth"] == depth]
+            cells.append(f"{sum(r['retrieved'] for r in at)}/{len(at)}")
+        lines.append(f"| {haystack} | {variant} | {length:,} - 0..255 | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -149,6 +151,7 @@ def main(argv=None) -> int:
     parser.add_argument("--depths", type=float, nargs="+", default=[0.05, 0.25, 0.5, 0.75, 0.95])
     parser.add_argument("--trials", type=int, default=6, help="prompts per length and depth")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--haystack", default="repeat", choices=("repeat", "pydoc"))
     parser.add_argument("--work", default="outputs/retrieval", help="folder of retrieval.jsonl and retrieval.md")
     parser.add_argument("--update-committed", action="store_true",
                         help="read and write benchmarks/results/retrieval.{jsonl,md} (the table docs quote)")
@@ -167,11 +170,14 @@ def main(argv=None) -> int:
     results = folder / "retrieval.jsonl"
     records = [json.loads(line) for line in results.read_text().splitlines() if line.strip()] \
         if results.is_file() else []
-    done = {(r["variant"], r["length"], r["depth"], r["trial"]) for r in records}
+    done = {(r["haystack"], r["variant"], r["length"], r["depth"], r["trial"]) for r in records}
     header = header_line(f"Python {platform.python_version()}, float32, SmolLM2-135M-Instruct (real-weights tier), "
                          f"held-out text, no training")
     print(header, flush=True)
-    text = split_tokens(tokenizer, "heldout")
+    if args.haystack == "pydoc":
+        text = split_tokens(tokenizer, "heldout")
+    else:
+        text = torch.tensor(tokenizer(FILLER * (max(args.lengths) // 8), add_special_tokens=False).input_ids)
     patched = hf_structattn.patch(stock, mlr_ranks=RANKS, mlr_max_length=2048).eval()
     AttentionInterface.register("sdpa_sink_window", window_attention)
     AttentionInterface.register("sdpa_int4", int4_attention)
@@ -179,7 +185,7 @@ def main(argv=None) -> int:
     for length in args.lengths:
         for depth in args.depths:
             for trial in range(args.trials):
-                rng = random.Random(f"{length}-{depth}-{trial}")
+                rng = random.Random(f"{args.haystack}-{length}-{depth}-{trial}")
                 trials[(length, depth, trial)] = build_trial(tokenizer, text, length, depth, rng)
     for variant in args.variants:  # mlr_nearest last: it re-registers the patched layers' attention name
         if variant == "mlr_nearest":
@@ -189,13 +195,13 @@ def main(argv=None) -> int:
         if variant in ("stock", "window", "int4"):
             stock.set_attn_implementation({"stock": "sdpa", "window": "sdpa_sink_window", "int4": "sdpa_int4"}[variant])
         for (length, depth, trial), prompt in trials.items():
-            if (variant, length, depth, trial) in done:
+            if (args.haystack, variant, length, depth, trial) in done:
                 continue
             reach = equal_bytes_window(patched.config, len(prompt["ids"]))
             WINDOW["keys"] = reach
             # the query that predicts the first digit sees the needle's last token only inside the window's reach
             beyond = (prompt["answer_start"] - 1) - (prompt["needle_end"] - 1) >= reach - SINKS
-            record = {"variant": variant, "length": length, "depth": depth, "trial": trial,
+            record = {"haystack": args.haystack, "variant": variant, "length": length, "depth": depth, "trial": trial,
                       "tokens": len(prompt["ids"]), "needle_at": prompt["needle_at"], "window_keys": reach,
                       "beyond_window": bool(beyond), "answer_phase": (prompt["answer_start"] - 1) % 256,
                       "retrieved": retrieved(model, prompt)}
