@@ -5,7 +5,7 @@
 #                                        # transformers / accelerate the ranges admit (scripts/test_range.sh);
 #                                        # extra arguments go to pytest (and skip the range pass)
 #   bash scripts/test.sh --quick         # for development: the op, model, cache and patching tests that catch most
-#                                        # regressions, without reloads, compiles and Chronos (41 s on 2 cores, README)
+#                                        # regressions, without reloads, compiles and Chronos (about a minute, README)
 #   bash scripts/test.sh --portability   # the model, op and cache tests once per CPU kernel set torch can
 #                                        # dispatch to here: ATEN_CPU_CAPABILITY=default, avx2, and avx512 where
 #                                        # /proc/cpuinfo lists avx512f (tolerances must hold on any x86 CPU)
@@ -73,7 +73,7 @@ if [ "${1:-}" = "--quick" ]; then
          tests/test_t5_models.py tests/test_model_contracts.py tests/test_cache_allocation.py
          tests/test_generation_cache.py tests/test_mlr_cached.py tests/test_decode_reliability.py tests/test_patching.py
          tests/test_decoder_patching.py)
-  say "2/2 the quick tier (${#quick[@]} files on 2 workers): 41 s on the 2-core Intel Xeon VM of the README's times"
+  say "2/2 the quick tier (${#quick[@]} files on 2 workers): 66 s on the 2-core AMD EPYC VM of the README's times"
   # the slowest tests of those files (remote-code reloads, compiles, Chronos pipelines, the CLI) run in the full suite
   rc=0
   python -m pytest -q -n 2 -m "not slow" -k "not remote and not compiled and not inductor and not chronos and not cli \
@@ -86,8 +86,8 @@ if [ "${1:-}" != "--portability" ]; then
   # wall time; HF_STRUCTATTN_TEST_WORKERS=1 runs it in one process
   workers=${HF_STRUCTATTN_TEST_WORKERS:-$(python -c 'import os; print(min(2, len(os.sched_getaffinity(0))))')}
   say "3/4 pytest -m 'not slow' ($([ "$workers" -gt 1 ] && echo "$workers workers" || echo "one process")):" \
-      "10 min 19 s on the 2-core Intel Xeon VM of the README's times; on a loaded 2-core AMD EPYC VM the whole" \
-      "script took 31 min instead of 12 min 30 s (README, Tests)"
+      "7 min 39 s on the idle 2-core AMD EPYC VM of the README's times, the whole script 11 min 25 s; other jobs" \
+      "on the same cores stretch it (31 min once)"
   rc=0
   if [ "$workers" -gt 1 ]; then
     python -m pytest -q -n "$workers" -m "not slow" "$@" || rc=$?
@@ -96,7 +96,7 @@ if [ "${1:-}" != "--portability" ]; then
   fi
   if [ $# -eq 0 ]; then  # the whole default suite: then the versions the ranges admit beyond the pinned set
     say "4/4 the focused tests on the newest and lowest transformers / accelerate the ranges admit, where they" \
-        "differ from the pinned set (scripts/test_range.sh): about 9 min a version set on 2 cores (README, Tests)"
+        "differ from the pinned set (scripts/test_range.sh): 2 min 38 s for one version set on 2 idle cores (README)"
     range_rc=0
     bash scripts/test_range.sh || range_rc=$?
     [ "$rc" -eq 0 ] && rc=$range_rc
