@@ -29,11 +29,11 @@ from pathlib import Path
 import torch
 
 import hf_structattn
-from hf_structattn.real_weights import RealWeightsUnavailable, load_smollm2, token_windows
+from hf_structattn.real_weights import token_windows
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_generation import header_line  # noqa: E402
-from bench_real_weights import rank_list, window_scores  # noqa: E402
+from bench_real_weights import load_stock_or_exit, rank_list, window_scores  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PHASES = ((0, 0), (1, 3), (4, 15), (16, 63), (64, 255))
@@ -79,11 +79,7 @@ def main(argv=None) -> int:
                         help="write benchmarks/results/block_phase.md (the table docs/patching.md quotes)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    try:
-        stock, tokenizer = load_smollm2(torch.float32)
-    except RealWeightsUnavailable as error:
-        print(f"real weights unavailable: {error}", file=sys.stderr)
-        return 1
+    stock, tokenizer = load_stock_or_exit()
     windows = token_windows(tokenizer, "heldout", 2048, args.windows)
     header = header_line(f"Python {platform.python_version()}, float32, SmolLM2-135M-Instruct (real-weights tier), "
                          f"{args.windows} held-out windows of 2,048 tokens, mlr_max_length=2048, no training")

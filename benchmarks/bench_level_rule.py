@@ -32,13 +32,14 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv
 
 import hf_structattn
+from hf_structattn.modeling.structattn_geometry import MLRGeometry
 from hf_structattn.modeling.structattn_install import MLR_ATTENTION, mlr_geometry_of
-from hf_structattn.real_weights import RealWeightsUnavailable, load_smollm2, token_windows
+from hf_structattn.real_weights import token_windows
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_block_phase import rows  # noqa: E402
 from bench_generation import header_line  # noqa: E402
-from bench_real_weights import rank_list, window_scores  # noqa: E402
+from bench_real_weights import load_stock_or_exit, rank_list, window_scores  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 WINDOWS = {}  # the finer levels' windows the registered function reads (set per variant)
@@ -82,11 +83,7 @@ def main(argv=None) -> int:
                         help="write benchmarks/results/level_rule.md (the table docs/patching.md quotes)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    try:
-        stock_model, tokenizer = load_smollm2(torch.float32)
-    except RealWeightsUnavailable as error:
-        print(f"real weights unavailable: {error}", file=sys.stderr)
-        return 1
+    stock_model, tokenizer = load_stock_or_exit()
     windows = token_windows(tokenizer, "heldout", 2048, args.windows)
     header = header_line(f"Python {platform.python_version()}, float32, SmolLM2-135M-Instruct (real-weights tier), "
                          f"{args.windows} held-out windows of 2,048 tokens, ranks {'|'.join(map(str, args.ranks))}, "
@@ -98,7 +95,7 @@ def main(argv=None) -> int:
     head_dim, ranks = sum(args.ranks), args.ranks
 
     def key_ratio(sizes):  # key entries per (row, head) at T = 2,048 against the stock cache's
-        return (2048 * ranks[0] + sum(size * rank for size, rank in zip(sizes, ranks[1:]))) / (2048 * head_dim)
+        return MLRGeometry.build(ranks, sizes).key_cache_elements(2048) / (2048 * head_dim)
 
     lines = ["| rule | keys / stock (allocated, T = 2,048) | ppl / stock | top-1 = stock | "
              + " | ".join(name for name, _, _ in rows(torch.zeros(1, 2047), blocks)[:5]) + " |",

@@ -46,6 +46,14 @@ DEFAULT_RANKS = ["32,16,8,8", "16,16,16,16", "16,8,8,8,8,8,8"]
 BUCKETS = ((1, 256), (257, 512), (513, 1024), (1025, 2048))  # predicted-token positions (1 = the second token)
 
 
+def load_stock_or_exit():
+    """SmolLM2-135M-Instruct in float32 and its tokenizer, or exit 1 saying why the real-weights tier is unavailable."""
+    try:
+        return load_smollm2(torch.float32)
+    except RealWeightsUnavailable as error:
+        sys.exit(f"real weights unavailable: {error}")
+
+
 def rank_list(text: str) -> list:
     try:
         ranks = [int(part) for part in text.split(",") if part.strip()]

@@ -42,17 +42,17 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import hf_structattn
 from hf_structattn.flops import decoder_cache_report
 from hf_structattn.modeling.structattn_install import MLR_ATTENTION
-from hf_structattn.real_weights import RealWeightsUnavailable, load_smollm2, split_tokens
+from hf_structattn.real_weights import split_tokens
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_level_rule  # noqa: E402
+from bench_real_weights import load_stock_or_exit  # noqa: E402
 from bench_generation import header_line  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -160,11 +160,7 @@ def main(argv=None) -> int:
     if bad:
         parser.error(f"--depths must lie in [0, 1], got {bad[0]}")
     torch.set_num_threads(1)
-    try:
-        stock, tokenizer = load_smollm2(torch.float32)
-    except RealWeightsUnavailable as error:
-        print(f"real weights unavailable: {error}", file=sys.stderr)
-        return 1
+    stock, tokenizer = load_stock_or_exit()
     folder = ROOT / "benchmarks/results" if args.update_committed else Path(args.work)
     folder.mkdir(parents=True, exist_ok=True)
     results = folder / "retrieval.jsonl"
