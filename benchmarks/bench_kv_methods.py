@@ -410,7 +410,6 @@ def main(argv=None) -> int:
             print(f"{name}: real weights unavailable: {error}", file=sys.stderr)
             continue
         spec, key = MODELS[name], run_key(name, args)
-        EMULATION["mlr"] = ALL_ATTENTION_FUNCTIONS[MLR_ATTENTION] if MLR_ATTENTION in ALL_ATTENTION_FUNCTIONS else None
         patched = patch(stock, spec)
         EMULATION["mlr"] = ALL_ATTENTION_FUNCTIONS[MLR_ATTENTION]
         layers = target_layers(stock, spec)
