@@ -1,4 +1,4 @@
-"""Which KV-cache method for which workload: the MLR patch against a sink window, a plain window and int4 at equal bytes.
+"""Which KV-cache method for which workload: the MLR patch, a sink window, a plain window and int4 at equal bytes.
 
 A user with a pretrained decoder who wants a smaller KV cache or a faster long-context decode step, and no training,
 can patch it to MLR (``hf_structattn.patch``), keep a StreamingLLM-style window (attention sinks + the most recent
@@ -198,9 +198,10 @@ def cache_bytes(patched, length: int) -> dict:
                       + length * head_dim * int4_entry_bytes(GROUP))  # per (KV head, layer)
     int4_reach = int(mlr_int4_layer // (2 * head_dim * int4_entry_bytes(GROUP)))
     window = others + len(layers) * kv_heads * 2 * reach * head_dim * 2
+    int4 = stock * int4_entry_bytes(GROUP) / 2
     return {"bytes": {"stock": stock, "mlr": report["kv_cache_bytes"], "sink_window": window, "window": window,
-                      "int4": stock * int4_entry_bytes(GROUP) / 2,
-                      "int4_by_frequency": stock * int4_entry_bytes(GROUP) / 2, "mlr_int4": others + len(layers) * kv_heads * mlr_int4_layer,
+                      "int4": int4, "int4_by_frequency": int4,
+                      "mlr_int4": others + len(layers) * kv_heads * mlr_int4_layer,
                       "sink_window_int4": others + len(layers) * kv_heads * 2 * int4_reach * head_dim
                       * int4_entry_bytes(GROUP)},
             "reach": {"sink_window": reach, "window": reach, "sink_window_int4": int4_reach}}
@@ -296,8 +297,9 @@ def decode_times(model, patched, prompt: torch.Tensor, layers: list, reach: int,
 
 def check_emulation(stock, patched, tokens: torch.Tensor, layers: list, length: int = 1100) -> float:
     """The largest per-token loss difference between the emulations with rounding switched off (and a window that
-    reaches every key) and the models themselves (stock SDPA, the patched model's own MLR op) on the held-out text's first ``length`` tokens: past
-    every MLR block edge and Gemma-3's 512-token window. The benchmark stops when it exceeds 1e-3 nats."""
+    reaches every key) and the models themselves (stock SDPA, the patched model's own MLR op) on the held-out
+    text's first ``length`` tokens: past every MLR block edge and Gemma-3's 512-token window. The benchmark stops
+    when it exceeds 1e-3 nats."""
     global fake_int4
     rounding, fake_int4 = fake_int4, (lambda x, group: x)
     try:
