@@ -40,7 +40,7 @@ for models with sliding-window layers such as Gemma-3; the emulated compositions
 Before measuring, each model checks the emulations with the rounding switched off against the models themselves
 (:func:`check_emulation`). Rows land in ``kv_methods.jsonl`` as they finish and a rerun skips those done for the
 same model, text, token count and versions (resumable); ``kv_methods.md`` beside it is rewritten after each row.
-About 40 minutes on one core for both models at the defaults.
+About 70 minutes on one core for both models at the defaults (measured beside another job).
 
     python benchmarks/bench_kv_methods.py                           # both models: outputs/kv_methods/kv_methods.*
     python benchmarks/bench_kv_methods.py --update-committed        # benchmarks/results/kv_methods.{jsonl,md}

