@@ -65,10 +65,12 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 import hf_structattn
 from hf_structattn.flops import decoder_cache_report
 from hf_structattn.modeling.structattn_install import MLR_ATTENTION, mlr_geometry_of
+from hf_structattn.modeling.structattn_reference import masked_softmax_attention, mlr_scores_reference
 from hf_structattn.real_weights import RealWeightsUnavailable, load_model, model_folder, splits_digest, split_tokens
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_generation import Clock, header_line  # noqa: E402
+from bench_real_weights import window_scores  # noqa: E402
 from bench_retrieval import fake_int4  # noqa: E402  (x (..., d) rounded to 4 bits per group of dims, de-quantised)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -117,9 +119,10 @@ def residual_int4_attention(module, query, key, value, scaling=None, sliding_win
     """Attention with the keys and values a ``QuantizedCache`` would hand each query while decoding the window token
     by token: int4 (:func:`fake_int4`, per token, groups of ``GROUP`` dims; each MLR level's key dims their own
     groups) for every key older than the query's ``RESIDUAL``-token chunk, full precision inside it (the cache keeps up
-    to ``RESIDUAL`` newest tokens unquantised and re-quantises them all when it overflows). For MLR layers the paper's
-    scores: level l's dims count when query and key share a level-l block. Materialised, ``RESIDUAL`` queries at a
-    time. query (B, Hq, T, d), key and value (B, Hk, T, d); returns (B, T, Hq, d), None."""
+    to ``RESIDUAL`` newest tokens unquantised and re-quantises them all when it overflows). For MLR layers the
+    package's reference scores (``mlr_scores_reference``: level l's dims count when query and key share a level-l
+    block). Materialised, ``RESIDUAL`` queries at a time. query (B, Hq, T, d), key and value (B, Hk, T, d); returns
+    (B, T, Hq, d), None."""
     groups = query.shape[1] // key.shape[1]
     key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     geometry = mlr_geometry_of(module) if getattr(module, "layer_idx", None) in EMULATION.get("mlr_layers", ()) \
@@ -149,17 +152,12 @@ def residual_int4_attention(module, query, key, value, scaling=None, sliding_win
         part = query[:, :, first:last]
         if geometry is None:
             scores = (part @ keys.transpose(-1, -2)) * scale
-        else:
-            scores = 0.0
-            for level, (start, rank) in enumerate(zip(starts, geometry.ranks)):
-                level_scores = (part[..., start:start + rank] @ keys[..., start:start + rank].transpose(-1, -2))
-                if level > 0:
-                    size = geometry.block_sizes[level - 1]
-                    level_scores = level_scores * (rows // size == columns // size)
-                scores = scores + level_scores * scales[level]
-        scores = scores.masked_fill(~visible(rows, columns, sliding_window, EMULATION.get("reach")),
-                                     torch.finfo(scores.dtype).min)
-        outputs.append(torch.softmax(scores, dim=-1) @ values)
+        else:  # the package's own block rule (reference scores), with these keys
+            scores = mlr_scores_reference(part, keys, ranks=geometry.ranks, block_sizes=geometry.block_sizes,
+                                          scales=scales, positions=rows.T, key_positions=columns,
+                                          average_levels=geometry.average_levels)
+        outputs.append(masked_softmax_attention(scores, values, visible(rows, columns, sliding_window,
+                                                                        EMULATION.get("reach"))))
     return torch.cat(outputs, 2).transpose(1, 2).contiguous(), None
 
 
@@ -205,27 +203,6 @@ def cache_bytes(patched, length: int) -> dict:
                       "sink_window_int4": others + len(layers) * kv_heads * 2 * int4_reach * head_dim
                       * int4_entry_bytes(GROUP)},
             "reach": {"sink_window": reach, "window": reach, "sink_window_int4": int4_reach}}
-
-
-@torch.no_grad()
-def window_scores(model, windows: torch.Tensor, chunk: int = 512) -> dict:
-    """Next-token losses (N, T-1) float64 and argmax tokens of ``model`` on ``windows`` (N, T); the output layer runs
-    ``chunk`` positions at a time (Gemma-3's 262,144-word logits of 8,192 positions would take 8.6 GB)."""
-    head, softcap = model.get_output_embeddings(), getattr(model.config, "final_logit_softcapping", None)
-    losses, argmax = [], []
-    for window in windows:
-        hidden = model.get_decoder()(window[None], use_cache=False).last_hidden_state[0, :-1]
-        row_losses, row_argmax = [], []
-        for start in range(0, hidden.shape[0], chunk):
-            logits = head(hidden[start:start + chunk]).float()
-            if softcap:
-                logits = torch.tanh(logits / softcap) * softcap
-            row_losses.append(torch.nn.functional.cross_entropy(logits, window[1 + start:1 + start + chunk],
-                                                                reduction="none").double())
-            row_argmax.append(logits.argmax(-1))
-        losses.append(torch.cat(row_losses))
-        argmax.append(torch.cat(row_argmax))
-    return {"losses": torch.stack(losses), "argmax": torch.stack(argmax)}
 
 
 def quality(model, patched, variant: str, windows: torch.Tensor, layers: list, reach: dict) -> dict:

@@ -65,13 +65,25 @@ def rank_list(text: str) -> list:
 
 
 @torch.no_grad()
-def window_scores(model, windows: torch.Tensor) -> dict:
-    """Per window: the next-token losses (T-1,) float64 and argmax tokens (T-1,) of ``model`` on ``windows`` (N, T)."""
+@torch.no_grad()
+def window_scores(model, windows: torch.Tensor, chunk: int = 512) -> dict:
+    """Per window: the next-token losses (T-1,) float64 and argmax tokens (T-1,) of ``model`` on ``windows`` (N, T).
+    The output layer runs ``chunk`` positions at a time (Gemma-3's 262,144-word logits of 8,192 positions would take
+    8.6 GB)."""
+    head, softcap = model.get_output_embeddings(), getattr(model.config, "final_logit_softcapping", None)
     losses, argmax = [], []
     for window in windows:
-        logits = model(window[None], use_cache=False).logits[0, :-1].float()
-        losses.append(torch.nn.functional.cross_entropy(logits, window[1:], reduction="none").double())
-        argmax.append(logits.argmax(-1))
+        hidden = model.get_decoder()(window[None], use_cache=False).last_hidden_state[0, :-1]
+        row_losses, row_argmax = [], []
+        for start in range(0, hidden.shape[0], chunk):
+            logits = head(hidden[start:start + chunk]).float()
+            if softcap:
+                logits = torch.tanh(logits / softcap) * softcap
+            row_losses.append(torch.nn.functional.cross_entropy(logits, window[1 + start:1 + start + chunk],
+                                                                reduction="none").double())
+            row_argmax.append(logits.argmax(-1))
+        losses.append(torch.cat(row_losses))
+        argmax.append(torch.cat(row_argmax))
     return {"losses": torch.stack(losses), "argmax": torch.stack(argmax)}
 
 
