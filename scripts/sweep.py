@@ -27,6 +27,7 @@ import copy
 import json
 import math
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -605,6 +606,37 @@ def cpu_progress(table: dict, names: set, records: dict, command: str) -> str:
     return text
 
 
+class _CarriedRun:
+    """An unfinished run's state carried between machines in the committed results folder: a session's checkout
+    holds no ignored files, so a shard that stops with its run unfinished (a segment's end, a budget) copies the
+    run's checkpoint and progress from ``work`` to ``<results>/carried/`` (about 60 MB at D = 256), the next shard
+    of the run restores them into ``work`` when ``work`` has no checkpoint, and the run's end removes them (its
+    results file takes their place)."""
+
+    def __init__(self, work: Path, results: Path, segment: dict, run: str):
+        stack = StackedArm.stack_folder(Path(work), segment["arm"], [segment["lr"]], [segment["seed"]])
+        self.pairs = [(Path(work) / run, Path(results) / "carried" / run),
+                      (stack, Path(results) / "carried" / stack.name)]
+
+    def restore(self) -> None:
+        stack, carried_stack = self.pairs[1]
+        if (stack / "checkpoint.json").exists() or not (carried_stack / "checkpoint.json").exists():
+            return
+        for folder, carried in self.pairs:
+            shutil.copytree(carried, folder, dirs_exist_ok=True)
+
+    def keep(self) -> None:
+        for folder, carried in self.pairs:
+            if carried.exists():
+                shutil.rmtree(carried)
+            shutil.copytree(folder, carried, ignore=shutil.ignore_patterns("*.tmp"))
+
+    def drop(self) -> None:
+        for _, carried in self.pairs:
+            if carried.exists():
+                shutil.rmtree(carried)
+
+
 def run_cpu_shard(shard_id: str, shards: dict, spec_of: Callable[[dict], ArmSpec], work: Path, results: Path,
                   budget_s: Optional[float], compile_step: bool = False, checkpoints: int = 10,
                   dtype: torch.dtype = torch.float32, chunk: int = 50) -> bool:
@@ -613,7 +645,8 @@ def run_cpu_shard(shard_id: str, shards: dict, spec_of: Callable[[dict], ArmSpec
     reached its first step) to its last step, writing the run's results file when the run ends. ``spec_of(segment)``
     builds the run's :class:`ArmSpec`; ``checkpoints`` per run (and one at every segment end); ``dtype`` and
     ``chunk`` as :class:`StackedArm`'s (float64 is for tests). Writes the shard's
-    record (:func:`read_shard_records`) and returns True when every segment is done, False when ``budget_s``
+    record (:func:`read_shard_records`), carries an unfinished run's state in ``results`` (:class:`_CarriedRun`)
+    and returns True when every segment is done, False when ``budget_s``
     (wall seconds) stopped it first (a rerun resumes)."""
     if shard_id not in shards:
         raise SystemExit(f"shard: unknown id {shard_id!r}; the shards now are {', '.join(shards)}")
@@ -632,6 +665,8 @@ def run_cpu_shard(shard_id: str, shards: dict, spec_of: Callable[[dict], ArmSpec
                              "its grid (and edge) runs must finish first (`report` says what is left)")
         if run in names:
             continue
+        carried = _CarriedRun(work, results, segment, run)
+        carried.restore()
         at = StackedArm.checkpoint_step(work, segment["arm"], [segment["lr"]], [segment["seed"]])
         if segment["start"] > 0 and (at or 0) < segment["start"]:
             raise SystemExit(f"shard {shard_id}: {run} continues from step {segment['start']:,}, but its checkpoint "
@@ -651,6 +686,9 @@ def run_cpu_shard(shard_id: str, shards: dict, spec_of: Callable[[dict], ArmSpec
         trained = True
         if complete:
             arm.finish(results=results)
+            carried.drop()
+        else:
+            carried.keep()
         record["reached"][run] = arm.step
         print(f"shard {shard_id}: {run} at step {arm.step:,} of {segment['steps']:,} "
               f"(segment {segment['part']}/{segment['parts']}, to step {segment['until']:,})", flush=True)

@@ -113,6 +113,26 @@ def test_a_run_trained_in_segments_and_budget_stops_equals_it_trained_at_once_in
     assert run_cpu_shard("s2", table, lambda segment: pytest.fail("built a spec"), work, results, None)
 
 
+def test_an_unfinished_run_continues_on_another_machine_from_the_state_carried_in_the_results(tmp_path):
+    """A session's checkout has no ignored files: the run's state between segments travels in the committed
+    results folder, and the segmented run on two machines equals the run trained at once."""
+    unit = dict(name="tiny s0", arm="tiny", lr=3e-2, seed=0, steps=24, eval_every=6, rate="r")
+    table = cpu_shards([("s", [unit])], {"r": {"step_s": 60.0, "eval_s": 0.0, "setup_s": 0.0}}, limit=13.0)
+    results = tmp_path / "results"
+    assert run_cpu_shard("s1", table, lambda segment: _spec(), tmp_path / "first", results, None,
+                         dtype=torch.float64, chunk=4, checkpoints=1)
+    carried = results / "carried"
+    assert sorted(p.name for p in carried.iterdir()) == ["tiny_lr0.03_s0", "tiny_lr0.03_s0.stack"]
+    assert run_cpu_shard("s2", table, lambda segment: _spec(), tmp_path / "second", results, None,
+                         dtype=torch.float64, chunk=4, checkpoints=1)
+    assert not carried.exists() or not any(carried.iterdir())  # the results file took their place
+    (finished,) = read_run_jsons(results)
+    assert [e["step"] for e in finished["evals"]] == [0, 6, 12, 18, 24]
+    once = StackedArm(_spec(), [3e-2], [0], 24, 6, tmp_path / "once", checkpoint_every=1000, dtype=torch.float64)
+    assert once.run_until()
+    assert finished["final"]["loss"] == pytest.approx(once.finish()[0]["final"]["loss"], rel=1e-12, abs=0)
+
+
 def test_every_evaluation_record_carries_the_stacks_thread_time_across_resumes(tmp_path):
     def records(root):
         return [json.loads(line) for line in (root / "tiny_lr0.03_s0" / "progress.jsonl").read_text().splitlines()]
