@@ -79,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default: unrotated dims, then the pairs from the lowest frequency up), index (the "
                             "pairs in the model's dim order), contribution (pairs ranked by q/k norms on "
                             "--calibration-text)")
+    patch.add_argument("--level-rule",
+                       help="decoders only: which levels a token pair shares: blocks (default: the paper's blocks "
+                            "aligned to position 0) or nearest (level l for keys fewer than b_l positions away; "
+                            "the same cache bytes, for pretrained weights patched without training)")
     patch.add_argument("--calibration-text", metavar="FILE",
                        help="decoders, --level-order contribution only: a UTF-8 text file, tokenized with SRC_DIR's "
                             "tokenizer, whose first --calibration-tokens tokens the stock model runs on")

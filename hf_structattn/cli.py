@@ -233,6 +233,8 @@ def patch_command(args) -> int:
         targets = ()
         if args.level_order is not None:
             fields["level_order"] = args.level_order
+        if args.level_rule is not None:
+            fields["mlr_level_rule"] = args.level_rule
         calibration_ids = _calibration_ids(src, args)
         if calibration_ids is not None:
             fields["calibration_ids"] = calibration_ids
@@ -240,6 +242,7 @@ def patch_command(args) -> int:
         decoder_only = [option for option, value in (("--layers", args.layers),
                                                      ("--sliding-window-layers", args.sliding_window_layers),
                                                      ("--level-order", args.level_order),
+                                                     ("--level-rule", args.level_rule),
                                                      ("--calibration-text", args.calibration_text))
                         if value is not None]
         if decoder_only:
@@ -271,7 +274,7 @@ def patch_command(args) -> int:
         print(f"patched decoder checkpoint {src} ({type(original).__name__}) with attention={args.attention} "
               f"mlr_ranks={config.mlr_ranks} mlr_block_sizes={config.mlr_block_sizes} layers={layers} "
               f"sliding_window_layers={config.mlr_patch['sliding_window_layers']} "
-              f"level_order={config.mlr_patch['level_order']}")
+              f"level_order={config.mlr_patch['level_order']} level_rule={config.mlr_level_rule}")
     else:
         print(f"patched {kind} checkpoint {src} with attention={args.attention} init={args.init} targets={targets}")
     print("drift before fine-tuning (synthetic inputs):")

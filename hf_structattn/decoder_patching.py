@@ -145,13 +145,15 @@ def find_rotary(model):
 def patch_decoder(model, attention: str = "mlr", *, mlr_ranks: Optional[Sequence[int]] = None, mlr_block_sizes=None,
                   mlr_max_length: Optional[int] = None, layers: Optional[Sequence[int]] = None, init: str = "split",
                   sliding_window_layers: str = "refuse", mlr_level_scales: Optional[Sequence[float]] = None,
-                  level_order: str = DEFAULT_LEVEL_ORDER, calibration_ids: Optional[torch.Tensor] = None):
+                  level_order: str = DEFAULT_LEVEL_ORDER, calibration_ids: Optional[torch.Tensor] = None,
+                  mlr_level_rule: str = "blocks"):
     """Return an MLR copy of a transformers decoder (``model`` is not modified); see the module docstring and
     ``plan_decoder_patch`` (which checks the arguments) for the arguments."""
     new_config = plan_decoder_patch(model, attention, mlr_ranks=mlr_ranks, mlr_block_sizes=mlr_block_sizes,
                                     mlr_max_length=mlr_max_length, layers=layers, init=init,
                                     sliding_window_layers=sliding_window_layers, mlr_level_scales=mlr_level_scales,
-                                    level_order=level_order, calibration_ids=calibration_ids)
+                                    level_order=level_order, calibration_ids=calibration_ids,
+                                    mlr_level_rule=mlr_level_rule)
     return build_patched_decoder(model, new_config)
 
 
@@ -166,7 +168,8 @@ def plan_decoder_patch(model, attention: str = "mlr", *, mlr_ranks: Optional[Seq
                        mlr_block_sizes=None, mlr_max_length: Optional[int] = None,
                        layers: Optional[Sequence[int]] = None, init: str = "split",
                        sliding_window_layers: str = "refuse", mlr_level_scales: Optional[Sequence[float]] = None,
-                       level_order: str = DEFAULT_LEVEL_ORDER, calibration_ids: Optional[torch.Tensor] = None):
+                       level_order: str = DEFAULT_LEVEL_ORDER, calibration_ids: Optional[torch.Tensor] = None,
+                       mlr_level_rule: str = "blocks"):
     """Every check of ``patch_decoder`` and the ``MLR<Arch>Config`` it builds (ValueError naming the field
     otherwise). Reads the model's config, class and module structure (its attention modules, its rotary
     embedding) but no weight, except for ``level_order="contribution"``, which runs the model on
@@ -194,6 +197,10 @@ def plan_decoder_patch(model, attention: str = "mlr", *, mlr_ranks: Optional[Seq
         calibration_ids: token ids, (tokens,) or (windows, tokens), that ``level_order="contribution"`` runs the
             stock model on (one forward per window; refused with any other order); recorded as a token count in
             ``config.mlr_patch``.
+        mlr_level_rule: which levels a (query, key) pair shares: "blocks" (the paper's blocks aligned to position 0,
+            the default) or "nearest" (level l for keys fewer than b_l positions away: a window per finer level, the
+            same cache bytes; on pretrained weights without training it keeps each token's nearest keys at full
+            width, docs/patching.md).
     """
     if attention != ATTENTION_NAME:
         raise ValueError(f"attention={attention!r}: decoders can be patched to {ATTENTION_NAME!r} only")
@@ -246,6 +253,7 @@ def plan_decoder_patch(model, attention: str = "mlr", *, mlr_ranks: Optional[Seq
     new_config.mlr_layers = selected
     new_config.mlr_dim_order = stored_dim_order(order)
     new_config.mlr_level_scales = None if mlr_level_scales is None else [float(s) for s in mlr_level_scales]
+    new_config.mlr_level_rule = mlr_level_rule
     new_config.mlr_patch = {"source": type(model).__name__, "source_model_type": config.model_type, "init": init,
                             "sliding_window_layers": sliding_window_layers, "replaced_sliding_layers": windowed,
                             "level_order": level_order}

@@ -85,6 +85,11 @@ PATCHED_DECODER_FIELDS = [
     ("mlr_level_scales", "list[float] or None", "None", "the MLR layers",
      "per-level logit multipliers; None: the attention module's own scaling on every level, so "
      "`mlr_ranks=[head_dim]` is the stock model (`patch(mlr_level_scales=...)`)"),
+    ("mlr_level_rule", "str", "`\"blocks\"` (also when absent)", "the MLR layers",
+     "which levels a (query, key) pair shares: `\"blocks\"`, the paper's blocks aligned to position 0, or "
+     "`\"nearest\"`, level l for keys fewer than b_l positions away (a window per finer level, the same cache "
+     "bytes; the rule for pretrained weights patched without training, docs/patching.md) "
+     "(`patch(mlr_level_rule=...)`)"),
     ("mlr_patch", "dict", "written by `patch`", "nothing at run time: provenance",
      "how the checkpoint was patched: `source`, `source_model_type`, `init`, `sliding_window_layers`, "
      "`replaced_sliding_layers`, `level_order` (and `calibration_tokens` for `level_order=\"contribution\"`)"),

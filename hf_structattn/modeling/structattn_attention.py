@@ -236,7 +236,7 @@ def _uncached(module, query, key, value, geometry, scales, positions, valid, bia
     if not eager:
         out = mlr_attention(query, key, value, ranks=geometry.ranks, block_sizes=geometry.block_sizes, causal=causal,
                             scales=list(scales), positions=positions, attention_mask=valid, bias=bias,
-                            average_levels=geometry.average_levels, layout=layout)
+                            average_levels=geometry.average_levels, layout=layout, level_rule=geometry.level_rule)
         return out, None
     # the materialised maps: the op layer's one materialised MLR (the full-keys path), keys in token order
     key_valid = valid if valid is not None else torch.ones(positions.shape, dtype=torch.bool, device=query.device)

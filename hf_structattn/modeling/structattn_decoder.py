@@ -13,7 +13,10 @@ attention is MLR in the layers their config names. Part of the checkpoint payloa
   rotation of W_Q/W_K does not commute with RoPE). A stock model run with ``attn_implementation="mlr"`` finds it on
   first use by ``config.mlr_level_order`` (default ``DEFAULT_LEVEL_ORDER``);
 * ``mlr_level_scales``: per-level logit multipliers (None: the module's own ``scaling`` on every level, so
-  ``mlr_ranks=[head_dim]`` is the stock model).
+  ``mlr_ranks=[head_dim]`` is the stock model);
+* ``mlr_level_rule``: which levels a pair shares (``structattn_mlr_levels``): "blocks" (the paper's; absent means
+  this) or "nearest" (level l for keys fewer than b_l positions away: the rule for pretrained weights patched
+  without training).
 
 ``MLR<Arch>ForCausalLM`` is the transformers class with MLR installed the way every family installs it
 (``structattn_attention.install_mlr_attention`` on the attention module of each MLR layer, in ``post_init``) and a
@@ -51,7 +54,7 @@ from .structattn_inputs import check_positions
 
 MODEL_TYPE_PREFIX = "mlr_"
 CLASS_PREFIX = "MLR"
-MLR_FIELDS = ("mlr_ranks", "mlr_block_sizes", "mlr_layers", "mlr_dim_order", "mlr_level_scales")
+MLR_FIELDS = ("mlr_ranks", "mlr_block_sizes", "mlr_layers", "mlr_dim_order", "mlr_level_scales", "mlr_level_rule")
 
 _CLASSES = {}
 

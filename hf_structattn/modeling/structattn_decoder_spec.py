@@ -52,7 +52,8 @@ def decoder_geometry(config, head_dim: Optional[int] = None, dims: Optional["Rot
                              f"with hf_structattn.patch(model, mlr_ranks=..., mlr_block_sizes=...)")
     order = getattr(config, "mlr_dim_order", None) if level_order is None else dim_order
     geometry = MLRGeometry.build(ranks, blocks, getattr(config, "mlr_level_scales", None), head_dim=head_dim,
-                                 dim_order=order, scales_field="mlr_level_scales")
+                                 dim_order=order, level_rule=getattr(config, "mlr_level_rule", "blocks"),
+                                 scales_field="mlr_level_scales")
     if dims is not None:
         check_levels_hold_whole_pairs(geometry.ranks, list(geometry.dim_order or range(geometry.head_dim)), dims,
                                       level_order)

@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 import torch
 
 from .structattn_config_rules import resolve_level_scales, validate_mlr_geometry
+from .structattn_mlr_levels import check_level_rule
 
 _BUILT_GEOMETRIES: dict = {}
 
@@ -75,7 +76,8 @@ class MLRGeometry:
     level_scales: per-level logit multipliers, or None for "the attention module's own ``scaling`` on every
     level" (patched decoders: ``mlr_ranks=[head_dim]`` is then the stock model); average_levels: divide each logit
     by the number of levels the pair shares; dim_order: the head-dim permutation that puts the level slices first
-    (whole RoPE rotation pairs for patched RoPE decoders), or None for the identity. Hashable; the small device
+    (whole RoPE rotation pairs for patched RoPE decoders), or None for the identity; level_rule: which levels a pair
+    shares, "blocks" or "nearest" (``structattn_mlr_levels``). Hashable; the small device
     tensors derived from it are memoised in ``tensors`` (a bounded ``TensorMemo``, not part of equality).
     """
 
@@ -84,6 +86,7 @@ class MLRGeometry:
     level_scales: Optional[tuple] = None
     average_levels: bool = False
     dim_order: Optional[tuple] = None
+    level_rule: str = "blocks"
     tensors: TensorMemo = field(default_factory=TensorMemo, compare=False, hash=False, repr=False)
     head_dim: int = field(init=False, compare=False, repr=False)  # sum(ranks): read by every layer of every step
     num_levels: int = field(init=False, compare=False, repr=False)
@@ -94,15 +97,16 @@ class MLRGeometry:
 
     @classmethod
     def build(cls, ranks, block_sizes, scales=None, *, head_dim: Optional[int] = None, average_levels: bool = False,
-              dim_order=None, ranks_field: str = "mlr_ranks", blocks_field: str = "mlr_block_sizes",
-              scales_field: str = "mlr_scaling") -> "MLRGeometry":
+              dim_order=None, level_rule: str = "blocks", ranks_field: str = "mlr_ranks",
+              blocks_field: str = "mlr_block_sizes", scales_field: str = "mlr_scaling",
+              rule_field: str = "mlr_level_rule") -> "MLRGeometry":
         """Validate and build. ``scales``: None (module scaling), "standard" (1/sqrt(r)), "mup" (1/r_l), a number
         or one number per level; errors name the given field names. Built once per distinct arguments (a model
         forward asks its config for its geometries; the validation would cost every decode step)."""
         try:
             key = (cls, tuple(ranks), tuple(block_sizes), tuple(scales) if isinstance(scales, list) else scales,
-                   head_dim, bool(average_levels), None if dim_order is None else tuple(dim_order), ranks_field,
-                   blocks_field, scales_field)
+                   head_dim, bool(average_levels), None if dim_order is None else tuple(dim_order), level_rule,
+                   ranks_field, blocks_field, scales_field, rule_field)
             hash(key)
         except TypeError:  # unhashable or non-iterable input: validation below names the field
             key = None
@@ -110,16 +114,17 @@ class MLRGeometry:
         if built is not None:
             return built
         built = cls._build(ranks, block_sizes, scales, head_dim=head_dim, average_levels=average_levels,
-                           dim_order=dim_order, ranks_field=ranks_field, blocks_field=blocks_field,
-                           scales_field=scales_field)
+                           dim_order=dim_order, level_rule=level_rule, ranks_field=ranks_field,
+                           blocks_field=blocks_field, scales_field=scales_field, rule_field=rule_field)
         if key is not None and len(_BUILT_GEOMETRIES) < 256:
             _BUILT_GEOMETRIES[key] = built
         return built
 
     @classmethod
-    def _build(cls, ranks, block_sizes, scales, *, head_dim, average_levels, dim_order, ranks_field, blocks_field,
-               scales_field) -> "MLRGeometry":
+    def _build(cls, ranks, block_sizes, scales, *, head_dim, average_levels, dim_order, level_rule, ranks_field,
+               blocks_field, scales_field, rule_field) -> "MLRGeometry":
         validate_mlr_geometry(ranks, block_sizes, head_dim, ranks_field, blocks_field)
+        check_level_rule(level_rule, rule_field)
         ranks, block_sizes = tuple(int(r) for r in ranks), tuple(int(b) for b in block_sizes)
         level_scales = None if scales is None else tuple(resolve_level_scales(ranks, scales, scales_field))
         if dim_order is not None:
@@ -131,7 +136,7 @@ class MLRGeometry:
             dim_order = tuple(int(d) for d in dim_order)
             if dim_order == tuple(range(sum(ranks))):
                 dim_order = None
-        return cls(ranks, block_sizes, level_scales, bool(average_levels), dim_order)
+        return cls(ranks, block_sizes, level_scales, bool(average_levels), dim_order, level_rule)
 
     def scales(self, module_scaling: Optional[float] = None) -> tuple:
         """The per-level multipliers, with ``module_scaling`` (default 1/sqrt(r)) standing in when not configured."""

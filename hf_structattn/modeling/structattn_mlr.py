@@ -26,7 +26,9 @@ from .structattn_config_rules import resolve_level_scales, validate_mlr_geometry
 from .structattn_inputs import check_bias, check_positions, check_qkv
 from .structattn_masks import keep_mask
 from .structattn_mlr_fused import mlr_attention_fused
+from .structattn_mlr_levels import check_level_rule
 from .structattn_mlr_math import mlr_attention_math
+from .structattn_mlr_nearest import mlr_nearest_attention
 from .structattn_reference import mlr_attention_reference
 
 
@@ -96,7 +98,7 @@ def mlr_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ranks: S
                   scales: Union[None, str, float, Sequence[float]] = None, positions: Optional[torch.Tensor] = None,
                   attention_mask: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
                   average_levels: bool = False, implementation: str = "auto",
-                  layout: Optional[PositionLayout] = None) -> torch.Tensor:
+                  layout: Optional[PositionLayout] = None, level_rule: str = "blocks") -> torch.Tensor:
     """Exact multi-level low-rank attention (paper §3.4); the fused and Triton paths never materialise the
     T x T scores.
 
@@ -119,6 +121,9 @@ def mlr_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ranks: S
         implementation: "auto", "fused" (CPU), "math", "triton" (CUDA) or "reference" (naive, for tests).
         layout: a ``PositionLayout`` of ``positions`` and ``attention_mask`` the caller read already (a model's
             layers share one per forward), so that nothing is read back from the device; None: read here.
+        level_rule: which levels a pair shares (``structattn_mlr_levels``): "blocks" (the paper's), or "nearest"
+            (level l for keys fewer than b_l positions away; its own backend, ``structattn_mlr_nearest``, on every
+            device, whatever ``implementation`` other than "reference" says).
 
     Returns:
         (B, H, T, dv) in the inputs' dtype (float16, bfloat16, float32 or float64; the softmax and the level merge
@@ -135,6 +140,17 @@ def mlr_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ranks: S
     check_bias(bias, (batch, heads, length, length))
     common = dict(ranks=ranks, block_sizes=block_sizes, causal=causal, scales=level_scales, positions=positions,
                   attention_mask=valid, bias=bias, average_levels=average_levels)
+    if check_level_rule(level_rule, "level_rule") == "nearest":
+        if implementation == "reference":
+            return mlr_attention_reference(q, k, v, level_rule=level_rule, **common)
+        if layout is not None:
+            contiguous = layout.contiguous
+        else:
+            contiguous = positions is None or _row_offsets(
+                positions, valid if valid is not None else torch.ones_like(positions, dtype=torch.bool)) is not None
+        return mlr_nearest_attention(q, k, v, ranks=ranks, block_sizes=block_sizes, level_scales=level_scales,
+                                     causal=causal, positions=positions, valid=valid, bias=bias,
+                                     average_levels=average_levels, contiguous=contiguous)
     if implementation == "reference":
         return mlr_attention_reference(q, k, v, **common)
 

@@ -1,7 +1,16 @@
-"""The level rule of MLR attention, in one place: how the per-level dot products of a (query, key) pair combine.
+"""The level rule of MLR attention, in one place: which levels a (query, key) pair shares and how their per-level
+dot products combine.
 
-A pair that shares ``d`` levels (its *depth*: level 1 always, level l >= 2 when both positions are in the same
-level-l block) scores
+A pair's *depth* is the number of levels it shares: level 1 always, and level l >= 2
+
+* under ``level_rule="blocks"`` (the paper's, the default) when both positions are in the same level-l block
+  (blocks of ``b_l`` positions aligned to position 0);
+* under ``level_rule="nearest"`` when the positions are fewer than ``b_l`` apart (a sliding window of the level's
+  size: a token's nearest keys at full width, farther ones coarser). For pretrained decoders patched without
+  training: no token loses its nearest neighbours' fine dims at a block start, and a cache keeps the same ring of
+  ``b_l`` entries per level (its last ``b_l`` keys), so the bytes are the blocks'.
+
+Nested sizes make the shared levels a prefix under either rule. The pair scores
 
     s = depth_weight(d) * sum_{l <= d} alpha_l <q_l, k_l>
 
@@ -51,14 +60,36 @@ def level_prefix_widths(ranks: Sequence[int]) -> list:
     return widths
 
 
-def pair_depth(query_positions: torch.Tensor, key_positions: torch.Tensor, block_sizes: Sequence[int]) -> torch.Tensor:
-    """(B, Tq, Tk) int64 in 1..L: the number of levels every (query, key) pair shares. query_positions (B, Tq),
-    key_positions (B, Tk)."""
+LEVEL_RULES = ("blocks", "nearest")
+
+
+def check_level_rule(level_rule, field: str = "mlr_level_rule") -> str:
+    """``level_rule`` when it is one of ``LEVEL_RULES``; else a one-line ValueError naming ``field``."""
+    if level_rule not in LEVEL_RULES:
+        raise ValueError(f"{field}={level_rule!r} is not one of {LEVEL_RULES}: 'blocks' (the paper's blocks aligned "
+                         f"to position 0) or 'nearest' (level l for keys fewer than b_l positions away)")
+    return level_rule
+
+
+def shares_level(query_positions: torch.Tensor, key_positions: torch.Tensor, size, level_rule: str = "blocks"
+                 ) -> torch.Tensor:
+    """(B, Tq, Tk) bool: whether each (query, key) pair shares the level of size ``size`` (an int, or a (Tk,) long
+    tensor: each key's level) under ``level_rule``. query_positions (B, Tq), key_positions (B, Tk)."""
+    if level_rule == "nearest":
+        return (query_positions[:, :, None] - key_positions[:, None, :]).abs() < size
+    return (query_positions[:, :, None] // size) == (key_positions[:, None, :] // size)
+
+
+def pair_depth(query_positions: torch.Tensor, key_positions: torch.Tensor, block_sizes: Sequence[int],
+               level_rule: str = "blocks") -> torch.Tensor:
+    """(B, Tq, Tk) int64 in 1..L: the number of levels every (query, key) pair shares under ``level_rule``.
+    query_positions (B, Tq), key_positions (B, Tk)."""
     depth = torch.ones(query_positions.shape[0], query_positions.shape[1], key_positions.shape[1],
                        dtype=torch.long, device=query_positions.device)
     for size in block_sizes:
-        depth = depth + ((query_positions[:, :, None] // size) == (key_positions[:, None, :] // size)).long()
+        depth = depth + shares_level(query_positions, key_positions, size, level_rule).long()
     return depth
 
 
-__all__ = ["depth_scale_vector", "depth_weight", "level_multipliers", "level_prefix_widths", "pair_depth"]
+__all__ = ["LEVEL_RULES", "check_level_rule", "depth_scale_vector", "depth_weight", "level_multipliers",
+           "level_prefix_widths", "pair_depth", "shares_level"]

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from .structattn_geometry import MLRGeometry
 from .structattn_masks import mask_value, softmax_dtype
-from .structattn_mlr_levels import depth_scale_vector, depth_weight, level_prefix_widths
+from .structattn_mlr_levels import depth_scale_vector, depth_weight, level_prefix_widths, shares_level
 
 class _BlockScores(torch.autograd.Function):
     """Materialised MLR scores ``S = q_g k_g^T + sum_l blockdiag_l(q_l k_l^T)``.
@@ -176,7 +176,7 @@ def mlr_attention_full_keys(query: torch.Tensor, keys: torch.Tensor, values: tor
     formed on their diagonal blocks only. Returns (B, Hk, n, dv) [, probabilities (after dropout)]."""
     work = softmax_dtype(query.dtype)
     query = query * geometry.scale_vector(scales, query.dtype, query.device)
-    if aligned_start is not None:
+    if aligned_start is not None and geometry.level_rule == "blocks":
         scores = _aligned_scores(query, keys, geometry, aligned_start, work)
     else:
         scores, depth, start = None, None, 0
@@ -187,7 +187,7 @@ def mlr_attention_full_keys(query: torch.Tensor, keys: torch.Tensor, values: tor
                 scores = level_scores
                 continue
             size = geometry.block_sizes[level - 1]
-            same = ((query_positions[:, :, None] // size) == (key_positions[:, None, :] // size))[:, None]
+            same = shares_level(query_positions, key_positions, size, geometry.level_rule)[:, None]
             scores = scores + level_scores * same
             depth = same.to(work) if depth is None else depth + same
         if depth is not None:

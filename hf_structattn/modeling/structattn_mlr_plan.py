@@ -34,7 +34,7 @@ import torch
 
 from .structattn_geometry import MLRGeometry
 from .structattn_masks import softmax_dtype
-from .structattn_mlr_levels import depth_weight
+from .structattn_mlr_levels import depth_weight, shares_level
 from .structattn_step import NO_POSITION, MLRStep
 
 
@@ -264,6 +264,8 @@ def read_formulation(plan: MLRPlan, *, contiguous: bool, dtype: torch.dtype, bia
     biased: a bias over the slots is added (T5's relative bias, a caller's 4-D mask); maps: the probabilities are
     returned (``"mlr_eager"``: ``output_attentions``, attention dropout); gradients: grad mode is on (the in-step
     read's products accumulate in place)."""
+    if plan.geometry.level_rule != "blocks":  # the in-step and traced reads lay the rings out by block
+        return GeneralRead
     if plan.traced:
         return TracedRead if plan.chunk == 1 and not biased and not maps else GeneralRead
     if plan.in_step and contiguous and not biased and not maps and not gradients and dtype in READ_DTYPES:
@@ -423,9 +425,14 @@ def plan_general_read(layout: CacheLayout, groups: int, scales: tuple, dtype: to
                                                                                  device)
         newest_new = torch.where(valid, positions, -1).amax(-1)  # (B,)
         last, oldest = last_before[:, None], first[:, None]
-        # ring entries of the block of the newest cached position, as written before the chunk: an entry the chunk
-        # overwrote (a position one block on, up to the chunk's newest) is left to what the chunk's write replaced
-        entry_positions = (last // ring_size) * ring_size + ring_entry  # (B, sum W_l)
+        nearest = geometry.level_rule == "nearest"
+        # ring entries as written before the chunk (blocks: the block of the newest cached position; nearest: the
+        # last b_l positions, entry e holding the newest position p <= last with (p - base) % b_l == e): an entry
+        # the chunk overwrote (a position one block on, up to the chunk's newest) is left to what the write replaced
+        if nearest:
+            entry_positions = last - torch.remainder(last - base - ring_entry, ring_size)
+        else:
+            entry_positions = (last // ring_size) * ring_size + ring_entry  # (B, sum W_l)
         ring_held = (last >= 0) & (entry_positions <= last) & (entry_positions >= oldest) & \
             (entry_positions + ring_size > newest_new[:, None])
         batch, levels = positions.shape[0], level_size.shape[0]
@@ -435,15 +442,16 @@ def plan_general_read(layout: CacheLayout, groups: int, scales: tuple, dtype: to
             # what each new token's write replaced: the position one block earlier, when it was cached in that block
             # (one token's replaced entry is never in its own block: no source)
             earlier = positions[:, None, :] - level_size  # (B, L-1, c)
-            replaced = valid[:, None, :] & (earlier >= (last[:, :, None] // level_size) * level_size) & \
-                (earlier <= last[:, :, None]) & (earlier >= oldest[:, :, None])
+            in_ring = earlier > last[:, :, None] - level_size if nearest else \
+                earlier >= (last[:, :, None] // level_size) * level_size
+            replaced = valid[:, None, :] & in_ring & (earlier <= last[:, :, None]) & (earlier >= oldest[:, :, None])
             own_positions = torch.cat([earlier, own_positions], dim=2)
             own_held = torch.cat([replaced, own_held], dim=2)
         key_positions = torch.cat([entry_positions, own_positions.reshape(batch, -1)], dim=1)  # (B, E)
         key_held = torch.cat([ring_held, own_held.reshape(batch, -1)], dim=1)
         target = (key_positions - base).clamp(min=0, max=slots - 1)
-        weight = (key_held[:, None, :] & (query_positions[:, :, None] // source_size ==
-                                          key_positions[:, None, :] // source_size))[:, None].to(work)
+        shared = shares_level(query_positions, key_positions, source_size, geometry.level_rule)
+        weight = (key_held[:, None, :] & shared)[:, None].to(work)
         if geometry.average_levels:
             depth = torch.ones(batch, 1, query_positions.shape[1], slots, dtype=work, device=device)
             depth.scatter_add_(-1, target[:, None, None, :].expand(*weight.shape), weight)

@@ -11,7 +11,7 @@ import torch
 from .structattn_config_rules import resolve_level_scales, validate_mlr_geometry
 from .structattn_inputs import check_bias, check_positions, check_qkv
 from .structattn_masks import keep_mask, mask_value, softmax_dtype
-from .structattn_mlr_levels import depth_weight, pair_depth
+from .structattn_mlr_levels import check_level_rule, depth_weight, pair_depth
 
 
 def _positions_or_arange(positions: Optional[torch.Tensor], batch: int, length: int, device,
@@ -63,16 +63,16 @@ def allowed_pairs(query_positions: torch.Tensor, key_positions: torch.Tensor, ca
 def mlr_scores_reference(q: torch.Tensor, k: torch.Tensor, *, ranks: Sequence[int], block_sizes: Sequence[int],
                          scales: Union[None, str, float, Sequence[float]] = None,
                          positions: Optional[torch.Tensor] = None, key_positions: Optional[torch.Tensor] = None,
-                         average_levels: bool = False) -> torch.Tensor:
+                         average_levels: bool = False, level_rule: str = "blocks") -> torch.Tensor:
     """MLR score matrix (B, H, Tq, Tk): ``sum over shared levels l of alpha_l <q_i[l], k_j[l]>``.
 
-    q: (B, H, Tq, r), k: (B, H, Tk, r). Evaluated level by level with a dense same-block indicator, as in
-    the paper's ``S = sum_l blockdiag_k(Q_{l,k} K_{l,k}^T)``.
+    q: (B, H, Tq, r), k: (B, H, Tk, r). Evaluated level by level with a dense shared-level indicator, as in
+    the paper's ``S = sum_l blockdiag_k(Q_{l,k} K_{l,k}^T)``; ``level_rule`` as ``structattn_mlr_levels``'.
     """
     validate_mlr_geometry(ranks, block_sizes, q.shape[-1])
     level_scales = resolve_level_scales(ranks, scales)
     query_positions, key_positions = query_key_positions(q, k, positions, key_positions)
-    depth = pair_depth(query_positions, key_positions, block_sizes)[:, None]  # (B,1,Tq,Tk)
+    depth = pair_depth(query_positions, key_positions, block_sizes, check_level_rule(level_rule))[:, None]
     scores = torch.zeros(q.shape[0], q.shape[1], q.shape[2], k.shape[2], dtype=q.dtype, device=q.device)
     start = 0
     for level, (rank, scale) in enumerate(zip(ranks, level_scales), start=1):
@@ -87,7 +87,7 @@ def mlr_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
                             scales: Union[None, str, float, Sequence[float]] = None,
                             positions: Optional[torch.Tensor] = None, key_positions: Optional[torch.Tensor] = None,
                             attention_mask: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
-                            average_levels: bool = False) -> torch.Tensor:
+                            average_levels: bool = False, level_rule: str = "blocks") -> torch.Tensor:
     """Naive MLR attention. q, k: (B, H, Tq|Tk, r); v: (B, H, Tk, dv) -> (B, H, Tq, dv).
 
     positions: (B, Tq) absolute positions of the queries (default ``arange``); key_positions: (B, Tk)
@@ -109,7 +109,7 @@ def mlr_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
                          f"got {lowest}")
     scores = mlr_scores_reference(q, k, ranks=ranks, block_sizes=block_sizes, scales=scales,
                                   positions=query_positions, key_positions=key_positions,
-                                  average_levels=average_levels)
+                                  average_levels=average_levels, level_rule=level_rule)
     if bias is not None:
         scores = scores + bias
     allowed = allowed_pairs(query_positions, key_positions, causal, attention_mask)
