@@ -13,7 +13,8 @@ Methods (rows), each at the prompt length T of its column:
 
 * ``stock``: the released model (SDPA);
 * ``mlr``: ``hf_structattn.patch(model, mlr_ranks=..., mlr_max_length=2048)`` (blocks 1024, 512, 256; the paper's
-  level rule), its hierarchical cache;
+  level rule), its hierarchical cache; ``mlr_nearest``: the same with ``mlr_level_rule="nearest"`` (level l for keys
+  fewer than b_l positions away; the same cache and bytes);
 * ``sink_window``: the first 4 keys + the most recent ones, in the patched layers, as many as MLR's K+V bytes hold
   there at T (StreamingLLM's cache; scores emulated by a mask over the full sequence, as its cache would give them
   without re-rotating positions); ``window``: the same bytes, no sinks;
@@ -26,7 +27,7 @@ Methods (rows), each at the prompt length T of its column:
   levels take them) before its groups of 64 are formed: whether ``mlr_int4``'s gain over int4 is that grouping;
 * ``mlr_int4``: MLR's stored entries rounded the same way (each level's dims one group per token, at most 64; the
   values in groups of 64; the query's own 128-token chunk unquantised), emulated: no cache implements it yet;
-  ``sink_window_int4``: the sink window in int4 at the bytes of ``mlr_int4``.
+  ``mlr_nearest_int4`` the same for ``mlr_nearest``; ``sink_window_int4``: the sink window in int4 at the bytes of ``mlr_int4``.
 
 Columns: K+V bytes / stock's at T (allocated by each cache in a bf16 model: 2 bytes an entry; int4 0.5 byte an entry
 plus a bf16 scale and zero point per group, the up to 128 unquantised newest tokens not counted;
@@ -76,8 +77,10 @@ from bench_retrieval import fake_int4  # noqa: E402  (x (..., d) rounded to 4 bi
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = {"smollm2": {"ranks": [32, 16, 8, 8], "full_layers_only": False},
           "gemma3": {"ranks": [128, 64, 32, 32], "full_layers_only": True}}
-VARIANTS = ("stock", "mlr", "sink_window", "window", "int4", "int4_by_frequency", "mlr_int4", "sink_window_int4")
-TIMED = ("stock", "mlr", "window", "int4")  # sink_window decodes over as many keys as window
+VARIANTS = ("stock", "mlr", "mlr_nearest", "sink_window", "window", "int4", "int4_by_frequency", "mlr_int4",
+            "mlr_nearest_int4", "sink_window_int4")
+TIMED = ("stock", "mlr", "mlr_nearest", "window", "int4")  # sink_window decodes over as many keys as window
+EMULATED = ("int4_by_frequency", "mlr_int4", "mlr_nearest_int4", "sink_window_int4")  # no cache to time
 SINKS, GROUP, RESIDUAL, MLR_MAX_LENGTH = 4, 64, 128, 2048
 EMULATION = {}  # what the registered "kv_emulation" attention does (set per variant)
 
@@ -152,10 +155,10 @@ def residual_int4_attention(module, query, key, value, scaling=None, sliding_win
         part = query[:, :, first:last]
         if geometry is None:
             scores = (part @ keys.transpose(-1, -2)) * scale
-        else:  # the package's own block rule (reference scores), with these keys
+        else:  # the package's own level rule (reference scores), with these keys
             scores = mlr_scores_reference(part, keys, ranks=geometry.ranks, block_sizes=geometry.block_sizes,
                                           scales=scales, positions=rows.T, key_positions=columns,
-                                          average_levels=geometry.average_levels)
+                                          average_levels=geometry.average_levels, level_rule=geometry.level_rule)
         outputs.append(masked_softmax_attention(scores, values, visible(rows, columns, sliding_window,
                                                                         EMULATION.get("reach"))))
     return torch.cat(outputs, 2).transpose(1, 2).contiguous(), None
@@ -173,9 +176,9 @@ def target_layers(model, spec: dict) -> list:
     return list(range(model.config.num_hidden_layers))
 
 
-def patch(stock, spec: dict):
+def patch(stock, spec: dict, level_rule: str = "blocks"):
     return hf_structattn.patch(stock, mlr_ranks=spec["ranks"], mlr_max_length=MLR_MAX_LENGTH,
-                               layers=target_layers(stock, spec)).eval()
+                               layers=target_layers(stock, spec), mlr_level_rule=level_rule).eval()
 
 
 def cache_bytes(patched, length: int) -> dict:
@@ -197,18 +200,20 @@ def cache_bytes(patched, length: int) -> dict:
     int4_reach = int(mlr_int4_layer // (2 * head_dim * int4_entry_bytes(GROUP)))
     window = others + len(layers) * kv_heads * 2 * reach * head_dim * 2
     int4 = stock * int4_entry_bytes(GROUP) / 2
-    return {"bytes": {"stock": stock, "mlr": report["kv_cache_bytes"], "sink_window": window, "window": window,
-                      "int4": int4, "int4_by_frequency": int4,
+    return {"bytes": {"stock": stock, "mlr": report["kv_cache_bytes"], "mlr_nearest": report["kv_cache_bytes"],
+                      "sink_window": window, "window": window, "int4": int4, "int4_by_frequency": int4,
                       "mlr_int4": others + len(layers) * kv_heads * mlr_int4_layer,
+                      "mlr_nearest_int4": others + len(layers) * kv_heads * mlr_int4_layer,
                       "sink_window_int4": others + len(layers) * kv_heads * 2 * int4_reach * head_dim
                       * int4_entry_bytes(GROUP)},
             "reach": {"sink_window": reach, "window": reach, "sink_window_int4": int4_reach}}
 
 
 def quality(model, patched, variant: str, windows: torch.Tensor, layers: list, reach: dict) -> dict:
-    """Scores of one variant (see :func:`window_scores`), with the emulation it needs registered."""
+    """Scores of one variant (see :func:`window_scores`), with the emulation it needs registered; ``patched``: the
+    patched model of the variant's level rule."""
     if variant.startswith("mlr"):
-        if variant == "mlr_int4":
+        if variant.endswith("int4"):
             EMULATION.update(mlr_layers=layers, int4=True, reach=None, sinks=False)
             AttentionInterface.register(MLR_ATTENTION, mlr_int4_attention)
         try:
@@ -237,15 +242,17 @@ def crop_to_window(cache: DynamicCache, layers: list, reach: int) -> None:
 
 
 @torch.no_grad()
-def decode_times(model, patched, prompt: torch.Tensor, layers: list, reach: int, rounds: int, steps: int) -> dict:
+def decode_times(model, patched, nearest, prompt: torch.Tensor, layers: list, reach: int, rounds: int,
+                 steps: int) -> dict:
     """{variant: median thread-ms of one greedy decode step after ``prompt`` (1, T), or why it cannot run}; the
-    variants interleaved, ``steps`` steps each per round."""
+    variants interleaved, ``steps`` steps each per round; ``nearest``: the patch with the nearest-keys rule."""
     stock_cache = DynamicCache(config=model.config)
     first = model(prompt, cache=stock_cache, use_cache=True).logits[:, -1]
     window_cache = copy.deepcopy(stock_cache)
     crop_to_window(window_cache, layers, reach)
-    mlr = patched(prompt, use_cache=True)
+    mlr, mlr_nearest = patched(prompt, use_cache=True), nearest(prompt, use_cache=True)
     states = {"stock": [model, stock_cache, first], "mlr": [patched, mlr.cache, mlr.logits[:, -1]],
+              "mlr_nearest": [nearest, mlr_nearest.cache, mlr_nearest.logits[:, -1]],
               "window": [model, window_cache, first]}
     try:
         int4_cache = QuantizedCache(backend="quanto", config=model.config, nbits=4)
@@ -300,6 +307,18 @@ def run_key(name: str, args) -> dict:
             "transformers": __import__("transformers").__version__}
 
 
+def covers_variants(record: dict) -> bool:
+    """Whether a bytes or decode record has every variant of this version (an older one is measured again)."""
+    if record["kind"] == "bytes":
+        return set(VARIANTS) <= set(record["ratio"])
+    return record["kind"] != "decode" or set(TIMED) <= set(record["ms"])
+
+
+def latest(rows: list, **match):
+    """The last record of ``rows`` whose fields equal ``match``, or None."""
+    return next((r for r in reversed(rows) if all(r.get(k) == v for k, v in match.items())), None)
+
+
 def cell(value, digits: int) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
@@ -321,18 +340,17 @@ def report(records: list, names: list, lengths: list, header: str, command: str)
         for variant in VARIANTS:
             cells = []
             for length in lengths:
-                sizes = next((r for r in rows if r["kind"] == "bytes" and r["length"] == length), None)
+                sizes = latest(rows, kind="bytes", length=length)
                 cells.append(cell(sizes["ratio"].get(variant), 3) if sizes else "-")
             for length in lengths:
-                found = next((r for r in rows if r["kind"] == "quality" and r["length"] == length
-                              and r["variant"] == variant), None)
+                found = latest(rows, kind="quality", length=length, variant=variant)
                 cells += [cell(found and found["ppl_ratio"], 4), cell(found and found["top1"], 3)]
             for length in lengths:
-                decode = next((r for r in rows if r["kind"] == "decode" and r["length"] == length), None)
+                decode = latest(rows, kind="decode", length=length)
                 timed = "window" if variant == "sink_window" else variant
                 value = decode["ms"].get(timed) if decode else None
                 if value is None:
-                    cells.append("emulated" if decode and variant in VARIANTS[5:] else "-")  # no cache to time
+                    cells.append("emulated" if decode and variant in EMULATED else "-")
                 elif isinstance(value, str):
                     reasons.setdefault(value, len(reasons) + 1)
                     cells.append(f"not run ({reasons[value]})")
@@ -389,7 +407,7 @@ def main(argv=None) -> int:
             print(f"{name}: real weights unavailable: {error}", file=sys.stderr)
             continue
         spec, key = MODELS[name], run_key(name, args)
-        patched = patch(stock, spec)
+        patched, nearest = patch(stock, spec), patch(stock, spec, "nearest")
         EMULATION["mlr"] = ALL_ATTENTION_FUNCTIONS[MLR_ATTENTION]
         layers = target_layers(stock, spec)
         tokens = split_tokens(tokenizer, "heldout")
@@ -401,7 +419,8 @@ def main(argv=None) -> int:
 
         def done(kind: str, length: int, variant=None) -> bool:
             return any(r["model"] == name and r["kind"] == kind and r["length"] == length
-                       and r.get("variant") == variant and r["key"] == key for r in records)
+                       and r.get("variant") == variant and r["key"] == key
+                       and covers_variants(r) for r in records)
 
         for length in args.lengths:
             sizes = cache_bytes(patched, length)
@@ -420,7 +439,8 @@ def main(argv=None) -> int:
             for variant in args.variants:
                 if done("quality", length, variant) and not (variant == "stock" and reference is None):
                     continue
-                scores = quality(stock, patched, variant, windows, layers, sizes["reach"])
+                scores = quality(stock, nearest if "nearest" in variant else patched, variant, windows, layers,
+                                 sizes["reach"])
                 if variant == "stock":
                     reference = scores
                     torch.save(scores, reference_path)
@@ -436,7 +456,7 @@ def main(argv=None) -> int:
                      "ppl_ratio_by_window": [math.exp(float(g)) for g in gap.mean(1)],
                      "top1": float((scores["argmax"] == reference["argmax"]).double().mean())})
             if not done("decode", length):
-                ms = decode_times(stock, patched, tokens[None, :length], layers, sizes["reach"]["window"],
+                ms = decode_times(stock, patched, nearest, tokens[None, :length], layers, sizes["reach"]["window"],
                                   args.rounds, args.steps)
                 add({"model": name, "kind": "decode", "length": length, "key": key, "ms": ms,
                      "rounds": args.rounds, "steps": args.steps})

@@ -10,11 +10,9 @@ the window rule always ``w_l``); ``w_l = b_l / 2`` holds the block rule's averag
 
 SmolLM2-135M-Instruct (the real-weights tier, ``hf_structattn.real_weights``), float32, no training, the default patch
 (``hf_structattn.patch(model, mlr_ranks=ranks, mlr_max_length=2048)``: blocks 1024, 512, 256, level order
-"frequency"), held-out windows of 2,048 tokens: perplexity against the stock model's, top-1 agreement, and the
-added loss by place in the finest block (``bench_block_phase.rows``). The window rule runs here as a materialised
-evaluation-only attention function on the patched model's own level geometry, which this script registers with
-transformers' ``AttentionInterface`` under the name the patched layers call (``"mlr"``) once the block rule (the
-patched model as shipped) has been measured.
+"frequency") beside the same patch with ``mlr_level_rule="nearest"`` (the package's rule and op), and with half the
+sizes, held-out windows of 2,048 tokens: perplexity against the stock model's, top-1 agreement, and the added loss by
+place in the finest block (``bench_block_phase.rows``).
 
     python benchmarks/bench_level_rule.py                      # into outputs/level_rule.md
     python benchmarks/bench_level_rule.py --update-committed   # rewrites benchmarks/results/level_rule.md
@@ -28,12 +26,9 @@ import sys
 from pathlib import Path
 
 import torch
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import repeat_kv
 
 import hf_structattn
 from hf_structattn.modeling.structattn_geometry import MLRGeometry
-from hf_structattn.modeling.structattn_install import MLR_ATTENTION, mlr_geometry_of
 from hf_structattn.real_weights import token_windows
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -42,28 +37,6 @@ from bench_generation import header_line  # noqa: E402
 from bench_real_weights import load_stock_or_exit, rank_list, window_scores  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-WINDOWS = {}  # the finer levels' windows the registered function reads (set per variant)
-
-
-def nearest_keys_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Causal MLR scores where level l >= 2 adds its dims for the ``WINDOWS["sizes"][l - 2]`` nearest keys.
-    query (B, Hq, T, d), key and value (B, Hk, T, d); no cache, no padding (evaluation windows only)."""
-    geometry = mlr_geometry_of(module)
-    groups = query.shape[1] // key.shape[1]
-    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
-    order = geometry.dim_order_index(query.device)
-    if order is not None:
-        query, key = query.index_select(-1, order), key.index_select(-1, order)
-    length = query.shape[2]
-    distance = torch.arange(length)[:, None] - torch.arange(length)[None, :]
-    scales = geometry.scales(scaling)
-    scores, start = 0.0, 0
-    for level, (rank, scale) in enumerate(zip(geometry.ranks, scales)):
-        part = (query[..., start:start + rank] @ key[..., start:start + rank].transpose(-1, -2)) * scale
-        start += rank
-        scores = scores + (part if level == 0 else part * (distance < WINDOWS["sizes"][level - 1]))
-    scores = scores.masked_fill(distance < 0, torch.finfo(scores.dtype).min)
-    return (torch.softmax(scores, dim=-1) @ value).transpose(1, 2).contiguous(), None
 
 
 def summary(name: str, scores: dict, stock: dict, key_ratio: float, blocks: list) -> tuple:
@@ -100,14 +73,14 @@ def main(argv=None) -> int:
     lines = ["| rule | keys / stock (allocated, T = 2,048) | ppl / stock | top-1 = stock | "
              + " | ".join(name for name, _, _ in rows(torch.zeros(1, 2047), blocks)[:5]) + " |",
              "|---|---:|---:|---:|" + "---|" * 5]
-    lines.append(summary(f"blocks {', '.join(map(str, blocks))} (the paper's, as shipped)",
+    lines.append(summary(f"blocks {', '.join(map(str, blocks))} (the paper's, the default)",
                          window_scores(patched, windows), stock, key_ratio(blocks), blocks))
     print(lines[-1], flush=True)
-    AttentionInterface.register(MLR_ATTENTION, nearest_keys_attention)  # from here on, in this process
     for sizes in (blocks, [size // 2 for size in blocks]):
-        WINDOWS["sizes"] = sizes
-        lines.append(summary(f"nearest keys, windows {', '.join(map(str, sizes))}", window_scores(patched, windows),
-                             stock, key_ratio(sizes), blocks))
+        nearest = hf_structattn.patch(stock_model, mlr_ranks=args.ranks, mlr_block_sizes=sizes,
+                                      mlr_level_rule="nearest").eval()
+        lines.append(summary(f"nearest keys (`mlr_level_rule=\"nearest\"`), sizes {', '.join(map(str, sizes))}",
+                             window_scores(nearest, windows), stock, key_ratio(sizes), blocks))
         print(lines[-1], flush=True)
     parts = [f"# Which keys get the finer dims: blocks or the nearest keys\n\n{header}\n\nMade by `python "
              f"benchmarks/bench_level_rule.py{' --update-committed' if args.update_committed else ''}`. Added nats per "

@@ -20,8 +20,8 @@ Variants, all without training, each reading the same prompts:
   (StreamingLLM's cache, emulated by a mask over the full prompt: the same scores its cache would give);
 * ``int4``: keys and values rounded to 4 bits (asymmetric, one scale and zero per 32 dims of a token; emulated:
   quantised and de-quantised before SDPA; transformers' QuantizedCache keeps its newest 128 tokens unquantised);
-* ``mlr_nearest``: the patch with level l's dims given to the ``b_l`` nearest keys instead of the key's own block
-  (``benchmarks/bench_level_rule.py``; evaluation only, not a shipped rule).
+* ``mlr_nearest``: the same patch with ``mlr_level_rule="nearest"``: level l's dims for the keys fewer than ``b_l``
+  positions away instead of the query's own level-l block (the same cache bytes).
 
 Per variant and length: retrieved trials / trials with a 95 % Wilson interval, overall, for needles the window cannot
 see (older than its reach) and by depth. Trials are appended to ``--results`` (JSON lines) as they finish; a rerun
@@ -47,11 +47,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import hf_structattn
 from hf_structattn.flops import decoder_cache_report
-from hf_structattn.modeling.structattn_install import MLR_ATTENTION
 from hf_structattn.real_weights import split_tokens
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_level_rule  # noqa: E402
 from bench_real_weights import load_stock_or_exit  # noqa: E402
 from bench_generation import header_line  # noqa: E402
 
@@ -175,6 +173,7 @@ def main(argv=None) -> int:
     else:
         text = torch.tensor(tokenizer(FILLER * (max(args.lengths) // 8), add_special_tokens=False).input_ids)
     patched = hf_structattn.patch(stock, mlr_ranks=RANKS, mlr_max_length=2048).eval()
+    nearest = hf_structattn.patch(stock, mlr_ranks=RANKS, mlr_max_length=2048, mlr_level_rule="nearest").eval()
     AttentionInterface.register("sdpa_sink_window", window_attention)
     AttentionInterface.register("sdpa_int4", int4_attention)
     trials = {}
@@ -183,11 +182,8 @@ def main(argv=None) -> int:
             for trial in range(args.trials):
                 rng = random.Random(f"{args.haystack}-{length}-{depth}-{trial}")
                 trials[(length, depth, trial)] = build_trial(tokenizer, text, length, depth, rng)
-    for variant in args.variants:  # mlr_nearest last: it re-registers the patched layers' attention name
-        if variant == "mlr_nearest":
-            bench_level_rule.WINDOWS["sizes"] = list(patched.config.mlr_block_sizes)
-            AttentionInterface.register(MLR_ATTENTION, bench_level_rule.nearest_keys_attention)
-        model = patched if variant.startswith("mlr") else stock
+    for variant in args.variants:
+        model = {"mlr": patched, "mlr_nearest": nearest}.get(variant, stock)
         if variant in ("stock", "window", "int4"):
             stock.set_attn_implementation({"stock": "sdpa", "window": "sdpa_sink_window", "int4": "sdpa_int4"}[variant])
         for (length, depth, trial), prompt in trials.items():
