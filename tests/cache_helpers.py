@@ -21,8 +21,9 @@ RANKS, BLOCKS = [4, 2, 1, 1], [16, 8, 4]
 EXACT = dict(atol=1e-12, rtol=1e-12)
 
 
-def small_geometry(average_levels=False, blocks=BLOCKS):
-    return MLRGeometry.build(RANKS, blocks, [0.5, 0.7, 0.9, 1.1], average_levels=average_levels)
+def small_geometry(average_levels=False, blocks=BLOCKS, level_rule="blocks"):
+    return MLRGeometry.build(RANKS, blocks, [0.5, 0.7, 0.9, 1.1], average_levels=average_levels,
+                             level_rule=level_rule)
 
 
 def cache_layer(static, geometry, capacity=48):
@@ -92,6 +93,6 @@ def reference_rows(q, k, v, positions, valid, geometry, query_index):
         out = mlr_attention_reference(q[:, :, group, :end], k[:, :, :end], v[:, :, :end], ranks=geometry.ranks,
                                       block_sizes=geometry.block_sizes, scales=list(geometry.level_scales),
                                       positions=positions[:, :end], attention_mask=valid[:, :end],
-                                      average_levels=geometry.average_levels)
+                                      average_levels=geometry.average_levels, level_rule=geometry.level_rule)
         outs.append(out[:, :, -1])
     return torch.stack(outs, dim=2)

@@ -15,7 +15,10 @@ from hf_structattn.modeling.structattn_mlr import mlr_attention
 from hf_structattn.modeling.structattn_mlr_levels import pair_depth
 from hf_structattn.modeling.structattn_mlr_nearest import mlr_nearest_attention
 from hf_structattn.modeling.structattn_prepare import key_cache_bytes
+from hf_structattn.modeling.structattn_mlr_plan import GeneralRead, InStepRead
 from hf_structattn.modeling.structattn_reference import mlr_attention_reference
+
+from cache_helpers import EXACT, attend, cache_layer, make_rows, reference_rows, small_geometry, write
 
 VOCAB = 61
 RANKS = [8, 4, 4]
@@ -81,6 +84,15 @@ def test_op_equals_the_reference_outputs_and_gradients(dtype, tolerance, causal,
         outputs.append(mlr_nearest_attention(q, k, v, ranks=[4, 2, 2], block_sizes=[8, 4], level_scales=[8 ** -0.5] * 3,
                                              causal=causal, positions=None, valid=None, bias=bias,
                                              average_levels=average_levels, contiguous=True, query_chunk=6))
+    with torch.no_grad():  # inference on contiguous causal rows without a bias: the flash path for far keys
+        for chunk in (6, 256):
+            fast = mlr_nearest_attention(q, k, v, ranks=[4, 2, 2], block_sizes=[8, 4], level_scales=[8 ** -0.5] * 3,
+                                         causal=causal, positions=positions, valid=mask, bias=None,
+                                         average_levels=average_levels, contiguous=rows != "packed",
+                                         query_chunk=chunk)
+            unbiased = mlr_attention_reference(q, k, v, **{**kwargs, "bias": None})
+            torch.testing.assert_close(fast * real, unbiased * real, rtol=0,
+                                       atol=tolerance * float(unbiased.abs().max()))
     expected = torch.autograd.grad((reference * real).square().sum(), (q, k, v))
     for out in outputs:
         torch.testing.assert_close(out * real, reference * real, rtol=0, atol=tolerance * scale)
@@ -97,6 +109,41 @@ def test_the_rule_is_not_the_blocks_and_a_bad_rule_names_the_field():
         mlr_attention(q, k, v, level_rule="near", **kwargs)
     with pytest.raises(ValueError, match="mlr_level_rule='windows'"):
         hf_structattn.patch(tiny_decoder("llama"), mlr_ranks=RANKS, mlr_block_sizes=BLOCKS, mlr_level_rule="windows")
+
+
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("average_levels", [False, True])
+@pytest.mark.parametrize("rows, read", [(((0, 0, 0), (0, 0, 0)), InStepRead), (((0, 2, 4), None), InStepRead),
+                                        (((0, 5, 13), (0, 0, 3)), GeneralRead)])
+def test_cache_layer_decode_steps_and_chunks_equal_the_reference(static, average_levels, rows, read):
+    """A cache layer of the nearest-keys rule (blocks 16, 8, 4): one token at a time across every ring wrap, rows in
+    step (the in-step read: each ring's entries in one or two runs), left padded, and at different positions (the
+    general read); then chunks longer than the finest level (the general read with the entries a write replaced)."""
+    geometry = small_geometry(average_levels, level_rule="nearest")
+    q, k, v, positions, valid = make_rows(pads=rows[0], offsets=rows[1] or (0, 0, 0))
+    if rows[1] is None:  # padding first, then real tokens at the same positions in every row
+        positions = torch.arange(40).expand(3, 40)
+    layer = cache_layer(static, geometry)
+    write(layer, k[:, :, :9], v[:, :, :9], positions[:, :9], valid[:, :9])
+    for index in range(9, 30):
+        view = write(layer, k[:, :, index:index + 1], v[:, :, index:index + 1], positions[:, index:index + 1],
+                     valid[:, index:index + 1])
+        assert type(view.plan.read) is read
+        got = attend(q[:, :, :, index:index + 1], view)[:, :, :, 0]
+        real = valid[:, index][:, None, None, None]
+        expected = reference_rows(q, k, v, positions, valid, geometry, index)
+        torch.testing.assert_close(got * real, expected * real, **EXACT, msg=f"step {index}")
+    start = 30
+    for size in (7, 3):
+        view = write(layer, k[:, :, start:start + size], v[:, :, start:start + size],
+                     positions[:, start:start + size], valid[:, start:start + size])
+        assert type(view.plan.read) is GeneralRead
+        got = attend(q[:, :, :, start:start + size], view)
+        for index in range(start, start + size):
+            real = valid[:, index][:, None, None, None]
+            expected = reference_rows(q, k, v, positions, valid, geometry, index)
+            torch.testing.assert_close(got[:, :, :, index - start] * real, expected * real, **EXACT)
+        start += size
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt2", "gemma3"])

@@ -4,9 +4,11 @@ sum, and the type of the layer's read record (made before the forward's first la
 ``structattn_prepare.prepare_step``, picked by ``structattn_mlr_plan.read_formulation``) says which one runs:
 
 * ``InStepRead`` -- rows in step, the chunk inside one block at every level (``MLRPlan.in_step``: greedy and sampled
-  decoding, speculative verification chunks that stay in a block), eager, nothing else asked: level-1 scores by one
-  ``bmm`` over a strided view of the whole key storage, each group of finer levels by one in-place ``baddbmm_`` of
-  its ring onto its block's slots (after the write a ring holds exactly that block's slots up to the newest token),
+  decoding, speculative verification chunks that stay in a block; under the nearest-keys rule one token per row),
+  eager, nothing else asked: level-1 scores by one ``bmm`` over a strided view of the whole key storage, each group
+  of finer levels by one in-place ``baddbmm_`` of its ring onto its block's slots (after the write a ring holds
+  exactly that block's slots up to the newest token; under the nearest-keys rule its last b_l slots, the ring's
+  entries in two runs where it wraps),
   the level weights and the mask in one op, softmax, one ``bmm`` with the values. The fewest eager ops.
 
 Every formulation takes q.k in the working dtype (``promote_types(dtype, float32)``), as SDPA accumulates: half
@@ -89,7 +91,8 @@ def _in_step(query: torch.Tensor, view: MLRCacheView, read: InStepRead) -> torch
         torch.baddbmm(read.zero, pieces[0], first_keys, beta=0, alpha=alphas[0])
     elements, fine_offset = fine.shape[-1], fine.storage_offset()
     targets = {}
-    for index, ((start, used, _, dims, offset, ring_width), level_query) in enumerate(zip(read.groups, pieces[1:])):
+    for index, (start, used, _, dims, offset, ring_width, piece) in enumerate(read.groups):
+        level_query = pieces[piece]
         ring = fine.as_strided((flat, dims, used), (elements, ring_width, 1), fine_offset + offset)
         if low:
             ring = ring.to(read.work)

@@ -264,8 +264,10 @@ def read_formulation(plan: MLRPlan, *, contiguous: bool, dtype: torch.dtype, bia
     biased: a bias over the slots is added (T5's relative bias, a caller's 4-D mask); maps: the probabilities are
     returned (``"mlr_eager"``: ``output_attentions``, attention dropout); gradients: grad mode is on (the in-step
     read's products accumulate in place)."""
-    if plan.geometry.level_rule != "blocks":  # the in-step and traced reads lay the rings out by block
-        return GeneralRead
+    if plan.geometry.level_rule != "blocks":  # the traced read lays the rings out by block
+        in_step = plan.host_write and plan.chunk == 1  # (the ring then holds exactly the token's nearest keys)
+        return InStepRead if in_step and contiguous and not biased and not maps and not gradients and \
+            dtype in READ_DTYPES else GeneralRead
     if plan.traced:
         return TracedRead if plan.chunk == 1 and not biased and not maps else GeneralRead
     if plan.in_step and contiguous and not biased and not maps and not gradients and dtype in READ_DTYPES:
@@ -278,9 +280,10 @@ class InStepRead(NamedTuple):
     at every level, eager.
 
     work: the softmax dtype, in which the scores are accumulated (half-precision products are added onto float32
-    scores); slots: S, the slots read; query_split: the query dims of level 1 and of each group; groups: per group of
-    consecutive finer levels whose blocks start at the same slot with rings as wide (start slot, used entries, first
-    query dim, dims, storage offset, ring width); alphas: the scale of the level-1 product and of each group's
+    scores); slots: S, the slots read; query_split: the query dims of level 1 and of each query piece after it; groups:
+    per group of consecutive finer levels whose blocks start at the same slot with rings as wide, or (nearest-keys
+    rule) per run of a level's ring entries over consecutive slots (start slot, used entries, first query dim, dims,
+    storage offset of the first entry used, ring width, the index of its query piece); alphas: the scale of the level-1 product and of each group's
     (levels summed, one scale per group), applied by the matmuls, else None; query_scale: (r,) the per-dim level
     scales when neither the matmuls nor the multiplier apply them, else None; multiplier: (1, 1, S) level scale x
     ``depth_weight`` per slot (averaged levels) or None; additive: 0 where a token may attend and the work dtype's
@@ -312,14 +315,33 @@ def _shared_groups(geometry: MLRGeometry, ring_widths: Sequence[int], starts: Se
             groups.append([start, width, dim, rank, offset])
         offset += width * rank
         dim += rank
-    return tuple([(min(start, slots), max(0, min(width, slots - start)), dim, dims, offset, width)
-                  for start, width, dim, dims, offset in groups])
+    return tuple([(min(start, slots), max(0, min(width, slots - start)), dim, dims, offset, width, piece)
+                  for piece, (start, width, dim, dims, offset) in enumerate(groups, start=1)])
 
 
-def _depth_multiplier(geometry: MLRGeometry, starts: tuple, scale: float, dtype: torch.dtype, device) -> torch.Tensor:
+def _nearest_groups(geometry: MLRGeometry, ring_widths: Sequence[int], newest_slot: int) -> tuple:
+    """The ``InStepRead`` groups of one token at slot ``newest_slot`` under the nearest-keys rule: per finer level, its
+    ring holds the slots from ``newest_slot - b_l + 1`` (or 0) on, slot s at entry s % b_l, so one run of entries, or
+    two where the ring wraps (the groups' tuple as ``_shared_groups``')."""
+    groups, offset, dim = [], 0, geometry.ranks[0]
+    for piece, (rank, width, size) in enumerate(zip(geometry.ranks[1:], ring_widths, geometry.block_sizes), start=1):
+        first = max(newest_slot - size + 1, 0)
+        count, entry = newest_slot + 1 - first, first % size
+        head = min(count, width - entry)
+        groups.append((first, head, dim, rank, offset + entry, width, piece))
+        if count > head:  # the run wraps to the ring's first entry
+            groups.append((first + head, count - head, dim, rank, offset, width, piece))
+        offset += width * rank
+        dim += rank
+    return tuple(groups)
+
+
+def _depth_multiplier(geometry: MLRGeometry, starts: tuple, scale: float, dtype: torch.dtype, device,
+                      memoise: bool = True) -> torch.Tensor:
     """(1, 1, span) ``scale * depth_weight`` of every slot up to the end of the finest block of a query whose finer
-    blocks start at ``starts`` (each level's block holds the query, so from its start on); every read in that
-    block uses a prefix. Kept in the geometry's bounded memo."""
+    levels start at ``starts`` (each level holds the query, so from its start on); every read in that block uses a
+    prefix. Kept in the geometry's bounded memo, unless ``memoise`` is False (the nearest-keys rule: its starts move
+    with every token, and would push the constant entries out)."""
     span = min(start + size for start, size in zip(starts, geometry.block_sizes))
 
     def make():
@@ -328,7 +350,7 @@ def _depth_multiplier(geometry: MLRGeometry, starts: tuple, scale: float, dtype:
             depth[start:].add_(1)
         return (scale * depth_weight(depth, True))[None, None, :]
 
-    return geometry.tensors.get(("depth multiplier", starts, scale, dtype, device), make)
+    return geometry.tensors.get(("depth multiplier", starts, scale, dtype, device), make) if memoise else make()
 
 
 def _level_scaling(geometry: MLRGeometry, groups: tuple, scales: Sequence[float], dtype, device) -> tuple:
@@ -354,15 +376,22 @@ def plan_in_step_read(layout: CacheLayout, scales: tuple, dtype: torch.dtype) ->
     base, first_slot = layout.base, layout.first_slot
     slots = first_slot + chunk
     newest = plan.first + chunk - 1
-    starts = tuple([max((newest // size) * size - base, 0) for size in geometry.block_sizes])
-    level_groups = _shared_groups(geometry, layout.ring_widths, starts, slots)
+    nearest = geometry.level_rule == "nearest"
+    if nearest:  # one token: each level's keys start b_l - 1 slots before it
+        starts = tuple([max(newest - base - size + 1, 0) for size in geometry.block_sizes])
+        level_groups = _nearest_groups(geometry, layout.ring_widths, newest - base)
+        query_split = list(geometry.ranks)
+    else:
+        starts = tuple([max((newest // size) * size - base, 0) for size in geometry.block_sizes])
+        level_groups = _shared_groups(geometry, layout.ring_widths, starts, slots)
+        query_split = [geometry.ranks[0]] + [group[3] for group in level_groups]
     merged = tuple([(group[2], group[3]) for group in level_groups])  # which levels share a product
     alphas, query_scale = geometry.tensors.get(("level scaling", merged, scales, dtype, device),
                                                lambda: _level_scaling(geometry, level_groups, scales, dtype, device))
     multiplier = None
     if geometry.average_levels:
         scale = scales[0] if len(set(scales)) == 1 else 1.0
-        multiplier = _depth_multiplier(geometry, starts, scale, work, device).narrow(2, 0, slots)
+        multiplier = _depth_multiplier(geometry, starts, scale, work, device, memoise=not nearest).narrow(2, 0, slots)
     lowest = torch.finfo(work).min
     additive = None
     if plan.latest_first > base:  # a row starts after slot 0 (left padding): its earlier slots are masked
@@ -375,8 +404,7 @@ def plan_in_step_read(layout: CacheLayout, scales: tuple, dtype: torch.dtype) ->
         additive = causal[None, None, None] if additive is None else \
             torch.minimum(additive[:, :, :, None, :], causal[None, None, None])
     zero = geometry.tensors.get(("zero", work, device), lambda: torch.zeros((), dtype=work, device=device))
-    return InStepRead(work, slots, [geometry.ranks[0]] + [group[3] for group in level_groups], level_groups, alphas,
-                      query_scale, multiplier, additive, zero)
+    return InStepRead(work, slots, query_split, level_groups, alphas, query_scale, multiplier, additive, zero)
 
 
 class GeneralRead(NamedTuple):
