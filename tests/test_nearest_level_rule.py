@@ -101,6 +101,16 @@ def test_op_equals_the_reference_outputs_and_gradients(dtype, tolerance, causal,
             torch.testing.assert_close(grad, want, rtol=0, atol=tolerance * float(want.abs().max()))
 
 
+@pytest.mark.parametrize("length", [1, 3, 4, 5, 8, 9, 12, 13])
+def test_inference_path_at_lengths_around_the_sizes(length):
+    """Prompts shorter than, equal to and just past each size (4, 8): bands with no query, one query, one chunk."""
+    q, k, v = _inputs(torch.float64, length=length)
+    with torch.no_grad():
+        out = mlr_attention(q, k, v, ranks=[4, 2, 2], block_sizes=[8, 4], level_rule="nearest")
+        reference = mlr_attention_reference(q, k, v, ranks=[4, 2, 2], block_sizes=[8, 4], level_rule="nearest")
+    torch.testing.assert_close(out, reference, rtol=0, atol=1e-12 * float(reference.abs().max()))
+
+
 def test_the_rule_is_not_the_blocks_and_a_bad_rule_names_the_field():
     q, k, v = _inputs(torch.float64)
     kwargs = dict(ranks=[4, 2, 2], block_sizes=[8, 4])
@@ -232,3 +242,24 @@ def test_the_cli_patches_a_checkpoint_with_the_rule(tmp_path, capsys):
     assert saved.mlr_level_rule == "nearest"
     assert cli(["patch", str(source), str(tmp_path / "bad"), *common, "--level-rule", "window"]) != 0
     assert "mlr_level_rule='window'" in capsys.readouterr().err
+
+
+def test_compiled_static_decode_equals_eager():
+    """``torch.compile(model.forward, fullgraph=True)`` with the static cache: a traced prefill (the materialised
+    path) and traced decode steps (the general read) give the eager tokens and scores, with a left-padded row."""
+    _, mlr = nearest("llama")
+    prompt = torch.randint(2, VOCAB, (2, 7))
+    mask = torch.ones_like(prompt)
+    mask[1, :3] = 0
+    common = dict(max_new_tokens=20, min_new_tokens=20, do_sample=False, attention_mask=mask,
+                  cache_implementation="static", return_dict_in_generate=True, output_scores=True)
+    eager = mlr.generate(prompt, **common)  # 27 positions: past both sizes
+    torch._dynamo.reset()
+    mlr.forward = torch.compile(mlr.forward, backend="eager", fullgraph=True)
+    try:
+        compiled = mlr.generate(prompt, **common)
+    finally:
+        del mlr.forward
+        torch._dynamo.reset()
+    assert torch.equal(compiled.sequences, eager.sequences)
+    torch.testing.assert_close(torch.stack(compiled.scores), torch.stack(eager.scores), rtol=1e-10, atol=1e-10)

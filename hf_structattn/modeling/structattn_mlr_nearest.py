@@ -137,9 +137,9 @@ def _fused(q, k, v, ranks, block_sizes, level_scales, valid, query_chunk: int) -
         near, far = sizes[depth - 1], sizes[depth - 2] if depth > 1 else None
         dims = prefix[depth - 1]
         query, key = prefixed(scaled_q, dims, True), prefixed(k, dims, False)
+        if length <= near:  # no pair is that far apart
+            continue
         if far is None:  # level 1 only: pairs at least b_2 apart, a causal square shifted by b_2
-            if length <= near:
-                continue
             first = near
             piece_out, piece_lse = _cpu_flash(query[:, :, near:], key[:, :, :length - near],
                                               values[:, :, :length - near], 0.0, True, scale=1.0)
