@@ -8,7 +8,10 @@ filler of Mohtashami & Jaggi 2023, "The grass is green. The sky is blue. ..." re
 the text, then "What is the pass key? Answer with the number only." as the user's question; the assistant turn
 starts "The pass key is" and the key is teacher-forced (SmolLM2's tokenizer gives a space token, then one token per
 digit). A trial is **retrieved** when the model's argmax at every digit is the key's digit (the space is given:
-the stock model sometimes opens with a quote). Prompt lengths are ``--length`` minus a random 0-255 tokens, so the answer falls at
+the stock model sometimes opens with a quote). With ``--facts N`` a prompt holds N pass keys, each "of" its own
+holder ("The pass key of the red door is NNNNN. ..."), the asked one at the depth and the others at random depths,
+and the question and the answer's opening name the holder: retrieval by association, not by the one number in
+sight. Prompt lengths are ``--length`` minus a random 0-255 tokens, so the answer falls at
 a random place in its block (the patched model's first tokens of a block see even their nearest keys through the
 coarse dims only).
 
@@ -30,6 +33,7 @@ skips those done (resumable). One torch thread.
     python benchmarks/bench_retrieval.py                       # outputs/retrieval/retrieval.{jsonl,md}
     python benchmarks/bench_retrieval.py --update-committed    # benchmarks/results/retrieval.{jsonl,md}
     python benchmarks/bench_retrieval.py --update-committed --haystack pydoc   # adds the real-text rows
+    python benchmarks/bench_retrieval.py --update-committed --facts 4          # adds the four-fact rows
 """
 
 import argparse
@@ -58,6 +62,9 @@ FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. Th
 VARIANTS = ("stock", "mlr", "window", "int4", "mlr_nearest")
 RANKS = [32, 16, 8, 8]
 SINKS = 4
+# what the facts of a multi-fact prompt are about (``--facts N``: N pass keys, one per holder, one of them asked for)
+HOLDERS = ("the red door", "the blue box", "the green car", "the old clock", "the tall tower", "the small boat",
+           "the iron gate", "the glass jar")
 WINDOW = {}  # the registered window function's reach (tokens), set per prompt
 
 
@@ -91,20 +98,34 @@ def wilson(hits: int, total: int) -> str:
     return f"{hits}/{total} ({rate:.2f}, {max(0.0, centre - half):.2f}-{min(1.0, centre + half):.2f})"
 
 
-def build_trial(tokenizer, text: torch.Tensor, length: int, depth: float, rng: random.Random) -> dict:
-    """Token ids of one prompt (chat template, the needle at ``depth`` of the text) and where its answer is."""
-    key = f"{rng.randrange(10000, 100000)}"
-    needle = tokenizer(f" The pass key is {key}. Remember it: {key}. ", add_special_tokens=False).input_ids
+def build_trial(tokenizer, text: torch.Tensor, length: int, depth: float, rng: random.Random, facts: int = 1
+                ) -> dict:
+    """Token ids of one prompt (chat template, the needle at ``depth`` of the text) and where its answer is. With
+    ``facts`` > 1 the prompt holds that many pass keys, each of its own holder (``HOLDERS``), the asked one at
+    ``depth`` and the others at random depths, and the question names the holder."""
+    keys = [f"{rng.randrange(10000, 100000)}" for _ in range(facts)]
+    key = keys[0]
+    holders = rng.sample(HOLDERS, facts) if facts > 1 else [None]
+    of = (lambda holder: f" of {holder}" if holder else "")  # noqa: E731
+    needles = [tokenizer(f" The pass key{of(holder)} is {value}. Remember it: {value}. ",
+                         add_special_tokens=False).input_ids for holder, value in zip(holders, keys)]
+    needle = needles[0]
     head, tail = tokenizer.apply_chat_template([{"role": "user", "content": "\x00"}], add_generation_prompt=True,
                                                tokenize=False).split("\x00")
     head_ids = tokenizer(head, add_special_tokens=False).input_ids
-    question = tokenizer("\n\nWhat is the pass key? Answer with the number only." + tail + "The pass key is",
-                         add_special_tokens=False).input_ids
+    question = tokenizer(f"\n\nWhat is the pass key{of(holders[0])}? Answer with the number only." + tail
+                         + f"The pass key{of(holders[0])} is", add_special_tokens=False).input_ids
     answer = tokenizer(f" {key}", add_special_tokens=False).input_ids
-    filler = length - rng.randrange(0, 256) - len(head_ids) - len(needle) - len(question) - len(answer)
+    filler = length - rng.randrange(0, 256) - len(head_ids) - sum(map(len, needles)) - len(question) - len(answer)
     start = rng.randrange(0, text.numel() - filler)
     body = text[start:start + filler].tolist()
     cut = int(depth * filler)
+    # the other facts at random depths, inserted from the back so that earlier cuts keep their places
+    others = sorted(((rng.randrange(0, filler + 1), other) for other in needles[1:]), reverse=True)
+    for place, other in others:
+        body = body[:place] + other + body[place:]
+        if place <= cut:
+            cut += len(other)
     ids = head_ids + body[:cut] + needle + body[cut:] + question + answer
     # the digits are scored; a separate space token before them is given (the model may open with a quote instead)
     digits = len(answer) - (1 if not tokenizer.decode(answer[:1]).strip() else 0)
@@ -126,11 +147,14 @@ def equal_bytes_window(config, length: int) -> int:
 
 
 def report(records: list, lengths: list, depths: list) -> str:
-    lines = ["| haystack | variant | prompt | retrieved (95 % interval) | needle older than the window's reach | "
+    lines = ["| haystack | facts | variant | prompt | retrieved (95 % interval) | needle older than the window's reach | "
              + " | ".join(f"depth {depth:.0%}" for depth in depths) + " |",
-             "|---|---|---|---|---|" + "---|" * len(depths)]
-    for haystack, variant, length in [(h, v, n) for h in ("repeat", "pydoc") for v in VARIANTS for n in lengths]:
-        chosen = [r for r in records if (r["haystack"], r["variant"], r["length"]) == (haystack, variant, length)]
+             "|---|---:|---|---|---|---|" + "---|" * len(depths)]
+    counts = sorted({r.get("facts", 1) for r in records})
+    for haystack, facts, variant, length in [(h, f, v, n) for h in ("repeat", "pydoc") for f in counts
+                                             for v in VARIANTS for n in lengths]:
+        chosen = [r for r in records if (r["haystack"], r.get("facts", 1), r["variant"], r["length"])
+                  == (haystack, facts, variant, length)]
         if not chosen:
             continue
         beyond = [r for r in chosen if r["beyond_window"]]
@@ -139,7 +163,7 @@ def report(records: list, lengths: list, depths: list) -> str:
         for depth in depths:
             at = [r for r in chosen if r["depth"] == depth]
             cells.append(f"{sum(r['retrieved'] for r in at)}/{len(at)}")
-        lines.append(f"| {haystack} | {variant} | {length:,} - 0..255 | " + " | ".join(cells) + " |")
+        lines.append(f"| {haystack} | {facts} | {variant} | {length:,} - 0..255 | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -150,6 +174,8 @@ def main(argv=None) -> int:
     parser.add_argument("--trials", type=int, default=6, help="prompts per length and depth")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--haystack", default="repeat", choices=("repeat", "pydoc"))
+    parser.add_argument("--facts", type=int, default=1, choices=range(1, len(HOLDERS) + 1),
+                        help="pass keys per prompt, each of its own holder; one is asked for")
     parser.add_argument("--work", default="outputs/retrieval", help="folder of retrieval.jsonl and retrieval.md")
     parser.add_argument("--update-committed", action="store_true",
                         help="read and write benchmarks/results/retrieval.{jsonl,md} (the table docs quote)")
@@ -164,7 +190,7 @@ def main(argv=None) -> int:
     results = folder / "retrieval.jsonl"
     records = [json.loads(line) for line in results.read_text().splitlines() if line.strip()] \
         if results.is_file() else []
-    done = {(r["haystack"], r["variant"], r["length"], r["depth"], r["trial"]) for r in records}
+    done = {(r["haystack"], r.get("facts", 1), r["variant"], r["length"], r["depth"], r["trial"]) for r in records}
     header = header_line(f"Python {platform.python_version()}, float32, SmolLM2-135M-Instruct (real-weights tier), "
                          f"held-out text, no training")
     print(header, flush=True)
@@ -180,20 +206,22 @@ def main(argv=None) -> int:
     for length in args.lengths:
         for depth in args.depths:
             for trial in range(args.trials):
-                rng = random.Random(f"{args.haystack}-{length}-{depth}-{trial}")
-                trials[(length, depth, trial)] = build_trial(tokenizer, text, length, depth, rng)
+                seed = f"{args.haystack}-{length}-{depth}-{trial}" + (f"-{args.facts}" if args.facts > 1 else "")
+                trials[(length, depth, trial)] = build_trial(tokenizer, text, length, depth, random.Random(seed),
+                                                             args.facts)
     for variant in args.variants:
         model = {"mlr": patched, "mlr_nearest": nearest}.get(variant, stock)
         if variant in ("stock", "window", "int4"):
             stock.set_attn_implementation({"stock": "sdpa", "window": "sdpa_sink_window", "int4": "sdpa_int4"}[variant])
         for (length, depth, trial), prompt in trials.items():
-            if (args.haystack, variant, length, depth, trial) in done:
+            if (args.haystack, args.facts, variant, length, depth, trial) in done:
                 continue
             reach = equal_bytes_window(patched.config, len(prompt["ids"]))
             WINDOW["keys"] = reach
             # the query that predicts the first digit sees the needle's last token only inside the window's reach
             beyond = (prompt["answer_start"] - 1) - (prompt["needle_end"] - 1) >= reach - SINKS
-            record = {"haystack": args.haystack, "variant": variant, "length": length, "depth": depth, "trial": trial,
+            record = {"haystack": args.haystack, "facts": args.facts, "variant": variant, "length": length,
+                      "depth": depth, "trial": trial,
                       "tokens": len(prompt["ids"]), "needle_at": prompt["needle_at"], "window_keys": reach,
                       "beyond_window": bool(beyond), "answer_phase": (prompt["answer_start"] - 1) % 256,
                       "retrieved": retrieved(model, prompt)}
