@@ -6,10 +6,12 @@ A patched model's blocks come from ``mlr_max_length``, not from the prompt, so a
 
 * **op**: one attention call at SmolLM2-135M's geometry (9 heads of dim 64, ranks 32|16|8|8, causal, float32,
   queries in a model's (B, T, H, E) memory), ``mlr_attention`` with the blocks of ``mlr_max_length`` 2,048 and
-  8,192 (``default_block_sizes``) against ``F.scaled_dot_product_attention``;
+  8,192 (``default_block_sizes``), and with the nearest-keys rule (``level_rule="nearest"``) and the sizes of 2,048,
+  against ``F.scaled_dot_product_attention``;
 * **model** (when the real-weights tier is installed, ``hf_structattn.real_weights``; skipped with the reason
   otherwise): one prefill of SmolLM2-135M-Instruct into a fresh ``DynamicCache``, stock against the default patch
-  (``hf_structattn.patch(model, mlr_ranks=[32, 16, 8, 8], mlr_max_length=...)``), token ids from the held-out text.
+  (``hf_structattn.patch(model, mlr_ranks=[32, 16, 8, 8], mlr_max_length=...)``) and the patch of 2,048 with
+  ``mlr_level_rule="nearest"``, token ids from the held-out text.
 
     python benchmarks/bench_prefill_lengths.py                       # both tables into outputs/prefill_lengths.md
     python benchmarks/bench_prefill_lengths.py --update-committed    # rewrites benchmarks/results/prefill_lengths.md
@@ -35,6 +37,8 @@ from bench_generation import header_line  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 RANKS = [32, 16, 8, 8]
 MAX_LENGTHS = (2048, 8192)
+NEAREST = "nearest"  # the column of the nearest-keys rule, sizes of mlr_max_length 2,048
+COLUMNS = MAX_LENGTHS + (NEAREST,)
 OP_LENGTHS = [512, 1024, 1025, 2047, 2048, 2049, 2050, 2304, 3000, 4095, 4096, 4097, 4098, 5000, 6000, 8191, 8192]
 MODEL_LENGTHS = [2048, 2050, 4096, 4098]
 
@@ -63,10 +67,13 @@ def op_rows(lengths: list, repeats: int) -> list:
         for max_length in MAX_LENGTHS:
             blocks = default_block_sizes(max_length, len(RANKS))
             calls[max_length] = lambda blocks=blocks: mlr_attention(q, k, v, ranks=RANKS, block_sizes=blocks)
+        nearest_sizes = default_block_sizes(MAX_LENGTHS[0], len(RANKS))
+        calls[NEAREST] = lambda: mlr_attention(q, k, v, ranks=RANKS, block_sizes=nearest_sizes, level_rule="nearest")
         median = interleaved(calls, repeats)
-        rows.append((length, median["sdpa"], *(median[m] / median["sdpa"] for m in MAX_LENGTHS)))
+        rows.append((length, median["sdpa"], *(median[m] / median["sdpa"] for m in COLUMNS)))
         print(f"op T={length}: sdpa {1e3 * median['sdpa']:.1f} ms, MLR/sdpa "
-              + ", ".join(f"{median[m] / median['sdpa']:.2f} (blocks of {m})" for m in MAX_LENGTHS), flush=True)
+              + ", ".join(f"{median[m] / median['sdpa']:.2f} (blocks of {m})" for m in MAX_LENGTHS)
+              + f", {median[NEAREST] / median['sdpa']:.2f} (nearest-keys rule)", flush=True)
     return rows
 
 
@@ -86,22 +93,26 @@ def model_rows(lengths: list, repeats: int) -> tuple:
     models = {"stock": stock}
     for max_length in MAX_LENGTHS:
         models[max_length] = hf_structattn.patch(stock, mlr_ranks=RANKS, mlr_max_length=max_length).eval()
+    models[NEAREST] = hf_structattn.patch(stock, mlr_ranks=RANKS, mlr_max_length=MAX_LENGTHS[0],
+                                          mlr_level_rule="nearest").eval()
     rows = []
     for length in lengths:
         prompt = ids[:, :length]
         calls = {name: (lambda model=model: model(prompt, cache=transformers.DynamicCache(config=model.config)))
                  for name, model in models.items()}
         median = interleaved(calls, repeats)
-        rows.append((length, median["stock"], *(median[m] / median["stock"] for m in MAX_LENGTHS)))
+        rows.append((length, median["stock"], *(median[m] / median["stock"] for m in COLUMNS)))
         print(f"model T={length}: stock {median['stock']:.2f} s, patched/stock "
-              + ", ".join(f"{median[m] / median['stock']:.2f} (mlr_max_length {m})" for m in MAX_LENGTHS), flush=True)
+              + ", ".join(f"{median[m] / median['stock']:.2f} (mlr_max_length {m})" for m in MAX_LENGTHS)
+              + f", {median[NEAREST] / median['stock']:.2f} (nearest-keys rule)", flush=True)
     return rows, "SmolLM2-135M-Instruct (real-weights tier, float32), held-out text"
 
 
 def table(rows: list, first: str, unit: str, scale: float) -> str:
     heads = " | ".join(f"MLR / dense, blocks of {m}" if first == "SDPA" else f"patched / stock, mlr_max_length {m}"
                        for m in MAX_LENGTHS)
-    lines = [f"| T | {first} ({unit}) | {heads} |", "|---:|---:|" + "---:|" * len(MAX_LENGTHS)]
+    heads += f" | nearest-keys rule / {'dense' if first == 'SDPA' else 'stock'}, sizes of {MAX_LENGTHS[0]}"
+    lines = [f"| T | {first} ({unit}) | {heads} |", "|---:|---:|" + "---:|" * len(COLUMNS)]
     for length, base, *ratios in rows:
         lines.append(f"| {length:,} | {base * scale:,.1f} | " + " | ".join(f"{r:.2f}x" for r in ratios) + " |")
     return "\n".join(lines)

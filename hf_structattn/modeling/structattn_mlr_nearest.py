@@ -128,18 +128,21 @@ def _fused(q, k, v, ranks, block_sizes, level_scales, valid, query_chunk: int) -
             ~valid[:, None, :, None], mask_value(q.dtype)).expand(batch, heads, length, 1)
 
     def prefixed(x, dims, is_query: bool):
+        if dims == padded:
+            return x
         parts = [x[..., :dims], x.new_zeros(batch, heads, length, padded - flagged - dims)]
         return torch.cat(parts + ([flags[is_query]] if flagged else []), dim=-1)
 
-    values = torch.cat([v, v.new_zeros(batch, heads, length, padded - value_width)], dim=-1)
+    values = v if padded == value_width else torch.cat([v, v.new_zeros(batch, heads, length, padded - value_width)],
+                                                       dim=-1)
     out = lse = None
     for depth in range(len(ranks), 0, -1):  # the nearest first: its piece covers every query
         near, far = sizes[depth - 1], sizes[depth - 2] if depth > 1 else None
-        dims = prefix[depth - 1]
-        query, key = prefixed(scaled_q, dims, True), prefixed(k, dims, False)
         if length <= near:  # no pair is that far apart
             continue
-        if far is None:  # level 1 only: pairs at least b_2 apart, a causal square shifted by b_2
+        dims = prefix[depth - 1]
+        query, key = prefixed(scaled_q, dims, True), prefixed(k, dims, False)
+        if far is None or far >= length:  # no upper bound within the prompt: a causal square shifted by ``near``
             first = near
             piece_out, piece_lse = _cpu_flash(query[:, :, near:], key[:, :, :length - near],
                                               values[:, :, :length - near], 0.0, True, scale=1.0)
