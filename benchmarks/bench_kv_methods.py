@@ -314,6 +314,11 @@ def covers_variants(record: dict) -> bool:
     return record["kind"] != "decode" or set(TIMED) <= set(record["ms"])
 
 
+def measured(records: list) -> list:
+    """The models with records, in ``MODELS`` order (the table shows every model measured, not only this run's)."""
+    return [name for name in MODELS if any(r["model"] == name for r in records)]
+
+
 def latest(rows: list, **match):
     """The last record of ``rows`` whose fields equal ``match``, or None."""
     return next((r for r in reversed(rows) if all(r.get(k) == v for k, v in match.items())), None)
@@ -397,7 +402,7 @@ def main(argv=None) -> int:
         records.append(record)
         with open(results, "a") as handle:
             handle.write(json.dumps(record) + "\n")
-        table.write_text(report(records, args.models, args.lengths, header, command))
+        table.write_text(report(records, measured(records), args.lengths, header, command))
         print(json.dumps({k: v for k, v in record.items() if k != "key"}), flush=True)
 
     for name in args.models:
@@ -460,7 +465,7 @@ def main(argv=None) -> int:
                                   args.rounds, args.steps)
                 add({"model": name, "kind": "decode", "length": length, "key": key, "ms": ms,
                      "rounds": args.rounds, "steps": args.steps})
-    table.write_text(report(records, args.models, args.lengths, header, command))
+    table.write_text(report(records, measured(records), args.lengths, header, command))
     print(f"written: {table}")
     return 0
 
