@@ -203,7 +203,8 @@ def test_decoder_output_names_decoder_fields_and_refuses_t5_only_options(tmp_pat
     stdout = capsys.readouterr().out
     first = stdout.splitlines()[0]
     assert first == (f"patched decoder checkpoint {source} (LlamaForCausalLM) with attention=mlr mlr_ranks=[8, 4, 4] "
-                     "mlr_block_sizes=[16, 8] layers=[1] sliding_window_layers=refuse level_order=frequency"), first
+                     "mlr_block_sizes=[16, 8] layers=[1] sliding_window_layers=refuse level_order=frequency "
+                     "level_rule=blocks"), first
     assert "targets=" not in stdout and "init=" not in stdout
     _expect_refusal(capsys, ["patch", str(source), str(tmp_path / "b"), *MLR_ARGS[:2], "--mlr-block-sizes", "16,8",
                              "--targets", "encoder_self"], "--targets encoder_self", "decoder")
