@@ -67,7 +67,7 @@ from hf_structattn.diagnostics import effective_rank
 from hf_structattn.flops import flops_per_token
 from hf_structattn.mup import attention_logit_rms
 from stacked_runs import StackedRuns
-from sweep import device_name, write_run_json
+from sweep import CarriedState, device_name, write_run_json
 from hf_structattn.training.icl import sample_prompts
 from icl_rank_arms import (DESIGN_D, LABELS, SCHEDULE_STEPS, SHARDS, arms, cap,  # scripts/icl_rank_arms.py
                            design_runs)
@@ -249,7 +249,7 @@ class ArmRunner:
         self.step, self.wall_before, self.started = 0, 0.0, time.perf_counter()
         self.solved_at: list = [None] * len(self.runs)
         self.last_eval: list = [None] * len(self.runs)
-        self.stack_folder = self.root / f"{arm}_{'_'.join(f'{lr:g}s{seed}' for lr, seed in self.runs)}.stack"
+        self.stack_folder = self.state_folders(self.root, arm, self.runs)[0]
         self.checkpoint = self.stack_folder / "checkpoint.pt"
         self.stack_folder.mkdir(parents=True, exist_ok=True)
         if self.checkpoint.exists():
@@ -273,7 +273,14 @@ class ArmRunner:
             self.evaluate()
 
     def folders(self) -> list[Path]:
-        return [self.root / run_name(self.arm, lr, seed) for lr, seed in self.runs]
+        return self.state_folders(self.root, self.arm, self.runs)[1:]
+
+    @staticmethod
+    def state_folders(root: Path, arm: str, runs) -> list[Path]:
+        """The stack's checkpoint folder, then each (lr, seed) run's folder, under ``root``."""
+        runs = [(float(lr), int(seed)) for lr, seed in runs]
+        return [Path(root) / f"{arm}_{'_'.join(f'{lr:g}s{seed}' for lr, seed in runs)}.stack"] + \
+            [Path(root) / run_name(arm, lr, seed) for lr, seed in runs]
 
     @property
     def wall(self) -> float:
@@ -382,6 +389,11 @@ def train_arm(args, arm: str, runs, budget_s: float | None = None) -> list[dict]
         print(f"{arm}: every run has its results file already; nothing to train", flush=True)
         return []
     steps, schedule_steps = run_steps(args, arm)
+    # an unfinished stack's state travels in the committed results (``sweep.CarriedState``): a new machine resumes it
+    carried = CarriedState(ArmRunner.state_folders(Path(args.out), arm, todo), args.results) \
+        if args.results is not None else None
+    if carried is not None:
+        carried.restore()
     runner = ArmRunner(args.d, arm, None, None, steps, args.eval_every, Path(args.out), args.device,
                        layers=args.layers, results=args.results, runs=todo, schedule_steps=schedule_steps,
                        compile_step=not args.eager)
@@ -389,9 +401,14 @@ def train_arm(args, arm: str, runs, budget_s: float | None = None) -> list[dict]
         runner.advance()
         if budget_s is not None and runner.wall - runner.wall_before > budget_s and not runner.finished:
             runner.save_checkpoint()
+            if carried is not None:
+                carried.keep()
             print(f"{arm}: stopped by --budget-s at step {runner.step}; rerun the command to resume", flush=True)
             return []
-    return runner.finish()
+    finished = runner.finish()
+    if carried is not None:
+        carried.drop()
+    return finished
 
 
 def launch_all(args, runs) -> None:

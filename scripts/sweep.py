@@ -606,30 +606,32 @@ def cpu_progress(table: dict, names: set, records: dict, command: str) -> str:
     return text
 
 
-class _CarriedRun:
+class CarriedState:
     """An unfinished run's state carried between machines in the committed results folder: a session's checkout
-    holds no ignored files, so a shard that stops with its run unfinished (a segment's end, a budget) copies the
-    run's checkpoint and progress from ``work`` to ``<results>/carried/`` (about 60 MB at D = 256), the next shard
-    of the run restores them into ``work`` when ``work`` has no checkpoint, and the run's end removes them (its
-    results file takes their place)."""
+    holds no ignored files, so a shard that stops with a run unfinished (a segment's end, a budget) copies the run's
+    ``folders`` under the working folder (its checkpoint's stack folder, its progress) to ``<results>/carried/``
+    (about 60 MB for an LM run at D = 256, a few hundred KB for an ICL stack), the next shard of the run restores them
+    when the working folder has no checkpoint, and the run's end removes them (its results file takes their place).
+    ``scripts/run_shards.sh`` commits the results folder after every shard."""
 
-    def __init__(self, work: Path, results: Path, segment: dict, run: str):
-        stack = StackedArm.stack_folder(Path(work), segment["arm"], [segment["lr"]], [segment["seed"]])
-        self.pairs = [(Path(work) / run, Path(results) / "carried" / run),
-                      (stack, Path(results) / "carried" / stack.name)]
+    def __init__(self, folders: Sequence[Path], results: Path):
+        self.pairs = [(Path(folder), Path(results) / "carried" / Path(folder).name) for folder in folders]
 
     def restore(self) -> None:
-        stack, carried_stack = self.pairs[1]
-        if (stack / "checkpoint.json").exists() or not (carried_stack / "checkpoint.json").exists():
+        """Copy the carried folders in, unless the working folder already holds a checkpoint of its own."""
+        if any((folder / "checkpoint.pt").exists() for folder, _ in self.pairs) or \
+                not any(carried.exists() for _, carried in self.pairs):
             return
         for folder, carried in self.pairs:
-            shutil.copytree(carried, folder, dirs_exist_ok=True)
+            if carried.exists():
+                shutil.copytree(carried, folder, dirs_exist_ok=True)
 
     def keep(self) -> None:
         for folder, carried in self.pairs:
             if carried.exists():
                 shutil.rmtree(carried)
-            shutil.copytree(folder, carried, ignore=shutil.ignore_patterns("*.tmp"))
+            if folder.exists():
+                shutil.copytree(folder, carried, ignore=shutil.ignore_patterns("*.tmp"))
 
     def drop(self) -> None:
         for _, carried in self.pairs:
@@ -645,7 +647,7 @@ def run_cpu_shard(shard_id: str, shards: dict, spec_of: Callable[[dict], ArmSpec
     reached its first step) to its last step, writing the run's results file when the run ends. ``spec_of(segment)``
     builds the run's :class:`ArmSpec`; ``checkpoints`` per run (and one at every segment end); ``dtype`` and
     ``chunk`` as :class:`StackedArm`'s (float64 is for tests). Writes the shard's
-    record (:func:`read_shard_records`), carries an unfinished run's state in ``results`` (:class:`_CarriedRun`)
+    record (:func:`read_shard_records`), carries an unfinished run's state in ``results`` (:class:`CarriedState`)
     and returns True when every segment is done, False when ``budget_s``
     (wall seconds) stopped it first (a rerun resumes)."""
     if shard_id not in shards:
@@ -665,7 +667,8 @@ def run_cpu_shard(shard_id: str, shards: dict, spec_of: Callable[[dict], ArmSpec
                              "its grid (and edge) runs must finish first (`report` says what is left)")
         if run in names:
             continue
-        carried = _CarriedRun(work, results, segment, run)
+        carried = CarriedState([Path(work) / run, StackedArm.stack_folder(Path(work), segment["arm"], [segment["lr"]],
+                                                                           [segment["seed"]])], results)
         carried.restore()
         at = StackedArm.checkpoint_step(work, segment["arm"], [segment["lr"]], [segment["seed"]])
         if segment["start"] > 0 and (at or 0) < segment["start"]:

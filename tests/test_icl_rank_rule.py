@@ -378,7 +378,42 @@ def test_budget_s_covers_the_whole_command_not_each_arm(tmp_path, capsys):
     assert "i_dense12_half: stopped by --budget-s" in out and "--budget-s spent: v_dense3_rank not started" in out
     assert "stopped by --budget-s after" in out and "all arms finished" not in out
     assert list((tmp_path / "out").glob("i_dense12_half_*.stack/checkpoint.pt"))
-    assert not (tmp_path / "results").exists() or not any((tmp_path / "results").iterdir())
+    # no results file; the stopped stack's state is carried in the results folder (a new checkout lacks outputs/)
+    assert sorted(path.name for path in (tmp_path / "results").iterdir()) == ["carried"]
+    assert list((tmp_path / "results" / "carried").glob("i_dense12_half_*.stack/checkpoint.pt"))
+
+
+def test_a_stopped_stack_continues_on_another_machine_from_the_carried_state(tmp_path, capsys):
+    """Stopped by its budget with one working folder, finished with another (a new checkout: no outputs/), it equals
+    the run trained at once; the carried state is gone once the run has its results file."""
+    from icl_rank_experiment import main
+
+    common = ["--steps", "40", "--layers", "1", "--eval_every", "20", "--eager", "--jobs", "1", "--arms",
+              "ii_dense1", "--lrs", "1e-3", "--seeds", "1"]
+    threads = torch.get_num_threads()
+    try:
+        results = str(tmp_path / "results")
+        main(["run", "--out", str(tmp_path / "first"), "--results", results, *common, "--budget-s", "0.001"])
+        main(["run", "--out", str(tmp_path / "second"), "--results", results, *common])
+        main(["run", "--out", str(tmp_path / "once"), "--results", str(tmp_path / "once_results"), *common])
+    finally:
+        torch.set_num_threads(threads)
+    capsys.readouterr()
+
+    def first_record(machine):  # the evaluation at step 0, with the wall time it was measured at
+        return (tmp_path / machine / "ii_dense1_lr0.001_s1" / "progress.jsonl").read_text().splitlines()[0]
+
+    assert first_record("second") == first_record("first")  # the second machine resumed the first's stack
+    segmented = json.loads((tmp_path / "results" / "ii_dense1_lr0.001_s1.json").read_text())
+    once = json.loads((tmp_path / "once_results" / "ii_dense1_lr0.001_s1.json").read_text())
+    assert segmented["final_step"] == once["final_step"] == 40
+    def metrics(record):
+        return [(e["step"], e["error_last"], e["mse_all"]) for e in record["evals"]]
+
+    assert [step for step, *_ in metrics(segmented)] == [0, 20, 40]
+    for got, want in zip(metrics(segmented), metrics(once)):
+        assert got == pytest.approx(want, rel=1e-5)  # results files round to 6 significant digits
+    assert not list((tmp_path / "results" / "carried").iterdir())
 
 
 def test_the_pilot_command_runs_at_tiny_size_and_writes_its_summary(tmp_path, capsys):
