@@ -230,7 +230,8 @@ def main(argv=None) -> int:
             records.append(record)
             print(f"{variant} T={record['tokens']} depth {depth:.0%} trial {trial}: "
                   f"{'retrieved' if record['retrieved'] else 'missed'}", flush=True)
-    table = report(records, args.lengths, args.depths)
+    # every measured length and depth, not only this run's
+    table = report(records, sorted({r["length"] for r in records}), sorted({r["depth"] for r in records}))
     (folder / "retrieval.md").write_text(
         f"# Pass-key retrieval at equal K+V bytes\n\n{header}\n\nMade by `python benchmarks/bench_retrieval.py"
         f"{' --update-committed' if args.update_committed else ''}` ({args.trials} prompts per length and depth).\n\n"
