@@ -20,6 +20,16 @@ T5_BASE = dict(vocab_size=50, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_dec
 T5_MLR = dict(encoder_attention="mlr", decoder_attention="mlr", mlr_ranks=[4, 2, 2], mlr_max_length=16)  # blocks 8|4
 
 
+def left_padded(ids: torch.Tensor, pads, length: int):
+    """Rows of ``ids`` left-padded to ``length`` with generate's mask and positions (cumsum - 1)."""
+    batch = torch.zeros(len(pads), length, dtype=torch.long)
+    mask = torch.zeros(len(pads), length, dtype=torch.long)
+    for row, pad in enumerate(pads):
+        batch[row, pad:] = ids[row, :length - pad]
+        mask[row, pad:] = 1
+    return batch, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
 def tiny_structattn_t5(seed=0, **fields):
     torch.manual_seed(seed)
     model = StructAttnT5ForConditionalGeneration(StructAttnT5Config(**{**T5_BASE, **fields})).eval()

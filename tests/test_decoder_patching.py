@@ -22,6 +22,7 @@ from hf_structattn.modeling.structattn_attention import mlr_attention_forward
 from hf_structattn.modeling.structattn_prepare import key_cache_bytes
 from hf_structattn.modeling.structattn_decoder import attention_modules, rotary_pair_order
 from conftest import tiny_lm
+from model_helpers import left_padded
 
 VOCAB = 61
 HEAD_DIM = 16
@@ -39,16 +40,6 @@ def patched(arch, ranks=RANKS, blocks=BLOCKS, **kwargs):
     model = tiny_decoder(arch)
     return model, hf_structattn.patch(model, mlr_ranks=ranks, mlr_block_sizes=blocks,
                                       **{**ARCH_PATCH_KWARGS.get(arch, {}), **kwargs})
-
-
-def left_padded(ids: torch.Tensor, pads, length: int):
-    """Rows of ``ids`` left-padded to ``length`` with generate's mask and positions (cumsum - 1)."""
-    batch = torch.zeros(len(pads), length, dtype=torch.long)
-    mask = torch.zeros(len(pads), length, dtype=torch.long)
-    for row, pad in enumerate(pads):
-        batch[row, pad:] = ids[row, :length - pad]
-        mask[row, pad:] = 1
-    return batch, mask, (mask.cumsum(-1) - 1).clamp(min=0)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

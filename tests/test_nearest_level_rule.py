@@ -19,6 +19,7 @@ from hf_structattn.modeling.structattn_mlr_plan import GeneralRead, InStepRead
 from hf_structattn.modeling.structattn_reference import mlr_attention_reference
 
 from cache_helpers import EXACT, attend, cache_layer, make_rows, reference_rows, small_geometry, write
+from model_helpers import left_padded
 
 VOCAB = 61
 RANKS = [8, 4, 4]
@@ -30,16 +31,6 @@ def nearest(arch, **kwargs):
     model = tiny_decoder(arch)
     return model, hf_structattn.patch(model, mlr_ranks=RANKS, mlr_block_sizes=BLOCKS, mlr_level_rule="nearest",
                                       **{**ARCH_PATCH_KWARGS.get(arch, {}), **kwargs})
-
-
-def left_padded(ids: torch.Tensor, pads, length: int):
-    """Rows of ``ids`` left-padded to ``length``, with generate's mask."""
-    batch = torch.zeros(len(pads), length, dtype=torch.long)
-    mask = torch.zeros(len(pads), length, dtype=torch.long)
-    for row, pad in enumerate(pads):
-        batch[row, pad:] = ids[row, :length - pad]
-        mask[row, pad:] = 1
-    return batch, mask
 
 
 def test_the_rule_by_hand():
@@ -176,8 +167,7 @@ def test_left_padded_rows_and_greedy_generation_equal_rows_alone_and_uncached(ar
     _, mlr = nearest(arch)
     ids = torch.randint(3, VOCAB, (3, 20))
     pads = [0, 3, 7]
-    batch, mask = left_padded(ids, pads, 20)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    batch, mask, positions = left_padded(ids, pads, 20)
     logits = mlr(batch, attention_mask=mask, position_ids=positions).logits
     for row, pad in enumerate(pads):
         torch.testing.assert_close(logits[row, pad:], mlr(ids[row:row + 1, :20 - pad]).logits[0], rtol=0, atol=1e-12)

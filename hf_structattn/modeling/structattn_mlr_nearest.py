@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .structattn_masks import mask_value, softmax_dtype
-from .structattn_mlr_levels import depth_weight, pair_depth
+from .structattn_mlr_levels import depth_scale_vector, depth_weight, level_prefix_widths, pair_depth
 
 QUERY_CHUNK = 256  # queries per chunk: (chunk x T) scores per head live at once
 # queries per chunk of a band in the fused path: a chunk computes (chunk - 1) x chunk pairs outside its band and copies
@@ -76,9 +76,7 @@ def _scores(chunk_q, keys, query_positions, key_positions, key_valid, ranks, blo
     """(B, H, c, S) masked scores of ``chunk_q`` (B, H, c, r) against ``keys`` (B, H, S, r) at their positions ((B, c),
     (B, S)); key_valid (B, S) or None; bias broadcastable to (B, H, c, S) or None. Level l >= 2's products are formed
     over the keys within ``b_l`` indices of the chunk only when ``contiguous``."""
-    widths = [0]
-    for rank in ranks:
-        widths.append(widths[-1] + rank)
+    widths = [0] + level_prefix_widths(ranks)
     chunk_q, keys = chunk_q.to(work), keys.to(work)
     depth = pair_depth(query_positions, key_positions, block_sizes, "nearest")[:, None]  # (B, 1, c, S)
     scores = level_scales[0] * (chunk_q[..., :widths[1]] @ keys[..., :widths[1]].mT)
@@ -113,14 +111,12 @@ def _fused(q, k, v, ranks, block_sizes, level_scales, valid, query_chunk: int) -
     value_width = v.shape[-1]
     work = softmax_dtype(q.dtype)
     sizes = list(block_sizes) + [0]  # the pairs of depth d are b_{d+1} <= i - j < b_d (b_{L+1} = 0)
-    prefix = [sum(ranks[:depth]) for depth in range(1, len(ranks) + 1)]  # c_d: the dims of a depth-d pair
-    scale_of_dim = torch.tensor([scale for scale, rank in zip(level_scales, ranks) for _ in range(rank)],
-                                dtype=q.dtype, device=q.device)
+    prefix = level_prefix_widths(ranks)  # c_d: the dims of a depth-d pair
     # the kernel takes equal q / k / v widths; with padding one more dim carries it to the level-1-only call (which
     # takes no mask beside its causal flag): q holds 1 there, a padding key the mask value
     flagged = valid is not None
     padded = max(width, value_width) + flagged
-    scaled_q = q * scale_of_dim
+    scaled_q = q * depth_scale_vector(ranks, level_scales, len(ranks), False, q.dtype, q.device)
     flags = {}
     if flagged:
         flags[True] = torch.ones(batch, heads, length, 1, dtype=q.dtype, device=q.device)

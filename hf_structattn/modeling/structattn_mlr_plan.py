@@ -264,13 +264,12 @@ def read_formulation(plan: MLRPlan, *, contiguous: bool, dtype: torch.dtype, bia
     biased: a bias over the slots is added (T5's relative bias, a caller's 4-D mask); maps: the probabilities are
     returned (``"mlr_eager"``: ``output_attentions``, attention dropout); gradients: grad mode is on (the in-step
     read's products accumulate in place)."""
-    if plan.geometry.level_rule != "blocks":  # the traced read lays the rings out by block
-        in_step = plan.host_write and plan.chunk == 1  # (the ring then holds exactly the token's nearest keys)
-        return InStepRead if in_step and contiguous and not biased and not maps and not gradients and \
-            dtype in READ_DTYPES else GeneralRead
-    if plan.traced:
-        return TracedRead if plan.chunk == 1 and not biased and not maps else GeneralRead
-    if plan.in_step and contiguous and not biased and not maps and not gradients and dtype in READ_DTYPES:
+    blocks = plan.geometry.level_rule == "blocks"
+    if plan.traced:  # (the traced read lays the rings out by block)
+        return TracedRead if blocks and plan.chunk == 1 and not biased and not maps else GeneralRead
+    # nearest keys: one token per row, whose write leaves each ring holding exactly its nearest keys
+    in_step = plan.in_step if blocks else plan.host_write and plan.chunk == 1
+    if in_step and contiguous and not biased and not maps and not gradients and dtype in READ_DTYPES:
         return InStepRead
     return GeneralRead
 
