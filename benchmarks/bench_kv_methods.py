@@ -26,8 +26,14 @@ Methods (rows), each at the prompt length T of its column:
   ``int4_by_frequency``: the same, each key's dims grouped in the patch's dim order (RoPE pairs by frequency, as MLR's
   levels take them) before its groups of 64 are formed: whether ``mlr_int4``'s gain over int4 is that grouping;
 * ``mlr_int4``: MLR's stored entries rounded the same way (each level's dims one group per token, at most 64; the
-  values in groups of 64; the query's own 128-token chunk unquantised), emulated: no cache implements it yet;
-  ``mlr_nearest_int4`` the same for ``mlr_nearest``; ``sink_window_int4``: the sink window in int4 at the bytes of ``mlr_int4``.
+  values in groups of 64; the query's own 128-token chunk unquantised), emulated: the package's quantised cache
+  (below) keeps no unquantised residual;
+  ``mlr_nearest_int4`` the same for ``mlr_nearest``; ``sink_window_int4``: the sink window in int4 at the bytes of ``mlr_int4``;
+* ``mlr_nearest_q8``, ``mlr_nearest_k8v4``, ``mlr_nearest_q4``: ``mlr_nearest`` on the package's quantised
+  hierarchical cache (``MLRQuantizedCache(config=..., bits=..., key_bits=...)``: level-1 keys in 8, 8, 4 bits and
+  values in 8, 4, 4 bits, per token in groups of at most 64 dims with a bf16 scale and minimum each, every token
+  quantised, the newest too; the rings in bf16), measured through that cache: the windows scored by one prefill into
+  it, decode timed on it.
 
 Columns: K+V bytes / stock's at T (allocated by each cache in a bf16 model: 2 bytes an entry; int4 0.5 byte an entry
 plus a bf16 scale and zero point per group, the up to 128 unquantised newest tokens not counted;
@@ -65,6 +71,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import hf_structattn
 from hf_structattn.flops import decoder_cache_report
+from hf_structattn.modeling.structattn_cache_quantized import MLRQuantizedCache, SlotCodecs
 from hf_structattn.modeling.structattn_install import MLR_ATTENTION, mlr_geometry_of
 from hf_structattn.modeling.structattn_reference import masked_softmax_attention, mlr_scores_reference
 from hf_structattn.real_weights import RealWeightsUnavailable, load_model, model_folder, splits_digest, split_tokens
@@ -78,8 +85,10 @@ ROOT = Path(__file__).resolve().parent.parent
 MODELS = {"smollm2": {"ranks": [32, 16, 8, 8], "full_layers_only": False},
           "gemma3": {"ranks": [128, 64, 32, 32], "full_layers_only": True}}
 VARIANTS = ("stock", "mlr", "mlr_nearest", "sink_window", "window", "int4", "int4_by_frequency", "mlr_int4",
-            "mlr_nearest_int4", "sink_window_int4")
-TIMED = ("stock", "mlr", "mlr_nearest", "window", "int4")  # sink_window decodes over as many keys as window
+            "mlr_nearest_int4", "sink_window_int4", "mlr_nearest_q8", "mlr_nearest_k8v4", "mlr_nearest_q4")
+# the quantised hierarchical cache: (bits of the level-1 keys, bits of the values)
+QUANTISED = {"mlr_nearest_q8": (8, 8), "mlr_nearest_k8v4": (8, 4), "mlr_nearest_q4": (4, 4)}
+TIMED = ("stock", "mlr", "mlr_nearest", "window", "int4", *QUANTISED)  # sink_window decodes over as many keys as window
 EMULATED = ("int4_by_frequency", "mlr_int4", "mlr_nearest_int4", "sink_window_int4")  # no cache to time
 SINKS, GROUP, RESIDUAL, MLR_MAX_LENGTH = 4, 64, 128, 2048
 EMULATION = {}  # what the registered "kv_emulation" attention does (set per variant)
@@ -200,18 +209,28 @@ def cache_bytes(patched, length: int) -> dict:
     int4_reach = int(mlr_int4_layer // (2 * head_dim * int4_entry_bytes(GROUP)))
     window = others + len(layers) * kv_heads * 2 * reach * head_dim * 2
     int4 = stock * int4_entry_bytes(GROUP) / 2
+    quantised = {}
+    for variant, (key_bits, value_bits) in QUANTISED.items():  # the quantised cache's rows (bf16 scales), bf16 rings
+        codecs = SlotCodecs.build(geometry, head_dim, key_bits, value_bits, GROUP, torch.bfloat16)
+        quantised[variant] = others + len(layers) * kv_heads * (
+            length * (codecs.keys.row_bytes + codecs.values.row_bytes)
+            + (mlr_keys - length * geometry.ranks[0]) * 2)
     return {"bytes": {"stock": stock, "mlr": report["kv_cache_bytes"], "mlr_nearest": report["kv_cache_bytes"],
                       "sink_window": window, "window": window, "int4": int4, "int4_by_frequency": int4,
                       "mlr_int4": others + len(layers) * kv_heads * mlr_int4_layer,
                       "mlr_nearest_int4": others + len(layers) * kv_heads * mlr_int4_layer,
                       "sink_window_int4": others + len(layers) * kv_heads * 2 * int4_reach * head_dim
-                      * int4_entry_bytes(GROUP)},
+                      * int4_entry_bytes(GROUP), **quantised},
             "reach": {"sink_window": reach, "window": reach, "sink_window_int4": int4_reach}}
 
 
 def quality(model, patched, variant: str, windows: torch.Tensor, layers: list, reach: dict) -> dict:
     """Scores of one variant (see :func:`window_scores`), with the emulation it needs registered; ``patched``: the
     patched model of the variant's level rule."""
+    if variant in QUANTISED:
+        key_bits, value_bits = QUANTISED[variant]
+        return window_scores(patched, windows, new_cache=lambda: MLRQuantizedCache(
+            config=patched.config, bits=value_bits, key_bits=key_bits))
     if variant.startswith("mlr"):
         if variant.endswith("int4"):
             EMULATION.update(mlr_layers=layers, int4=True, reach=None, sinks=False)
@@ -256,6 +275,10 @@ def decode_times(model, patched, nearest, prompt: torch.Tensor, layers: list, re
     states = {"stock": [model, stock_cache, first], "mlr": [patched, mlr.cache, mlr.logits[:, -1]],
               "mlr_nearest": [nearest, mlr_nearest.cache, mlr_nearest.logits[:, -1]],
               "window": [model, window_cache, first]}
+    for variant, (key_bits, value_bits) in QUANTISED.items():
+        output = nearest(prompt, cache=MLRQuantizedCache(config=nearest.config, bits=value_bits, key_bits=key_bits),
+                         use_cache=True, logits_to_keep=1)
+        states[variant] = [nearest, output.cache, output.logits[:, -1]]
     try:
         int4_cache = QuantizedCache(backend="quanto", config=model.config, nbits=4)
         states["int4"] = [model, int4_cache, model(prompt, cache=int4_cache, use_cache=True,

@@ -66,14 +66,18 @@ def rank_list(text: str) -> list:
 
 @torch.no_grad()
 @torch.no_grad()
-def window_scores(model, windows: torch.Tensor, chunk: int = 512) -> dict:
-    """Per window: the next-token losses (T-1,) float64 and argmax tokens (T-1,) of ``model`` on ``windows`` (N, T).
-    The output layer runs ``chunk`` positions at a time (Gemma-3's 262,144-word logits of 8,192 positions would take
-    8.6 GB)."""
+def window_scores(model, windows: torch.Tensor, chunk: int = 512, new_cache=None) -> dict:
+    """Per window: the next-token losses (T-1,) float64 and argmax tokens (T-1,) of ``model`` on ``windows`` (N, T),
+    without a cache, or through a fresh ``new_cache()`` per window. The output layer runs ``chunk`` positions at a
+    time (Gemma-3's 262,144-word logits of 8,192 positions would take 8.6 GB)."""
     head, softcap = model.get_output_embeddings(), getattr(model.config, "final_logit_softcapping", None)
     losses, argmax = [], []
     for window in windows:
-        hidden = model.get_decoder()(window[None], use_cache=False).last_hidden_state[0, :-1]
+        if new_cache is None:
+            hidden = model.get_decoder()(window[None], use_cache=False).last_hidden_state[0, :-1]
+        else:  # the whole model's forward prepares the cache (the decoder alone would keep plain layers)
+            hidden = model(window[None], cache=new_cache(), use_cache=True, logits_to_keep=1,
+                           output_hidden_states=True).hidden_states[-1][0, :-1]
         row_losses, row_argmax = [], []
         for start in range(0, hidden.shape[0], chunk):
             logits = head(hidden[start:start + chunk]).float()

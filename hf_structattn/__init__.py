@@ -40,6 +40,8 @@ _LAZY = {
     "StructAttnT5PreTrainedModel": "modeling.modeling_structattn_t5",
     "MLRKeyCacheLayer": "modeling.structattn_cache",
     "MLRStaticKeyCacheLayer": "modeling.structattn_cache",
+    "MLRQuantizedCache": "modeling.structattn_cache_quantized",
+    "MLRQuantizedKeyCacheLayer": "modeling.structattn_cache_quantized",
     "MLRGeometry": "modeling.structattn_geometry",
     "default_block_sizes": "modeling.structattn_config_rules",
     "resolve_level_scales": "modeling.structattn_config_rules",

@@ -52,7 +52,8 @@ class MLRCacheView(NamedTuple):
     entries of its own position as they were before the chunk (chunks of several tokens), else None; tokens: tokens
     held after the chunk (transformers' sequence length, padding included); first_positions, last_positions: (B,)
     the rows' spans after the chunk; plan: the layer's ``LayerPlan`` of this forward, which the write followed (its
-    layout) and the read follows (its read record)."""
+    layout) and the read follows (its read record); codecs: a quantised layer's ``SlotCodecs`` (its key and value
+    storages hold rows of codes, ``structattn_cache_quantized``), else None."""
 
     key_storage: torch.Tensor
     value_storage: torch.Tensor
@@ -64,6 +65,7 @@ class MLRCacheView(NamedTuple):
     first_positions: torch.Tensor
     last_positions: torch.Tensor
     plan: LayerPlan
+    codecs: Optional[NamedTuple]
 
 
 def _geometry_fields(geometry: MLRGeometry) -> dict:
@@ -105,6 +107,7 @@ class MLRCacheLayerMixin(RollbackMixin):
     holds_mlr_positions = True  # what ``structattn_step`` looks for (the rows' positions every MLR layer holds)
     is_static = False  # a fixed-shape layer (``MLRStaticKeyCacheLayer``)
     geometry: Optional[MLRGeometry] = None
+    codecs = None  # a quantised layer's ``SlotCodecs`` (structattn_cache_quantized): its slots hold codes
     # this layer's index in its cache, where the forward's plan holds its ``LayerPlan`` (``MLRStep.layers``):
     # transformers' layers are not told their index, so ``prepare_structattn_cache`` records it (kept by ``reset``)
     layer_index: Optional[int] = None
@@ -274,21 +277,28 @@ class MLRCacheLayerMixin(RollbackMixin):
             raise ValueError(f"the step has positions of shape {tuple(mlr.positions.shape)} for a chunk of "
                              f"{key_states.shape[2]} tokens in {key_states.shape[0]} rows")
         keys = key_states if mlr.dim_order is None else key_states.index_select(-1, mlr.dim_order)
+        keys, value_states, slot_keys, slot_values = self._slot_entries(keys, value_states)
         if not self.is_initialized:
             self._lazy_init(keys, value_states, layout)
         write = self._write_in_step if layout.first_slot is not None else self._write_chunk
         if torch.is_grad_enabled():  # (entering no_grad costs an eager decode step microseconds per layer)
             with torch.no_grad():
-                replaced = write(keys.detach(), value_states.detach(), layout)
+                replaced = write(keys.detach(), slot_keys.detach(), slot_values.detach(), layout)
         else:
-            replaced = write(keys, value_states, layout)
+            replaced = write(keys, slot_keys, slot_values, layout)
         self._advance(mlr.chunk, layout.newest_slot)
         flat = self._flat
         key_storage, value_storage, fine = flat[1] if flat is not None and flat[0] is self._fine else \
             self._storages()
         return keys, tuple.__new__(MLRCacheView, (key_storage, value_storage, fine, keys, value_states, replaced,
                                                   self.cumulative_length, self.first_positions, self.last_positions,
-                                                  plan))
+                                                  plan, self.codecs))
+
+    def _slot_entries(self, keys: torch.Tensor, values: torch.Tensor) -> tuple:
+        """keys (B, H, c, r) in level order, values (B, H, c, dv) -> (the keys and values as the layer holds them,
+        which its queries read; what its level-1 and value slots store: (B, H, c, ·)). The plain layer holds them as
+        they come; a quantised one (``structattn_cache_quantized``) rounds them and stores codes."""
+        return keys, values, keys[..., :self.geometry.ranks[0]], values
 
     def _update_without_plan(self, key_states, value_states, step, *args, **kwargs):
         """``update`` of an unbound layer (transformers' plain layer), of a layer written by an attention module that
@@ -322,7 +332,7 @@ class MLRCacheLayerMixin(RollbackMixin):
         if self.record_past:
             self._start_log()
 
-    def _write_in_step(self, keys, values, layout: CacheLayout) -> Optional[torch.Tensor]:
+    def _write_in_step(self, keys, slot_keys, slot_values, layout: CacheLayout) -> Optional[torch.Tensor]:
         """Rows in step (``MLRPlan.host_write``): the chunk's slots and ring elements are host integers of the
         layout: one token into allocated storages, one ``index_copy_`` per storage into its flat (B, H, 1, ·) view;
         several (or a first write), narrowed copies and one indexed assignment of the ring elements. Returns the
@@ -333,25 +343,22 @@ class MLRCacheLayerMixin(RollbackMixin):
         cached = self._flat  # (inline: every layer of every decode step comes here)
         storages, (flat_keys, flat_values, flat_fine) = cached[1:] if cached is not None and cached[0] is self._fine \
             else self._flat_views()
-        if layout.fine_index is not None:
-            first, finer = keys.split_with_sizes((rank, keys.shape[-1] - rank), -1)
-        else:
-            first, finer = keys, None
+        finer = keys[..., rank:] if layout.fine_index is not None else None
         replaced = None
         if finer is not None and (chunk > 1 or self._record_past):
             replaced = flat_fine.index_select(3, layout.fine_index).view(batch, heads, chunk, -1)
         if self._record_past:
             self.rollback_log.append(replaced if replaced is not None else keys.new_zeros(batch, heads, chunk, 0),
                                      plan.positions, plan.real, self.rollback_window, True)
-        if layout.key_index is not None:  # a decode step: one index_copy_ per storage
-            flat_keys.index_copy_(3, layout.key_index, first)
-            flat_values.index_copy_(3, layout.value_index, values)
+        if layout.key_index is not None and self.codecs is None:  # a decode step: one index_copy_ per storage
+            flat_keys.index_copy_(3, layout.key_index, slot_keys)
+            flat_values.index_copy_(3, layout.value_index, slot_values)
             if finer is not None:
                 flat_fine.index_copy_(3, layout.fine_index, finer)
-        else:  # consecutive slots: narrowed copies, and the ring elements (c, F) by one indexed assignment
+        else:  # consecutive slots (or rows of codes): narrowed copies, the ring elements (c, F) by one indexed assignment
             key_storage, value_storage, fine = storages
-            key_storage.narrow(2, layout.first_slot, chunk).copy_(first)
-            value_storage.narrow(2, layout.first_slot, chunk).copy_(values)
+            key_storage.narrow(2, layout.first_slot, chunk).copy_(slot_keys)
+            value_storage.narrow(2, layout.first_slot, chunk).copy_(slot_values)
             if finer is not None:
                 fine[:, :, layout.fine_index.view(chunk, -1)] = finer
         self.last_positions.fill_(plan.first + chunk - 1)
@@ -379,7 +386,7 @@ class MLRCacheLayerMixin(RollbackMixin):
             return cached[1]
         return self.keys_storage(), self.values_storage(), self._fine
 
-    def _write_chunk(self, keys, values, layout: CacheLayout) -> Optional[torch.Tensor]:
+    def _write_chunk(self, keys, slot_keys, slot_values, layout: CacheLayout) -> Optional[torch.Tensor]:
         """Every real token of a chunk into its slot and ring entries (padding is not stored: see ``ChunkWrite``)
         with indexed assignments, which need no host reads and keep fixed shapes (what a traced step runs). Returns
         the ring entries of each token's own position as they were before the chunk (B, H, c, F) for a chunk of
@@ -403,8 +410,8 @@ class MLRCacheLayerMixin(RollbackMixin):
             else:
                 logged = keys.new_zeros(batch, heads, chunk, 0)
             self.rollback_log.append(logged, plan.positions, plan.real, self.rollback_window, plan.all_real)
-        new_keys = keys[..., :rank].transpose(1, 2) if write.column is None else keys[rows, :, write.column, :rank]
-        new_values = values.transpose(1, 2) if write.column is None else values[rows, :, write.column]
+        new_keys = slot_keys.transpose(1, 2) if write.column is None else slot_keys[rows, :, write.column]
+        new_values = slot_values.transpose(1, 2) if write.column is None else slot_values[rows, :, write.column]
         if write.keep is not None:  # rows without a real token write back what their slots hold
             keep = write.keep[:, None, None, None]
             new_keys = torch.where(keep, self.keys_storage()[rows, :, write.slot], new_keys)

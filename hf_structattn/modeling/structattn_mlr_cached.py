@@ -20,7 +20,8 @@ precision converts the read keys and queries first, so that a product past the h
   caller's mask, attention maps, gradients, dropout, traced chunks): level-1 scores over every slot, and for all
   finer levels at once the scores of their key sources (ring entries of the block of each row's newest cached
   position, the entries the chunk's writes replaced, the chunk's own keys), weighted by whether they share the
-  query's block and added onto their slots by one ``scatter_add_``.
+  query's block and added onto their slots by one ``scatter_add_``. The one read of a quantised layer
+  (``structattn_cache_quantized``), whose level-1 and value rows it decodes a block of slots at a time.
 
 Per-pair level weights come from ``structattn_mlr_levels`` (through the read records); the executable spec is
 ``structattn_reference.mlr_attention_reference``, against which every formulation is tested
@@ -33,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from .structattn_cache import MLRCacheView
+from .structattn_cache_quantized import decoded_products, decoded_weighted_sum
 from .structattn_mlr_plan import GeneralRead, InStepRead, TracedRead
 
 
@@ -140,7 +142,11 @@ def _general(rows: torch.Tensor, view: MLRCacheView, read: GeneralRead, return_w
     query = (rows.to(work) * read.query_scale).reshape(flat, count, width)
     level_queries = query.split(ranks, dim=-1)
     first_rank = ranks[0]
-    scores = torch.bmm(level_queries[0], keys.reshape(flat, slots, first_rank).transpose(1, 2).to(work))
+    codecs = view.codecs
+    if codecs is None:
+        scores = torch.bmm(level_queries[0], keys.reshape(flat, slots, first_rank).transpose(1, 2).to(work))
+    else:  # rows of codes, decoded a block of slots at a time
+        scores = decoded_products(level_queries[0], keys.reshape(flat, slots, -1), codecs.keys, work)
     if read.target is not None:
         own_keys = view.chunk_keys[..., first_rank:]
         if view.replaced is not None:
@@ -167,8 +173,12 @@ def _general(rows: torch.Tensor, view: MLRCacheView, read: GeneralRead, return_w
     probabilities = torch.softmax(scores, dim=-1)
     if dropout:
         probabilities = F.dropout(probabilities, p=dropout, training=True)
-    output = torch.bmm(probabilities.to(values.dtype).reshape(flat, count, slots),
-                       values.reshape(flat, slots, values.shape[-1])).view(batch, heads, count, -1)
+    if codecs is None:
+        output = torch.bmm(probabilities.to(values.dtype).reshape(flat, count, slots),
+                           values.reshape(flat, slots, values.shape[-1])).view(batch, heads, count, -1)
+    else:
+        output = decoded_weighted_sum(probabilities.to(codecs.values.dtype).reshape(flat, count, slots),
+                                      values.reshape(flat, slots, -1), codecs.values).view(batch, heads, count, -1)
     return output, (probabilities if return_weights else None)
 
 

@@ -8,11 +8,12 @@ import inspect
 from typing import Callable, Optional
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer, EncoderDecoderCache, StaticLayer
+from transformers.cache_utils import Cache, DynamicLayer, EncoderDecoderCache, QuantizedLayer, StaticLayer
 from transformers.utils import logging
 from transformers.utils.deprecation import deprecate_kwarg
 
 from .structattn_cache import MLR_CACHE_LAYERS, MLRKeyCacheLayer, MLRStaticKeyCacheLayer, held_geometry
+from .structattn_cache_quantized import MLRQuantizedKeyCacheLayer
 from .structattn_install import MLR_EAGER_ATTENTION
 from .structattn_masks import (
     MASK_REFUSED,
@@ -81,12 +82,15 @@ def prepare_structattn_cache(cache: Optional[Cache], geometries: dict, *, reserv
 
     geometries: {layer_idx: MLRGeometry} of the model's MLR layers. An empty layer of a transformers cache built
     from the config (``DynamicLayer``/``StaticLayer``, or an unbound MLR layer) becomes an MLR layer of the same
-    kind; a layer that already holds full-width keys stays as it is (exact, no saving). Lazily replicated caches
+    kind, quantised (``MLRQuantizedKeyCacheLayer``) in an ``MLRQuantizedCache`` and for an empty layer of
+    transformers' ``QuantizedCache`` (its ``nbits`` and ``q_group_size``); a layer that already holds full-width keys
+    stays as it is (exact, no saving). Lazily replicated caches
     (``DynamicCache()`` without config) get their layers created here. ``reserve``: final length (generate) to
     allocate exactly. Returns ``cache``."""
     target = self_attention_cache(cache)
     if target is None:
         return cache
+    quantisation = getattr(target, "mlr_quantisation", None)  # an ``MLRQuantizedCache``: (bits, group size)
     if num_layers is not None:
         for part in (target, cache.cross_attention_cache) if isinstance(cache, EncoderDecoderCache) else (target,):
             _extend_layers(part, num_layers)
@@ -111,7 +115,12 @@ def prepare_structattn_cache(cache: Optional[Cache], geometries: dict, *, reserv
         else:
             recording = bool(getattr(layer, "record_past", False))
             if type(layer) is DynamicLayer and layer.get_seq_length() == 0:
-                layer = target.layers[layer_idx] = MLRKeyCacheLayer(geometry)
+                layer = target.layers[layer_idx] = MLRKeyCacheLayer(geometry) if quantisation is None else \
+                    MLRQuantizedKeyCacheLayer(geometry, *quantisation)
+            elif isinstance(layer, QuantizedLayer) and not layer.is_initialized:
+                # transformers' quantised cache: the MLR layers hold codes of their own, of its width and group
+                layer = target.layers[layer_idx] = MLRQuantizedKeyCacheLayer(geometry, layer.nbits,
+                                                                             layer.q_group_size)
             elif type(layer) is StaticLayer and not layer.is_initialized:
                 layer = target.layers[layer_idx] = MLRStaticKeyCacheLayer(layer.max_cache_len, geometry)
             else:
