@@ -7,7 +7,7 @@ import contextlib
 
 import pytest
 import torch
-from transformers import AttentionInterface, DynamicCache, QuantizedCache
+from transformers import AttentionInterface, DynamicCache, EncoderDecoderCache, QuantizedCache
 
 import hf_structattn
 from hf_structattn.decoder_patching import tiny_decoder
@@ -22,7 +22,8 @@ from hf_structattn.modeling.structattn_install import MLR_ATTENTION, mlr_geometr
 from hf_structattn.modeling.structattn_mlr_plan import GeneralRead
 from hf_structattn.modeling.structattn_prepare import key_cache_bytes
 
-from model_helpers import left_padded
+from conftest import tiny_lm
+from model_helpers import T5_MLR, left_padded, tiny_structattn_t5
 
 VOCAB = 61
 RANKS = [8, 4, 4]
@@ -38,9 +39,12 @@ def patched(arch="llama", rule="blocks", **kwargs):
 @contextlib.contextmanager
 def rounded_uncached(bits, group_size=64, key_bits=None):
     """MLR attention whose level-1 key dims and values are rounded as the quantised cache holds them (the same
-    ``EntryCodec``), run without a cache: the reference the cached model must equal."""
+    ``EntryCodec``; decoder self-attention only, as only it is cached), run without a cache: the reference the
+    cached model must equal."""
 
     def attention(module, query, key, value, attention_mask, **kwargs):
+        if not getattr(module, "is_decoder", True):  # a T5 encoder's attention: no cache, nothing rounded
+            return mlr_attention_forward(module, query, key, value, attention_mask, **kwargs)
         geometry = mlr_geometry_of(module)
         order = geometry.dim_order_index(key.device)
         first = order[:geometry.ranks[0]] if order is not None else torch.arange(geometry.ranks[0])
@@ -112,15 +116,45 @@ def test_several_groups_per_entry_equal_uncached_with_the_same_rounding(key_bits
     torch.testing.assert_close(torch.cat(steps, 1), uncached, rtol=0, atol=1e-12)
 
 
-def test_float32_decode_steps_equal_uncached_within_the_dtype():
-    mlr = patched("llama", "nearest").float()
+def test_the_gpt2_and_t5_families_quantise_what_their_configs_build():
+    """The GPT-2 family's config names its MLR layers, so ``DynamicCache(config=...)`` builds plain MLR layers: an
+    ``MLRQuantizedCache`` quantises them all the same. T5: the self-attention part of an ``EncoderDecoderCache``."""
+    lm = tiny_lm("mlr", n_layer=2).double()
+    ids = torch.randint(2, 61, (2, 40))
+    with rounded_uncached(4, key_bits=8):
+        uncached = lm(ids, use_cache=False).logits
+    assert (uncached - lm(ids, use_cache=False).logits).abs().max() > 1e-3  # the rounding is seen
+    cache = MLRQuantizedCache(config=lm.config, bits=4, key_bits=8)
+    steps = [lm(ids[:, :33], cache=cache).logits] + [lm(ids[:, i:i + 1], cache=cache).logits for i in range(33, 40)]
+    assert all(type(layer) is MLRQuantizedKeyCacheLayer for layer in cache.layers)
+    torch.testing.assert_close(torch.cat(steps, 1), uncached, rtol=0, atol=1e-12)
+    t5 = tiny_structattn_t5(**T5_MLR).double()
+    inputs = torch.randint(2, 50, (2, 9))
+    kwargs = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, output_scores=True,
+                  return_dict_in_generate=True)
+    self_attention = MLRQuantizedCache(config=t5.config, bits=4, key_bits=8)
+    cached = t5.generate(inputs, cache=EncoderDecoderCache(self_attention, DynamicCache()), **kwargs)
+    assert any(type(layer) is MLRQuantizedKeyCacheLayer for layer in self_attention.layers)
+    with rounded_uncached(4, key_bits=8):
+        uncached = t5.generate(inputs, use_cache=False, **kwargs)
+    plain = torch.stack(t5.generate(inputs, use_cache=False, **kwargs).scores)
+    assert torch.equal(cached.sequences, uncached.sequences)
+    torch.testing.assert_close(torch.stack(cached.scores), torch.stack(uncached.scores), rtol=0, atol=1e-12)
+    seen = (plain - torch.stack(uncached.scores)).nan_to_num()  # (-inf - -inf at the suppressed end token)
+    assert seen.abs().max() > 1e-4  # the rounding is seen
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 5e-2)])
+def test_low_precision_decode_steps_equal_uncached_within_the_dtype(dtype, tolerance):
+    mlr = patched("llama", "nearest").to(dtype)
     ids = torch.randint(1, VOCAB, (2, 30))
-    with rounded_uncached(8):
-        uncached = mlr(ids, use_cache=False).logits
-    cache = MLRQuantizedCache(config=mlr.config, bits=8)
+    with rounded_uncached(4, key_bits=8):
+        uncached = mlr(ids, use_cache=False).logits.float()
+    cache = MLRQuantizedCache(config=mlr.config, bits=4, key_bits=8)
     steps = [mlr(ids[:, :20], cache=cache).logits] + [mlr(ids[:, i:i + 1], cache=cache).logits for i in range(20, 30)]
+    assert cache.layers[0].codecs.values.dtype == dtype  # scales and minimums in the model's dtype
     scale = uncached.abs().max().item()
-    torch.testing.assert_close(torch.cat(steps, 1), uncached, rtol=0, atol=1e-5 * scale)
+    torch.testing.assert_close(torch.cat(steps, 1).float(), uncached, rtol=0, atol=tolerance * scale)
 
 
 @pytest.mark.parametrize("rule", ["blocks", "nearest"])

@@ -107,6 +107,9 @@ def prepare_structattn_cache(cache: Optional[Cache], geometries: dict, *, reserv
         if layer_idx >= len(target.layers):
             continue
         layer = target.layers[layer_idx]
+        if quantisation is not None and type(layer) is MLRKeyCacheLayer and layer.get_seq_length() == 0:
+            # a config whose layer types name MLR layers built plain ones (the GPT-2 family): quantised as asked
+            layer = target.layers[layer_idx] = MLRQuantizedKeyCacheLayer(geometry, *quantisation)
         if isinstance(layer, MLR_CACHE_LAYERS):
             layer.layer_index = layer_idx
             if layer.geometry is not geometry and layer.geometry != geometry and (
