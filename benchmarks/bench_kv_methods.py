@@ -28,7 +28,8 @@ Methods (rows), each at the prompt length T of its column:
 * ``mlr_int4``: MLR's stored entries rounded the same way (each level's dims one group per token, at most 64; the
   values in groups of 64; the query's own 128-token chunk unquantised), emulated: the package's quantised cache
   (below) keeps no unquantised residual;
-  ``mlr_nearest_int4`` the same for ``mlr_nearest``; ``sink_window_int4``: the sink window in int4 at the bytes of ``mlr_int4``;
+  ``mlr_nearest_int4`` the same for ``mlr_nearest``; ``sink_window_int4``: the sink window in int4 at the bytes of
+  ``mlr_int4``;
 * ``mlr_nearest_q8``, ``mlr_nearest_k8v4``, ``mlr_nearest_q4``: ``mlr_nearest`` on the package's quantised
   hierarchical cache (``MLRQuantizedCache(config=..., bits=..., key_bits=...)``: level-1 keys in 8, 8, 4 bits and
   values in 8, 4, 4 bits, per token in groups of at most 64 dims with a bf16 scale and minimum each, every token

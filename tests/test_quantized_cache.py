@@ -128,6 +128,12 @@ def test_the_gpt2_and_t5_families_quantise_what_their_configs_build():
     steps = [lm(ids[:, :33], cache=cache).logits] + [lm(ids[:, i:i + 1], cache=cache).logits for i in range(33, 40)]
     assert all(type(layer) is MLRQuantizedKeyCacheLayer for layer in cache.layers)
     torch.testing.assert_close(torch.cat(steps, 1), uncached, rtol=0, atol=1e-12)
+    kwargs = dict(max_new_tokens=20, min_new_tokens=20, do_sample=False)
+    prompt = ids[:1, :8].repeat(1, 3)  # repeated n-grams: prompt lookup drafts, and the model rejects some
+    greedy = lm.generate(prompt, cache=MLRQuantizedCache(config=lm.config, bits=4, key_bits=8), **kwargs)
+    looked_up = lm.generate(prompt, cache=MLRQuantizedCache(config=lm.config, bits=4, key_bits=8),
+                            prompt_lookup_num_tokens=3, **kwargs)  # the rollback log carried to the quantised layers
+    assert torch.equal(looked_up, greedy)
     t5 = tiny_structattn_t5(**T5_MLR).double()
     inputs = torch.randint(2, 50, (2, 9))
     kwargs = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, output_scores=True,

@@ -355,7 +355,7 @@ class MLRCacheLayerMixin(RollbackMixin):
             flat_values.index_copy_(3, layout.value_index, slot_values)
             if finer is not None:
                 flat_fine.index_copy_(3, layout.fine_index, finer)
-        else:  # consecutive slots (or rows of codes): narrowed copies, the ring elements (c, F) by one indexed assignment
+        else:  # consecutive slots, or rows of codes: narrowed copies; the ring elements (c, F) by one assignment
             key_storage, value_storage, fine = storages
             key_storage.narrow(2, layout.first_slot, chunk).copy_(slot_keys)
             value_storage.narrow(2, layout.first_slot, chunk).copy_(slot_values)

@@ -90,7 +90,8 @@ def prepare_structattn_cache(cache: Optional[Cache], geometries: dict, *, reserv
     target = self_attention_cache(cache)
     if target is None:
         return cache
-    quantisation = getattr(target, "mlr_quantisation", None)  # an ``MLRQuantizedCache``: (bits, group size)
+    # an ``MLRQuantizedCache``: (bits, group size, key bits) of its MLR layers
+    quantisation = getattr(target, "mlr_quantisation", None)
     if num_layers is not None:
         for part in (target, cache.cross_attention_cache) if isinstance(cache, EncoderDecoderCache) else (target,):
             _extend_layers(part, num_layers)
@@ -109,7 +110,10 @@ def prepare_structattn_cache(cache: Optional[Cache], geometries: dict, *, reserv
         layer = target.layers[layer_idx]
         if quantisation is not None and type(layer) is MLRKeyCacheLayer and layer.get_seq_length() == 0:
             # a config whose layer types name MLR layers built plain ones (the GPT-2 family): quantised as asked
+            recording = layer.record_past  # (generate activated rollback on the cache it built)
             layer = target.layers[layer_idx] = MLRQuantizedKeyCacheLayer(geometry, *quantisation)
+            if recording:
+                layer.activate_past_recording()
         if isinstance(layer, MLR_CACHE_LAYERS):
             layer.layer_index = layer_idx
             if layer.geometry is not geometry and layer.geometry != geometry and (
