@@ -188,15 +188,6 @@ class MLRQuantizedKeyCacheLayer(MLRKeyCacheLayer):
         self.codecs = None  # made by the first write, which sees the value width and the dtype
         super().__init__(geometry, **kwargs)
 
-    # the in-step and traced reads view the storages as float entries; codes are read by the general read only
-    @property
-    def contiguous(self) -> bool:
-        return False
-
-    @contiguous.setter
-    def contiguous(self, value) -> None:
-        pass
-
     def _slot_entries(self, keys: torch.Tensor, values: torch.Tensor) -> tuple:
         codecs = self.codecs
         if codecs is None or codecs.values.width != values.shape[-1] or codecs.keys.dtype != values.dtype:

@@ -315,7 +315,8 @@ def plan_layers(step: MLRStep, target: Optional[Cache], layer_configs: dict, *,
                 base_config = config.base_config
                 maps = config._attn_implementation == MLR_EAGER_ATTENTION
             scaling, groups = config.mlr_scaling, config.mlr_query_groups
-            contiguous = layer.contiguous
+            # the in-step read views float storages with strides of its own; codes only the general read decodes
+            contiguous = layer.contiguous and layer.codecs is None
             for entry in made:
                 if entry[0] is layout and entry[1] == groups and entry[2] == scaling and entry[3] == maps and \
                         entry[4] == dtype and entry[5] == contiguous:
